@@ -1,0 +1,74 @@
+"""``NVFP4Linear``: a frozen Linear whose weight stays packed (4.5 bits per weight) in memory.
+
+It hides the format behind a small API: build it from a dense weight (``from_linear``) or from
+checkpoint tensors (``from_tensors``), call it like ``nn.Linear``, ask for ``dequantized_weight()``
+when a dense copy is really needed. The forward goes through ``qerl.kernels.nvfp4_linear``, which
+picks the Triton kernels on CUDA and the dequantize-then-matmul reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qerl import kernels, nvfp4
+
+
+class NVFP4Linear(nn.Module):
+    """y = x @ W_hat.T + b with W_hat held as NVFP4 buffers (never trained; LoRA goes on top)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        nvfp4.check_quantizable((out_features, in_features))
+        self.in_features = in_features
+        self.out_features = out_features
+        # Buffers, not parameters: optimizers, peft and `requires_grad_` must never see them.
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer(
+            "weight_scale",
+            torch.zeros(out_features, in_features // nvfp4.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device),
+        )
+        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_tensors(cls, q: nvfp4.NVFP4Tensors, bias: torch.Tensor | None = None) -> NVFP4Linear:
+        out_features, half_k = q.weight_packed.shape
+        layer = cls(half_k * 2, out_features, bias=bias is not None, device="meta")
+        layer.weight_packed = q.weight_packed.contiguous()
+        layer.weight_scale = q.weight_scale.contiguous()
+        layer.weight_global_scale = q.weight_global_scale.reshape(1).float()
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, gscale: torch.Tensor | None = None) -> NVFP4Linear:
+        """Quantize a dense Linear (round-to-nearest, compressed-tensors semantics)."""
+        return cls.from_tensors(nvfp4.quantize(linear.weight.data, gscale), linear.bias)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The packed weight under the name peft (and GPTQ-style tooling) probes to find a quantized
+        layer's device; its uint8 dtype tells peft not to cast adapters to it."""
+        return self.weight_packed
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return nvfp4.dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return kernels.nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format=nvfp4"

@@ -1,0 +1,56 @@
+"""The rollout interface shared by the trainer and evaluation.
+
+An engine turns prompt token ids into sampled completions. Every engine (the native one over
+NVFP4Linear, vLLM, transformers' generate) returns the same ``RolloutOutput`` so that the trainer
+can use the sampling log-probs for importance-sampling correction and evaluation can score text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class SamplingParams:
+    """What to sample. ``top_k=0`` and ``top_p=1.0`` switch those filters off; ``temperature=0`` is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class RolloutOutput:
+    """One entry per completion, prompts in order and each prompt's ``n`` completions consecutive.
+
+    ``logprobs[i][t]`` is the log-probability of ``completion_ids[i][t]`` under the distribution it
+    was sampled from (after temperature/top-k/top-p). ``finish_reasons[i]`` is ``"stop"`` when a stop
+    token ended the completion (the stop token is included in ``completion_ids``) and ``"length"``
+    when ``max_new_tokens`` did.
+    """
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    prompt_index: list[int]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Anything that can sample completions for a batch of tokenized prompts."""
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput: ...
