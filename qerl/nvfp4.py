@@ -81,7 +81,7 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value (ties as compressed-tensors), returning 4-bit codes as uint8."""
     mag = x.abs()
     idx = torch.zeros_like(mag, dtype=torch.uint8)
-    for mid, tie_up in zip(_MIDPOINTS, _TIE_ROUNDS_UP):
+    for mid, tie_up in zip(_MIDPOINTS, _TIE_ROUNDS_UP, strict=True):
         idx += (mag >= mid if tie_up else mag > mid).to(torch.uint8)
     # The sign bit follows the input's sign bit even when the magnitude rounds to 0, so small
     # negative values become code 8 (-0.0), exactly as compressed-tensors packs them.

@@ -1,0 +1,65 @@
+"""Quantize a Hugging Face model to NVFP4A16 (compressed-tensors), the checkpoint qerl and vLLM load.
+
+    python llm-compressor/quantize_nvfp4.py --model smollm2-135m
+    python llm-compressor/quantize_nvfp4.py --model Qwen/Qwen2.5-7B-Instruct --output qmodel/qwen7b
+    python llm-compressor/quantize_nvfp4.py --model DIR --gguf-file model.gguf --backend qerl
+
+Same flags as the QeRL reference script. The default backend streams tensor by tensor (bounded
+memory); ``--backend llmcompressor`` runs llm-compressor's own oneshot and writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from qerl.quantize import default_output, quantize_checkpoint  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model directory, hub id, or 'smollm2-135m' (embedded default)")
+    p.add_argument("--gguf-file", default=None, help="a GGUF file (path, or name inside --model's directory)")
+    p.add_argument("--output", default=None, help="output directory (default ./qmodel/<name>-NVFP4A16)")
+    p.add_argument("--backend", default="auto", choices=["auto", "qerl", "llmcompressor"])
+    p.add_argument("--ignore", nargs="+", default=["lm_head"], help="module names (or last name parts) to keep in bf16")
+    p.add_argument("--skip_generation", "--skip-generation", action="store_true", help="do not print a sample generation")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    return p.parse_args(argv)
+
+
+def sample_generation(out_dir: Path, prompt: str = "What is 12 * 7? Answer briefly.") -> str:
+    """A short greedy reply from the quantized model, as a smoke test of the written checkpoint."""
+    import torch
+
+    from qerl.loader import load_model, load_tokenizer
+
+    tok = load_tokenizer(out_dir)
+    model = load_model(out_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = {k: v.to(model.device) for k, v in ids.items()}
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    output = args.output or default_output(args.gguf_file or args.model)
+    try:
+        out_dir = quantize_checkpoint(args.model, output, gguf_file=args.gguf_file, backend=args.backend,
+                                     overwrite=args.overwrite, ignore=tuple(args.ignore))
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, RuntimeError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out_dir}")
+    if not args.skip_generation:
+        print("sample:", sample_generation(out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

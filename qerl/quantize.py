@@ -1,0 +1,232 @@
+"""Turn a Hugging Face checkpoint into an NVFP4A16 compressed-tensors checkpoint.
+
+Two backends write byte-identical files:
+
+* ``qerl`` streams tensor by tensor from the safetensors shards: peak RAM is about one tensor plus
+  one output shard, whatever the model size (a 32B model quantizes on a 24 GB machine);
+* ``llmcompressor`` runs llm-compressor's ``oneshot`` with ``QuantizationModifier(scheme="NVFP4A16")``
+  where that package is installed (it loads the whole model).
+
+Round-to-nearest with min/max scales, no calibration data: exactly what the QeRL reference script
+does (qerl_method.md §2.3), and the only variant that is deterministic and reproducible by vLLM users.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from qerl import checkpoint, hub, nvfp4
+
+Backend = Literal["auto", "qerl", "llmcompressor"]
+DEFAULT_IGNORE = ("lm_head",)
+_SHARD_BYTES = 4 << 30
+
+
+def default_output(model: str, root: str | os.PathLike[str] = "qmodel") -> Path:
+    """``./qmodel/<name>-NVFP4A16`` as in the reference script."""
+    name = Path(str(model).rstrip("/")).name
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return Path(root) / f"{name}-NVFP4A16"
+
+
+def linear_names(config_dir: Path, ignore: tuple[str, ...] = DEFAULT_IGNORE) -> tuple[list[str], list[str]]:
+    """Names of the nn.Linear modules to quantize and of those ignored (found on a meta-device model).
+
+    An ``ignore`` entry matches a module's full name or its last part (``lm_head``, ``down_proj``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names, ignored = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name.split(".")[-1] in ignore or name in ignore:
+            ignored.append(name)
+        else:
+            nvfp4.check_quantizable((module.out_features, module.in_features), name)
+            names.append(name)
+    return names, ignored
+
+
+def _fused_siblings(name: str) -> tuple[str, ...]:
+    parent, _, leaf = name.rpartition(".")
+    for group in checkpoint.FUSED_GROUPS:
+        if leaf in group:
+            return tuple(f"{parent}.{g}" for g in group)
+    return (name,)
+
+
+def global_scales(tensors: checkpoint.TensorIndex, names: list[str]) -> dict[str, torch.Tensor]:
+    """Each Linear's global scale, the fused groups sharing their minimum (first streaming pass)."""
+    own = {}
+    for name in tqdm(names, desc="scales", leave=False):
+        own[name] = nvfp4.global_scale(tensors.get(f"{name}.weight"))
+    shared = {}
+    for name in names:
+        siblings = [s for s in _fused_siblings(name) if s in own]
+        shared[name] = torch.stack([own[s] for s in siblings]).min().reshape(1)
+    return shared
+
+
+class _ShardWriter:
+    """Collects tensors and flushes them to numbered safetensors shards of bounded size."""
+
+    def __init__(self, out_dir: Path, max_bytes: int | None = None) -> None:
+        self.out_dir, self.max_bytes = out_dir, max_bytes or _SHARD_BYTES
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[dict[str, torch.Tensor] | list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        index = len(self.shards)
+        save_file(self.pending, str(self.out_dir / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        """Give shards their final names; write the index when there is more than one."""
+        self.flush()
+        count = len(self.shards)
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.out_dir / f"shard-{i:05d}.tmp", self.out_dir / final)
+            os.chmod(self.out_dir / final, 0o644)
+            weight_map.update({n: final for n in names})
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Tokenizer, generation config, chat template: everything that is not weights or config.json."""
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dst / f.name)
+
+
+def quantize_streaming(src: Path, out_dir: Path, ignore: tuple[str, ...] = DEFAULT_IGNORE) -> None:
+    """The qerl backend: two passes over the shards, one tensor in memory at a time."""
+    config = checkpoint.read_config(src)
+    if checkpoint.is_nvfp4_config(config):
+        raise ValueError(f"{src}: is already an NVFP4 checkpoint")
+    tensors = checkpoint.TensorIndex(src)
+    names, ignored = linear_names(src, ignore)
+    missing = [f"{n}.weight" for n in names if f"{n}.weight" not in tensors]
+    if missing:
+        raise ValueError(f"{src}: checkpoint is missing tensor {missing[0]!r}")
+    scales = global_scales(tensors, names)
+    quantized = {f"{n}.weight": n for n in names}
+    writer = _ShardWriter(out_dir)
+    for name in tqdm(tensors.names(), desc="quantize", unit="tensor"):
+        tensor = tensors.get(name)
+        if name in quantized:
+            layer = quantized[name]
+            for key, value in nvfp4.quantize(tensor, scales[layer]).as_dict(f"{layer}.").items():
+                writer.add(key, value)
+        else:
+            writer.add(name, tensor)
+    writer.finish()
+    config["quantization_config"] = checkpoint.quantization_config(ignored)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _copy_side_files(src, out_dir)
+
+
+def quantize_llmcompressor(src: Path, out_dir: Path, ignore: tuple[str, ...] = DEFAULT_IGNORE) -> None:
+    """The llmcompressor backend: llm-compressor's own data-free NVFP4A16 oneshot."""
+    try:
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+    except ImportError:
+        raise RuntimeError("--backend llmcompressor needs llmcompressor: pip install 'qerl[quantize]'") from None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=list(ignore)))
+    model.save_pretrained(out_dir, save_compressed=True)
+    _copy_side_files(src, out_dir)
+
+
+def quantize_checkpoint(
+    model: str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+    *,
+    gguf_file: str | None = None,
+    backend: Backend = "auto",
+    overwrite: bool = False,
+    ignore: tuple[str, ...] = DEFAULT_IGNORE,
+) -> Path:
+    """Quantize ``model`` (dir, hub id, ``smollm2-135m``, or a dir + ``gguf_file``) into ``output``.
+
+    The result appears atomically: everything is written to a temporary sibling directory that is
+    renamed into place only when complete. ``auto`` prefers the streaming backend, which needs no
+    extra package and bounded memory.
+    """
+    if backend not in ("auto", "qerl", "llmcompressor"):
+        raise ValueError(f"--backend must be auto, qerl or llmcompressor, got {backend!r}")
+    out_dir = Path(output) if output is not None else default_output(gguf_file or str(model))
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it")
+    # auto -> the streaming backend: same bytes, bounded memory, no extra package.
+    run: Callable[[Path, Path, tuple[str, ...]], None] = (
+        quantize_llmcompressor if backend == "llmcompressor" else quantize_streaming
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.src-") as scratch:
+        src = _source_dir(model, gguf_file, Path(scratch))
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+        try:
+            run(src, tmp, ignore)
+            os.chmod(tmp, 0o755)
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out_dir
+
+
+def _source_dir(model: str | os.PathLike[str], gguf_file: str | None, scratch: Path) -> Path:
+    """A local safetensors directory for the source model (GGUF files are converted to bf16 first)."""
+    if gguf_file is not None:
+        gguf = Path(gguf_file)
+        if not gguf.is_absolute():
+            gguf = Path(str(model)) / gguf_file
+        if not gguf.exists():
+            raise FileNotFoundError(f"--gguf-file {gguf} does not exist")
+        return hub.convert_gguf(gguf, scratch / "bf16")
+    resolved = hub.resolve_model(model)
+    if isinstance(resolved, str):
+        from huggingface_hub import snapshot_download
+
+        resolved = Path(snapshot_download(resolved))
+    if not resolved.is_dir():
+        raise NotADirectoryError(f"--model {resolved} is not a model directory")
+    return resolved

