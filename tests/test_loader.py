@@ -12,6 +12,13 @@ from qerl.linear import NVFP4Linear
 from qerl.loader import load_model, load_tokenizer
 
 TEXT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+# The first three GSM8K training question+answer texts (MIT licence).
+GSM8K_TEXTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?\nNatalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?\nWeng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10",
+    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. Her parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents. How much more money does Betty need to buy the wallet?\nIn the beginning, Betty has only 100 / 2 = $<<100/2=50>>50.\nBetty's grandparents gave her 15 * 2 = $<<15*2=30>>30.\nThis means, Betty needs 100 - 50 - 30 - 15 = $<<100-50-30-15=5>>5 more.\n#### 5"
+]
+
 
 
 def _ids(model_dir: Path) -> torch.Tensor:
@@ -59,14 +66,23 @@ def test_our_loader_reads_llmcompressor_checkpoint(smollm2_dir: Path, smollm2_nv
 
 
 def test_nvfp4_quality_close_to_bf16(smollm2_dir: Path, smollm2_nvfp4_dir: Path):
-    ids = _ids(smollm2_dir)
+    """benchmarks/quality.py measures this on 50 texts for the README; here a 3-text check."""
+    tok = load_tokenizer(smollm2_dir)
+    dense_model, quant_model = load_model(smollm2_dir, device="cpu"), load_model(smollm2_nvfp4_dir, device="cpu")
+    agree = total = 0
+    nll = {"dense": 0.0, "quant": 0.0}
     with torch.no_grad():
-        dense = load_model(smollm2_dir, device="cpu")(ids).logits
-        quant = load_model(smollm2_nvfp4_dir, device="cpu")(ids).logits
-    agree = (dense.argmax(-1) == quant.argmax(-1)).float().mean().item()
-    assert agree >= 0.6, agree
+        for text in GSM8K_TEXTS:
+            ids = tok(text, return_tensors="pt").input_ids
+            dense, quant = dense_model(ids).logits[0, :-1], quant_model(ids).logits[0, :-1]
+            agree += (dense.argmax(-1) == quant.argmax(-1)).sum().item()
+            total += ids.shape[1] - 1
+            nll["dense"] += torch.nn.functional.cross_entropy(dense, ids[0, 1:], reduction="sum").item()
+            nll["quant"] += torch.nn.functional.cross_entropy(quant, ids[0, 1:], reduction="sum").item()
+    assert agree / total >= 0.7, agree / total
+    assert nll["quant"] / nll["dense"] < 1.3  # perplexity ratio below exp(0.3 * log ppl)
     # and quantization did change the function (a test that could fail if we loaded dense weights)
-    assert not torch.allclose(dense, quant)
+    assert nll["quant"] != nll["dense"]
 
 
 def test_load_modes(smollm2_dir: Path, smollm2_nvfp4_dir: Path):
