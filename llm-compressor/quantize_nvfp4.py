@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", default=None, help="output directory (default ./qmodel/<name>-NVFP4A16)")
     p.add_argument("--backend", default="auto", choices=["auto", "qerl", "llmcompressor"])
     p.add_argument("--ignore", nargs="+", default=["lm_head"], help="module names (or last name parts) to keep in bf16")
+    p.add_argument("--max-shard-gb", type=float, default=4.0, help="output shard size; bounds the streaming peak memory")
     p.add_argument("--skip_generation", "--skip-generation", action="store_true", help="do not print a sample generation")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     return p.parse_args(argv)
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or default_output(args.gguf_file or args.model)
     try:
         out_dir = quantize_checkpoint(args.model, output, gguf_file=args.gguf_file, backend=args.backend,
-                                     overwrite=args.overwrite, ignore=tuple(args.ignore))
+                                     overwrite=args.overwrite, ignore=tuple(args.ignore),
+                                     max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
     except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, RuntimeError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

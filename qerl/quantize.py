@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +31,7 @@ from qerl import checkpoint, hub, nvfp4
 
 Backend = Literal["auto", "qerl", "llmcompressor"]
 DEFAULT_IGNORE = ("lm_head",)
+#: Output shard size: the streaming backend's peak memory is about one shard plus one tensor.
 _SHARD_BYTES = 4 << 30
 
 
@@ -131,7 +133,8 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def quantize_streaming(src: Path, out_dir: Path, ignore: tuple[str, ...] = DEFAULT_IGNORE) -> None:
+def quantize_streaming(src: Path, out_dir: Path, ignore: tuple[str, ...] = DEFAULT_IGNORE,
+                       max_shard_bytes: int | None = None) -> None:
     """The qerl backend: two passes over the shards, one tensor in memory at a time."""
     config = checkpoint.read_config(src)
     if checkpoint.is_nvfp4_config(config):
@@ -143,7 +146,7 @@ def quantize_streaming(src: Path, out_dir: Path, ignore: tuple[str, ...] = DEFAU
         raise ValueError(f"{src}: checkpoint is missing tensor {missing[0]!r}")
     scales = global_scales(tensors, names)
     quantized = {f"{n}.weight": n for n in names}
-    writer = _ShardWriter(out_dir)
+    writer = _ShardWriter(out_dir, max_shard_bytes)
     for name in tqdm(tensors.names(), desc="quantize", unit="tensor"):
         tensor = tensors.get(name)
         if name in quantized:
@@ -181,6 +184,7 @@ def quantize_checkpoint(
     backend: Backend = "auto",
     overwrite: bool = False,
     ignore: tuple[str, ...] = DEFAULT_IGNORE,
+    max_shard_bytes: int | None = None,
 ) -> Path:
     """Quantize ``model`` (dir, hub id, ``smollm2-135m``, or a dir + ``gguf_file``) into ``output``.
 
@@ -195,7 +199,8 @@ def quantize_checkpoint(
         raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it")
     # auto -> the streaming backend: same bytes, bounded memory, no extra package.
     run: Callable[[Path, Path, tuple[str, ...]], None] = (
-        quantize_llmcompressor if backend == "llmcompressor" else quantize_streaming
+        quantize_llmcompressor if backend == "llmcompressor"
+        else partial(quantize_streaming, max_shard_bytes=max_shard_bytes)
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.src-") as scratch:

@@ -143,3 +143,50 @@ def test_cli_sample_generation(smollm2_nvfp4_dir: Path, tmp_path: Path, capsys):
     text = cli.sample_generation(tmp_path / "q")
     assert isinstance(text, str) and len(text.strip()) > 0
     assert sys.modules.get("qerl") is not None
+
+
+def _write_big_checkpoint(out: Path, layers: int = 6, hidden: int = 2048, inter: int = 5632) -> int:
+    """A ~0.6 GB random Llama checkpoint written layer by layer (never whole in memory)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=1024, tie_word_embeddings=True)
+    out.mkdir()
+    cfg.save_pretrained(out)
+    kv = hidden // 4
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+              "self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    weight_map, total = {}, 0
+    for i in range(layers):
+        shard = {f"model.layers.{i}.{k}.weight": torch.randn(s, dtype=torch.bfloat16) * 0.02 for k, s in shapes.items()}
+        shard[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        shard[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        if i == 0:
+            shard["model.embed_tokens.weight"] = torch.randn(1024, hidden, dtype=torch.bfloat16)
+            shard["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        name = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
+        save_file(shard, out / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        total += sum(t.numel() * 2 for t in shard.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def test_streaming_peak_memory_is_bounded(tmp_path: Path):
+    """Quantizing a checkpoint much larger than one output shard keeps the process's peak RSS near
+    its import baseline plus one shard, not near the model size."""
+    import subprocess
+
+    size = _write_big_checkpoint(tmp_path / "big")
+    probe = ("import resource, sys, torch; torch.set_num_threads(1); import qerl.quantize as q; import transformers; "
+             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+             "q.quantize_checkpoint(sys.argv[1], sys.argv[2], max_shard_bytes=64 << 20); "
+             "print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "big"), str(tmp_path / "q")],
+                         capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
+    base, peak = int(out[-2]), int(out[-1])
+    growth = peak - base
+    print(f"checkpoint {size / 2**20:.0f} MiB, RSS baseline {base / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB")
+    assert growth < 0.5 * size, (growth, size)
+    assert len(list((tmp_path / "q").glob("model-*.safetensors"))) > 1
