@@ -3,8 +3,14 @@
 ``nvfp4_linear(x, weight_packed, weight_scale, weight_global_scale, bias)`` computes
 ``x @ W_hat.T + bias`` with gradients to ``x`` and ``bias`` only (the packed weight is frozen).
 
-On CPU, and wherever the Triton kernels are unavailable, it dequantizes and calls ``F.linear``:
-the reference path that every fast path is tested against.
+On CUDA with bf16/fp16 activations it runs the Triton NVFP4 kernels through the custom op
+``torch.ops.qerl.nvfp4_mm`` (``qerl/kernels/ops.py``; split-K Triton kernel for M <= 64, Triton
+dequantize + cuBLAS above, the same split for ``grad_x`` in backward). On CPU, fp32, or without Triton it dequantizes and calls
+``F.linear``: the reference path that every fast path is tested against.
+
+``nvfp4_decode`` is the same op with an optional LoRA expand fused into its epilogue, for the
+rollout engine: ``y = x @ W_hat.T + bias + lora_scale * lora_u @ lora_B.T`` where ``lora_u = x @ A.T``
+is computed once per input (shared by q/k/v or gate/up).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl import nvfp4
+from qerl.kernels import ops
 
 
 def reference_linear(
@@ -35,4 +42,29 @@ def nvfp4_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W).T + bias, through the fastest path available for x's device."""
-    return reference_linear(x, weight_packed, weight_scale, weight_global_scale, bias)
+    if not ops.use_triton(x):
+        return reference_linear(x, weight_packed, weight_scale, weight_global_scale, bias)
+    return nvfp4_decode(x, weight_packed, weight_scale, weight_global_scale, bias)
+
+
+def nvfp4_decode(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_u: torch.Tensor | None = None,
+    lora_B: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+) -> torch.Tensor:
+    """``x @ W_hat.T + bias + lora_scale * lora_u @ lora_B.T`` for x of shape ``[..., K]``.
+
+    ``lora_u`` is ``[..., r]`` (same leading dims as x), ``lora_B`` is ``[N, r]``. Any device and
+    dtype (the reference path serves what the kernels do not); differentiable in x, bias and the
+    LoRA operands. On CUDA the LoRA term costs one tiny dot per output tile, not a launch.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    u2 = None if lora_u is None else lora_u.reshape(-1, lora_u.shape[-1])
+    y = ops.nvfp4_mm(x2, weight_packed, weight_scale, weight_global_scale, bias, u2, lora_B, float(lora_scale))
+    return y.reshape(*lead, weight_packed.shape[0])

@@ -1,0 +1,477 @@
+"""Triton NVFP4 x BF16/FP16 GEMMs on the checkpoint layout (no repack), for Hopper-class GPUs.
+
+Hopper has no FP4 tensor cores, so every kernel here streams the packed weight as it sits in the
+checkpoint (``weight_packed`` u8 ``[N, K/2]`` read as int32 words of 8 codes, ``weight_scale`` fp8
+``[N, K/16]``), dequantizes tiles in registers and feeds bf16/fp16 ``tl.dot`` (mma / wgmma).
+
+Dequantization (``_dequant_tile``) works on int32 words, two codes at a time. Shifting a word left
+by ``12 - 4i`` puts code ``i`` at bits 15..12 and code ``i + 4`` at bits 31..28; then
+``(v & 0x80008000) | ((v >> 6) & 0x01C001C0)`` is a pair of bf16 numbers whose sign is the code's
+sign and whose two low exponent bits and top mantissa bit are the code's magnitude bits, i.e.
+``e2m1 * 2^-126`` (codes +-0.5 land on bf16 subnormals, which the hardware keeps). One multiply by
+the block scale times ``2^118`` (exact in bf16) yields ``e2m1 * fp8_scale * 2^-8``: an exact bf16
+(at most 6 significant bits), so the only rounding left is the dot itself; the ``2^8 / g`` factor is
+applied to the fp32 accumulator. FP16 uses the same scheme with shift 3 and factor ``2^6``.
+
+Each word yields codes ``8j + i`` (``lo``) and ``8j + 4 + i`` (``hi``) for i = 0..3, so a ``BK``-wide
+tile becomes two half tiles of ``BK/2`` columns; instead of interleaving them in registers, the
+activations are loaded in the matching order (runs of 4 contiguous elements) and the reduction is
+split into two dots.
+
+Kernels:
+* ``_fwd_kernel``: ``y = x @ W^T`` (+ bias, + LoRA expand ``scale * u @ B^T`` in the epilogue). With
+  ``SPLIT`` it is split-K: every program writes an fp32 partial, and the last program to finish a
+  tile (an atomic ticket per tile) reduces the partials and runs the epilogue, so decode (M <= 64)
+  fills all SMs in a single launch that CUDA graphs can capture.
+* ``_bwd_kernel``: ``grad_x = grad_y @ W`` (K is the output dim, the reduction runs over N).
+* ``_dequant_kernel``: dense ``W_hat`` in bf16/fp16 (used where dequantize + cuBLAS is faster).
+
+Floors and measurements live in ``benchmarks/NOTES.md`` (``## Kernels``). Measured on the H200 for
+7B down_proj (N=3584, K=18944): M=1 37.7 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), i.e.
+0.97x of bf16 cuBLAS; M=4096 0.90x (fwd) / 0.89x (bwd) of bf16 through dequantize + cuBLAS. The
+decode kernel is instruction-bound or latency-bound well above its floor (see NOTES.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+#: The interpreter (TRITON_INTERPRET=1, used to debug on CPU) mis-multiplies bf16, so under it the
+#: scale multiply is done in fp32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: Split-K tickets: one int32 counter per output tile, zero between launches (the last program of a
+#: tile resets its own). Allocated once per device, before any CUDA-graph capture (see `_tickets`).
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 20
+
+
+@triton.jit
+def _code_pair(words, shift: tl.constexpr, MAG_SHIFT: tl.constexpr, MAG_MASK: tl.constexpr, DT: tl.constexpr):
+    """Codes at bits 15..12 and 31..28 of ``words << shift`` as two scaled-down floats (bitcasts)."""
+    v = words << shift
+    # -0x7FFF8000 is 0x80008000 as an int32: the two sign bits.
+    p = (v & -0x7FFF8000) | ((v >> MAG_SHIFT) & MAG_MASK)
+    lo = p.to(tl.int16).to(DT, bitcast=True)
+    hi = (p >> 16).to(tl.int16).to(DT, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _scaled(v, s, s32, MUL_F32: tl.constexpr):
+    if MUL_F32:
+        return (v.to(tl.float32) * s32).to(v.dtype)
+    else:
+        return v * s
+
+
+@triton.jit
+def _dequant_tile(words, scale, IS_FP16: tl.constexpr, MUL_F32: tl.constexpr):
+    """int32 words [R, W] and their fp8 block scales [R, W/2] -> (lo, hi), each [R, 4W] in the act dtype.
+
+    ``lo[:, 4j + i]`` is the weight at column ``8j + i`` of the tile, ``hi[:, 4j + i]`` the one at
+    ``8j + 4 + i``, both equal to ``e2m1 * fp8_scale * 2^-8`` (exact).
+    """
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    if IS_FP16:
+        DT: tl.constexpr = tl.float16
+        MAG_SHIFT: tl.constexpr = 3
+        MAG_MASK: tl.constexpr = 0x0E000E00
+        FACTOR: tl.constexpr = 64.0  # 2^6: fp16 codes are e2m1 * 2^-14
+    else:
+        DT: tl.constexpr = tl.bfloat16
+        MAG_SHIFT: tl.constexpr = 6
+        MAG_MASK: tl.constexpr = 0x01C001C0
+        FACTOR: tl.constexpr = 3.3230699894622896e35  # 2^118: bf16 codes are e2m1 * 2^-126
+    s32 = scale.to(tl.float32) * FACTOR
+    s32 = tl.reshape(tl.broadcast_to(s32[:, :, None], (R, W // 2, 2)), (R, W))  # one scale per word
+    s = s32.to(DT)  # exact: 4 significant bits
+    l0, h0 = _code_pair(words, 12, MAG_SHIFT, MAG_MASK, DT)
+    l1, h1 = _code_pair(words, 8, MAG_SHIFT, MAG_MASK, DT)
+    l2, h2 = _code_pair(words, 4, MAG_SHIFT, MAG_MASK, DT)
+    l3, h3 = _code_pair(words, 0, MAG_SHIFT, MAG_MASK, DT)
+    l0 = _scaled(l0, s, s32, MUL_F32)
+    l1 = _scaled(l1, s, s32, MUL_F32)
+    l2 = _scaled(l2, s, s32, MUL_F32)
+    l3 = _scaled(l3, s, s32, MUL_F32)
+    h0 = _scaled(h0, s, s32, MUL_F32)
+    h1 = _scaled(h1, s, s32, MUL_F32)
+    h2 = _scaled(h2, s, s32, MUL_F32)
+    h3 = _scaled(h3, s, s32, MUL_F32)
+    # join(join(c0, c2), join(c1, c3)) orders the last axis as 2*b + a = i.
+    lo = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), (R, 4 * W))
+    hi = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (R, 4 * W))
+    return lo, hi
+
+
+@triton.jit
+def _half_cols(BK: tl.constexpr):
+    """Tile columns held by the ``lo`` half tile, in its order: 8j + i for i < 4."""
+    t = tl.arange(0, BK // 2)
+    return (t // 4) * 8 + (t % 4)
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering of output tiles, so that consecutive programs share weight tiles in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr, stride_bn,
+              R, lora_scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr):
+    """y = acc * 2^8 / g (+ bias) (+ lora_scale * u @ B^T), cast to y's dtype."""
+    out = acc * (256.0 / tl.load(g_ptr))
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        r = tl.arange(0, BR)
+        u = tl.load(u_ptr + offs_m[:, None] * stride_um + r[None, :], mask=mask_m[:, None] & (r[None, :] < R), other=0.0)
+        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0)
+        dt = y_ptr.dtype.element_ty
+        out += lora_scale * tl.dot(u.to(dt), tl.trans(b.to(dt)))
+    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _fwd_kernel(
+    x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, u_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, stride_um, stride_bn, R, lora_scale, steps_per_split,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, MUL_F32: tl.constexpr,
+):
+    """y[M, N] = x[M, K] @ W_hat[N, K]^T; program (tile, s) reduces K slice s of steps_per_split * BK columns."""
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    xcol = _half_cols(BK)
+    wcol = tl.arange(0, BK // 8)
+    scol = tl.arange(0, BK // 16)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = s_ptr + offs_n[:, None] * stride_sn
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_begin = pid_k * (steps_per_split * BK)
+    # The last slice may run past K: those steps are fully masked (no memory traffic).
+    for step in range(0, steps_per_split):
+        k0 = k_begin + step * BK
+        kx = k0 + xcol
+        x_lo = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
+        x_hi = tl.load(x_rows + (kx + 4)[None, :], mask=mask_m[:, None] & (kx[None, :] + 4 < K), other=0.0)
+        kw = k0 // 8 + wcol
+        words = tl.load(w_rows + kw[None, :], mask=mask_n[:, None] & (kw[None, :] < K // 8), other=0)
+        ks = k0 // 16 + scol
+        scale = tl.load(s_rows + ks[None, :], mask=mask_n[:, None] & (ks[None, :] < K // 16), other=0.0)
+        w_lo, w_hi = _dequant_tile(words, scale, IS_FP16, MUL_F32)
+        acc = tl.dot(x_lo, tl.trans(w_lo), acc)
+        acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+
+    if SPLIT:
+        # Publish this partial, take a ticket; the program that draws the last ticket of the tile
+        # sums all partials (L2 reads, .cg) and writes y. Stream order guarantees the tickets are
+        # back at zero for the next launch.
+        nsplit = tl.num_programs(1)
+        tile_mn = offs_m[:, None] * N + offs_n[None, :]
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile_mn, acc, mask=mask_mn)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if ticket == nsplit - 1:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, nsplit):
+                acc += tl.load(part_ptr + s * M * N + tile_mn, mask=mask_mn, other=0.0, cache_modifier=".cg")
+            tl.store(ticket_ptr + tl.program_id(0), 0)
+            _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr,
+                      stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
+    else:
+        _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr,
+                  stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
+
+
+@triton.jit
+def _bwd_kernel(
+    gy_ptr, w_ptr, s_ptr, g_ptr, gx_ptr, M, N, K, stride_gm, stride_wn, stride_sn, stride_xm,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    IS_FP16: tl.constexpr, MUL_F32: tl.constexpr,
+):
+    """grad_x[M, K] = grad_y[M, N] @ W_hat[N, K]: tiles of BM x BK outputs, reduction over N in BN steps."""
+    pid_m, pid_k = _tile_ids(M, K, BM, BK, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    kcol = pid_k * BK + _half_cols(BK)
+    wcol = pid_k * (BK // 8) + tl.arange(0, BK // 8)
+    scol = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+    acc_lo = tl.zeros((BM, BK // 2), dtype=tl.float32)
+    acc_hi = tl.zeros((BM, BK // 2), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mask_n = offs_n < N
+        gy = tl.load(gy_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + wcol[None, :], mask=mask_n[:, None] & (wcol[None, :] < K // 8), other=0)
+        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + scol[None, :], mask=mask_n[:, None] & (scol[None, :] < K // 16), other=0.0)
+        w_lo, w_hi = _dequant_tile(words, scale, IS_FP16, MUL_F32)
+        acc_lo = tl.dot(gy, w_lo, acc_lo)
+        acc_hi = tl.dot(gy, w_hi, acc_hi)
+    c = 256.0 / tl.load(g_ptr)
+    rows = gx_ptr + offs_m[:, None] * stride_xm
+    dt = gx_ptr.dtype.element_ty
+    tl.store(rows + kcol[None, :], (acc_lo * c).to(dt), mask=mask_m[:, None] & (kcol[None, :] < K))
+    tl.store(rows + (kcol + 4)[None, :], (acc_hi * c).to(dt), mask=mask_m[:, None] & (kcol[None, :] + 4 < K))
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                    BN: tl.constexpr, BK: tl.constexpr, IS_FP16: tl.constexpr, MUL_F32: tl.constexpr):
+    """out[N, K] = W_hat in the activation dtype (one rounding from the exact e2m1 * scale / g)."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    pid_k = tl.program_id(1)
+    kcol = pid_k * BK + _half_cols(BK)
+    wcol = pid_k * (BK // 8) + tl.arange(0, BK // 8)
+    scol = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + wcol[None, :], mask=mask_n[:, None] & (wcol[None, :] < K // 8), other=0)
+    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + scol[None, :], mask=mask_n[:, None] & (scol[None, :] < K // 16), other=0.0)
+    w_lo, w_hi = _dequant_tile(words, scale, IS_FP16, MUL_F32)
+    c = 256.0 / tl.load(g_ptr)
+    rows = out_ptr + offs_n[:, None] * stride_on
+    dt = out_ptr.dtype.element_ty
+    tl.store(rows + kcol[None, :], (w_lo.to(tl.float32) * c).to(dt), mask=mask_n[:, None] & (kcol[None, :] < K))
+    tl.store(rows + (kcol + 4)[None, :], (w_hi.to(tl.float32) * c).to(dt), mask=mask_n[:, None] & (kcol[None, :] + 4 < K))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile shape and schedule of one launch; ``split`` = number of K slices (1 = no split-K)."""
+
+    BM: int
+    BN: int
+    BK: int
+    warps: int
+    stages: int
+    split: int = 1
+    group_m: int = 8
+    mul_f32: bool = _INTERPRET
+
+
+#: M at or below which the forward takes the split-K decode configuration.
+DECODE_MAX_M = 64
+#: SMs of the device (filled lazily); split-K aims for a few programs per SM.
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return _SM_COUNT[device]
+
+
+def _split_for(tiles: int, k_steps: int, device: torch.device, per_sm: int = 4, min_steps: int = 3) -> int:
+    """Enough K slices for ~per_sm programs per SM, each still running >= min_steps K steps."""
+    want = triton.cdiv(per_sm * _sm_count(device), tiles)
+    return max(1, min(want, k_steps // min_steps, 64))
+
+
+def fwd_config(M: int, N: int, K: int, device: torch.device) -> Config:
+    """Heuristic forward config: split-K GEMV-like tiles for decode, wgmma tiles for prefill."""
+    if M <= DECODE_MAX_M:
+        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        return with_split(Config(BM=bm, BN=64, BK=128, warps=4, stages=4), M, N, K, device)
+    return with_split(Config(BM=128, BN=128, BK=64, warps=8, stages=3), M, N, K, device)
+
+
+def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
+    """Give ``cfg`` split-K slices when its output tiles alone would leave SMs idle.
+
+    Decode tiles aim for ~4 programs per SM (latency hiding for a pure weight stream); wgmma tiles
+    for ~2, since every extra slice writes and re-reads an fp32 partial of the tile.
+    """
+    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    sms = _sm_count(device)
+    if tiles >= 2 * sms:
+        split = 1
+    else:
+        split = _split_for(tiles, triton.cdiv(K, cfg.BK), device, per_sm=4 if cfg.BM <= 64 else 2)
+    return Config(**{**cfg.__dict__, "split": split})
+
+
+def bwd_config(M: int, N: int, K: int) -> Config:
+    if M <= DECODE_MAX_M:
+        return Config(BM=16 if M <= 16 else 64, BN=64, BK=128, warps=4, stages=3)
+    return Config(BM=128, BN=64, BK=128, warps=8, stages=3)
+
+
+def _check(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int, int]:
+    if x.dim() != 2:
+        raise ValueError(f"nvfp4 kernels take 2-D activations, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4 kernels take bf16/fp16 activations, got {x.dtype}")
+    N, half_k = weight_packed.shape
+    K = 2 * half_k
+    if weight_packed.dtype != torch.uint8 or weight_scale.shape != (N, K // 16) or K % 16:
+        raise ValueError(
+            f"bad NVFP4 weight: packed {tuple(weight_packed.shape)} {weight_packed.dtype}, scale {tuple(weight_scale.shape)}; "
+            "expected u8 [N, K/2] and fp8 [N, K/16] with K % 16 == 0"
+        )
+    return x.shape[0], N, K
+
+
+def _words(weight_packed: torch.Tensor) -> torch.Tensor:
+    return weight_packed.contiguous().view(torch.int32)
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """The per-device split-K tickets. Call once outside CUDA-graph capture (any eager forward does)."""
+    if device not in _TICKETS:
+        _TICKETS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _TICKETS[device]
+
+
+def matmul(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_u: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
+
+    Decode-sized M (<= DECODE_MAX_M) takes split-K programs (one launch). Larger M dequantizes the
+    weight once into a transient bf16/fp16 copy and calls cuBLAS (faster than the fused wgmma
+    tiles, which stay reachable through an explicit ``config``). ``out`` (a contiguous [M, N]
+    tensor of x's dtype) lets tests hand in a poisoned buffer.
+    """
+    M, N, K = _check(x, weight_packed, weight_scale)
+    x = x.contiguous()
+    if config is None and M > DECODE_MAX_M:
+        # Large M: one dequantize pass + cuBLAS beats the fused kernels measured so far (NOTES.md).
+        y = torch.nn.functional.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, x.dtype), bias)
+        if lora_u is not None:
+            y = y + lora_scale * (lora_u.to(x.dtype) @ lora_b.to(x.dtype).t())
+        return y if out is None else out.copy_(y)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    if M == 0:
+        return y
+    cfg = config or fwd_config(M, N, K, x.device)
+    words = _words(weight_packed)
+    k_steps = triton.cdiv(K, cfg.BK)
+    steps_per_split = triton.cdiv(k_steps, cfg.split)
+    split = triton.cdiv(k_steps, steps_per_split)
+    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    has_lora = lora_u is not None
+    if has_lora:
+        if lora_b is None or lora_u.shape[0] != M or lora_b.shape[0] != N or lora_u.shape[1] != lora_b.shape[1]:
+            raise ValueError(f"LoRA epilogue needs lora_u [M={M}, r] and lora_B [N={N}, r], got "
+                             f"{None if lora_u is None else tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}")
+        lora_u = lora_u.contiguous()
+        lora_b = lora_b.contiguous()
+    rank = lora_u.shape[1] if has_lora else 0
+    if split > 1:
+        if tiles > _MAX_TILES:
+            raise ValueError(f"split-K over {tiles} tiles exceeds the ticket table ({_MAX_TILES})")
+        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        tickets = _tickets(x.device)
+    else:
+        part = tickets = y  # unused
+    _fwd_kernel[(tiles, split)](
+        x, words, weight_scale, weight_global_scale, bias if bias is not None else y,
+        lora_u if has_lora else y, lora_b if has_lora else y, y, part, tickets,
+        M, N, K, x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0),
+        lora_u.stride(0) if has_lora else 0, lora_b.stride(0) if has_lora else 0, rank, float(lora_scale), steps_per_split,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, SPLIT=split > 1,
+        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=max(16, triton.next_power_of_2(rank)),
+        IS_FP16=x.dtype == torch.float16, MUL_F32=cfg.mul_f32, num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    return y
+
+
+def matmul_t(
+    grad_y: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """grad_x = grad_y @ W_hat for 2-D bf16/fp16 grad_y [M, N]; returns [M, K].
+
+    Like ``matmul``: the fused kernel for M <= DECODE_MAX_M or an explicit ``config``,
+    dequantize + cuBLAS above.
+    """
+    N, half_k = weight_packed.shape
+    K = 2 * half_k
+    if grad_y.dim() != 2 or grad_y.shape[1] != N:
+        raise ValueError(f"grad_y must be [M, {N}], got {tuple(grad_y.shape)}")
+    M = grad_y.shape[0]
+    _check(grad_y.new_empty((M, K)), weight_packed, weight_scale)
+    grad_y = grad_y.contiguous()
+    if config is None and M > DECODE_MAX_M:
+        gx = grad_y @ dequantize(weight_packed, weight_scale, weight_global_scale, grad_y.dtype)
+        return gx if out is None else out.copy_(gx)
+    gx = torch.empty((M, K), dtype=grad_y.dtype, device=grad_y.device) if out is None else out
+    if M == 0:
+        return gx
+    cfg = config or bwd_config(M, N, K)
+    words = _words(weight_packed)
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(K, cfg.BK),)
+    _bwd_kernel[grid](
+        grad_y, words, weight_scale, weight_global_scale, gx, M, N, K,
+        grad_y.stride(0), words.stride(0), weight_scale.stride(0), gx.stride(0),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, IS_FP16=grad_y.dtype == torch.float16,
+        MUL_F32=cfg.mul_f32, num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    return gx
+
+
+def dequantize(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    block: tuple[int, int, int] = (64, 256, 4),
+) -> torch.Tensor:
+    """Dense W_hat [N, K] in bf16/fp16 on the GPU (one pass: 0.5625 B/weight read, 2 B written).
+
+    ``block`` = (rows, columns, warps) of one program.
+    """
+    N, half_k = weight_packed.shape
+    K = 2 * half_k
+    _check(torch.empty((0, K), dtype=dtype), weight_packed, weight_scale)
+    out = torch.empty((N, K), dtype=dtype, device=weight_packed.device)
+    words = _words(weight_packed)
+    BN, BK, warps = block
+    _dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
+        words, weight_scale, weight_global_scale, out, N, K, words.stride(0), weight_scale.stride(0), out.stride(0),
+        BN=BN, BK=BK, IS_FP16=dtype == torch.float16, MUL_F32=_INTERPRET, num_warps=warps,
+    )
+    return out

@@ -1,0 +1,94 @@
+"""torch.library custom ops over the NVFP4 GEMMs, so torch.compile and CUDA graphs see opaque ops.
+
+* ``qerl::nvfp4_mm(x, packed, scale, gscale, bias?, lora_u?, lora_b?, lora_scale) -> y`` (2-D x):
+  ``x @ W_hat^T + bias + lora_scale * lora_u @ lora_b^T``; the decode path (M <= 64, split-K) and the
+  prefill path are picked inside by M; the LoRA expand rides in the kernel's epilogue.
+* ``qerl::nvfp4_mm_t(grad_y, packed, scale, gscale) -> grad_x`` (``grad_y @ W_hat``).
+
+Both run the Triton kernels for bf16/fp16 CUDA tensors and the dequantize-then-matmul reference
+everywhere else (CPU, fp32), so the ops are callable on any device. ``nvfp4_mm`` has an autograd
+formula: gradients reach x, bias and the LoRA operands, never the packed weight.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from qerl import nvfp4
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve this activation (CUDA, bf16/fp16, triton installed)."""
+    return HAS_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _reference_mm(x, packed, scale, gscale, bias, lora_u, lora_b, lora_scale):
+    w = nvfp4.dequantize(packed, scale, gscale, dtype=x.dtype)
+    y = torch.nn.functional.linear(x, w, bias)
+    if lora_u is not None:
+        y = y + lora_scale * (lora_u.to(x.dtype) @ lora_b.to(x.dtype).t())
+    return y
+
+
+@torch.library.custom_op("qerl::nvfp4_mm", mutates_args=())
+def nvfp4_mm(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_u: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+) -> torch.Tensor:
+    if use_triton(x):
+        from qerl.kernels import fp4_gemm
+
+        return fp4_gemm.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
+    return _reference_mm(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
+
+
+@nvfp4_mm.register_fake
+def _(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_u=None, lora_b=None, lora_scale=1.0):
+    return x.new_empty((x.shape[0], weight_packed.shape[0]))
+
+
+@torch.library.custom_op("qerl::nvfp4_mm_t", mutates_args=())
+def nvfp4_mm_t(
+    grad_y: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor
+) -> torch.Tensor:
+    if use_triton(grad_y):
+        from qerl.kernels import fp4_gemm
+
+        return fp4_gemm.matmul_t(grad_y, weight_packed, weight_scale, weight_global_scale)
+    return grad_y @ nvfp4.dequantize(weight_packed, weight_scale, weight_global_scale, dtype=grad_y.dtype)
+
+
+@nvfp4_mm_t.register_fake
+def _(grad_y, weight_packed, weight_scale, weight_global_scale):
+    return grad_y.new_empty((grad_y.shape[0], 2 * weight_packed.shape[1]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, packed, scale, gscale, bias, lora_u, lora_b, lora_scale = inputs
+    ctx.save_for_backward(packed, scale, gscale, lora_u, lora_b)
+    ctx.lora_scale = lora_scale
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad):
+    packed, scale, gscale, lora_u, lora_b = ctx.saved_tensors
+    # needs_input_grad only covers the arguments actually passed; defaulted trailing ones need none.
+    need = tuple(ctx.needs_input_grad) + (False,) * 8
+    grad_x = nvfp4_mm_t(grad.contiguous(), packed, scale, gscale) if need[0] else None
+    grad_bias = grad.sum(0).to(ctx.bias_dtype) if need[4] else None
+    grad_u = (ctx.lora_scale * (grad @ lora_b.to(grad.dtype))).to(lora_u.dtype) if need[5] else None
+    grad_b = (ctx.lora_scale * (grad.t() @ lora_u.to(grad.dtype))).to(lora_b.dtype) if need[6] else None
+    return grad_x, None, None, None, grad_bias, grad_u, grad_b, None
+
+
+nvfp4_mm.register_autograd(_backward, setup_context=_setup_context)

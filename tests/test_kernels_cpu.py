@@ -1,0 +1,97 @@
+"""CPU checks of the kernel seam: the reference path, and the custom ops' registration (real and fake).
+
+The Triton kernels themselves are tested on the GPU (tests/test_kernels_gpu.py); here the ops must
+be callable on CPU tensors (they fall back to dequantize + matmul), differentiate correctly, and
+report the right shapes under FakeTensorMode so torch.compile can trace them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from qerl import nvfp4
+from qerl.kernels import nvfp4_decode, nvfp4_linear, ops
+from qerl.linear import NVFP4Linear
+
+torch.set_num_threads(1)
+
+
+def _weight(n: int, k: int, seed: int) -> nvfp4.NVFP4Tensors:
+    g = torch.Generator().manual_seed(seed)
+    return nvfp4.quantize(torch.randn(n, k, generator=g) * 0.02)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_ops_registered() -> None:
+    assert hasattr(torch.ops.qerl, "nvfp4_mm") and hasattr(torch.ops.qerl, "nvfp4_mm_t")
+    assert not ops.use_triton(torch.zeros(1))  # CPU tensors never take the Triton path
+
+
+def test_reference_and_op_on_cpu_match_float64() -> None:
+    q = _weight(48, 80, 0)
+    w = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float64)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 80, generator=g)
+    bias = torch.randn(48, generator=g)
+    u, b = torch.randn(5, 4, generator=g), torch.randn(48, 4, generator=g)
+    ref = x.double() @ w.t() + bias.double() + 0.25 * u.double() @ b.double().t()
+    y = torch.ops.qerl.nvfp4_mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, b, 0.25)
+    assert y.shape == (5, 48) and _rel(y, ref) < 1e-5
+    y3 = nvfp4_decode(x.reshape(1, 5, 80), q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u.reshape(1, 5, 4), b, 0.25)
+    assert y3.shape == (1, 5, 48) and _rel(y3.reshape(5, 48), ref) < 1e-5
+    gy = torch.randn(5, 48, generator=g)
+    gx = torch.ops.qerl.nvfp4_mm_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale)
+    assert _rel(gx, gy.double() @ w) < 1e-5
+
+
+def test_op_autograd_matches_dense() -> None:
+    q = _weight(32, 64, 2)
+    w = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 64, generator=g, requires_grad=True)
+    bias = torch.randn(32, generator=g, requires_grad=True)
+    u = torch.randn(6, 8, generator=g, requires_grad=True)
+    b = torch.randn(32, 8, generator=g, requires_grad=True)
+    gy = torch.randn(6, 32, generator=g)
+    y = nvfp4_decode(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, b, 0.5)
+    grads = torch.autograd.grad(y, (x, bias, u, b), gy)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, bias, u, b)]
+    ref = torch.nn.functional.linear(leaves[0], w, leaves[1]) + 0.5 * leaves[2] @ leaves[3].t()
+    ref_grads = torch.autograd.grad(ref, leaves, gy)
+    for got, want in zip(grads, ref_grads):
+        assert _rel(got, want) < 1e-5
+
+
+def test_fake_impls_give_shapes() -> None:
+    q = _weight(24, 48, 4)
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(7, 48))
+        packed, scale, gs = (mode.from_tensor(t) for t in (q.weight_packed, q.weight_scale, q.weight_global_scale))
+        y = torch.ops.qerl.nvfp4_mm(x, packed, scale, gs)
+        gx = torch.ops.qerl.nvfp4_mm_t(mode.from_tensor(torch.randn(7, 24)), packed, scale, gs)
+    assert tuple(y.shape) == (7, 24) and y.dtype == torch.float32
+    assert tuple(gx.shape) == (7, 48)
+
+
+def test_nvfp4linear_cpu_uses_reference() -> None:
+    lin = torch.nn.Linear(64, 16, bias=True)
+    layer = NVFP4Linear.from_linear(lin)
+    x = torch.randn(3, 64)
+    want = nvfp4.dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale, torch.float32)
+    assert _rel(layer(x), torch.nn.functional.linear(x, want, lin.bias)) < 1e-5
+    assert _rel(nvfp4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale), x @ want.t()) < 1e-5
+
+
+@pytest.mark.skipif(not ops.HAS_TRITON, reason="needs triton")
+def test_bad_lora_shapes_raise() -> None:
+    from qerl.kernels import fp4_gemm
+
+    q = _weight(16, 32, 5)
+    with pytest.raises(ValueError, match="LoRA epilogue"):
+        fp4_gemm.matmul(torch.zeros(2, 32, dtype=torch.bfloat16), q.weight_packed, q.weight_scale, q.weight_global_scale,
+                        lora_u=torch.zeros(3, 4), lora_b=torch.zeros(16, 4))

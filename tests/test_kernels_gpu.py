@@ -1,0 +1,264 @@
+"""GPU correctness of the Triton NVFP4 kernels (skipped without CUDA).
+
+Every check draws fresh random inputs, poisons outputs (NaN) before the run, and compares against
+a float64 product on the dequantized weight with ||out - ref|| / ||ref|| < 1e-2.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qerl import nvfp4
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOL = 1e-2
+_SEED = [0]
+
+
+def _gen() -> torch.Generator:
+    _SEED[0] += 1
+    return torch.Generator(device="cuda").manual_seed(1000 + _SEED[0])
+
+
+def _weight(n: int, k: int) -> nvfp4.NVFP4Tensors:
+    return nvfp4.quantize(torch.randn(n, k, device="cuda", generator=_gen()) * 0.02)
+
+
+def _w64(q: nvfp4.NVFP4Tensors) -> torch.Tensor:
+    return nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float64)
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", generator=_gen()).to(dtype)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "output has non-finite entries (unwritten or poisoned)"
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _poison_allocator() -> None:
+    """Fill free cached blocks with NaN so that any output the kernels forget to write shows up."""
+    torch.cuda.synchronize()
+    blob = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float32)
+    del blob
+
+
+def _nan(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def _configs(M: int, N: int, K: int):
+    from qerl.kernels import fp4_gemm as fg
+
+    yield None  # the heuristic choice
+    yield fg.Config(BM=16, BN=64, BK=128, warps=4, stages=3, split=5)  # split-K decode tiles
+    yield fg.Config(BM=64, BN=64, BK=64, warps=4, stages=3, split=1)
+    if M > 64:
+        yield fg.Config(BM=128, BN=128, BK=64, warps=8, stages=3, split=3)  # split-K on wgmma tiles
+
+
+SHAPES = [  # (M, N, K): awkward M, K % 128 != 0, N % 64 != 0
+    (1, 200, 1040),
+    (3, 4096, 3584),
+    (17, 1000, 2064),
+    (64, 264, 512),
+    (65, 200, 1040),
+    (300, 1000, 3584),
+    (4095, 520, 1040),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
+    from qerl.kernels import fp4_gemm as fg
+
+    for cfg in _configs(M, N, K):
+        q = _weight(N, K)
+        x, bias = _rand(M, K, dtype=dtype), _rand(N, dtype=dtype)
+        ref = x.double() @ _w64(q).t() + bias.double()
+        _poison_allocator()
+        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, out=_nan((M, N), dtype), config=cfg)
+        assert _rel(y, ref) < TOL, (cfg, _rel(y, ref))
+        # again without bias, through the custom op and its own allocation
+        x = _rand(M, K, dtype=dtype)
+        _poison_allocator()
+        y = torch.ops.qerl.nvfp4_mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale)
+        assert _rel(y, x.double() @ _w64(q).t()) < TOL
+
+
+@pytest.mark.parametrize("M", [1, 16, 33, 64, 200])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_lora_epilogue(M: int, rank: int) -> None:
+    from qerl.kernels import nvfp4_decode
+
+    N, K = 1000, 2048
+    q = _weight(N, K)
+    x = _rand(M, K)
+    u = _rand(M, rank, dtype=torch.float32)
+    b = _rand(N, rank, dtype=torch.float32) * 0.1
+    ref = x.double() @ _w64(q).t() + 0.5 * u.double() @ b.double().t()
+    _poison_allocator()
+    y = nvfp4_decode(x, q.weight_packed, q.weight_scale, q.weight_global_scale, None, u, b, 0.5)
+    assert _rel(y, ref) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_backward_kernel(M: int, N: int, K: int, dtype: torch.dtype) -> None:
+    from qerl.kernels import fp4_gemm as fg
+
+    q = _weight(N, K)
+    gy = _rand(M, N, dtype=dtype)
+    _poison_allocator()
+    gx = fg.matmul_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale, out=_nan((M, K), dtype))
+    assert _rel(gx, gy.double() @ _w64(q)) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_kernel(dtype: torch.dtype) -> None:
+    from qerl.kernels import fp4_gemm as fg
+
+    q = _weight(520, 1040)
+    _poison_allocator()
+    w = fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, dtype)
+    assert _rel(w, _w64(q)) < 1e-2
+    ref = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, dtype)
+    assert (w.float() - ref.float()).abs().max().item() <= ref.float().abs().max().item() * 2**-7
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 17, 300])
+def test_autograd_matches_dense(M: int, dtype: torch.dtype) -> None:
+    from qerl.linear import NVFP4Linear
+
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(1040, 200, bias=True).cuda())
+    layer.bias.data = layer.bias.data.to(dtype)
+    layer.bias.requires_grad_(True)
+    w = layer.dequantized_weight(dtype)
+    x = _rand(2, M, 1040, dtype=dtype).requires_grad_(True)
+    gy = _rand(2, M, 200, dtype=dtype)
+    y = layer(x)
+    gx, gb = torch.autograd.grad(y, (x, layer.bias), gy)
+    x2 = x.detach().double().requires_grad_(True)
+    b2 = layer.bias.detach().double().requires_grad_(True)
+    y2 = torch.nn.functional.linear(x2, w.double(), b2)
+    gx2, gb2 = torch.autograd.grad(y2, (x2, b2), gy.double())
+    assert _rel(y, y2) < TOL and _rel(gx, gx2) < TOL and _rel(gb, gb2) < TOL
+
+
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).cuda()
+
+
+def _swap_to_nvfp4(model) -> None:
+    from qerl.linear import NVFP4Linear
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, NVFP4Linear.from_linear(child))
+
+
+def _dense_twin(model, dtype: torch.dtype):
+    """A copy whose NVFP4Linears are plain Linears holding the bf16-dequantized weights."""
+    from qerl.linear import NVFP4Linear
+
+    twin = copy.deepcopy(model)
+    for layer in twin.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, NVFP4Linear):
+                    lin = torch.nn.Linear(child.in_features, child.out_features, bias=False, device="cuda")
+                    lin.weight.data = child.dequantized_weight(torch.bfloat16).float()
+                    setattr(parent, name, lin)
+    return twin.to(dtype)
+
+
+def test_peft_lora_grads_match_dense_model() -> None:
+    from peft import get_peft_model
+
+    from qerl.lora import lora_config
+
+    # Cast before swapping: Module.to(dtype) would also cast the fp8/fp32 NVFP4 buffers.
+    base = _tiny_llama(0).to(torch.bfloat16)
+    _swap_to_nvfp4(base)
+    twin32 = _dense_twin(base, torch.float32)
+    twin16 = _dense_twin(base, torch.bfloat16)
+    models = []
+    for m in (base, twin16, twin32):
+        torch.manual_seed(7)
+        pm = get_peft_model(m, lora_config(r=8))
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:  # non-zero B so that A gets gradients too
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+        models.append(pm)
+    ids = torch.randint(0, 512, (2, 24), device="cuda", generator=_gen())
+    grads = []
+    for pm in models:
+        loss = pm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append({n: p.grad.detach().float() for n, p in pm.named_parameters() if p.requires_grad})
+    ours, bf16, ref = grads
+    assert ours.keys() == ref.keys() and len(ours) == 2 * 7 * 2
+    for name in ref:
+        e_ours, e_bf16 = _rel(ours[name], ref[name]), _rel(bf16[name], ref[name])
+        # as close to the fp32 model as a bf16 model of the same weights is (plus slack)
+        assert e_ours < max(2 * e_bf16, 2e-2), (name, e_ours, e_bf16)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from qerl.linear import NVFP4Linear
+
+        self.up = NVFP4Linear.from_linear(torch.nn.Linear(512, 1040, bias=True).cuda())
+        self.down = NVFP4Linear.from_linear(torch.nn.Linear(1040, 512, bias=False).cuda())
+        self.up.bias.data = self.up.bias.data.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.up(x)))
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.linear(x.double(), self.up.dequantized_weight(torch.float64), self.up.bias.double())
+        return torch.nn.functional.linear(torch.nn.functional.silu(h), self.down.dequantized_weight(torch.float64))
+
+
+def test_torch_compile_fullgraph() -> None:
+    model = _MLP()
+    compiled = torch.compile(model, fullgraph=True)
+    for M in (1, 5, 300):
+        x = _rand(M, 512)
+        assert _rel(compiled(x), model.reference(x)) < TOL
+
+
+def test_cuda_graph_decode_step() -> None:
+    model = _MLP()
+    static_x = _rand(4, 512)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            model(static_x)  # compile + allocate split-K tickets outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = model(static_x)
+    for _ in range(3):
+        static_x.copy_(_rand(4, 512))
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(static_y, model.reference(static_x)) < TOL
