@@ -57,6 +57,19 @@ class NVFP4Linear(nn.Module):
         """Quantize a dense Linear (round-to-nearest, compressed-tensors semantics)."""
         return cls.from_tensors(nvfp4.quantize(linear.weight.data, gscale), linear.bias)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype)``, ``.half()``, ``.bfloat16()`` move the packed tensors but never recast them:
+        an fp8 block scale or fp32 global scale cast to bf16 would silently change the weights."""
+        packed = dict(self._buffers)
+        self._buffers = {}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buf in packed.items():
+                moved = fn(buf) if buf is not None else None
+                self._buffers[name] = moved if moved is None or moved.dtype == buf.dtype else buf.to(moved.device)
+        return self
+
     @property
     def qweight(self) -> torch.Tensor:
         """The packed weight under the name peft (and GPTQ-style tooling) probes to find a quantized

@@ -56,3 +56,18 @@ def test_in_features_must_be_multiple_of_16():
 
 def test_packed_size_is_4_5_bits_per_weight():
     assert nvfp4.packed_nbytes(1024, 4096) * 8 / (1024 * 4096) == pytest.approx(4.5, abs=1e-4)
+
+
+def test_nvfp4linear_keeps_packed_dtypes_under_to_dtype():
+    from qerl.linear import NVFP4Linear
+
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(32, 8, bias=True))
+    before = layer.dequantized_weight(torch.float32)
+    layer.to(torch.bfloat16)
+    assert layer.weight_packed.dtype == torch.uint8
+    assert layer.weight_scale.dtype == torch.float8_e4m3fn
+    assert layer.weight_global_scale.dtype == torch.float32
+    assert layer.bias.dtype == torch.bfloat16  # the bias is an ordinary parameter and follows
+    assert torch.equal(layer.dequantized_weight(torch.float32), before)
+    x = torch.randn(3, 32)
+    assert layer.to(torch.float32)(x).shape == (3, 8)
