@@ -1,0 +1,125 @@
+"""Benchmark problems from a local file or the Hugging Face hub, validated before any work starts.
+
+Every failure here is a user error (wrong path, wrong field names, offline hub), so it surfaces as a
+one-line ``SystemExit`` naming the flag or file; evaluation never starts on half-valid data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One benchmark item: its position in the data set, the question shown to the model, the gold answer."""
+
+    index: int
+    question: str
+    gold: str
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _read_local(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise SystemExit(f"{path}: expected a JSON list of objects")
+        return rows
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise SystemExit(f"--data {path}: unsupported file type {path.suffix!r}; expected one of {', '.join(LOCAL_SUFFIXES)}")
+
+
+def _read_hub(data: str, config: str | None, split: str) -> list[dict[str, Any]]:
+    """Rows of a hub dataset split. Any failure (unknown id, no network, HF_HUB_OFFLINE=1 with no cache)
+    becomes one line that says how to pass a local file instead."""
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(data, config, split=split))
+    except Exception as e:  # datasets raises many unrelated types for "cannot get it"
+        offline = " (HF_HUB_OFFLINE=1 is set)" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") else ""
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(
+            f"--data {data}: not a local file and the hub dataset could not be loaded{offline}: {reason[:200]}; "
+            f"pass a local {'/'.join(LOCAL_SUFFIXES)} path"
+        ) from None
+
+
+def _looks_local(data: str) -> bool:
+    """A path-shaped ``--data`` (file suffix, explicit directory, more than the one slash of ``owner/name``)
+    must never fall through to the hub: a typo in a path should say "no such file"."""
+    return data.endswith(LOCAL_SUFFIXES) or data.startswith(("/", ".", "~")) or data.count("/") > 1
+
+
+def load_problems(
+    data: str,
+    *,
+    question_field: str,
+    answer_field: str,
+    gold: Callable[[str], str],
+    split: str = "test",
+    config: str | None = None,
+    limit: int | None = None,
+) -> list[Problem]:
+    """Read ``data`` (a local .jsonl/.json/.parquet path or a hub id) into problems.
+
+    ``gold`` turns a raw answer field into the gold string and raises ValueError when it cannot
+    (e.g. a GSM8K answer without ``####``). ``limit`` keeps the first N problems, as listed.
+    """
+    path = Path(data).expanduser()
+    if path.is_file():
+        rows, where = _read_local(path), str(path)
+    elif path.is_dir():
+        raise SystemExit(f"--data {data}: is a directory; expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id")
+    elif _looks_local(data):
+        raise SystemExit(f"--data {data}: no such file (expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id)")
+    else:
+        rows, where = _read_hub(data, config, split), f"{data}[{split}]"
+    if not rows:
+        raise SystemExit(f"--data {where}: no records")
+    if limit is not None:
+        rows = rows[:limit]
+    problems = []
+    for i, row in enumerate(rows):
+        for field in (question_field, answer_field):
+            if row.get(field) is None:
+                raise SystemExit(
+                    f"{where}: record {i + 1} has no {field!r} field (expected fields {question_field!r} and "
+                    f"{answer_field!r}; see --question-field/--answer-field)"
+                )
+        try:
+            gold_answer = gold(str(row[answer_field]))
+        except ValueError as e:
+            raise SystemExit(f"{where}: record {i + 1}: {e}") from None
+        problems.append(Problem(index=i, question=str(row[question_field]), gold=gold_answer))
+    return problems

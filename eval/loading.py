@@ -1,0 +1,126 @@
+"""Load the model under evaluation: a base checkpoint plus, optionally, a trained LoRA adapter.
+
+The reference evaluated NVFP4 runs without ever applying the LoRA (qerl_method.md §8 bug a): only
+the trained norms changed the output. Here the adapter goes through peft's own loader, and the
+result is checked tensor by tensor against the adapter file, so a run either evaluates exactly
+the trained weights or stops with a one-line error before any output is written.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftConfig, PeftModel
+from peft.utils import get_peft_model_state_dict
+
+from qerl.lora import register_nvfp4
+
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def load_base(model: str, load: str, dtype: torch.dtype | None, device: str | None) -> tuple[Any, Any]:
+    """(model, tokenizer) through qerl's loader; loader errors become one line naming --model/--load."""
+    from qerl.loader import load_model, load_tokenizer
+
+    try:
+        base = load_model(model, dtype=dtype, device=device, load=load)
+        tokenizer = load_tokenizer(model)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--model {model} (--load {load}): {str(e).strip().splitlines()[0]}") from None
+    base.eval()
+    return base, tokenizer
+
+
+def _names(name_or_path: str | None) -> set[str]:
+    """Spellings under which a model may be recorded: the path as given and resolved, its last component,
+    and the repo id behind a hub-cache snapshot path (``models--org--name/snapshots/<hash>``).
+
+    Matching by last component lets an adapter trained on ``/gpu-box/qmodel/X`` be evaluated on
+    ``./qmodel/X``; it is only a guard against obvious mix-ups, the shape check is the hard one."""
+    if not name_or_path:
+        return set()
+    text = str(name_or_path).rstrip("/")
+    names = {text, Path(text).name}
+    path = Path(text).expanduser()
+    if path.exists():
+        names.add(str(path.resolve()))
+    hub = re.search(r"models--([^/]+?)--([^/]+)", text)
+    if hub:
+        names |= {f"{hub.group(1)}/{hub.group(2)}", hub.group(2)}
+    return names
+
+
+def _read_adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    for name in ADAPTER_WEIGHT_FILES:
+        path = adapter_dir / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(path)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise SystemExit(f"--lora {adapter_dir}: no adapter weights (expected one of {', '.join(ADAPTER_WEIGHT_FILES)})")
+
+
+def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_mismatch: bool = False) -> PeftModel:
+    """Wrap ``model`` with the LoRA adapter (and trained norms, peft ``modules_to_save``) saved in ``adapter_dir``.
+
+    NVFP4 bases need the adapter's LoraConfig registered for ``NVFP4Linear`` first: peft does not save
+    custom-module mappings in adapter_config.json, so the config is loaded, registered and passed in.
+    Raises SystemExit when the adapter was made for another base (recorded name or tensor shapes).
+    """
+    path = Path(adapter_dir).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise SystemExit(f"--lora {adapter_dir}: no adapter_config.json (expected a peft adapter directory)")
+    saved = _read_adapter_tensors(path)
+    config = PeftConfig.from_pretrained(str(path))
+    if not isinstance(config, LoraConfig):
+        raise SystemExit(f"--lora {adapter_dir}: a {type(config).__name__} adapter; only LoRA adapters are supported")
+    recorded = config.base_model_name_or_path
+    base_names = _names(getattr(model, "name_or_path", None)) | _names(model_arg)
+    if recorded and not (_names(recorded) & base_names) and not allow_base_mismatch:
+        raise SystemExit(
+            f"--lora {adapter_dir}: adapter was made for base model {recorded!r}, but --model is {model_arg!r}; "
+            "pass --allow-base-mismatch if they are the same weights"
+        )
+    register_nvfp4(config)
+    try:
+        wrapped = PeftModel.from_pretrained(model, str(path), config=config)
+    except (RuntimeError, ValueError, KeyError) as e:
+        detail = _first_mismatch(str(e)) or " ".join(str(e).split())[:300]
+        raise SystemExit(
+            f"--lora {adapter_dir}: adapter (made for {recorded!r}) does not fit --model {model_arg!r}: {detail}"
+        ) from None
+    _check_loaded(wrapped, saved, adapter_dir, model_arg)
+    wrapped.eval()
+    return wrapped
+
+
+def _first_mismatch(error: str) -> str | None:
+    """torch's multi-line "size mismatch" report, reduced to its first tensor."""
+    found = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^\]]*\])\) from checkpoint, "
+                      r"the shape in current model is torch.Size\((\[[^\]]*\])\)", error)
+    if found is None:
+        return None
+    name, saved, live = found.groups()
+    return f"size mismatch, e.g. {name} is {saved} in the adapter but {live} in the model"
+
+
+def _check_loaded(wrapped: PeftModel, saved: dict[str, torch.Tensor], adapter_dir: str, model_arg: str) -> None:
+    """Every tensor in the adapter file must now be in the model, with its value: peft only warns about
+    keys it could not place, which would silently evaluate a partly-applied adapter."""
+    live = get_peft_model_state_dict(wrapped)
+    missing = sorted(set(saved) - set(live))
+    if missing:
+        raise SystemExit(
+            f"--lora {adapter_dir}: {len(missing)} adapter tensors have no place in --model {model_arg!r} "
+            f"(first: {missing[0]}); was it made for a different base model?"
+        )
+    for key, value in saved.items():
+        target = live[key]
+        if tuple(target.shape) != tuple(value.shape) or not torch.equal(target.cpu(), value.to(target.dtype)):
+            raise SystemExit(f"--lora {adapter_dir}: tensor {key} did not load as saved (shape {tuple(value.shape)} "
+                             f"vs {tuple(target.shape)} in --model {model_arg!r})")

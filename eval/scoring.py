@@ -1,0 +1,196 @@
+"""Answer extraction and scoring for math benchmarks.
+
+The reference scored GSM8K by comparing only the *first character* of the extracted answer and
+gold (qerl_method.md §8 bug b), which inflates accuracy and crashes on an empty extraction. Here a
+completion's answer is located by the marker a model was trained or is likely to use, reduced to a
+number (GSM8K) or a LaTeX expression (MATH/AIME/AMC), and compared by value: exact rational
+equality for numbers, math-verify for anything symbolic.
+
+Extraction tries marker styles in priority order and, for each, looks at the *last* occurrence
+(models restate and correct themselves; the final statement wins). A style whose last occurrence
+holds nothing answer-like (e.g. the ``<answer>...</answer>`` skeleton echoed from the system
+prompt) falls through to the next style.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from math_verify import parse as mv_parse
+from math_verify import verify as mv_verify
+
+_TAG_ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
+# GSM8K's "#### 72"; a markdown heading ("#### Step 1: ...") is not an answer marker.
+_HASHES = re.compile(r"####(?![ \t]*[A-Za-z#])[ \t]*([^\n]*)")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# "The answer is 18.", "Final answer: $18", "answer = 18"; the span stops at the end of the line and is
+# later cut at the end of its first sentence so that trailing chatter ("... Hope this helps with 2 ...")
+# does not leak numbers into it.
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*([^\n]*)", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)")
+# A number not glued to a preceding word/number: "-5", "1,234.50", "0.75", ".5", "3/4".
+# The sign counts only when it does not follow a digit or word ("20-5" is 20 and 5, not -5).
+_NUMBER = re.compile(r"(?<![\w.,])(-?)((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:\s*/\s*(\d+)(?![\d.]))?")
+# LaTeX decoration that carries no value; removing it lets "\$1,234" or "18\,\text{dollars}" be read as numbers.
+_LATEX_NOISE = re.compile(r"(?<!\\)\\[,;:!]\s*|\\(?:left|right|displaystyle)\b|\\text(?:bf|rm)?\s*\{([^{}]*)\}|\\mathrm\s*\{([^{}]*)\}")
+# One number and nothing else but a sign, $ or %: only such spans may be compared as numbers in
+# competition maths ("3, 5, 7" is a list, not 7).
+_SINGLE_NUMBER = re.compile(r"\s*\$?\s*-?\$?\s*(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?\s*%?\s*")
+_LATEX_FRAC = re.compile(r"(-?)\\[dt]?frac\s*\{\s*(-?\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2014": "-"})
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """The answer found in a completion: ``text`` as normalised for display/JSONL, ``value`` when it is a
+    plain number (compared exactly), ``method`` = which marker style produced it."""
+
+    text: str
+    value: Fraction | None
+    method: str
+
+
+def unbox(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (balanced braces), or None when there is none or it is unclosed."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+    return None
+
+
+def _clean(span: str) -> str:
+    """Strip LaTeX decoration, markdown emphasis and math delimiters around an answer span."""
+    span = span.translate(_MINUS_SIGNS)
+    inner = unbox(span)
+    if inner is not None:
+        span = inner
+    span = _LATEX_NOISE.sub(lambda m: m.group(1) or m.group(2) or "", span)
+    span = span.replace("\\$", "$").replace("\\%", "%").replace("{,}", ",")
+    span = re.sub(r"^(?:\s|\*|:|\$|\\\(|\\\[)+|(?:\s|\*|\.|\$|\\\)|\\\])+$", "", span)
+    return span.strip()
+
+
+def to_number(text: str) -> Fraction | None:
+    """The value of the *last* number in ``text`` (commas, $, %, units and trailing ``.0`` ignored;
+    ``a/b`` and ``\\frac{a}{b}`` read as fractions), or None when it holds no number."""
+    text = _LATEX_FRAC.sub(lambda m: f"{m.group(1)}{m.group(2)}/{m.group(3)}", text.translate(_MINUS_SIGNS))
+    matches = list(_NUMBER.finditer(text))
+    if not matches:
+        return None
+    sign, digits, denominator = matches[-1].groups()
+    value = Fraction(digits.replace(",", ""))
+    if denominator is not None:
+        if int(denominator) == 0:
+            return None
+        value /= int(denominator)
+    return -value if sign else value
+
+
+def format_number(value: Fraction) -> str:
+    """Canonical text of a number: ``18``, ``-2.5``, ``1/3`` (terminating decimals as decimals)."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    d = value.denominator
+    while d % 2 == 0:
+        d //= 2
+    while d % 5 == 0:
+        d //= 5
+    if d == 1:
+        return f"{float(value):.12g}"
+    return f"{value.numerator}/{value.denominator}"
+
+
+def _is_symbolic(span: str) -> bool:
+    """True when the span is maths that a number regex would misread (``\\sqrt{2}``, ``2^{10}``, ``3\\pi``);
+    integer fractions ``\\frac{a}{b}`` are plain numbers."""
+    return bool(re.search(r"\\[a-zA-Z]+|\^", _LATEX_FRAC.sub("", span)))
+
+
+def _candidate_spans(completion: str) -> list[tuple[str, str]]:
+    """(method, raw span) for the last occurrence of each marker style, in priority order."""
+    spans: list[tuple[str, str]] = []
+    tags = _TAG_ANSWER.findall(completion)
+    if tags:
+        spans.append(("tags", tags[-1]))
+    hashes = _HASHES.findall(completion)
+    if hashes:
+        spans.append(("####", hashes[-1]))
+    boxed = unbox(completion)
+    if boxed is not None:
+        spans.append(("boxed", boxed))
+    said = _ANSWER_IS.findall(completion)
+    if said:
+        spans.append(("answer-is", _SENTENCE_END.split(said[-1], maxsplit=1)[0]))
+    return spans
+
+
+def extract_answer(completion: str, numeric: bool = True) -> Extraction | None:
+    """Find the final answer in a completion, or None when it states none.
+
+    ``numeric=True`` (GSM8K) reduces a span to its last number unless it is symbolic; as a last
+    resort it takes the last number anywhere in the completion. ``numeric=False`` (competition maths)
+    keeps the cleaned span as LaTeX and has no last-number fallback: there, a stray number is far
+    more likely to be an intermediate result than the answer.
+    """
+    for method, raw in _candidate_spans(completion):
+        span = _clean(raw)
+        if not span or not re.search(r"[\w\\]", span):
+            continue
+        if numeric and "=" in span:  # "5 + 3 = 8", "x = 5": the value is what the statement ends on
+            span = span.rsplit("=", 1)[1].strip() or span
+        if numeric and not _is_symbolic(span):
+            value = to_number(span)
+            if value is not None:
+                return Extraction(format_number(value), value, method)
+            continue
+        value = to_number(span) if _SINGLE_NUMBER.fullmatch(span) else None
+        return Extraction(format_number(value) if value is not None else span, value, method)
+    if numeric:
+        value = to_number(completion)
+        if value is not None:
+            return Extraction(format_number(value), value, "last-number")
+    return None
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The gold number of a GSM8K ``answer`` field (the text after ``####``), or ValueError."""
+    text = answer.split("####")[-1] if "####" in answer else answer
+    value = to_number(text)
+    if value is None or ("####" not in answer and not _SINGLE_NUMBER.fullmatch(answer)):
+        raise ValueError(f"answer has no '#### <number>' gold: {answer[-80:]!r}")
+    return format_number(value)
+
+
+def _symbolic_equal(gold: str, predicted: str) -> bool:
+    """math-verify equivalence; both sides are boxed so that bare LaTeX (``p - q``, ``\\text{(C)}``) parses."""
+    try:
+        gold_parsed = mv_parse(f"\\boxed{{{gold}}}")
+        pred_parsed = mv_parse(f"\\boxed{{{predicted}}}")
+        return bool(gold_parsed and pred_parsed and mv_verify(gold_parsed, pred_parsed))
+    except Exception:  # math-verify parses untrusted model text; any failure means "not shown equal"
+        return False
+
+
+def is_correct(extraction: Extraction | None, gold: str) -> bool:
+    """Whether an extracted answer equals the gold: exactly for two numbers, by math-verify otherwise."""
+    if extraction is None:
+        return False
+    gold_value = to_number(gold) if _SINGLE_NUMBER.fullmatch(gold) else None
+    if extraction.value is not None and gold_value is not None:
+        return extraction.value == gold_value
+    return _symbolic_equal(gold, extraction.text)
+
+
+def score(completion: str, gold: str, numeric: bool = True) -> tuple[Extraction | None, bool]:
+    """Extract the answer from ``completion`` and judge it against ``gold``."""
+    extraction = extract_answer(completion, numeric=numeric)
+    return extraction, is_correct(extraction, gold)
