@@ -88,10 +88,21 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     return idx | (torch.signbit(x).to(torch.uint8) << 3)
 
 
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _e2m1_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The 16-entry code -> value table, built once per device and dtype: a host-to-device copy on
+    every call would be slow and cannot be captured in a CUDA graph."""
+    key = (device, dtype)
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=device)
+    return _TABLES[key]
+
+
 def e2m1_to_float(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode 4-bit codes (uint8 holding 0..15) to their values."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=codes.device)
-    return table[codes.long()]
+    return _e2m1_table(codes.device, dtype)[codes.long()]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

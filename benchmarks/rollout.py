@@ -1,0 +1,393 @@
+"""Rollout decode speed: qerl's native engine vs transformers' generate, beside the bandwidth floor.
+
+What it measures (one process, one GPU, random weights of real shapes):
+
+* ``native nvfp4+lora``: NativeEngine over NVFP4Linear layers + peft LoRA r=16 on all 7 projections
+  (unmerged); ``native nvfp4`` the same with the adapter disabled (LoRA overhead);
+* ``native bf16+lora``: NativeEngine over bf16 nn.Linear + the same LoRA;
+* ``hf bf16+lora``: transformers ``generate`` on the bf16+LoRA model (fewer tokens: it is slow).
+
+Each prompt is 256 random tokens; 1024 tokens are generated with no stop token (forced length),
+temperature 1. ms/step = (time of a 1024-token generate - time of a 1-token generate) / 1023,
+both after a warm-up generate of the same shape (graph capture and Triton compilation excluded).
+The floor is (weight bytes + LoRA bytes + mean KV bytes read per step) / the device-to-device copy
+bandwidth measured in the same run.
+
+    python benchmarks/rollout.py --out $OUT/rollout.json            # on the GPU
+    python benchmarks/rollout.py --plot benchmarks/results/rollout.json  # PNG beside the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SHAPES = {
+    "7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
+    ),
+    "32b": dict(
+        hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8
+    ),
+}
+VOCAB = 152064
+DEVICE = "cuda"
+PROMPT = 256
+#: vLLM 0.26 NVFP4(Marlin)+LoRA r16 decode ms/step measured EARLIER on this H200 (issue 4), not in this run.
+EARLIER_VLLM_NVFP4_LORA_MS = {("7b", 1): 4.94, ("7b", 8): 4.88, ("7b", 64): 8.25, ("32b", 8): 14.7}
+
+
+def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.Module:
+    """A random Qwen2 of ``shape`` on the GPU (bf16 or NVFP4 decoder Linears) wrapped in peft LoRA."""
+    from peft import get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    from qerl.linear import NVFP4Linear
+    from qerl.lora import lora_config
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False, **SHAPES[shape]
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(cfg)
+            if nvfp4:
+                for layer in model.model.layers:
+                    for parent in (layer.self_attn, layer.mlp):
+                        for name, child in list(parent.named_children()):
+                            if isinstance(child, nn.Linear):
+                                q = NVFP4Linear(
+                                    child.in_features, child.out_features, child.bias is not None, device="meta"
+                                )
+                                setattr(parent, name, q)
+    finally:
+        torch.set_default_dtype(default)
+    model.to_empty(device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.dtype == torch.uint8:  # random FP4 codes: never time on zeros
+                t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=DEVICE, dtype=torch.uint8))
+            elif t.dtype == torch.float8_e4m3fn:
+                t.copy_((torch.rand(t.shape, generator=gen, device=DEVICE) * 1.5 + 0.25).to(t.dtype))
+            elif name.endswith("weight_global_scale"):
+                t.fill_(150.0)  # E2M1 rms 2.9 x scale ~1 / 150 -> weight rms ~0.02
+            elif "norm" in name:
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, 0.02, generator=gen)
+    with torch.device(DEVICE):
+        model.model.rotary_emb = Qwen2RotaryEmbedding(cfg)
+    model.eval()
+    peft_model = get_peft_model(model, lora_config(r=lora_r)).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.01)
+    return peft_model
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of everything a decode step reads once except the embedding table, LoRA bytes in bf16)."""
+    total = lora = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" in name or "rotary" in name:
+            continue
+        if "lora_" in name:
+            lora += t.numel() * 2  # the engine reads bf16 copies
+        else:
+            total += t.numel() * t.element_size()
+    return total, lora
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20 after warm-up)."""
+    a = torch.randint(0, 255, (4 << 30,), dtype=torch.uint8, device=DEVICE)
+    b = torch.empty_like(a)
+    times = []
+    for i in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        if i >= 5:
+            times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * (4 << 30) / statistics.median(times)
+
+
+def kv_bytes_per_step(shape: str, batch: int, tokens: int) -> float:
+    """Mean K+V bytes attention must read per decode step over a generation of ``tokens``."""
+    s = SHAPES[shape]
+    per_pos = s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * 128 * 2
+    return batch * per_pos * (PROMPT + tokens / 2)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def ms_per_step(engine, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """(decode ms/step, prefill+1-token s) for ``engine`` after a warm-up of the same shape."""
+    from qerl.rollout import SamplingParams
+
+    full = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=0)
+    one = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
+    kv_block = getattr(engine, "kv_block", None)
+    if kv_block is None:  # transformers: one warm-up run of the same shape
+        engine.generate(prompts, full)
+    else:
+        # Capture every (batch, KV-length) graph the timed run needs with a few short generates whose
+        # long prompts land in each KV bucket, largest first so the cache is sized once.
+        total = len(prompts[0]) + tokens
+        for end in range(-(-total // kv_block) * kv_block, len(prompts[0]), -kv_block):
+            long = [(p * (end // len(p) + 1))[: end - 9] for p in prompts]
+            engine.generate(long, SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
+    t_one = timed(lambda: engine.generate(prompts, one))
+    out = []
+    t_full = timed(lambda: out.append(engine.generate(prompts, full)))
+    assert all(len(c) == tokens for c in out[0].completion_ids), "a completion stopped early"
+    return (t_full - t_one) / (tokens - 1) * 1e3, t_one
+
+
+def profile(args: argparse.Namespace) -> None:
+    """Kernel-level GPU time of eager decode steps (7B NVFP4+LoRA, b=1 and b=8): where a step goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.native import NativeEngine
+
+    model = build_model("7b", nvfp4=True)
+    engine = NativeEngine(model, 0, cuda_graphs=False)
+    gen = torch.Generator().manual_seed(1)
+    for b in (1, 8):
+        prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+        params = SamplingParams(temperature=1.0, max_new_tokens=9, seed=0)
+        engine.generate(prompts, params)
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, params)
+        print(f"--- 7b nvfp4+lora b={b}: GPU time of prefill + 8 eager decode steps", flush=True)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run(args: argparse.Namespace) -> dict:
+    from qerl.rollout import get_engine
+
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
+    rows: list[dict] = []
+    gen = torch.Generator().manual_seed(0)
+    for shape, batches in (("7b", (1, 8, 64)), ("32b", (8, 1))):
+        if shape not in args.shapes:
+            continue
+        for variant in ("nvfp4", "bf16"):
+            model = build_model(shape, nvfp4=variant == "nvfp4")
+            wbytes, lbytes = weight_bytes(model)
+            native = get_engine(model, 0, kind="native")
+            hf = get_engine(model, 0, kind="hf")
+            for b in batches:
+                prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+                kv = kv_bytes_per_step(shape, b, args.tokens)
+                runs = [("native", "lora", True, native, args.tokens)]
+                if variant == "nvfp4" and shape == "7b" and b in (1, 8):
+                    runs.append(("native", "nolora", False, native, args.tokens))
+                if variant == "bf16" and not args.skip_hf:
+                    runs.append(("hf", "lora", True, hf, args.hf_tokens))
+                for engine_name, lora_tag, with_lora, engine, tokens in runs:
+                    if with_lora:
+                        ms, t_one = ms_per_step(engine, prompts, tokens)
+                    else:
+                        with model.disable_adapter():
+                            ms, t_one = ms_per_step(engine, prompts, tokens)
+                    floor = (wbytes + (lbytes if with_lora else 0) + kv) / bw * 1e3
+                    row = dict(shape=shape, engine=engine_name, weights=variant, lora=with_lora, batch=b,
+                               tokens=tokens, ms_per_step=round(ms, 4), prefill_plus_1_s=round(t_one, 4),
+                               floor_ms=round(floor, 4), weight_gb=round(wbytes / 1e9, 3),
+                               lora_gb=round(lbytes / 1e9, 4), kv_gb_mean=round(kv / 1e9, 3))  # fmt: skip
+                    rows.append(row)
+                    if args.out is not None:  # partial results survive a run cut off at its time limit
+                        partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
+                        args.out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
+                    print(f"{shape} {engine_name:6s} {variant}+{lora_tag:6s} b={b:3d}: {ms:8.3f} ms/step "
+                          f"(floor {floor:.3f}, tokens {tokens})", flush=True)  # fmt: skip
+            del native, hf, model
+            gc.collect()
+            torch.cuda.empty_cache()
+    return build_result(rows, bw, args)
+
+
+def environment() -> dict:
+    import transformers
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+    }
+
+
+def build_result(
+    rows: list[dict], bw: float, args: argparse.Namespace, partial: str | None = None, env: dict | None = None
+) -> dict:
+    """The JSON document: environment, summary ratios (None where a row is missing), all rows."""
+
+    def ms(shape: str, engine: str, weights: str, lora: bool, b: int) -> float | None:
+        for r in rows:
+            if (r["shape"], r["engine"], r["weights"], r["lora"], r["batch"]) == (shape, engine, weights, lora, b):
+                return r["ms_per_step"]
+        return None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(a / b, 3)
+
+    nv = {(s, b): ms(s, "native", "nvfp4", True, b) for s, b in EARLIER_VLLM_NVFP4_LORA_MS}
+    lora1, nolora1 = ms("7b", "native", "nvfp4", True, 1), ms("7b", "native", "nvfp4", False, 1)
+    summary = {
+        "nvfp4_lora_b1_ms": ms("7b", "native", "nvfp4", True, 1),
+        # vLLM was not run in this session (device-time budget): same-run ratios are null.
+        "over_vllm_nvfp4_lora_b1": None,
+        "over_vllm_nvfp4_lora_b8": None,
+        "over_vllm_nvfp4_lora_b64": None,
+        "over_vllm_nvfp4_lora_32b_b8": None,
+        "nvfp4_over_bf16_b8": ratio(ms("7b", "native", "bf16", True, 8), ms("7b", "native", "nvfp4", True, 8)),
+        "lora_overhead_b1": None if lora1 is None or nolora1 is None else round((lora1 - nolora1) / lora1, 4),
+        "over_hf_generate_bf16_lora_b1": ratio(ms("7b", "hf", "bf16", True, 1), lora1),
+    }
+    earlier = {
+        "note": "vLLM 0.26 NVFP4+LoRA r16 ms/step measured EARLIER on this H200 (given in issue 4), NOT in this run",
+        "vllm_ms": {f"{s}_b{b}": v for (s, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items()},
+        "over_earlier_vllm": {f"{s}_b{b}": ratio(v, nv[(s, b)]) for (s, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items()},
+    }
+    result = {
+        "benchmark": "rollout decode ms/step",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **(env if env is not None else environment()),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "setup": {
+            "prompt_tokens": PROMPT,
+            "new_tokens": args.tokens,
+            "hf_new_tokens": args.hf_tokens,
+            "lora_r": 16,
+            "temperature": 1.0,
+            "weights": "random (real shapes)",
+            "model": "Qwen2.5 7B/32B shapes",
+        },  # fmt: skip
+        "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+        "summary": summary,
+        "earlier_vllm_reference": earlier,
+        "results": rows,
+    }
+    if partial is not None:
+        result["partial"] = partial
+    return result
+
+
+def plot(path: Path) -> Path:
+    """Bar chart of ms/step per configuration with its floor, saved beside the JSON (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    rows = [r for r in data["results"]]
+    labels = [f"{r['shape']} b{r['batch']}\n{r['engine']} {r['weights']}{'+lora' if r['lora'] else ''}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5))
+    x = range(len(rows))
+    ax.bar(x, [r["ms_per_step"] for r in rows], color=["C0" if r["engine"] == "native" else "C3" for r in rows])
+    ax.scatter(x, [r["floor_ms"] for r in rows], color="k", marker="_", s=400, label="bandwidth floor", zorder=3)
+    for (shape, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items():
+        idx = [
+            i
+            for i, r in enumerate(rows)
+            if (r["shape"], r["batch"], r["engine"], r["weights"], r["lora"]) == (shape, b, "native", "nvfp4", True)
+        ]
+        if idx:
+            ax.scatter(idx, [v], color="C2", marker="*", s=120, zorder=4)
+    ax.scatter([], [], color="C2", marker="*", label="vLLM NVFP4+LoRA (earlier measurement)")
+    ax.set_yscale("log")
+    ax.set_ylabel("decode ms / step")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    device = data.get("device") or "device not recorded"
+    ax.set_title(f"qerl rollout decode, {device} ({data['date'][:10]}){' — PARTIAL run' if 'partial' in data else ''}")
+    ax.legend()
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="where to write the JSON (GPU run)")
+    parser.add_argument("--plot", type=Path, help="make the PNG for an existing JSON and exit")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--hf-tokens", type=int, default=32)
+    parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print a kernel profile of eager decode first")
+    parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
+    parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
+    parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
+    args = parser.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return
+    if args.from_partial:
+        data = json.loads(args.from_partial.read_text())
+        rows, bw = (
+            (data, args.bandwidth_tb_s) if isinstance(data, list) else (data["rows"], data["copy_bandwidth_tb_s"])
+        )
+        if bw is None or args.out is None:
+            sys.exit("benchmarks/rollout.py: --from-partial needs --out and the run's bandwidth (--bandwidth-tb-s)")
+        env = (
+            {k: data.get(k) for k in ("device", "versions")}
+            if isinstance(data, dict)
+            else {"device": None, "versions": None}
+        )
+        result = build_result(rows, bw * 1e12, args, partial=args.partial_note, env=env)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result["summary"], indent=2))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/rollout.py: needs a CUDA device (use --plot for an existing JSON)")
+    if args.out is None:
+        sys.exit("benchmarks/rollout.py: --out PATH is required for a run")
+    if args.profile:
+        profile(args)
+    result = run(args)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, args.out)
+    print(json.dumps(result["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

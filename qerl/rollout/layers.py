@@ -1,0 +1,227 @@
+"""A flat, read-only view of a Llama/Qwen2 causal LM for the native engine.
+
+``ModelPlan.from_model`` walks the trainer's model once per ``generate`` and records *references*
+to its tensors: the packed NVFP4 buffers (or bf16 weights), the RMSNorm weights actually used in
+forward (a peft ``ModulesToSaveWrapper``'s active copy when norms are trained), and the LoRA
+factors of peft-wrapped projections. Nothing heavy is copied: a CUDA graph captured over the plan
+reads the very tensors the optimizer and AQN update in place.
+
+The one exception is LoRA. Projections that share an input (q/k/v; gate/up) get their ``A`` factors
+concatenated into one ``[sum r, K]`` buffer so that the shrink ``u = x @ A.T`` is one matmul per
+group, and each ``B`` is stored pre-multiplied by its peft scaling, in the compute dtype. These
+buffers are tiny (r=16 on a 7B model: 40M values, under 1% of the weight bytes) and are refreshed
+in place by ``refresh_lora`` at the start of every ``generate``, so a trainer step is always seen
+without recapturing graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from peft.tuners.lora.layer import LoraLayer
+from peft.utils.other import ModulesToSaveWrapper
+from torch import nn
+
+from qerl.linear import NVFP4Linear
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers ``*ForCausalLM`` inside a peft ``PeftModel`` (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    lm = get_base() if callable(get_base) else model
+    model_type = getattr(getattr(lm, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(lm, "lm_head"):
+        raise ValueError(
+            f"native rollout engine: expected a Llama/Qwen2 causal LM (model_type in {SUPPORTED_MODEL_TYPES}), "
+            f"got {type(lm).__name__} with model_type={model_type!r}; use kind='hf' instead"
+        )
+    return lm
+
+
+def active_norm(module: nn.Module) -> nn.Module:
+    """The RMSNorm that forward really uses: the trained copy under peft ``modules_to_save``."""
+    if isinstance(module, ModulesToSaveWrapper):
+        adapters = module.active_adapters
+        if not module.disable_adapters and adapters and adapters[0] in module.modules_to_save:
+            return module.modules_to_save[adapters[0]]
+        return module.original_module
+    return module
+
+
+@dataclass
+class Norm:
+    """An RMSNorm's weight (read in place) and epsilon."""
+
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Norm:
+        norm = active_norm(module)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if eps is None:
+            raise ValueError(f"native rollout engine: {type(norm).__name__} has no epsilon; expected an RMSNorm")
+        return cls(norm.weight, float(eps))
+
+
+@dataclass
+class Proj:
+    """One projection: its base layer (NVFP4Linear or nn.Linear) and, if LoRA-wrapped, its factors.
+
+    ``lora_b`` is the compute-dtype ``B * scaling`` buffer; ``lora_slice`` says which columns of the
+    group's shrink output ``u`` belong to this projection.
+    """
+
+    base: nn.Module
+    lora_sources: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
+    lora_b: torch.Tensor | None = None
+    lora_slice: slice | None = None
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return isinstance(self.base, NVFP4Linear)
+
+    @property
+    def weight_ptr(self) -> int:
+        return (self.base.weight_packed if self.is_nvfp4 else self.base.weight).data_ptr()
+
+
+@dataclass
+class Group:
+    """Projections that read the same input; their LoRA shrinks are done as one matmul."""
+
+    projs: list[Proj]
+    lora_a: torch.Tensor | None = None  # [sum r, K], compute dtype
+
+
+@dataclass
+class LayerPlan:
+    attn_norm: Norm
+    qkv: Group
+    o: Group
+    mlp_norm: Norm
+    gate_up: Group
+    down: Group
+
+
+def _proj(module: nn.Module) -> Proj:
+    """Split a (possibly peft-wrapped) Linear into its base layer and active LoRA factors."""
+    if not isinstance(module, LoraLayer):
+        return Proj(module)
+    if module.merged:
+        raise ValueError("native rollout engine: merged LoRA layers are not supported; unmerge the adapter")
+    sources = []
+    if not module.disable_adapters:
+        for name in module.active_adapters:
+            if name not in module.lora_A:
+                continue
+            if module.use_dora.get(name, False):
+                raise ValueError(f"native rollout engine: DoRA adapter {name!r} is not supported")
+            sources.append((module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])))
+    return Proj(module.get_base_layer(), sources)
+
+
+def _group(modules: list[nn.Module], dtype: torch.dtype) -> Group:
+    projs = [_proj(m) for m in modules]
+    ranks = [sum(a.shape[0] for a, _, _ in p.lora_sources) for p in projs]
+    if sum(ranks) == 0:
+        return Group(projs)
+    first = next(p for p in projs if p.lora_sources)
+    device = first.lora_sources[0][0].device
+    in_features = first.lora_sources[0][0].shape[1]
+    group = Group(projs, torch.empty(sum(ranks), in_features, dtype=dtype, device=device))
+    start = 0
+    for proj, rank in zip(projs, ranks, strict=True):
+        if rank:
+            out_features = proj.lora_sources[0][1].shape[0]
+            proj.lora_b = torch.empty(out_features, rank, dtype=dtype, device=device)
+            proj.lora_slice = slice(start, start + rank)
+            start += rank
+    return group
+
+
+@torch.no_grad()
+def refresh_lora(group: Group) -> None:
+    """Copy the current LoRA factors into the group's compute-dtype buffers (in place)."""
+    if group.lora_a is None:
+        return
+    for proj in group.projs:
+        if proj.lora_b is None:
+            continue
+        a = torch.cat([a for a, _, _ in proj.lora_sources], dim=0)
+        b = torch.cat([b * s for _, b, s in proj.lora_sources], dim=1)
+        group.lora_a[proj.lora_slice].copy_(a)
+        proj.lora_b.copy_(b)
+
+
+@dataclass
+class ModelPlan:
+    """Everything the native forward needs, as references into the live model."""
+
+    lm: nn.Module
+    embed: nn.Module
+    layers: list[LayerPlan]
+    final_norm: Norm
+    lm_head: nn.Module
+    rotary: nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> ModelPlan:
+        lm = unwrap_causal_lm(model)
+        cfg = lm.config
+        backbone = lm.model
+        dtype = backbone.embed_tokens.weight.dtype
+        layers = []
+        for layer in backbone.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(
+                LayerPlan(
+                    attn_norm=Norm.of(layer.input_layernorm),
+                    qkv=_group([attn.q_proj, attn.k_proj, attn.v_proj], dtype),
+                    o=_group([attn.o_proj], dtype),
+                    mlp_norm=Norm.of(layer.post_attention_layernorm),
+                    gate_up=_group([mlp.gate_proj, mlp.up_proj], dtype),
+                    down=_group([mlp.down_proj], dtype),
+                )
+            )
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"native rollout engine: hidden_act={act!r} is not supported (expected silu)")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            lm=lm,
+            embed=backbone.embed_tokens,
+            layers=layers,
+            final_norm=Norm.of(backbone.norm),
+            lm_head=lm.lm_head,
+            rotary=backbone.rotary_emb,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=backbone.embed_tokens.weight.device,
+        )
+
+    def groups(self) -> list[Group]:
+        return [g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    def refresh_lora(self) -> None:
+        for group in self.groups():
+            refresh_lora(group)
+
+    def signature(self) -> tuple:
+        """Addresses and shapes a captured graph depends on: if any changes, graphs are recaptured."""
+        ptrs: list[object] = [self.embed.weight.data_ptr(), self.final_norm.weight.data_ptr()]
+        for layer in self.layers:
+            ptrs += [layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr()]
+            for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                ptrs += [(p.weight_ptr, tuple(a.shape for a, _, _ in p.lora_sources)) for p in group.projs]
+        return tuple(ptrs)

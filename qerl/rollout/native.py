@@ -1,0 +1,442 @@
+"""``NativeEngine``: gpt-fast-style rollouts over the trainer's own model object.
+
+How a ``generate`` call runs:
+
+1. ``ModelPlan.from_model`` collects references to the live modules (NVFP4 buffers or bf16
+   weights, the norm weights forward really uses, peft LoRA factors) and refreshes the small LoRA
+   buffers. Nothing heavy is copied, so an optimizer step or an in-place AQN write to a norm weight
+   is seen by the next generation without recapturing anything.
+2. Prefill: unique prompts, right-padded, go through one causal pass (chunked to bound memory);
+   their keys/values are written into a preallocated static cache ``[layers, rows, Hkv, S, D]``,
+   one cache row per completion (a prompt's ``n`` completions share its prefill).
+3. Decode: one token per row per step over the static cache. On CUDA the whole step (embedding,
+   layers, LM head, sampling, stop-token bookkeeping) is captured once as a CUDA graph per
+   (batch bucket, KV-length bucket, sampling mode) and replayed; graphs read parameters by address.
+   Every ``check_every`` steps the host looks at the done flags: when all rows are done it stops,
+   and when the live rows fit a smaller power-of-two bucket it compacts them (and their cache rows)
+   to the front so that finished rows stop costing work. The KV-length bucket (``kv_block``) bounds
+   attention to the cache prefix that can hold live tokens.
+
+CPU runs the same step eagerly (fp32 for tests). Floors and measured speeds: benchmarks/NOTES.md.
+
+AQN hook: ``set_step_hook(fn)`` registers a zero-argument callable that runs at the start of every
+decode step, *inside* the captured graph on CUDA, and once before prefill. It must be capture-safe:
+fixed shapes, in-place tensor ops, randomness from the default CUDA generator (e.g.
+``w.copy_(base + sigma * torch.randn_like(base))``). Norm weights are read by address, so writes
+made between generations need no hook at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qerl.rollout import ops
+from qerl.rollout.base import RolloutOutput, SamplingParams
+from qerl.rollout.hf import check_prompts, resolve_pad_id, trim_completion
+from qerl.rollout.layers import ModelPlan
+from qerl.rollout.sampling import is_filtered, make_generator, sample
+
+#: Stop-id buffer slots baked into a graph; more stop ids grow it (and recapture).
+STOP_SLOTS = 16
+
+
+def _bucket(n: int) -> int:
+    """Smallest power of two >= n."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+@dataclass
+class _Slots:
+    """Per-row decode state of one batch bucket (static buffers a graph reads and writes)."""
+
+    tokens: torch.Tensor  # [b] token fed this step
+    pos: torch.Tensor  # [b] its position (= cache slot)
+    done: torch.Tensor  # [b] bool
+    row_id: torch.Tensor  # [b] output row (the trash row for padding slots)
+
+    @classmethod
+    def empty(cls, b: int, device: torch.device) -> _Slots:
+        return cls(
+            torch.zeros(b, dtype=torch.long, device=device),
+            torch.zeros(b, dtype=torch.long, device=device),
+            torch.ones(b, dtype=torch.bool, device=device),
+            torch.zeros(b, dtype=torch.long, device=device),
+        )
+
+
+class _State:
+    """The static KV cache, RoPE tables, output buffers and sampling knobs, sized (rows, seq)."""
+
+    def __init__(self, plan: ModelPlan, rows: int, seq: int) -> None:
+        dev, dt = plan.device, plan.dtype
+        n_layers = len(plan.layers)
+        self.rows, self.seq = rows, seq
+        self.k = torch.zeros(n_layers, rows, plan.num_kv_heads, seq, plan.head_dim, dtype=dt, device=dev)
+        self.v = torch.zeros_like(self.k)
+        with torch.no_grad():
+            probe = torch.empty(1, dtype=dt, device=dev)
+            cos, sin = plan.rotary(probe, torch.arange(seq, device=dev)[None])
+        self.cos, self.sin = cos[0], sin[0]  # [seq, D], the model's own rope (theta, scaling)
+        self.trash = rows  # output row that padding slots write to
+        self.out_tok = torch.zeros(rows + 1, seq, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(rows + 1, seq, dtype=torch.float32, device=dev)
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros((), dtype=torch.long, device=dev)
+        self.top_p = torch.ones((), dtype=torch.float32, device=dev)
+        self.stop = torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev)
+        self.slots: dict[int, _Slots] = {}
+
+    def slots_for(self, b: int) -> _Slots:
+        if b not in self.slots:
+            self.slots[b] = _Slots.empty(b, self.k.device)
+        return self.slots[b]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class NativeEngine:
+    """RolloutEngine running the trainer's Llama/Qwen2 model with a static KV cache and CUDA graphs.
+
+    Args:
+        model: a transformers Llama/Qwen2 causal LM, optionally peft-wrapped; decoder Linears may
+            be ``NVFP4Linear``. Used in place, never copied.
+        tokenizer_or_pad_id: a tokenizer (for its pad id) or the pad id itself.
+        cuda_graphs: capture decode steps on CUDA (ignored on CPU).
+        kv_block: KV-length bucket granularity for decode attention (and graph keys).
+        check_every: decode steps between host checks of the done flags (early exit, compaction).
+        prefill_tokens: max prompt tokens (rows x padded length) per prefill chunk.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer_or_pad_id: object,
+        *,
+        cuda_graphs: bool = True,
+        kv_block: int = 256,
+        check_every: int = 16,
+        prefill_tokens: int = 16384,
+    ) -> None:
+        self.model = model
+        self.pad_id = resolve_pad_id(tokenizer_or_pad_id)
+        self.cuda_graphs = cuda_graphs
+        self.kv_block = kv_block
+        self.check_every = check_every
+        self.prefill_tokens = prefill_tokens
+        self._hook: Callable[[], None] | None = None
+        self._state: _State | None = None
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._signature: tuple | None = None
+        self._gen: torch.Generator | None = None
+        self._forced: object = None  # teacher_forced_logits: the completions, then (tokens, logits) buffers
+        self.last_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ public API
+
+    def set_step_hook(self, fn: Callable[[], None] | None) -> None:
+        """Run ``fn()`` at the start of every decode step (captured into the graph on CUDA)."""
+        self._hook = fn
+        self._drop_graphs()
+
+    def _drop_graphs(self, which: Callable[[tuple], bool] | None = None) -> None:
+        """Forget captured graphs (all, or those whose key matches); a fresh memory pool follows
+        when none is left, since reusing a pool whose graphs are all gone trips the allocator."""
+        self._graphs = {k: g for k, g in self._graphs.items() if which is not None and not which(k)}
+        if not self._graphs:
+            self._pool = None
+
+    def release(self) -> None:
+        """Free the KV cache and the captured graphs (e.g. before a memory-hungry training phase)."""
+        self._drop_graphs()
+        self._state = None
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput:
+        return self._generate(prompt_ids, params, n, force=False)
+
+    @torch.no_grad()
+    def teacher_forced_logits(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Logits (fp32 ``[len(completion), V]``) the decode path gives each completion token, fed the
+        given tokens instead of samples: prefill predicts token 0, captured decode steps the rest.
+
+        For checking the engine against a full forward of the trainer's model (tests, benchmarks).
+        """
+        if len(prompt_ids) != len(completion_ids) or any(len(c) == 0 for c in completion_ids):
+            raise ValueError("completion_ids: expected one non-empty completion per prompt")
+        steps = max(len(c) for c in completion_ids)
+        self._forced = completion_ids
+        self._drop_graphs(lambda key: key[-1])  # forced graphs read the previous call's buffers
+        try:
+            self._generate(prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=steps), 1, force=True)
+            logits = self._forced[1]
+        finally:
+            self._forced = None
+        return [logits[i, : len(c)].clone() for i, c in enumerate(completion_ids)]
+
+    def _forced_buffers(self, plan: ModelPlan, state: _State, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per output row (trash row included): the tokens to feed and room for the logits."""
+        tokens = torch.full((state.rows + 1, steps), self.pad_id, dtype=torch.long)
+        for i, c in enumerate(self._forced):
+            tokens[i, : len(c)] = torch.tensor(c)
+        logits = torch.zeros(state.rows + 1, steps, plan.lm_head.out_features, device=plan.device)
+        return tokens.to(plan.device), logits
+
+    @torch.no_grad()
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int, force: bool) -> RolloutOutput:
+        check_prompts(prompt_ids, n)
+        plan = ModelPlan.from_model(self.model)
+        plan.refresh_lora()
+        rows = len(prompt_ids) * n
+        max_len = max(len(p) for p in prompt_ids)
+        state = self._prepare(plan, rows, max_len + params.max_new_tokens, params)
+        if force:
+            self._forced = self._forced_buffers(plan, state, params.max_new_tokens)
+        if self._hook is not None:
+            self._hook()
+
+        row_prompt = torch.arange(rows, device=plan.device) // n
+        lens = torch.tensor([len(p) for p in prompt_ids], device=plan.device)
+        logits = self._prefill(plan, state, prompt_ids, n)
+        if force:
+            self._forced[1][:rows, 0] = logits.float()
+            tok, lp = self._forced[0][:rows, 0], torch.zeros(rows, device=plan.device)
+        else:
+            tok, lp = sample(logits[row_prompt], params.temperature, params.top_k, params.top_p, self._gen)
+
+        b = _bucket(rows)
+        slots = state.slots_for(b)
+        slots.tokens.fill_(self.pad_id)
+        slots.pos.zero_()
+        slots.done.fill_(True)
+        slots.row_id.fill_(state.trash)
+        slots.tokens[:rows] = tok
+        slots.pos[:rows] = lens[row_prompt]
+        slots.done[:rows] = self._is_stop(state, tok)
+        slots.row_id[:rows] = torch.arange(rows, device=plan.device)
+        state.out_tok[:rows, 0] = tok
+        state.out_lp[:rows, 0] = lp
+        state.step.fill_(1)
+
+        greedy, filtered = params.temperature == 0, is_filtered(params)
+        steps = 1
+        for t in range(1, params.max_new_tokens):
+            kv_len = min(state.seq, _round_up(max_len + t, self.kv_block))
+            self._run_step(plan, state, (b, kv_len, greedy, filtered, force))
+            steps = t + 1
+            if t % self.check_every == 0 and t + 1 < params.max_new_tokens:
+                live = (~slots.done).nonzero().flatten()
+                if live.numel() == 0:
+                    break
+                if _bucket(live.numel()) < b:
+                    b, slots = self._compact(state, slots, live, kv_len)
+        self.last_stats = {
+            "decode_steps": float(steps - 1),
+            "final_bucket": float(b),
+            "graphs": float(len(self._graphs)),
+        }
+        return self._collect(state, rows, steps, n, params)
+
+    # ------------------------------------------------------------------ setup
+
+    def _prepare(self, plan: ModelPlan, rows: int, seq: int, params: SamplingParams) -> _State:
+        """(Re)allocate state when it is too small or the model's tensors moved; set the knobs."""
+        signature = plan.signature()
+        if signature != self._signature:
+            self._drop_graphs()
+            self._signature = signature
+        need_rows, need_seq = _bucket(rows), _round_up(seq, self.kv_block)
+        state = self._state
+        if state is None or state.rows < need_rows or state.seq < need_seq:
+            self._drop_graphs()
+            self._state = None  # free the old cache before allocating the new one
+            state = self._state = _State(plan, need_rows, need_seq)
+        if len(params.stop_token_ids) > state.stop.numel():
+            state.stop = torch.full((len(params.stop_token_ids),), -1, dtype=torch.long, device=plan.device)
+            self._drop_graphs()
+        state.stop.fill_(-1)
+        if params.stop_token_ids:
+            state.stop[: len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids, device=plan.device)
+        state.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
+        state.top_k.fill_(params.top_k)
+        state.top_p.fill_(params.top_p)
+        if self._gen is None or self._gen.device != plan.device:
+            self._gen = make_generator(plan.device, params.seed)
+            self._drop_graphs()
+        elif params.seed is None:
+            self._gen.seed()
+        else:
+            self._gen.manual_seed(int(params.seed))
+        return state
+
+    @staticmethod
+    def _is_stop(state: _State, tok: torch.Tensor) -> torch.Tensor:
+        return (tok[:, None] == state.stop[None, :]).any(-1)
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill(self, plan: ModelPlan, state: _State, prompt_ids: list[list[int]], n: int) -> torch.Tensor:
+        """Run all prompts (in chunks), fill the cache rows of their completions; return last logits [P, V]."""
+        width = max(len(p) for p in prompt_ids)
+        per_chunk = max(1, self.prefill_tokens // width)
+        logits = []
+        for start in range(0, len(prompt_ids), per_chunk):
+            chunk = prompt_ids[start : start + per_chunk]
+            logits.append(self._prefill_chunk(plan, state, chunk, start, n))
+        return torch.cat(logits)
+
+    def _prefill_chunk(
+        self, plan: ModelPlan, state: _State, chunk: list[list[int]], first: int, n: int
+    ) -> torch.Tensor:
+        dev = plan.device
+        p, width = len(chunk), max(len(c) for c in chunk)
+        tokens = torch.full((p, width), self.pad_id, dtype=torch.long)
+        for i, c in enumerate(chunk):
+            tokens[i, : len(c)] = torch.tensor(c)
+        tokens = tokens.to(dev)
+        lens = torch.tensor([len(c) for c in chunk], device=dev)
+        # Right padding: causal attention already keeps real tokens from seeing the pads after them.
+        rows = torch.arange(first * n, (first + p) * n, device=dev)
+        src = torch.arange(p, device=dev).repeat_interleave(n)
+        cos, sin = state.cos[:width][None, :, None, :], state.sin[:width][None, :, None, :]
+        h = plan.embed(tokens)
+        x = ops.rms_norm(h, plan.layers[0].attn_norm.weight, plan.layers[0].attn_norm.eps)
+        hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
+        for i, layer in enumerate(plan.layers):
+            q, k, v = ops.group_forward(x, layer.qkv)
+            q = ops.apply_rope(q.view(p, width, nh, hd), cos, sin).transpose(1, 2)
+            k = ops.apply_rope(k.view(p, width, nkv, hd), cos, sin).transpose(1, 2)
+            v = v.view(p, width, nkv, hd).transpose(1, 2)
+            state.k[i, rows, :, :width] = k[src]
+            state.v[i, rows, :, :width] = v[src]
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=nkv != nh)
+            (o,) = ops.group_forward(attn.transpose(1, 2).reshape(p, width, nh * hd), layer.o)
+            x = ops.add_rms_norm(h, o, layer.mlp_norm.weight, layer.mlp_norm.eps)
+            gate, up = ops.group_forward(x, layer.gate_up)
+            (mlp,) = ops.group_forward(ops.silu_mul(gate, up), layer.down)
+            nxt = plan.layers[i + 1].attn_norm if i + 1 < len(plan.layers) else plan.final_norm
+            if i + 1 < len(plan.layers):
+                x = ops.add_rms_norm(h, mlp, nxt.weight, nxt.eps)
+        h.add_(mlp)
+        last = h[torch.arange(p, device=dev), lens - 1]
+        return plan.lm_head(ops.rms_norm(last, plan.final_norm.weight, plan.final_norm.eps))
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_step(self, plan: ModelPlan, state: _State, key: tuple) -> None:
+        """One token for every slot of bucket ``b``: static shapes, no host syncs (graph-capturable).
+
+        ``key = (b, kv_len, greedy, filtered, force)`` holds everything static about the step.
+        """
+        b, kv_len, greedy, filtered, force = key
+        if self._hook is not None:
+            self._hook()
+        slots = state.slots[b]
+        pos = slots.pos
+        hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
+        lengths = pos + 1
+        h = plan.embed(slots.tokens)
+        x = ops.rms_norm(h, plan.layers[0].attn_norm.weight, plan.layers[0].attn_norm.eps)
+        for i, layer in enumerate(plan.layers):
+            q, k, v = ops.group_forward(x, layer.qkv)
+            k_cache, v_cache = state.k[i, :b], state.v[i, :b]
+            q = ops.rope_and_cache(q, k, v, state.cos, state.sin, pos, k_cache, v_cache, nh, nkv)
+            attn = ops.decode_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], lengths, hd**-0.5)
+            (o,) = ops.group_forward(attn, layer.o)
+            x = ops.add_rms_norm(h, o, layer.mlp_norm.weight, layer.mlp_norm.eps)
+            gate, up = ops.group_forward(x, layer.gate_up)
+            (mlp,) = ops.group_forward(ops.silu_mul(gate, up), layer.down)
+            nxt = plan.layers[i + 1].attn_norm if i + 1 < len(plan.layers) else plan.final_norm
+            x = ops.add_rms_norm(h, mlp, nxt.weight, nxt.eps)
+        logits = plan.lm_head(x)
+        if force:
+            forced_tok, forced_logits = self._forced
+            forced_logits[slots.row_id, state.step] = logits.float()
+            tok, lp = forced_tok[slots.row_id, state.step], torch.zeros(b, device=logits.device)
+        else:
+            tok, lp = sample(
+                logits, state.temperature, state.top_k, state.top_p, self._gen, greedy=greedy, filtered=filtered
+            )
+        tok = torch.where(slots.done, self.pad_id, tok)
+        lp = torch.where(slots.done, 0.0, lp)
+        state.out_tok[slots.row_id, state.step] = tok
+        state.out_lp[slots.row_id, state.step] = lp
+        slots.done |= self._is_stop(state, tok)
+        slots.tokens.copy_(tok)
+        slots.pos.add_(1)
+        state.step.add_(1)
+
+    def _run_step(self, plan: ModelPlan, state: _State, key: tuple) -> None:
+        if not (self.cuda_graphs and plan.device.type == "cuda"):
+            self._decode_step(plan, state, key)
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(plan, state, key)
+        graph.replay()
+
+    def _capture(self, plan: ModelPlan, state: _State, key: tuple) -> torch.cuda.CUDAGraph:
+        """Capture the decode step; warm-up side effects on the step state are undone first."""
+        slots = state.slots[key[0]]
+        saved = [t.clone() for t in (slots.tokens, slots.pos, slots.done, state.step)]
+        # Warm up on a scratch generator: set_state() on the real one would swap the state object
+        # that earlier graphs were registered with, and they would stop following manual_seed().
+        real_gen, self._gen = self._gen, torch.Generator(device=plan.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles/autotunes Triton kernels, creates cuBLAS handles
+                    self._decode_step(plan, state, key)
+        finally:
+            self._gen = real_gen
+        torch.cuda.current_stream().wait_stream(side)
+        for buf, value in zip((slots.tokens, slots.pos, slots.done, state.step), saved, strict=True):
+            buf.copy_(value)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self._gen)
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode_step(plan, state, key)
+        return graph
+
+    def _compact(self, state: _State, slots: _Slots, live: torch.Tensor, kv_len: int) -> tuple[int, _Slots]:
+        """Move the live rows (and their cache rows) to the front of a smaller bucket."""
+        n_live = live.numel()
+        b = _bucket(n_live)
+        state.k[:, :n_live, :, :kv_len] = state.k[:, live, :, :kv_len]
+        state.v[:, :n_live, :, :kv_len] = state.v[:, live, :, :kv_len]
+        new = state.slots_for(b)
+        new.tokens.fill_(self.pad_id)
+        new.pos.zero_()
+        new.done.fill_(True)
+        new.row_id.fill_(state.trash)
+        new.tokens[:n_live] = slots.tokens[live]
+        new.pos[:n_live] = slots.pos[live]
+        new.done[:n_live] = False
+        new.row_id[:n_live] = slots.row_id[live]
+        return b, new
+
+    # ------------------------------------------------------------------ output
+
+    def _collect(self, state: _State, rows: int, steps: int, n: int, params: SamplingParams) -> RolloutOutput:
+        toks = state.out_tok[:rows, :steps].cpu()
+        lps = state.out_lp[:rows, :steps].cpu()
+        stop = set(params.stop_token_ids)
+        completions, logprobs, reasons = [], [], []
+        for i in range(rows):
+            length, reason = trim_completion(toks[i].tolist(), stop, params.max_new_tokens)
+            completions.append(toks[i, :length].tolist())
+            logprobs.append(lps[i, :length].tolist())
+            reasons.append(reason)
+        return RolloutOutput(completions, logprobs, reasons, [i // n for i in range(rows)])

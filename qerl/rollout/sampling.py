@@ -1,0 +1,117 @@
+"""Logits processing and token sampling shared by every qerl rollout engine.
+
+One function, ``sample``, turns next-token logits into (token, log-prob) pairs. It is written with
+static shapes and no host synchronisation so that the native engine can capture it inside its
+CUDA-graph decode step; the same code runs eagerly on CPU for tests.
+
+Semantics (the order matches transformers' and vLLM's warpers):
+
+1. temperature: ``logits / T``;
+2. top-k: keep the ``k`` largest (``k = 0`` keeps all);
+3. top-p: on the top-k-renormalised distribution, keep the smallest prefix of the sorted tokens
+   whose probability mass reaches ``p`` (the token that crosses ``p`` is kept; at least one token
+   always survives);
+4. draw from the renormalised survivors; the returned log-prob is the log of that processed
+   probability, which is what the trainer's importance-sampling correction compares against.
+
+``temperature == 0`` is greedy: the token is the argmax and its log-prob is taken under the
+*unprocessed* softmax of the logits (there is no processed distribution to speak of: it would
+be a point mass with log-prob 0, which tells the trainer nothing).
+
+Sampling uses the exponential race (``argmax p_i / E_i`` with ``E_i ~ Exp(1)`` picks ``i`` with
+probability ``p_i``) rather than ``torch.multinomial``: it is one elementwise op plus an argmax,
+needs no host sync and is CUDA-graph capturable with a registered ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qerl.rollout.base import SamplingParams
+
+
+def make_generator(device: torch.device | str, seed: int | None) -> torch.Generator:
+    """A generator on ``device`` seeded from ``seed`` (a fresh nondeterministic seed when None)."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    return gen
+
+
+def is_filtered(params: SamplingParams) -> bool:
+    """True when top-k or top-p removes tokens, i.e. when the sorted path is needed."""
+    return params.top_k > 0 or params.top_p < 1.0
+
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the processed distribution in *sorted* order, and the sort permutation.
+
+    Returns ``(sorted_logprobs [B, V], order [B, V])``: ``sorted_logprobs[b, j]`` is the log-prob of
+    token ``order[b, j]`` (``-inf`` for filtered tokens). ``top_k``/``top_p`` may be tensors so that a
+    captured graph can read new values from the same buffers.
+    """
+    scaled = logits.float() / temperature
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)
+    k = torch.as_tensor(top_k, device=logits.device)
+    k = torch.where(k > 0, k, vocab)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Mass strictly before each token: a token is kept while that mass is still below p, so the
+    # token that crosses p survives and rank 0 always does.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(
+        mass_before >= torch.as_tensor(top_p, device=logits.device), float("-inf")
+    )
+    return torch.log_softmax(sorted_logits, dim=-1), order
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    generator: torch.Generator | None = None,
+    *,
+    greedy: bool | None = None,
+    filtered: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits [B, V]``; returns ``(tokens int64 [B], logprobs fp32 [B])``.
+
+    ``greedy``/``filtered`` pick the code path statically (a captured graph cannot branch on tensor
+    values); by default they are derived from the Python values of the arguments.
+    """
+    if greedy is None:
+        greedy = float(temperature) == 0.0
+    if greedy:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        token = torch.argmax(logits, dim=-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    if filtered is None:
+        filtered = int(top_k) > 0 or float(top_p) < 1.0
+    if filtered:
+        logp, order = processed_logprobs(logits, temperature, top_k, top_p)
+    else:
+        logp, order = torch.log_softmax(logits.float() / temperature, dim=-1), None
+    # Clamped so that a (rare) exact zero draw cannot turn -inf - log(0) into NaN.
+    race = torch.empty_like(logp).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    # argmax p / E == argmax (log p - log E); -inf log-probs can never win.
+    pick = torch.argmax(logp - race.log(), dim=-1)
+    chosen = logp.gather(-1, pick[:, None]).squeeze(-1)
+    token = pick if order is None else order.gather(-1, pick[:, None]).squeeze(-1)
+    return token, chosen
+
+
+def sample_params(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` with the knobs read from a ``SamplingParams``."""
+    return sample(logits, params.temperature, params.top_k, params.top_p, generator)

@@ -1,0 +1,169 @@
+"""``VLLMEngine``: rollouts from a colocated vLLM ``LLM`` serving the NVFP4 checkpoint.
+
+vLLM serves the compressed-tensors NVFP4A16 checkpoint with its Marlin FP4 kernels and runs the
+trainer's LoRA unmerged through its own LoRA layers. Before each ``generate`` the engine pushes
+the trainer's current state, from memory, through vLLM's public extension point
+(``worker_extension_cls`` + ``LLM.collective_rpc``); no file is written per step and no vLLM file
+is patched:
+
+* LoRA: peft's adapter state dict becomes a ``vllm.lora.lora_model.LoRAModel`` (``from_lora_tensors``)
+  that replaces the adapter registered under a fixed id in the worker's LoRA manager and is
+  activated (copied into vLLM's GPU LoRA slots). Requests then carry a ``LoRARequest`` with that id;
+  vLLM finds it already registered and never reads its (placeholder) path.
+* Norms: the RMSNorm weights the trainer's forward really uses (trained copies under peft
+  ``modules_to_save``, with any AQN noise written into them) go through the model's own
+  ``load_weights`` by module name.
+
+Log-probs are vLLM's ``processed_logprobs`` (after temperature/top-k/top-p), matching
+``RolloutOutput``'s contract. With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker lives in this
+process and the tensors are handed over without copies through the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl.lora import NORM_MODULES
+from qerl.rollout.base import RolloutOutput, SamplingParams
+from qerl.rollout.hf import check_prompts, trim_completion
+from qerl.rollout.layers import active_norm, unwrap_causal_lm
+
+#: The id under which the trainer's adapter lives in vLLM's LoRA manager.
+LORA_ID = 1
+LORA_NAME = "qerl-policy"
+#: LoRARequest insists on a path; vLLM never reads it because the adapter is registered first.
+LORA_PLACEHOLDER_PATH = "qerl-in-memory-adapter"
+
+
+def _require_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "rollout engine kind='vllm' needs vLLM (pip install 'qerl[vllm]'); use kind='native' or 'hf' without it"
+        ) from err
+    return vllm
+
+
+class QerlWorkerExtension:
+    """Methods vLLM mixes into its GPU worker (``worker_extension_cls``); called via ``collective_rpc``."""
+
+    def qerl_set_lora(self, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any]) -> None:
+        """Replace the adapter ``LORA_ID`` by these peft-format tensors and activate it."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        worker_manager = self.model_runner.lora_manager
+        manager = worker_manager._adapter_manager
+        lora = LoRAModel.from_lora_tensors(
+            LORA_ID,
+            tensors,
+            PEFTHelper.from_dict(peft_config),
+            device="cuda",
+            dtype=worker_manager.lora_config.lora_dtype,
+            model_vocab_size=worker_manager.vocab_size,
+        )
+        manager.remove_adapter(LORA_ID)
+        manager.add_adapter(lora)
+        manager.activate_adapter(LORA_ID)
+
+    def qerl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite (norm) weights by HF module name through the model's own loader."""
+        self.model_runner.model.load_weights(weights)
+
+
+class VLLMEngine:
+    """RolloutEngine over a colocated vLLM ``LLM`` with the trainer's LoRA and norms pushed each call.
+
+    Args:
+        model: the trainer's (peft-wrapped) model; read for its adapter and norm weights only.
+        tokenizer: unused beyond the common signature (vLLM loads the checkpoint's own).
+        checkpoint: the NVFP4A16 (or bf16) checkpoint directory vLLM serves.
+        gpu_memory_utilization: vLLM's share of GPU memory (KV cache included); the trainer needs the rest.
+        **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: object = None,
+        *,
+        checkpoint: str,
+        gpu_memory_utilization: float = 0.3,
+        **llm_kwargs: Any,
+    ) -> None:
+        vllm = _require_vllm()
+        self.model = model
+        self.lm = unwrap_causal_lm(model)
+        peft_config = getattr(model, "peft_config", {}).get("default")
+        self.peft_config = None
+        kwargs: dict[str, Any] = {}
+        if peft_config is not None:
+            self.peft_config = {
+                "r": peft_config.r,
+                "lora_alpha": peft_config.lora_alpha,
+                "target_modules": sorted(peft_config.target_modules),
+                "bias": "none",
+            }
+            kwargs.update(enable_lora=True, max_lora_rank=max(8, peft_config.r), max_loras=1)
+        self.llm = vllm.LLM(
+            model=checkpoint,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.QerlWorkerExtension",
+            **{**kwargs, **llm_kwargs},
+        )
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Push the current LoRA factors and norm weights into vLLM (no files, no patches)."""
+        if self.peft_config is not None:
+            from peft import get_peft_model_state_dict
+
+            state = get_peft_model_state_dict(self.model)
+            tensors = {k: v.detach() for k, v in state.items() if "lora_" in k}
+            self.llm.collective_rpc("qerl_set_lora", args=(tensors, self.peft_config))
+        norms = []
+        for i, layer in enumerate(self.lm.model.layers):
+            for name in NORM_MODULES:
+                norms.append((f"model.layers.{i}.{name}.weight", active_norm(getattr(layer, name)).weight.detach()))
+        norms.append(("model.norm.weight", active_norm(self.lm.model.norm).weight.detach()))
+        self.llm.collective_rpc("qerl_load_weights", args=(norms,))
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput:
+        check_prompts(prompt_ids, n)
+        vllm = _require_vllm()
+        from vllm.lora.request import LoRARequest
+
+        self.sync()
+        sampling = vllm.SamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,  # only params.stop_token_ids end a completion, as in the other engines
+            seed=params.seed,
+            logprobs=0,  # the sampled token's log-prob
+            detokenize=False,
+        )
+        lora = LoRARequest(LORA_NAME, LORA_ID, LORA_PLACEHOLDER_PATH) if self.peft_config is not None else None
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_ids], sampling, lora_request=lora, use_tqdm=False
+        )
+        stop = set(params.stop_token_ids)
+        completions, logprobs, reasons, index = [], [], [], []
+        for i, request in enumerate(outputs):
+            for completion in request.outputs:
+                ids = list(completion.token_ids)
+                lps = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [], strict=False)]
+                length, reason = trim_completion(ids, stop, params.max_new_tokens)
+                completions.append(ids[:length])
+                logprobs.append(lps[:length])
+                reasons.append(reason)
+                index.append(i)
+        return RolloutOutput(completions, logprobs, reasons, index)

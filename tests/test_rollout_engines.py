@@ -1,0 +1,345 @@
+"""Native and HF rollout engines on tiny random Llama/Qwen2 models (CPU, fp32; GPU tests marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import get_peft_model
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from qerl.linear import NVFP4Linear
+from qerl.lora import lora_config
+from qerl.rollout import SamplingParams, get_engine
+from qerl.rollout.native import NativeEngine
+from qerl.rollout.sampling import processed_logprobs
+
+torch.set_num_threads(1)
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [1], [40, 41, 42, 43]]
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # peaked logits: greedy paths do not collapse into one loop
+)
+
+
+def tiny_llama(seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, "rope_theta": 500.0, **kw})).eval()
+
+
+def tiny_qwen2(seed: int = 0, **kw) -> nn.Module:
+    """Qwen2: q/k/v biases, tied embeddings, its own rope theta."""
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, "tie_word_embeddings": True, "rope_theta": 20000.0, **kw})).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+def nvfp4_lora(model: nn.Module, seed: int = 1) -> nn.Module:
+    """Swap decoder Linears for NVFP4Linear, wrap in peft LoRA r=4 with a nonzero B, perturb the norms."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, NVFP4Linear.from_linear(child))
+    peft_model = get_peft_model(model, lora_config(r=4, train_norms=True)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name or "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif "modules_to_save" in name:
+                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    return peft_model
+
+
+def greedy(n_tokens: int = 64, stop: list[int] | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n_tokens, stop_token_ids=stop or [])
+
+
+MODELS = {
+    "llama": lambda: tiny_llama(),
+    "qwen2_bias_tied": lambda: tiny_qwen2(),
+    "llama_nvfp4_lora": lambda: nvfp4_lora(tiny_llama(2)),
+    "qwen2_nvfp4_lora": lambda: nvfp4_lora(tiny_qwen2(3)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_native_greedy_equals_transformers(name: str) -> None:
+    model = MODELS[name]()
+    ref = get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(), n=2)
+    out = get_engine(model, 0, kind="native").generate(PROMPTS, greedy(), n=2)
+    assert out.completion_ids == ref.completion_ids
+    assert all(len(c) == 64 for c in out.completion_ids)
+    assert len({tuple(c) for c in out.completion_ids}) >= 3  # not a degenerate model
+    flat = [abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)]
+    assert max(flat) < 1e-4
+    assert out.prompt_index == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_stop_tokens_and_finish_reasons_match_transformers() -> None:
+    model = tiny_qwen2(4)
+    free = get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(40))
+    # Stop ids that appear mid-way in some greedy completions and never in others.
+    stop = [free.completion_ids[0][10], free.completion_ids[1][25]]
+    ref = get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(40, stop))
+    engine = NativeEngine(model, 0, check_every=4)
+    out = engine.generate(PROMPTS, greedy(40, stop))
+    assert out.completion_ids == ref.completion_ids
+    assert out.finish_reasons == ref.finish_reasons
+    assert "stop" in out.finish_reasons and "length" in out.finish_reasons
+    for ids, reason in zip(out.completion_ids, out.finish_reasons, strict=True):
+        early = [t for t in ids[:-1] if t in stop]
+        assert not early
+        assert (reason == "stop") == (ids[-1] in stop)
+        assert reason == "stop" or len(ids) == 40
+
+
+def test_finished_rows_are_compacted_and_all_done_stops_early() -> None:
+    model = tiny_llama(5)
+    prompts = [[i + 3, i + 7, 2 * i + 1] for i in range(9)]
+    free = get_engine(model, 0, kind="hf").generate(prompts, greedy(48))
+    stop = sorted({c[4] for c in free.completion_ids[:6]})  # most rows stop within ~5 tokens
+    ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(48, stop))
+    engine = NativeEngine(model, 0, check_every=2)
+    out = engine.generate(prompts, greedy(48, stop))
+    assert out.completion_ids == ref.completion_ids
+    assert engine.last_stats["final_bucket"] < 16  # started in bucket 16 (9 rows)
+    if all(r == "stop" for r in ref.finish_reasons):
+        assert engine.last_stats["decode_steps"] < 47
+
+
+def test_sampled_logprobs_match_full_forward() -> None:
+    """Logprobs from the engine vs a teacher-forced forward of prompt+completion through the model."""
+    model = nvfp4_lora(tiny_qwen2(6))
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=32, seed=3)
+    out = get_engine(model, 0, kind="native").generate(PROMPTS[:2], params, n=3)
+    worst = 0.0
+    for ids, lps, pi in zip(out.completion_ids, out.logprobs, out.prompt_index, strict=True):
+        prompt = PROMPTS[pi]
+        full = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            logits = model(input_ids=full).logits[0, len(prompt) - 1 : -1]
+        sorted_lp, order = processed_logprobs(logits, params.temperature, params.top_k, params.top_p)
+        ref = sorted_lp.gather(-1, torch.argsort(order, -1)).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        assert torch.isfinite(ref).all()
+        worst = max(worst, (ref - torch.tensor(lps)).abs().max().item())
+    assert worst < 1e-4, worst  # fp32: only summation-order differences
+
+
+def test_sampling_seeded_and_hf_distribution_agrees() -> None:
+    model = tiny_llama(7)
+    engine = get_engine(model, 0, kind="native")
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=11)
+    a = engine.generate(PROMPTS, params, n=2)
+    b = engine.generate(PROMPTS, params, n=2)
+    c = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=12), n=2)
+    assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+    assert a.completion_ids != c.completion_ids
+
+
+def test_lora_and_norm_updates_are_seen_by_next_generate() -> None:
+    model = nvfp4_lora(tiny_llama(8))
+    engine = get_engine(model, 0, kind="native")
+    before = engine.generate(PROMPTS, greedy(32))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-2.0)  # an optimizer-like in-place update
+    after_lora = engine.generate(PROMPTS, greedy(32))
+    assert after_lora.completion_ids != before.completion_ids
+    assert after_lora.completion_ids == get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(32)).completion_ids
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "modules_to_save" in name and "input_layernorm" in name:
+                p.add_(torch.randn_like(p) * 0.5)  # AQN-style in-place noise on the trained norms
+    after_norm = engine.generate(PROMPTS, greedy(32))
+    assert after_norm.completion_ids != after_lora.completion_ids
+    assert after_norm.completion_ids == get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(32)).completion_ids
+
+
+def test_step_hook_runs_every_decode_step() -> None:
+    model = tiny_llama(9)
+    engine = NativeEngine(model, 0)
+    calls = []
+    engine.set_step_hook(lambda: calls.append(1))
+    engine.generate(PROMPTS, greedy(10))
+    assert len(calls) == 1 + 9  # once before prefill, then each of the 9 decode steps
+
+
+def test_bad_inputs_have_clear_errors() -> None:
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="kind"):
+        get_engine(model, 0, kind="tensorrt")
+    with pytest.raises(ValueError, match="prompt_ids"):
+        get_engine(model, 0, kind="native").generate([[]], greedy(4))
+    with pytest.raises(ValueError, match="tokenizer_or_pad_id"):
+        get_engine(model, "pad", kind="hf")
+
+
+def test_vllm_engine_missing_vllm_is_a_clear_error() -> None:
+    pytest.importorskip("peft")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="kind='vllm' needs vLLM"):
+            get_engine(tiny_llama(), 0, kind="vllm", checkpoint="unused")
+    else:
+        pytest.skip("vllm is installed here")
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gpu_graph_greedy_equals_transformers_fp32(name: str) -> None:
+    model = MODELS[name]().cuda()
+    ref = get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(), n=2)
+    # fp32 NVFP4 runs qerl.nvfp4's reference dequantize, which copies its E2M1 table host-to-device
+    # on every call and so cannot be captured; bf16 NVFP4 (the kernels) is graphed below.
+    graphs = "nvfp4" not in name
+    engine = NativeEngine(model, 0, cuda_graphs=graphs)
+    out = engine.generate(PROMPTS, greedy(), n=2)
+    assert engine.last_stats["graphs"] >= int(graphs)
+    assert out.completion_ids == ref.completion_ids
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graph_sampling_is_seeded_and_sees_lora_updates() -> None:
+    model = get_peft_model(tiny_llama(10), lora_config(r=4)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    model = model.cuda()
+    engine = NativeEngine(model, 0)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=40, seed=5)
+    a = engine.generate(PROMPTS, params, n=4)
+    b = engine.generate(PROMPTS, params, n=4)
+    assert a.completion_ids == b.completion_ids
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-2.0)
+    graphs = dict(engine._graphs)
+    out = engine.generate(PROMPTS, greedy(32))
+    assert out.completion_ids == get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(32)).completion_ids
+    assert all(engine._graphs[k] is g for k, g in graphs.items() if k in engine._graphs)  # no recapture
+
+
+def test_teacher_forced_logits_match_full_forward_cpu() -> None:
+    model = nvfp4_lora(tiny_qwen2(11))
+    completions = [[3, 9, 27, 81, 243 % 256, 17], [100, 101, 102], [7] * 10, [55, 66]]
+    got = NativeEngine(model, 0).teacher_forced_logits(PROMPTS, completions)
+    for prompt, comp, logits in zip(PROMPTS, completions, got, strict=True):
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([prompt + comp])).logits[0, len(prompt) - 1 : -1]
+        assert logits.shape == ref.shape
+        assert (logits - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_triton_ops_match_torch_reference() -> None:
+    """Each fused decode kernel vs the plain-torch op run on CPU in fp32 from the same bf16 inputs."""
+    from qerl.rollout import ops, triton_ops
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    h, d, w = rnd(5, 3584), rnd(5, 3584), rnd(3584)
+    hc = h.cuda()
+    out = triton_ops.rms_norm(hc, d.cuda(), w.cuda(), 1e-6)
+    ref_h = (h.float() + d.float()).bfloat16()
+    ref = ops.rms_norm(ref_h.float(), w.float(), 1e-6)
+    assert torch.equal(hc.cpu(), ref_h)
+    assert (out.cpu().float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    g, u = rnd(4, 18944), rnd(4, 18944)
+    ref = torch.nn.functional.silu(g.float()) * u.float()
+    assert (
+        triton_ops.silu_mul(g.cuda(), u.cuda()).cpu().float() - ref
+    ).abs().max().item() < 0.02 * ref.abs().max().item()
+    b, nh, nkv, hd, s = 3, 28, 4, 128, 300
+    kc, vc = rnd(b, nkv, s, hd), rnd(b, nkv, s, hd)
+    q, k, v = rnd(b, nh * hd), rnd(b, nkv * hd), rnd(b, nkv * hd)
+    cos, sin = rnd(s, hd), rnd(s, hd)
+    pos = torch.tensor([0, 100, 299])
+    kcc, vcc = kc.cuda(), vc.cuda()
+    q_out = triton_ops.rope_and_cache(
+        q.cuda(), k.cuda(), v.cuda(), cos.cuda(), sin.cuda(), pos.cuda(), kcc, vcc, nh, nkv, hd
+    )
+    kr, vr = kc.float(), vc.float()
+    q_ref = ops.rope_and_cache(q.float(), k.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv)
+    assert (q_out.cpu().float() - q_ref).abs().max().item() < 0.05 * q_ref.abs().max().item()
+    assert (kcc.cpu().float() - kr).abs().max().item() < 0.05 * kr.abs().max().item()
+    assert torch.equal(vcc.cpu().float(), vr)
+    lengths = pos + 1
+    qa = rnd(b, nh, hd)
+    att = triton_ops.decode_attention(qa.cuda(), kcc, vcc, lengths.cuda(), hd**-0.5)
+    ref = ops.decode_attention(qa.float(), kcc.cpu().float(), vcc.cpu().float(), lengths, hd**-0.5)
+    assert (att.cpu().float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+def medium_model(nvfp4: bool, seed: int = 12) -> nn.Module:
+    """A bf16 Qwen2 with 7B-like head shapes (head_dim 128, GQA 7:1), small enough for a test."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=4096, hidden_size=896, intermediate_size=2432, num_hidden_layers=4, num_attention_heads=7,
+        num_key_value_heads=1, head_dim=128, max_position_embeddings=2048, rope_theta=1e6, tie_word_embeddings=True,
+    )  # fmt: skip
+    # Cast before quantizing: Module.to(dtype) would also cast the fp8 scales and fp32 global scales.
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    if nvfp4:
+        peft_model = nvfp4_lora(model)
+        with torch.no_grad():  # trained-LoRA magnitudes (|A|,|B| ~ 0.03), not the stress-test 0.3
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.mul_(0.1)
+        return peft_model.to("cuda" if torch.cuda.is_available() else "cpu")
+    peft_model = get_peft_model(model, lora_config(r=16)).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return peft_model.to("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("nvfp4", [False, True], ids=["bf16_lora", "nvfp4_lora"])
+def test_gpu_teacher_forced_logits_bf16(nvfp4: bool) -> None:
+    """Bound: max |native - HF forward| over every completion position <= 5% of max |logit|.
+
+    bf16 rounding of different (but each reasonable) op orders: fused kernels vs HF's SDPA path.
+    """
+    model = medium_model(nvfp4)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (17, 250, 64)]
+    completions = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (300, 40, 129)]
+    engine = NativeEngine(model, 0)
+    got = engine.teacher_forced_logits(prompts, completions)
+    assert engine.last_stats["graphs"] >= 1
+    worst, scale = 0.0, 0.0
+    for prompt, comp, logits in zip(prompts, completions, got, strict=True):
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([prompt + comp], device="cuda")).logits[0, len(prompt) - 1 : -1].float()
+        worst = max(worst, (logits - ref).abs().max().item())
+        scale = max(scale, ref.abs().max().item())
+    print(f"teacher-forced {'nvfp4' if nvfp4 else 'bf16'}+LoRA: max|dlogit|={worst:.4f}, max|logit|={scale:.3f}")
+    assert worst <= 0.05 * scale
