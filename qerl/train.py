@@ -1,0 +1,192 @@
+"""``python -m qerl.train``: one QeRL (or baseline) GRPO/DAPO run from a YAML recipe plus CLI flags.
+
+    python -m qerl.train --config training/recipes/quickstart.yaml --output_dir runs/demo
+    python -m qerl.train --model-name qmodel/Qwen2.5-7B-NVFP4A16 --dataset gsm8k --lora-rank 16 --ln True \\
+        --sigma-start 1e-2 --sigma-end 1e-4 --num-stages 10 --output-dir runs/7b
+
+Flags are trl's ``TrlParser`` over ``ScriptArguments`` (model, data, LoRA) and ``QeRLConfig``
+(everything trl's GRPOConfig knows, plus the rollout engine and AQN). Both ``--lora_rank`` and the
+reference's ``--lora-rank`` spellings work. Reference flags that no longer do anything
+(``--max-seq-length``, ``--fast-inference``, ``--random-state``, ``--load-in-4bit``, ...) are accepted
+with a warning so that the reference's scripts still run.
+
+A run resumes from its newest complete checkpoint when ``output_dir`` has one (``--auto_resume``),
+writes the final adapter to ``output_dir/adapter`` (temp dir, then rename), logs every step to
+``output_dir/metrics.jsonl`` and draws the curves with ``qerl.plot`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from trl import TrlParser
+
+from qerl import data as qdata
+from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
+from qerl.lora import DEFAULT_TARGETS, lora_config
+from qerl.rewards import get_rewards
+from qerl.rollout import SamplingParams
+from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
+
+logger = logging.getLogger("qerl.train")
+
+#: Reference flags kept only so that its scripts parse; they change nothing here.
+IGNORED_REFERENCE_FLAGS = ("max_seq_length", "fast_inference", "random_state", "load_in_4bit", "load_in_8bit",
+                           "full_finetuning", "gpu_memory_utilization", "use_gradient_checkpointing", "activation_offloading")
+
+
+@dataclass
+class ScriptArguments:
+    """Model, data and adapter choices (the training knobs live in QeRLConfig)."""
+
+    model_name: str = field(default="smollm2-135m", metadata={"help": "Model dir, hub id, or smollm2-135m (embedded default)."})
+    load: str = field(default="auto", metadata={"help": "auto | nvfp4 | bf16: what the checkpoint must be."})
+    dataset: str = field(default="gsm8k", metadata={"help": f"One of {sorted(qdata.DATASETS)} (or the reference's dapomath)."})
+    dataset_path: str | None = field(default=None, metadata={"help": "Local .jsonl/.parquet/dir or hub id (default: the set's hub id)."})
+    num_samples: int | None = field(default=None, metadata={"help": "Use N rows (seeded shuffle)."})
+    heldout: int = field(default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."})
+    heldout_max_tokens: int = field(default=256, metadata={"help": "Completion budget of the held-out evaluation."})
+    max_prompt_length: int | None = field(default=None, metadata={"help": "Drop prompts longer than this many tokens."})
+    rewards: list[str] | None = field(default=None, metadata={"help": "Reward names (default: the data set's)."})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank (reference scripts: 16; paper: 32)."})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default: the rank)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS), metadata={"help": "LoRA targets."})
+    ln: bool = field(default=True, metadata={"help": "Also train the input/post-attention RMSNorm weights (all reference scripts)."})
+    auto_resume: bool = field(default=True, metadata={"help": "Resume from output_dir's newest complete checkpoint if any."})
+    plot: bool = field(default=True, metadata={"help": "Write reward/entropy/sigma curves at the end."})
+    max_seq_length: int | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
+    fast_inference: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
+    random_state: int | None = field(default=None, metadata={"help": "Ignored (reference leftover; use --seed)."})
+    load_in_4bit: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover; NVFP4 comes from the checkpoint)."})
+    load_in_8bit: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
+    full_finetuning: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
+    gpu_memory_utilization: float | None = field(default=None, metadata={"help": "Ignored (use --vllm_gpu_memory_utilization)."})
+    use_gradient_checkpointing: str | None = field(default=None, metadata={"help": "Ignored (use --gradient_checkpointing)."})
+    activation_offloading: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
+
+
+def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reward: Any, max_new_tokens: int, batch: int = 64) -> float:
+    """Greedy accuracy on held-out rows: the share whose reward is positive, through the rollout engine."""
+    if len(rows) == 0:
+        return float("nan")
+    tok = trainer.processing_class
+    engine = trainer.rollout_engine()
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    was_training = policy.training
+    policy.eval()
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=list(trainer.eos_token_ids))
+    correct = 0
+    try:
+        for start in range(0, len(rows), batch):
+            chunk = rows.select(range(start, min(start + batch, len(rows))))
+            ids = [_chat_ids(tok, p) for p in chunk["prompt"]]
+            out = engine.generate(ids, params, n=1)
+            texts = tok.batch_decode(out.completion_ids, skip_special_tokens=True)
+            scores = reward(completions=texts, answer=chunk["answer"])
+            correct += sum(1 for s in scores if s is not None and s > 0)
+    finally:
+        policy.train(was_training)
+    return correct / len(rows)
+
+
+def _chat_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def save_adapter(trainer: QeRLTrainer, out_dir: Path) -> Path:
+    """The final adapter (and tokenizer) in ``out_dir``, written to a temp dir first then renamed."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        trainer.save_model(str(tmp))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    parser = TrlParser((ScriptArguments, QeRLConfig))
+    script, config = parser.parse_args_and_config(argv)
+    for name in IGNORED_REFERENCE_FLAGS:
+        if getattr(script, name) is not None:
+            logger.warning("--%s is a reference leftover and is ignored", name.replace("_", "-"))
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(script.model_name, device=device, load=script.load)
+    tokenizer = load_tokenizer(script.model_name)
+    quantized = is_nvfp4_model(model)
+    logger.info("model %s: %s", script.model_name, "NVFP4 base" if quantized else "dense base")
+
+    rows = qdata.load_dataset(script.dataset, script.dataset_path, num_samples=script.num_samples, seed=config.seed)
+    if script.max_prompt_length:
+        rows = qdata.filter_prompt_length(rows, tokenizer, script.max_prompt_length)
+    train_rows, heldout_rows = qdata.train_heldout_split(rows, script.heldout, seed=config.seed)
+    reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
+    rewards = get_rewards(reward_names)
+    peft = lora_config(script.lora_rank, script.lora_alpha, script.lora_dropout, script.target_modules, train_norms=script.ln)
+
+    if config.rollout_engine == "vllm":  # vLLM serves the same checkpoint the trainer loaded
+        engine_kwargs = dict(config.rollout_engine_kwargs or {})
+        engine_kwargs.setdefault("checkpoint", str(model.config.name_or_path))
+        engine_kwargs.setdefault("gpu_memory_utilization", config.vllm_gpu_memory_utilization)
+        config.rollout_engine_kwargs = engine_kwargs
+
+    trainer = QeRLTrainer(model, rewards, config, train_dataset=train_rows, processing_class=tokenizer, peft_config=peft)
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if len(heldout_rows):  # GSM8K-style rows, so `python -m eval.gsm8k --data out/heldout.jsonl` scores them too
+        write_jsonl(out / "heldout.jsonl", [{"question": p[-1]["content"], "answer": a}
+                                             for p, a in zip(heldout_rows["prompt"], heldout_rows["answer"], strict=True)])
+    summary: dict[str, Any] = {"model": script.model_name, "nvfp4": quantized, "dataset": script.dataset,
+                               "train_rows": len(train_rows), "heldout_rows": len(heldout_rows), "rewards": reward_names}
+    accuracy_reward = rewards[-1]  # the correctness reward of every data set comes last
+    if len(heldout_rows):
+        summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
+        logger.info("held-out accuracy before training: %.4f", summary["heldout_accuracy_before"])
+
+    resume = last_complete_checkpoint(out) if script.auto_resume else None
+    if resume:
+        logger.info("resuming from %s", resume)
+    result = trainer.train(resume_from_checkpoint=resume)
+    summary["train_runtime_s"] = result.metrics.get("train_runtime")
+    summary["global_step"] = trainer.state.global_step
+    summary["adapter"] = str(save_adapter(trainer, out / "adapter"))
+    if len(heldout_rows):
+        summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
+        logger.info("held-out accuracy after training: %.4f", summary["heldout_accuracy_after"])
+    if script.plot:
+        from qerl.plot import write_plots
+
+        summary["plots"] = [str(p) for p in write_plots([out], out / "plots")]
+    summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, out / "summary.json")
+    logger.info("run summary: %s", json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

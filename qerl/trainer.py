@@ -1,0 +1,391 @@
+"""``QeRLTrainer``: trl's GRPOTrainer with qerl rollouts, AQN, and crash-safe checkpoints.
+
+What is overridden, and why (tested against trl 1.16; ``TRL_RANGE`` below):
+
+* ``_generate_single_turn``: completions come from a ``qerl.rollout`` engine (native by default,
+  ``hf`` or ``vllm`` on request) instead of ``model.generate``/trl's vLLM. trl's vLLM path merges
+  LoRA into the base weights before every sync, which cannot work on a 4-bit base; our engines run
+  the adapter unmerged. AQN wraps exactly this call: noise in before, clean weights back after.
+* ``log``: adds sigma, rollout tokens/s and peak GPU memory to trl's metrics (reward mean/std per
+  function, entropy, completion lengths and step time are trl's own).
+* ``_save_checkpoint`` / ``train``: a checkpoint counts only once its completion marker is written
+  (atomically, after everything else); resume picks the newest *complete* checkpoint and moves
+  half-written ones aside, because transformers writes straight into ``checkpoint-N``.
+
+Everything else is trl's: the loss types (grpo, bnpo, dr_grpo, dapo, ...), advantages, clipping,
+and the per-token log-probs/entropies, which trl 1.16 computes through its fused, chunked LM head
+(``add_fused_lm_head``: never a ``[batch, seq, vocab]`` logits tensor) on top of the decoder
+forward, whose NVFP4Linear layers run qerl's kernels.
+
+**Importance-sampling (IS) correction, decided deliberately.** Our rollouts are off-policy twice
+over: the engine's kernels differ numerically from the training forward, and AQN samples from a
+*noisy* policy while the loss optimises the clean one. trl implements rollout/trainer mismatch
+correction but gates it on ``use_vllm``; every qerl engine returns the sampling log-probs exactly
+like trl's vLLM path, so the trainer switches that gate on (``self.use_vllm``) while trl's own vLLM
+object is never built (``args.use_vllm`` is mapped to ``rollout_engine="vllm"``). The default mode is
+**token_truncate with C=2** (FlashRL/verl's TIS): each token's loss is weighted by
+``min(pi_train/pi_rollout, 2)``. trl's default, ``sequence_mask`` with C=3, multiplies the ratios of
+all tokens of a sequence and *drops* the sequence beyond 3: with AQN's per-token log-prob shifts of
+order 1e-2 that masks nearly every long completion, i.e. training would stall exactly when the
+noise is on. Token truncation keeps every sequence, bounds the variance, and still corrects the
+bias the noise introduces. ``vllm_importance_sampling_correction=False`` reproduces the paper
+(noisy samples treated as on-policy).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from trl import GRPOConfig, GRPOTrainer
+
+from qerl.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule, NormNoise, draw_seed, norm_weights
+from qerl.rewards import guarded
+from qerl.rollout import KINDS, SamplingParams, get_engine
+
+logger = logging.getLogger(__name__)
+
+#: trl versions this subclass was tested with (its hooks are private and move between releases).
+TRL_RANGE = (">=1.16.0", "<1.17")
+#: Written last into every checkpoint; a checkpoint without it is incomplete.
+CHECKPOINT_MARKER = "qerl_checkpoint.json"
+#: Metrics appended one JSON line per log step (read by ``qerl.plot``; survives crashes).
+METRICS_FILE = "metrics.jsonl"
+_BNB_OPTIMIZERS = ("8bit", "bnb", "lion_32bit", "paged_")
+#: Learning rates of the reference recipes (qerl_method.md §6.2): NVFP4+LoRA, bf16 LoRA.
+LR_NVFP4, LR_BF16 = 1e-5, 5e-6
+
+
+def _check_trl_version() -> None:
+    import trl
+    from packaging.version import Version
+
+    v = Version(trl.__version__)
+    if not (Version("1.16.0") <= v < Version("1.17")):
+        logger.warning("QeRLTrainer was tested with trl %s; found trl %s (private hooks may differ)", " ".join(TRL_RANGE), v)
+
+
+@dataclass
+class QeRLConfig(GRPOConfig):
+    """GRPOConfig with the QeRL recipe's defaults, the rollout engine choice and AQN.
+
+    Defaults that differ from trl's are the reference's (qerl_method.md §6): epsilon_high 0.28,
+    beta 0, bnpo (token-level) loss, truncated completions masked, grad clip 0.2, cosine schedule
+    with 10% warmup, AdamW betas (0.9, 0.99), weight decay 0.1. ``learning_rate`` left unset picks
+    1e-5 for NVFP4 models and 5e-6 for bf16 ones.
+    """
+
+    learning_rate: float | None = field(default=None, metadata={"help": "Peak LR; unset: 1e-5 for NVFP4 models, 5e-6 for bf16."})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip (DAPO clip-higher)."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)."})
+    loss_type: str = field(default="bnpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo (trl's loss types)."})
+    mask_truncated_completions: bool = field(default=True, metadata={"help": "Drop completions without EOS from the loss."})
+    max_grad_norm: float = field(default=0.2, metadata={"help": "Gradient clipping."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "LR schedule."})
+    warmup_steps: float = field(default=0.1, metadata={"help": "Warmup steps, or a fraction of the run if < 1."})
+    warmup_ratio: float | None = field(default=None, metadata={"help": "Reference spelling of a fractional warmup_steps."})
+    adam_beta2: float = field(default=0.99, metadata={"help": "AdamW beta2."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; unset: on with CUDA, off on CPU."})
+    vllm_importance_sampling_mode: str = field(
+        default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.trainer docstring)."}
+    )
+    vllm_importance_sampling_clip_max: float | None = field(default=2.0, metadata={"help": "IS cap C."})
+
+    rollout_engine: str = field(default="native", metadata={"help": f"Rollout engine: one of {KINDS}."})
+    rollout_engine_kwargs: dict | str | None = field(default=None, metadata={"help": "Extra engine constructor arguments (JSON)."})
+
+    aqn: bool = field(default=True, metadata={"help": "Adaptive Quantization Noise on the rollout's q/k/v and gate/up norms."})
+    sigma_start: float = field(default=1e-2, metadata={"help": "AQN sigma of stage 1."})
+    sigma_end: float = field(default=5e-4, metadata={"help": "AQN sigma of the last stage."})
+    num_stages: int = field(default=10, metadata={"help": "AQN stages over the run (stage 0 is noise-free)."})
+    aqn_schedule: str = field(default="exponential", metadata={"help": f"AQN decay: one of {SCHEDULES}."})
+    aqn_resample: str = field(default="step", metadata={"help": f"AQN draw frequency: one of {RESAMPLE_MODES}."})
+
+    def __post_init__(self) -> None:
+        if self.warmup_ratio is not None:
+            if not 0 <= self.warmup_ratio < 1:
+                raise ValueError(f"--warmup_ratio: expected a fraction in [0, 1), got {self.warmup_ratio}")
+            self.warmup_steps = self.warmup_ratio
+        if self.bf16 is None and not self.fp16:
+            self.bf16 = torch.cuda.is_available()
+        if self.use_vllm:  # the reference's --use-vllm True: our vLLM engine, not trl's (see module docstring)
+            self.rollout_engine, self.use_vllm = "vllm", False
+        if isinstance(self.rollout_engine_kwargs, str):
+            try:
+                self.rollout_engine_kwargs = json.loads(self.rollout_engine_kwargs)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--rollout_engine_kwargs: expected a JSON object, got {self.rollout_engine_kwargs!r} ({e})") from None
+        if self.rollout_engine not in KINDS:
+            raise ValueError(f"--rollout_engine: expected one of {KINDS}, got {self.rollout_engine!r}")
+        if self.aqn_resample not in RESAMPLE_MODES:
+            raise ValueError(f"--aqn_resample: expected one of {RESAMPLE_MODES}, got {self.aqn_resample!r}")
+        if self.aqn:
+            AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule)  # validates
+        if any(tag in str(self.optim) for tag in _BNB_OPTIMIZERS) and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"--optim {self.optim}: needs bitsandbytes, which is not installed (pip install bitsandbytes)")
+        super().__post_init__()
+
+    @property
+    def aqn_plan(self) -> AQNSchedule | None:
+        return AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule) if self.aqn else None
+
+
+def _group_repeats(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
+    """(unique prompts, n) when the batch is runs of equal length n of identical prompts, as trl's
+    RepeatSampler produces; else (all prompts, 1). Lets the engine share each prompt's prefill."""
+    runs: list[tuple[list[int], int]] = []
+    for ids in prompt_ids:
+        if runs and runs[-1][0] == ids:
+            runs[-1] = (ids, runs[-1][1] + 1)
+        else:
+            runs.append((list(ids), 1))
+    sizes = {n for _, n in runs}
+    if len(sizes) == 1:
+        return [ids for ids, _ in runs], sizes.pop()
+    return [list(ids) for ids in prompt_ids], 1
+
+
+class _MetricsFile(TrainerCallback):
+    """Appends every log record (with its step) to ``output_dir/metrics.jsonl``, flushed per line."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float, str)) or v is None}}
+        with open(os.path.join(args.output_dir, METRICS_FILE), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class QeRLTrainer(GRPOTrainer):
+    """GRPO/DAPO on NVFP4 (or bf16) models with LoRA, qerl rollouts and AQN."""
+
+    _tag_names = ["trl", "grpo", "qerl"]
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: QeRLConfig | None = None, **kwargs: Any) -> None:
+        if not isinstance(args, QeRLConfig):
+            raise TypeError(f"QeRLTrainer: args must be a QeRLConfig, got {type(args).__name__}")
+        for name in ("tools", "rollout_func", "environment_factory"):
+            if kwargs.get(name):
+                raise ValueError(f"QeRLTrainer: {name} is not supported (single-turn text rollouts only)")
+        if args.min_p is not None or args.repetition_penalty != 1.0 or args.generation_kwargs:
+            raise ValueError("QeRLTrainer: min_p, repetition_penalty and generation_kwargs are not supported by qerl engines")
+        _check_trl_version()
+        funcs = reward_funcs if isinstance(reward_funcs, list) else ([] if reward_funcs is None else [reward_funcs])
+        funcs = [f if isinstance(f, (str, nn.Module)) else guarded(f) for f in funcs]
+        super().__init__(model=model, reward_funcs=funcs, args=args, **kwargs)
+
+        if args.learning_rate is None:
+            from qerl.loader import is_nvfp4_model
+
+            args.learning_rate = LR_NVFP4 if is_nvfp4_model(self.model) else LR_BF16
+        # trl applies its rollout-mismatch IS correction only `if self.use_vllm`: switch that gate on
+        # for our engines, which return the sampling log-probs (see the module docstring). trl's
+        # vLLM generation object was never created (args.use_vllm is False).
+        self.use_vllm = bool(args.vllm_importance_sampling_correction)
+        self.aqn = args.aqn_plan
+        self._engine: Any = None
+        self._noise: NormNoise | None = None
+        self._rollout_index = (-1, 0)  # (global step, rollouts drawn at that step): seeds the sampler
+        self._resume_marker: dict[str, Any] | None = None
+        self.add_callback(_MetricsFile())
+
+    # ------------------------------------------------------------------ rollout
+
+    def _policy(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model_wrapped)
+
+    def rollout_engine(self) -> Any:
+        """The engine, built on first use (the model is peft-wrapped and placed by then)."""
+        if self._engine is None:
+            kwargs = dict(self.args.rollout_engine_kwargs or {})
+            self._engine = get_engine(self._policy(), self.processing_class, self.args.rollout_engine, **kwargs)
+            if self.aqn is not None and self.args.aqn_resample == "token" and not hasattr(self._engine, "set_step_hook"):
+                raise ValueError(
+                    f"--aqn_resample token: the {self.args.rollout_engine!r} engine has no per-decode-step hook "
+                    "(set_step_hook); use --aqn_resample step or --rollout_engine native"
+                )
+        return self._engine
+
+    def noise(self) -> NormNoise:
+        """AQN's handle on the rollout model's norm weights: the trainer's own modules, which the
+        native and hf engines read in place and the vLLM engine pushes into vLLM at each generate."""
+        if self._noise is None:
+            weights = norm_weights(self._policy())
+            self._noise = NormNoise(weights, seed=draw_seed(self.args.seed, 0, 1))
+            if self.args.aqn_resample == "token":  # registered once: graphs captured with it stay valid
+                self.rollout_engine().set_step_hook(self._noise.token_hook)
+            logger.info("AQN on %d norm vectors (%d values); sigma per stage: %s", len(weights), self._noise.numel,
+                        ", ".join(f"{s:.3g}" for s in self.aqn.sigmas()))
+        return self._noise
+
+    def current_sigma(self) -> float:
+        """AQN's sigma for the rollout of the current optimizer step (0 when AQN is off)."""
+        if self.aqn is None:
+            return 0.0
+        return self.aqn.sigma(self.state.global_step, max(1, self.state.max_steps))
+
+    def _sampling_seed(self) -> int:
+        """A seed per (run seed, optimizer step, rollout within the step), so rollouts after a resume
+        are the ones the uninterrupted run drew."""
+        step, count = self._rollout_index
+        count = count + 1 if step == self.state.global_step else 0
+        self._rollout_index = (self.state.global_step, count)
+        return draw_seed(self.args.seed, self.state.global_step, count)
+
+    @contextmanager
+    def _aqn_applied(self, sigma: float) -> Iterator[NormNoise | None]:
+        if self.aqn is None:
+            yield None
+            return
+        with self.noise().applied(sigma, self.state.global_step) as handle:
+            yield handle
+
+    def _generate_single_turn(
+        self, prompt_ids: list[list[int]], images: Any, multimodal_fields: Any, num_generations: int, has_tool_images: bool = False
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        if images is not None or multimodal_fields:
+            raise ValueError("QeRLTrainer: text-only rollouts; got images/multimodal inputs")
+        engine = self.rollout_engine()
+        prompts, n = _group_repeats(prompt_ids)
+        params = SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k or 0,
+            max_new_tokens=self.max_completion_length,
+            stop_token_ids=list(self.eos_token_ids),
+            seed=self._sampling_seed(),
+        )
+        policy = self._policy()
+        was_training = policy.training
+        policy.eval()
+        sigma = self.current_sigma()
+        start = time.perf_counter()
+        try:
+            with torch.no_grad(), self._aqn_applied(sigma):
+                out = engine.generate(prompts, params, n=n)
+        finally:
+            policy.train(was_training)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(c) for c in out.completion_ids)
+        metrics = self._metrics["train" if was_training else "eval"]
+        metrics["rollout/seconds"].append(elapsed)
+        metrics["rollout/tokens_per_s"].append(tokens / max(elapsed, 1e-9))
+        if self.aqn is not None:
+            metrics["aqn/sigma"].append(sigma)
+            metrics["aqn/stage"].append(float(self.aqn.stage(self.state.global_step, max(1, self.state.max_steps))))
+            metrics["aqn/changed_frac"].append(self._noise.changed_fraction if self._noise else 0.0)
+        return out.completion_ids, out.logprobs
+
+    # ------------------------------------------------------------------ logging
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if torch.cuda.is_available() and self.model.training:
+            self._metrics["train"]["memory/peak_gb"].append(torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """Save as transformers does, then write the completion marker, then rotate old checkpoints
+        (rotation waits for the marker so a crash can never leave fewer complete checkpoints)."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if not self.args.should_save:
+            return
+        run_dir = self._get_output_dir(trial=trial)
+        ckpt = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        marker = {
+            "global_step": self.state.global_step,
+            "max_steps": self.state.max_steps,
+            "rollout_engine": self.args.rollout_engine,
+            "aqn": None
+            if self.aqn is None
+            else {
+                "sigma_start": self.aqn.sigma_start,
+                "sigma_end": self.aqn.sigma_end,
+                "num_stages": self.aqn.num_stages,
+                "schedule": self.aqn.schedule,
+                "resample": self.args.aqn_resample,
+                "stage": self.aqn.stage(self.state.global_step, max(1, self.state.max_steps)),
+                "next_sigma": self.current_sigma(),
+            },
+        }
+        tmp = ckpt / f".{CHECKPOINT_MARKER}.tmp"
+        tmp.write_text(json.dumps(marker, indent=1))
+        os.replace(tmp, ckpt / CHECKPOINT_MARKER)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """``resume_from_checkpoint=True`` resumes from the newest complete checkpoint of output_dir."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"--resume_from_checkpoint: no complete checkpoint in {self.args.output_dir}")
+        if resume_from_checkpoint:
+            path = Path(resume_from_checkpoint)
+            if not (path / CHECKPOINT_MARKER).exists():
+                raise ValueError(f"--resume_from_checkpoint {path}: incomplete (no {CHECKPOINT_MARKER}); the save was interrupted")
+            self._resume_marker = json.loads((path / CHECKPOINT_MARKER).read_text())
+            self.add_callback(_ResumeCheck(self))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+
+class _ResumeCheck(TrainerCallback):
+    """After the state is restored: log the AQN stage resumed at, warn if the schedule moved."""
+
+    def __init__(self, trainer: QeRLTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        marker = self.trainer._resume_marker or {}
+        if marker.get("max_steps") not in (None, state.max_steps):
+            logger.warning("resumed run plans %d steps, the checkpoint's run planned %s: the AQN schedule is stretched accordingly",
+                           state.max_steps, marker.get("max_steps"))
+        if self.trainer.aqn is not None:
+            logger.info("resumed at step %d: AQN stage %d, sigma %.3g", state.global_step,
+                        self.trainer.aqn.stage(state.global_step, max(1, state.max_steps)), self.trainer.current_sigma())
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """Newest ``checkpoint-N`` holding the completion marker; incomplete ones are renamed aside
+    (``.incomplete-checkpoint-N``) so that neither resume nor rotation ever picks them up."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for d in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        suffix = d.name[len(PREFIX_CHECKPOINT_DIR) + 1 :]
+        if not d.is_dir() or not suffix.isdigit():
+            continue
+        if not (d / CHECKPOINT_MARKER).exists():
+            aside = root / f".incomplete-{d.name}-{int(time.time())}"
+            logger.warning("checkpoint %s is incomplete (interrupted save); moving it to %s", d, aside)
+            shutil.move(str(d), str(aside))
+            continue
+        if best is None or int(suffix) > best[0]:
+            best = (int(suffix), d)
+    return None if best is None else str(best[1])
+
+
+__all__ = ["QeRLConfig", "QeRLTrainer", "last_complete_checkpoint", "CHECKPOINT_MARKER", "METRICS_FILE"]

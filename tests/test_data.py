@@ -1,0 +1,87 @@
+"""Data sets become prompt (chat messages with the restored instruction) + answer rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+
+from qerl.data import arithmetic, filter_prompt_length, load_dataset, spec, train_heldout_split
+from qerl.prompts import DAPO_SYSTEM_PROMPT, TAG_SYSTEM_PROMPT
+from qerl.rewards import gsm8k_accuracy
+
+SAMPLE = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
+
+
+def test_gsm8k_local_jsonl_gets_tag_instruction_and_numeric_gold() -> None:
+    ds = load_dataset("gsm8k", str(SAMPLE))
+    assert len(ds) == 20 and sorted(ds.column_names) == ["answer", "prompt"]
+    row = ds[0]
+    assert row["prompt"][0] == {"role": "system", "content": TAG_SYSTEM_PROMPT}
+    assert row["prompt"][1]["role"] == "user" and row["prompt"][1]["content"].startswith("Natalia sold clips")
+    assert row["answer"] == "72"
+
+
+def test_parquet_and_directory_sources(tmp_path: Path) -> None:
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:5]]
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    assert load_dataset("gsm8k", str(tmp_path / "train.parquet"))["answer"] == load_dataset("gsm8k", str(tmp_path))["answer"]
+
+
+def test_math_style_sets_keep_the_gold_and_dapo_uses_its_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "math.jsonl"
+    path.write_text(json.dumps({"problem": "What is $1+1$?", "solution": "long", "answer": "2"}) + "\n")
+    big = load_dataset("bigmath", str(path))
+    assert big[0]["answer"] == "2" and big[0]["prompt"][0]["content"] == TAG_SYSTEM_PROMPT
+    dapo = load_dataset("dapomath", str(path))  # the reference's spelling
+    assert dapo[0]["prompt"][0]["content"] == DAPO_SYSTEM_PROMPT
+
+
+def test_num_samples_is_a_seeded_subset() -> None:
+    a = load_dataset("gsm8k", str(SAMPLE), num_samples=5, seed=1)
+    b = load_dataset("gsm8k", str(SAMPLE), num_samples=5, seed=1)
+    assert len(a) == 5 and a["answer"] == b["answer"]
+
+
+def test_arithmetic_is_reproducible_and_correct() -> None:
+    a, b = arithmetic(50, seed=3), arithmetic(50, seed=3)
+    assert a["question"] == b["question"] and a["question"] != arithmetic(50, seed=4)["question"]
+    for q, ans in zip(a["question"], a["answer"], strict=True):
+        assert str(eval(q.removeprefix("What is ").removesuffix("?"))) == ans  # noqa: S307 - our own digits
+    ds = load_dataset("arithmetic", num_samples=8)
+    assert len(ds) == 8
+    assert gsm8k_accuracy([f"<answer>{x}</answer>" for x in ds["answer"]], answer=ds["answer"]) == [2.0] * 8
+
+
+def test_bad_names_and_paths_raise_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--dataset"):
+        spec("imagenet")
+    with pytest.raises(FileNotFoundError, match="--dataset_path"):
+        load_dataset("gsm8k", "./does/not/exist.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="expected a .jsonl"):
+        load_dataset("gsm8k", str(tmp_path / "x.csv"))
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "q"}) + "\n")
+    with pytest.raises(ValueError, match="no question column"):
+        load_dataset("gsm8k", str(tmp_path / "bad.jsonl"))
+
+
+def test_heldout_split_is_disjoint() -> None:
+    train, held = train_heldout_split(load_dataset("gsm8k", str(SAMPLE)), 5, seed=0)
+    assert len(train) == 15 and len(held) == 5
+    assert not {r[1]["content"] for r in train["prompt"]} & {r[1]["content"] for r in held["prompt"]}
+    with pytest.raises(ValueError, match="--heldout"):
+        train_heldout_split(held, 5)
+
+
+def test_filter_prompt_length(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ds = load_dataset("gsm8k", str(SAMPLE))
+    lengths = [len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"]) for p in ds["prompt"]]
+    cut = sorted(lengths)[10]
+    kept = filter_prompt_length(ds, tok, cut)
+    assert len(kept) == sum(n <= cut for n in lengths) and 0 < len(kept) < len(ds)
