@@ -16,7 +16,7 @@ import torch
 from peft import LoraConfig, PeftConfig, PeftModel
 from peft.utils import get_peft_model_state_dict
 
-from qerl.lora import register_nvfp4
+from qerl.lora import load_adapter
 
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -86,9 +86,8 @@ def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_misma
             f"--lora {adapter_dir}: adapter was made for base model {recorded!r}, but --model is {model_arg!r}; "
             "pass --allow-base-mismatch if they are the same weights"
         )
-    register_nvfp4(config)
     try:
-        wrapped = PeftModel.from_pretrained(model, str(path), config=config)
+        wrapped = load_adapter(model, str(path))
     except (RuntimeError, ValueError, KeyError) as e:
         detail = _first_mismatch(str(e)) or " ".join(str(e).split())[:300]
         raise SystemExit(

@@ -19,7 +19,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from qerl.prompts import chat_messages
+from qerl.prompts import chat_messages, encode_chat
 from qerl.rewards import gsm8k_gold
 
 
@@ -140,10 +140,7 @@ def filter_prompt_length(ds: Dataset, tokenizer: Any, max_tokens: int) -> Datase
         return ds
 
     def short(row: dict[str, Any]) -> bool:
-        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return len(ids) <= max_tokens
+        return len(encode_chat(tokenizer, row["prompt"])) <= max_tokens
 
     return ds.filter(short)
 

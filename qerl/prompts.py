@@ -30,9 +30,18 @@ def chat_messages(question: str, style: str = "tags") -> list[dict[str, str]]:
     return [{"role": "system", "content": PROMPT_STYLES[style]}, {"role": "user", "content": question}]
 
 
-def render(tokenizer: Any, question: str, style: str = "tags") -> list[int]:
-    """Token ids of the chat-templated prompt, ending with the assistant turn's header."""
-    ids = tokenizer.apply_chat_template(chat_messages(question, style), add_generation_prompt=True, tokenize=True)
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat-templated conversation, ending with the assistant turn's header.
+
+    transformers 5 returns a BatchEncoding from ``apply_chat_template(tokenize=True)``; older
+    versions a plain list: both become a list of ints here.
+    """
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def render(tokenizer: Any, question: str, style: str = "tags") -> list[int]:
+    """Token ids of one question's prompt in the given style."""
+    return encode_chat(tokenizer, chat_messages(question, style))

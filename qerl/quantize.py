@@ -28,6 +28,7 @@ from torch import nn
 from tqdm import tqdm
 
 from qerl import checkpoint, hub, nvfp4
+from qerl.fsutil import atomic_directory
 
 Backend = Literal["auto", "qerl", "llmcompressor"]
 DEFAULT_IGNORE = ("lm_head",)
@@ -205,16 +206,8 @@ def quantize_checkpoint(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.src-") as scratch:
         src = _source_dir(model, gguf_file, Path(scratch))
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-        try:
+        with atomic_directory(out_dir) as tmp:
             run(src, tmp, ignore)
-            os.chmod(tmp, 0o755)
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return out_dir
 
 

@@ -21,8 +21,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +29,10 @@ import torch
 from trl import TrlParser
 
 from qerl import data as qdata
+from qerl.fsutil import atomic_directory
 from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
+from qerl.prompts import encode_chat
 from qerl.rewards import get_rewards
 from qerl.rollout import SamplingParams
 from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
@@ -89,7 +89,7 @@ def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reward: Any, max_new_token
     try:
         for start in range(0, len(rows), batch):
             chunk = rows.select(range(start, min(start + batch, len(rows))))
-            ids = [_chat_ids(tok, p) for p in chunk["prompt"]]
+            ids = [encode_chat(tok, p) for p in chunk["prompt"]]
             out = engine.generate(ids, params, n=1)
             texts = tok.batch_decode(out.completion_ids, skip_special_tokens=True)
             scores = reward(completions=texts, answer=chunk["answer"])
@@ -97,11 +97,6 @@ def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reward: Any, max_new_token
     finally:
         policy.train(was_training)
     return correct / len(rows)
-
-
-def _chat_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -112,16 +107,8 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def save_adapter(trainer: QeRLTrainer, out_dir: Path) -> Path:
     """The final adapter (and tokenizer) in ``out_dir``, written to a temp dir first then renamed."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
+    with atomic_directory(out_dir) as tmp:
         trainer.save_model(str(tmp))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from qerl.aqn import AQNSchedule, norm_weights
 from qerl.data import load_dataset
 from qerl.loader import load_model, load_tokenizer
-from qerl.lora import lora_config, register_nvfp4
+from qerl.lora import load_adapter, lora_config
 from qerl.trainer import (
     CHECKPOINT_MARKER,
     METRICS_FILE,
@@ -145,13 +145,13 @@ def test_optimizer_holds_state_for_trainable_params_only(run: dict[str, Any]) ->
 
 
 def test_checkpoint_is_marked_complete_and_loads_in_peft(run: dict[str, Any]) -> None:
-    from peft import LoraConfig, PeftModel, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
 
     ckpt = run["out"] / "checkpoint-2"
     marker = json.loads((ckpt / CHECKPOINT_MARKER).read_text())
     assert marker["global_step"] == 2 and marker["aqn"]["stage"] == 2
     base = load_model(run["model_dir"], device="cpu", dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, ckpt, config=register_nvfp4(LoraConfig.from_pretrained(ckpt)))
+    model = load_adapter(base, str(ckpt))
     saved = load_file(ckpt / "adapter_model.safetensors")
     loaded = get_peft_model_state_dict(model)
     assert loaded.keys() == saved.keys()
