@@ -159,15 +159,21 @@ def measure(layer: Layer, m: int, copy_bw: float) -> dict:
     return row
 
 
+D = fg.DecodeConfig
 SWEEP = {  # configs tried on the summary shape, to pick the heuristics (see benchmarks/NOTES.md)
-    1: [fg.Config(16, 64, 128, 4, 4), fg.Config(16, 32, 256, 4, 3), fg.Config(16, 64, 256, 4, 3), fg.Config(16, 128, 128, 4, 4),
-        fg.Config(16, 64, 128, 4, 4, mul_f32=True), fg.Config(16, 64, 128, 8, 4)],
-    16: [fg.Config(16, 64, 128, 4, 4), fg.Config(16, 32, 256, 4, 3), fg.Config(16, 128, 128, 4, 4), fg.Config(16, 64, 256, 8, 3)],
-    64: [fg.Config(64, 64, 128, 4, 4), fg.Config(64, 32, 128, 4, 4), fg.Config(64, 128, 64, 4, 4), fg.Config(32, 64, 128, 4, 4)],
-    4096: [fg.Config(128, 128, 64, 8, 3), fg.Config(128, 256, 64, 8, 3), fg.Config(128, 128, 128, 8, 3), fg.Config(128, 128, 64, 4, 4),
-           fg.Config(128, 128, 64, 8, 3, mul_f32=True)],
+    1: [D(), D(128, 256, 4, 3), D(128, 128, 4, 4), D(64, 256, 4, 4, x_split=False)],
+    16: [D(), D(128, 128, 4, 4)],
+    64: [D(), D(128, 128, 4, 4)],
+    4096: [fg.Config(128, 128, 64, 8, 3)],  # the fused wgmma kernel, against dequantize + cuBLAS
 }
-BWD_SWEEP = [fg.Config(128, 64, 128, 8, 3), fg.Config(128, 32, 128, 8, 4), fg.Config(128, 64, 256, 8, 3), fg.Config(128, 64, 64, 4, 4)]
+BWD_SWEEP = [fg.Config(128, 64, 128, 8, 3)]
+DEQUANT_BLOCKS = ((8, 128, 4), (16, 64, 4))
+
+
+def _resolve(cfg, m: int, layer: Layer, device: torch.device):
+    if isinstance(cfg, fg.DecodeConfig):
+        return fg.decode_config(layer.n, layer.k, device, cfg)
+    return fg.with_split(cfg, m, layer.n, layer.k, device)
 
 
 def sweep(layer: Layer) -> list[dict]:
@@ -175,16 +181,18 @@ def sweep(layer: Layer) -> list[dict]:
     for m, cfgs in SWEEP.items():
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         for cfg in cfgs:
-            cfg = fg.with_split(cfg, m, layer.n, layer.k, x.device)
-            out.append({"M": m, "kind": "fwd", "config": cfg.__dict__, "time_us": graph_time(layer.fwd_fns(x, cfg)) * 1e6})
+            cfg = _resolve(cfg, m, layer, x.device)
+            out.append({"M": m, "kind": "fwd", "config": {"kernel": type(cfg).__name__, **cfg.__dict__},
+                        "time_us": graph_time(layer.fwd_fns(x, cfg)) * 1e6})
         if m >= 1024:
             out.append({"M": m, "kind": "fwd", "config": "dequantize+cuBLAS", "time_us": graph_time(layer.dq_fwd_fns(x)) * 1e6})
     gy = torch.randn(4096, layer.n, device="cuda", dtype=torch.bfloat16)
     for cfg in BWD_SWEEP:
         out.append({"M": 4096, "kind": "bwd", "config": cfg.__dict__, "time_us": graph_time(layer.bwd_fns(gy, cfg)) * 1e6})
     out.append({"M": 4096, "kind": "bwd", "config": "dequantize+cuBLAS", "time_us": graph_time(layer.dq_bwd_fns(gy)) * 1e6})
-    for block in ((64, 256, 4), (32, 512, 4), (128, 128, 8), (16, 1024, 4)):
-        fns = [lambda q=q: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block) for q in layer.q]
+    for block in DEQUANT_BLOCKS:
+        fns = [lambda q=q, block=block: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block)
+               for q in layer.q]
         out.append({"M": 0, "kind": "dequantize", "config": list(block), "time_us": graph_time(fns) * 1e6})
     return out
 
@@ -196,7 +204,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for ax, kind in zip(axes, ("fwd", "bwd")):
+    for ax, kind in zip(axes, ("fwd", "bwd"), strict=True):
         for r in {(r["model"], r["layer"]) for r in rows}:
             pts = sorted((x["M"], x[kind]["speedup_vs_bf16"]) for x in rows if (x["model"], x["layer"]) == r)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1, label=f"{r[0]} {r[1]}")

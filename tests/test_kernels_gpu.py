@@ -56,7 +56,10 @@ def _configs(M: int, N: int, K: int):
     from qerl.kernels import fp4_gemm as fg
 
     yield None  # the heuristic choice
-    yield fg.Config(BM=16, BN=64, BK=128, warps=4, stages=3, split=5)  # split-K decode tiles
+    if M <= fg.DECODE_MAX_M:  # the decode kernel's other schedules: strided x gathers, fixed split
+        yield fg.DecodeConfig(BN=64, BK=128, warps=4, stages=3, split=3, x_split=False)
+        yield fg.DecodeConfig(BN=256, BK=128, warps=8, stages=3, split=1)
+    yield fg.Config(BM=16, BN=64, BK=128, warps=4, stages=3, split=5)  # split-K fused wgmma tiles
     yield fg.Config(BM=64, BN=64, BK=64, warps=4, stages=3, split=1)
     if M > 64:
         yield fg.Config(BM=128, BN=128, BK=64, warps=8, stages=3, split=3)  # split-K on wgmma tiles

@@ -1,35 +1,30 @@
 """Triton NVFP4 x BF16/FP16 GEMMs on the checkpoint layout (no repack), for Hopper-class GPUs.
 
 Hopper has no FP4 tensor cores, so every kernel here streams the packed weight as it sits in the
-checkpoint (``weight_packed`` u8 ``[N, K/2]`` read as int32 words of 8 codes, ``weight_scale`` fp8
-``[N, K/16]``), dequantizes tiles in registers and feeds bf16/fp16 ``tl.dot`` (mma / wgmma).
-
-Dequantization (``_dequant_tile``) works on int32 words, two codes at a time. Shifting a word left
-by ``12 - 4i`` puts code ``i`` at bits 15..12 and code ``i + 4`` at bits 31..28; then
-``(v & 0x80008000) | ((v >> 6) & 0x01C001C0)`` is a pair of bf16 numbers whose sign is the code's
-sign and whose two low exponent bits and top mantissa bit are the code's magnitude bits, i.e.
-``e2m1 * 2^-126`` (codes +-0.5 land on bf16 subnormals, which the hardware keeps). One multiply by
-the block scale times ``2^118`` (exact in bf16) yields ``e2m1 * fp8_scale * 2^-8``: an exact bf16
-(at most 6 significant bits), so the only rounding left is the dot itself; the ``2^8 / g`` factor is
-applied to the fp32 accumulator. FP16 uses the same scheme with shift 3 and factor ``2^6``.
-
-Each word yields codes ``8j + i`` (``lo``) and ``8j + 4 + i`` (``hi``) for i = 0..3, so a ``BK``-wide
-tile becomes two half tiles of ``BK/2`` columns; instead of interleaving them in registers, the
-activations are loaded in the matching order (runs of 4 contiguous elements) and the reduction is
-split into two dots.
+checkpoint (``weight_packed`` u8 ``[N, K/2]``, ``weight_scale`` fp8 ``[N, K/16]``), decodes it in
+registers and feeds bf16/fp16 ``tl.dot`` (wgmma).
 
 Kernels:
-* ``_fwd_kernel``: ``y = x @ W^T`` (+ bias, + LoRA expand ``scale * u @ B^T`` in the epilogue). With
-  ``SPLIT`` it is split-K: every program writes an fp32 partial, and the last program to finish a
-  tile (an atomic ticket per tile) reduces the partials and runs the epilogue, so decode (M <= 64)
-  fills all SMs in a single launch that CUDA graphs can capture.
-* ``_bwd_kernel``: ``grad_x = grad_y @ W`` (K is the output dim, the reduction runs over N).
-* ``_dequant_kernel``: dense ``W_hat`` in bf16/fp16 (used where dequantize + cuBLAS is faster).
+* ``_decode_kernel`` (M <= 64, the rollout path): y^T = W_hat @ x^T with the weight as the wgmma
+  A operand in registers and the tokens padded to 16..64 as its N dim; the packed row is read as
+  int16 elements of 4 codes, and a 4-instruction PTX snippet (``_nibble_asm``, via
+  ``tl.inline_asm_elementwise(pack=2)``) turns nibble i of two elements into one bf16x2 pair
+  ``e2m1 * 2^-126``; one packed multiply by the fp8 block scale * 2^118 makes the exact
+  ``e2m1 * scale * 2^-8``. Because the decode is a unary elementwise op, Triton hoists the
+  dot-operand conversion above it: words go global -> shared (cp.async, pipelined) -> registers
+  (ldmatrix) and the decoded weights never touch shared memory. About 4 SASS instructions per
+  weight in the main loop (was 8.8 in the join/reshape design it replaces). Split-K with an
+  atomic ticket per tile: one launch, CUDA-graph safe.
+* ``_fwd_kernel`` / ``_bwd_kernel``: fused wgmma tiles on int32 words (two codes per 32-bit
+  shift/mask, two half-tile dots); reachable through an explicit ``Config`` (prefill-sized M
+  measured slower than dequantize + cuBLAS); ``_bwd_kernel`` still serves grad_x for M <= 64.
+* ``_dequant_kernel``: dense ``W_hat`` in bf16/fp16, 8 codes per thread -> one 16-byte store,
+  bitwise equal to ``nvfp4.dequantize``; M > 64 forward and backward run it + cuBLAS.
 
-Floors and measurements live in ``benchmarks/NOTES.md`` (``## Kernels``). Measured on the H200 for
-7B down_proj (N=3584, K=18944): M=1 37.7 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), i.e.
-0.97x of bf16 cuBLAS; M=4096 0.90x (fwd) / 0.89x (bwd) of bf16 through dequantize + cuBLAS. The
-decode kernel is instruction-bound or latency-bound well above its floor (see NOTES.md).
+Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
+(N=3584, K=18944): M=1 23.3 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), 1.61x of bf16
+cuBLAS (was 37.7 us, 0.97x); M=16 1.56x; M=64 0.70x; dequantize 61 us (2.9 TB/s of its 174 MB,
+floor 41 us; was 110 us); M=1024 fwd 0.78x / bwd 0.76x; M=4096 0.93x / 0.95x of bf16.
 """
 
 from __future__ import annotations
@@ -241,24 +236,201 @@ def _bwd_kernel(
     tl.store(rows + (kcol + 4)[None, :], (acc_hi * c).to(dt), mask=mask_m[:, None] & (kcol[None, :] + 4 < K))
 
 
+def _nibble_asm(i: int, fp16: bool) -> str:
+    """PTX for nibble ``i`` of both 16-bit halves of ``$1`` -> a bf16x2 / fp16x2 pair in ``$0``.
+
+    Code bits ``4i..4i+3`` of a half are (magnitude e1 e0 m, sign s). The sign goes to bit 15 (31)
+    and the magnitude to the low two exponent bits + top mantissa bit, so the half reads as
+    ``e2m1 * 2^-126`` (bf16) or ``e2m1 * 2^-14`` (fp16), subnormals included: 2 shifts + 2 LOP3 for
+    two weights (ptxas turns the left shifts into IMAD.SHL on the FMA pipe).
+    """
+    sign_shl = 12 - 4 * i
+    mag_shift, mask = (9 - 4 * i, "0x0E000E00") if fp16 else (6 - 4 * i, "0x01C001C0")
+    mag = f"shl.b32 m, $1, {mag_shift};" if mag_shift >= 0 else f"shr.u32 m, $1, {-mag_shift};"
+    sign = f"shl.b32 s, $1, {sign_shl};" if sign_shl else "mov.b32 s, $1;"
+    return "{\n.reg .b32 s, m;\n" + sign + "\n" + mag + f"\nand.b32 m, m, {mask};\nand.b32 s, s, 0x80008000;\nor.b32 $0, s, m;\n}}"
+
+
+_NIB_BF16_0, _NIB_BF16_1, _NIB_BF16_2, _NIB_BF16_3 = (tl.constexpr(_nibble_asm(i, False)) for i in range(4))
+_NIB_FP16_0, _NIB_FP16_1, _NIB_FP16_2, _NIB_FP16_3 = (tl.constexpr(_nibble_asm(i, True)) for i in range(4))
+
+
+@triton.jit
+def _nibble(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
+    """int16 tensor of packed codes (4 per element) -> its code ``NIB``, scaled down (_nibble_asm).
+
+    A unary elementwise op, so Triton hoists the dot-operand layout conversion above it: the int16
+    words go global -> shared (cp.async) -> registers in the wgmma A-operand layout, and the decoded
+    bf16 pairs never touch shared memory.
+    """
+    if IS_FP16:
+        if NIB == 0:
+            asm: tl.constexpr = _NIB_FP16_0
+        elif NIB == 1:
+            asm: tl.constexpr = _NIB_FP16_1
+        elif NIB == 2:
+            asm: tl.constexpr = _NIB_FP16_2
+        else:
+            asm: tl.constexpr = _NIB_FP16_3
+        return tl.inline_asm_elementwise(asm, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        if NIB == 0:
+            asm: tl.constexpr = _NIB_BF16_0
+        elif NIB == 1:
+            asm: tl.constexpr = _NIB_BF16_1
+        elif NIB == 2:
+            asm: tl.constexpr = _NIB_BF16_2
+        else:
+            asm: tl.constexpr = _NIB_BF16_3
+        return tl.inline_asm_elementwise(asm, "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _decode_kernel(
+    x_ptr, h_ptr, s_ptr, g_ptr, bias_ptr, u_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
+    M, N, K, stride_xm, stride_hn, stride_sn, stride_ym, stride_um, stride_bn, R, lora_scale, steps_per_split,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
+):
+    """Decode GEMM (M <= BM <= 64): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
+
+    Swapped operands: the weight tile is the wgmma A operand (registers, M-dim = BN rows of W) and
+    the few tokens are the N-dim (BM >= 16, padded by masking), so the tensor cores do all
+    multiply-adds and the per-weight cost is the decode alone. The packed row is read as int16
+    elements of 4 codes; nibble ``i`` of element ``j`` is code ``4j + i``, so each K tile becomes
+    four dots over ``BK/4`` elements (``W_i = nibble(h, i) * scale``, ``x_i[m, j] = x[m, 4j + i]``)
+    with no reshape/join between the decode and the dot. The fp8 block scale (one per 4 elements)
+    times 2^118 (2^6 for fp16) is exact in the act dtype, so ``W_i`` is the exact
+    ``e2m1 * scale * 2^-8``; ``2^8 / g`` is applied to the fp32 result.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if IS_FP16:
+        DT: tl.constexpr = tl.float16
+        FACTOR: tl.constexpr = 64.0  # 2^6
+    else:
+        DT: tl.constexpr = tl.bfloat16
+        FACTOR: tl.constexpr = 3.3230699894622896e35  # 2^118
+    HW: tl.constexpr = BK // 4  # int16 elements per row and K tile
+    G: tl.constexpr = BK // 16  # scale groups per row and K tile
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    hcol = tl.arange(0, HW)
+    gcol = tl.arange(0, G)
+    h_rows = h_ptr + offs_n[:, None] * stride_hn
+    s_rows = s_ptr + offs_n[:, None] * stride_sn
+    x_cols = x_ptr + offs_m[None, :] * stride_xm
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    k_steps = tl.cdiv(K, BK)
+    first = pid_k * steps_per_split
+    for step in range(0, tl.minimum(steps_per_split, k_steps - first)):
+        k0 = (first + step) * BK
+        kh = k0 // 4 + hcol
+        ks = k0 // 16 + gcol
+        if EVEN_K:
+            h = tl.load(h_rows + kh[None, :], mask=mask_n[:, None], other=0)
+            sc = tl.load(s_rows + ks[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            h = tl.load(h_rows + kh[None, :], mask=mask_n[:, None] & (kh[None, :] < K // 4), other=0)
+            sc = tl.load(s_rows + ks[None, :], mask=mask_n[:, None] & (ks[None, :] < K // 16), other=0.0)
+        # Scale in the compact [BN, G] tile, then broadcast to the 4 elements of its group: Triton
+        # gives the load a layout in which broadcast + reshape land on the dot-operand layout.
+        s = (sc.to(tl.float32) * FACTOR).to(DT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, G, 4)), (BN, HW))
+        if X_SPLIT:
+            # One contiguous [BM, BK] load, split in registers into the four strided slices.
+            kx = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None], other=0.0)
+            else:
+                xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
+            x02, x13 = tl.split(tl.reshape(xs, (BM, HW, 2, 2)))
+            x0, x2 = tl.split(x02)
+            x1, x3 = tl.split(x13)
+            acc = tl.dot(_nibble(h, 0, IS_FP16) * s, tl.trans(x0), acc)
+            acc = tl.dot(_nibble(h, 1, IS_FP16) * s, tl.trans(x1), acc)
+            acc = tl.dot(_nibble(h, 2, IS_FP16) * s, tl.trans(x2), acc)
+            acc = tl.dot(_nibble(h, 3, IS_FP16) * s, tl.trans(x3), acc)
+        else:
+            for i in tl.static_range(4):
+                kx = k0 + 4 * hcol + i
+                if EVEN_K:
+                    xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :], other=0.0)
+                else:
+                    xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :] & (kx[:, None] < K), other=0.0)
+                acc = tl.dot(_nibble(h, i, IS_FP16) * s, xt, acc)
+
+    tile_nm = offs_m[None, :] * N + offs_n[:, None]
+    mask_nm = mask_n[:, None] & mask_m[None, :]
+    if SPLIT:
+        # Same ticket protocol as _fwd_kernel: publish the fp32 partial; the last program of the
+        # tile sums all partials (L2, .cg) and runs the epilogue; it resets its ticket.
+        nsplit = tl.num_programs(1)
+        tl.store(part_ptr + pid_k * M * N + tile_nm, acc, mask=mask_nm)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == nsplit - 1:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for s_ in range(0, nsplit):
+                acc += tl.load(part_ptr + s_ * M * N + tile_nm, mask=mask_nm, other=0.0, cache_modifier=".cg")
+            tl.store(ticket_ptr + pid_n, 0)
+            _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um,
+                             b_ptr, stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
+    else:
+        _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um,
+                         b_ptr, stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
+
+
+@triton.jit
+def _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um,
+                     b_ptr, stride_bn, R, lora_scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr):
+    """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * B[n] . u[m]), for the transposed tile."""
+    out = acc * (256.0 / tl.load(g_ptr))
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    if HAS_LORA:
+        r = tl.arange(0, BR)
+        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0)
+        ut = tl.load(u_ptr + offs_m[None, :] * stride_um + r[:, None], mask=mask_m[None, :] & (r[:, None] < R), other=0.0)
+        dt = y_ptr.dtype.element_ty
+        out += lora_scale * tl.dot(b.to(dt), ut.to(dt))
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+             mask=mask_n[:, None] & mask_m[None, :])
+
+
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                    BN: tl.constexpr, BK: tl.constexpr, IS_FP16: tl.constexpr, MUL_F32: tl.constexpr):
-    """out[N, K] = W_hat in the activation dtype (one rounding from the exact e2m1 * scale / g)."""
+                    BN: tl.constexpr, BW: tl.constexpr, EVEN_K: tl.constexpr):
+    """out[N, K] = W_hat in out's dtype: e2m1 * (fp8 scale / g) in fp32, rounded once (as nvfp4.dequantize).
+
+    A [BN, BW, 8] tile (BW int32 words of 8 codes per row): each thread owns whole words, decodes
+    the 8 codes with plain integer ops and stores them as one 16-byte vector, so the pass is bound by
+    its 2.56 bytes/weight of traffic (0.56 read + 2 written), not by the decode.
+    """
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    wcol = tl.program_id(1) * BW + tl.arange(0, BW)
+    i = tl.arange(0, 8)
     mask_n = offs_n < N
-    pid_k = tl.program_id(1)
-    kcol = pid_k * BK + _half_cols(BK)
-    wcol = pid_k * (BK // 8) + tl.arange(0, BK // 8)
-    scol = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + wcol[None, :], mask=mask_n[:, None] & (wcol[None, :] < K // 8), other=0)
-    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + scol[None, :], mask=mask_n[:, None] & (scol[None, :] < K // 16), other=0.0)
-    w_lo, w_hi = _dequant_tile(words, scale, IS_FP16, MUL_F32)
-    c = 256.0 / tl.load(g_ptr)
-    rows = out_ptr + offs_n[:, None] * stride_on
-    dt = out_ptr.dtype.element_ty
-    tl.store(rows + kcol[None, :], (w_lo.to(tl.float32) * c).to(dt), mask=mask_n[:, None] & (kcol[None, :] < K))
-    tl.store(rows + (kcol + 4)[None, :], (w_hi.to(tl.float32) * c).to(dt), mask=mask_n[:, None] & (kcol[None, :] + 4 < K))
+    if EVEN_K:
+        mask_w = mask_n[:, None]
+    else:
+        mask_w = mask_n[:, None] & (wcol[None, :] < K // 8)
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + wcol[None, :], mask=mask_w, other=0)
+    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + (wcol // 2)[None, :], mask=mask_w, other=0.0)
+    step = scale.to(tl.float32) / tl.load(g_ptr)
+    code = words[:, :, None] >> (4 * i)[None, None, :]
+    # Sign to bit 31, magnitude bits (e1 e0 m) to the low two exponent bits + top mantissa bit: the
+    # fp32 number e2m1 * 2^-126 (0.5 is a subnormal, kept: Triton's fp32 multiply does not flush);
+    # the exact * 2^126 restores e2m1, then one rounding in * step as in nvfp4.dequantize.
+    bits = ((code << 28) & -0x80000000) | ((code << 22) & 0x01C00000)
+    val = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * step[:, :, None]
+    cols = wcol[None, :, None] * 8 + i[None, None, :]
+    ptrs = out_ptr + offs_n[:, None, None] * stride_on + cols
+    tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=mask_w[:, :, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,6 +449,20 @@ class Config:
     split: int = 1
     group_m: int = 8
     mul_f32: bool = _INTERPRET
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Schedule of one ``_decode_kernel`` launch: BN weight rows x BK codes per K step, ``split`` K
+    slices (0 = pick from the SM count), ``x_split``: load x as one contiguous tile and split it in
+    registers (else four strided gathers). BM (padded tokens) follows from M."""
+
+    BN: int = 64  # benchmarks/decode_tune.py: best of 8 schedules at every M and shape tried
+    BK: int = 256
+    warps: int = 4
+    stages: int = 4
+    split: int = 0
+    x_split: bool = True
 
 
 #: M at or below which the forward takes the split-K decode configuration.
@@ -298,11 +484,28 @@ def _split_for(tiles: int, k_steps: int, device: torch.device, per_sm: int = 4, 
 
 
 def fwd_config(M: int, N: int, K: int, device: torch.device) -> Config:
-    """Heuristic forward config: split-K GEMV-like tiles for decode, wgmma tiles for prefill."""
+    """Heuristic config of the fused wgmma forward (reached through an explicit ``config`` or tests)."""
     if M <= DECODE_MAX_M:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
         return with_split(Config(BM=bm, BN=64, BK=128, warps=4, stages=4), M, N, K, device)
     return with_split(Config(BM=128, BN=128, BK=64, warps=8, stages=3), M, N, K, device)
+
+
+def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None = None) -> DecodeConfig:
+    """``cfg`` (default: DecodeConfig()) with BK and split resolved for this shape.
+
+    BK halves (down to 64) until it divides K, so the model shapes take the unmasked EVEN_K loop;
+    split aims at ~3 programs per SM, each running >= 2 K steps.
+    """
+    cfg = cfg or DecodeConfig()
+    bk = cfg.BK
+    while K % bk and bk > 64:
+        bk //= 2
+    split = cfg.split
+    if split <= 0:
+        tiles = triton.cdiv(N, cfg.BN)
+        split = _split_for(tiles, triton.cdiv(K, bk), device, per_sm=3, min_steps=2)
+    return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split)
 
 
 def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
@@ -362,32 +565,18 @@ def matmul(
     lora_b: torch.Tensor | None = None,
     lora_scale: float = 1.0,
     out: torch.Tensor | None = None,
-    config: Config | None = None,
+    config: Config | DecodeConfig | None = None,
 ) -> torch.Tensor:
     """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
 
-    Decode-sized M (<= DECODE_MAX_M) takes split-K programs (one launch). Larger M dequantizes the
-    weight once into a transient bf16/fp16 copy and calls cuBLAS (faster than the fused wgmma
-    tiles, which stay reachable through an explicit ``config``). ``out`` (a contiguous [M, N]
-    tensor of x's dtype) lets tests hand in a poisoned buffer.
+    Decode-sized M (<= DECODE_MAX_M) takes ``_decode_kernel`` (one launch, split-K). Larger M
+    dequantizes the weight once into a transient bf16/fp16 copy and calls cuBLAS. An explicit
+    ``DecodeConfig`` forces the decode kernel (M <= 64), an explicit ``Config`` the fused wgmma
+    kernel (any M). ``out`` (a contiguous [M, N] tensor of x's dtype) lets tests hand in a
+    poisoned buffer.
     """
     M, N, K = _check(x, weight_packed, weight_scale)
     x = x.contiguous()
-    if config is None and M > DECODE_MAX_M:
-        # Large M: one dequantize pass + cuBLAS beats the fused kernels measured so far (NOTES.md).
-        y = torch.nn.functional.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, x.dtype), bias)
-        if lora_u is not None:
-            y = y + lora_scale * (lora_u.to(x.dtype) @ lora_b.to(x.dtype).t())
-        return y if out is None else out.copy_(y)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    if M == 0:
-        return y
-    cfg = config or fwd_config(M, N, K, x.device)
-    words = _words(weight_packed)
-    k_steps = triton.cdiv(K, cfg.BK)
-    steps_per_split = triton.cdiv(k_steps, cfg.split)
-    split = triton.cdiv(k_steps, steps_per_split)
-    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
     has_lora = lora_u is not None
     if has_lora:
         if lora_b is None or lora_u.shape[0] != M or lora_b.shape[0] != N or lora_u.shape[1] != lora_b.shape[1]:
@@ -395,24 +584,63 @@ def matmul(
                              f"{None if lora_u is None else tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}")
         lora_u = lora_u.contiguous()
         lora_b = lora_b.contiguous()
+    if config is None and M > DECODE_MAX_M:
+        # Large M: one dequantize pass + cuBLAS beats the fused kernels measured so far (NOTES.md).
+        y = torch.nn.functional.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, x.dtype), bias)
+        if has_lora:
+            y = y + lora_scale * (lora_u.to(x.dtype) @ lora_b.to(x.dtype).t())
+        return y if out is None else out.copy_(y)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    if M == 0:
+        return y
     rank = lora_u.shape[1] if has_lora else 0
-    if split > 1:
-        if tiles > _MAX_TILES:
-            raise ValueError(f"split-K over {tiles} tiles exceeds the ticket table ({_MAX_TILES})")
-        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        tickets = _tickets(x.device)
-    else:
-        part = tickets = y  # unused
+    lora_args = (lora_u if has_lora else y, lora_b if has_lora else y)
+    lora_strides = (lora_u.stride(0) if has_lora else 0, lora_b.stride(0) if has_lora else 0)
+    br = max(16, triton.next_power_of_2(rank))
+    if config is None or isinstance(config, DecodeConfig):
+        if M > DECODE_MAX_M:
+            raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
+        cfg = decode_config(N, K, x.device, config)
+        k_steps = triton.cdiv(K, cfg.BK)
+        steps_per_split = triton.cdiv(k_steps, cfg.split)
+        split = triton.cdiv(k_steps, steps_per_split)
+        tiles = triton.cdiv(N, cfg.BN)
+        part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
+        h = weight_packed.contiguous().view(torch.int16)
+        _decode_kernel[(tiles, split)](
+            x, h, weight_scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
+            M, N, K, x.stride(0), h.stride(0), weight_scale.stride(0), y.stride(0), *lora_strides, rank,
+            float(lora_scale), steps_per_split,
+            BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
+            HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
+            X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+        return y
+    cfg = config
+    words = _words(weight_packed)
+    k_steps = triton.cdiv(K, cfg.BK)
+    steps_per_split = triton.cdiv(k_steps, cfg.split)
+    split = triton.cdiv(k_steps, steps_per_split)
+    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
     _fwd_kernel[(tiles, split)](
-        x, words, weight_scale, weight_global_scale, bias if bias is not None else y,
-        lora_u if has_lora else y, lora_b if has_lora else y, y, part, tickets,
-        M, N, K, x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0),
-        lora_u.stride(0) if has_lora else 0, lora_b.stride(0) if has_lora else 0, rank, float(lora_scale), steps_per_split,
+        x, words, weight_scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
+        M, N, K, x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0), *lora_strides, rank,
+        float(lora_scale), steps_per_split,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, SPLIT=split > 1,
-        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=max(16, triton.next_power_of_2(rank)),
+        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br,
         IS_FP16=x.dtype == torch.float16, MUL_F32=cfg.mul_f32, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y
+
+
+def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device, dummy: torch.Tensor):
+    """fp32 partials [split, M, N] and the ticket table for a split-K launch (``dummy`` twice if split == 1)."""
+    if split == 1:
+        return dummy, dummy
+    if tiles > _MAX_TILES:
+        raise ValueError(f"split-K over {tiles} tiles exceeds the ticket table ({_MAX_TILES})")
+    return torch.empty((split, M, N), dtype=torch.float32, device=device), _tickets(device)
 
 
 def matmul_t(
@@ -458,20 +686,20 @@ def dequantize(
     weight_scale: torch.Tensor,
     weight_global_scale: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
-    block: tuple[int, int, int] = (64, 256, 4),
+    block: tuple[int, int, int] = (8, 128, 4),
 ) -> torch.Tensor:
     """Dense W_hat [N, K] in bf16/fp16 on the GPU (one pass: 0.5625 B/weight read, 2 B written).
 
-    ``block`` = (rows, columns, warps) of one program.
+    ``block`` = (rows, int32 words of 8 codes per row, warps) of one program.
     """
     N, half_k = weight_packed.shape
     K = 2 * half_k
     _check(torch.empty((0, K), dtype=dtype), weight_packed, weight_scale)
     out = torch.empty((N, K), dtype=dtype, device=weight_packed.device)
     words = _words(weight_packed)
-    BN, BK, warps = block
-    _dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
+    BN, BW, warps = block
+    _dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K // 8, BW))](
         words, weight_scale, weight_global_scale, out, N, K, words.stride(0), weight_scale.stride(0), out.stride(0),
-        BN=BN, BK=BK, IS_FP16=dtype == torch.float16, MUL_F32=_INTERPRET, num_warps=warps,
+        BN=BN, BW=BW, EVEN_K=(K // 8) % BW == 0, num_warps=warps,
     )
     return out

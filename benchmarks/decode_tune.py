@@ -1,0 +1,154 @@
+"""Pick the NVFP4 decode-kernel schedule (M <= 64) and the dequantize block, in one device call.
+
+For the Qwen2.5-7B down_proj (N=3584, K=18944) and gate_up (N=37888, K=3584) shapes and
+M in {1, 16, 64} (gate_up: {1, 16}): every candidate ``DecodeConfig`` is first checked against a float64 product on
+the dequantized weight (NaN-poisoned output, fresh random x), then timed the way
+``benchmarks/kernels.py`` times (CUDA graph over rotating weight copies > L2, median), beside torch's
+bf16 ``F.linear`` on the dequantized weight in the same run. Then the dequantize kernel's blocks
+(bitwise against ``nvfp4.dequantize``) and the M=1024 dequantize + cuBLAS path.
+
+    python benchmarks/decode_tune.py --out $OUT     # prints a table, writes decode_tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels as kb  # noqa: E402  (benchmarks/kernels.py: Layer, graph_time, copy_bandwidth)
+
+from qerl import nvfp4  # noqa: E402
+from qerl.kernels import fp4_gemm as fg  # noqa: E402
+
+SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
+MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
+D = fg.DecodeConfig
+CANDIDATES = {
+    "n128k256w4s3": D(128, 256, 4, 3),
+    "n128k256w4s3_rep": D(128, 256, 4, 3),  # same config again: the run-to-run spread
+    "n128k128w4s4": D(128, 128, 4, 4),
+    "n256k128w8s3": D(256, 128, 8, 3),
+    "n64k256w4s4": D(64, 256, 4, 4),
+    "n128k256w4s3_gather": D(128, 256, 4, 3, x_split=False),
+}
+#: split multipliers tried on the first candidate (x the heuristic's split)
+SPLIT_MULT = (0.5, 2.0)
+DEQUANT_BLOCKS = ((16, 64, 4), (32, 32, 4), (8, 128, 4))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def decode_rows(layer: kb.Layer, shape: str) -> list[dict]:
+    q0 = layer.q[0]
+    w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
+    rows = []
+    for m in MS[shape]:
+        x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ w64.t()
+        base = kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6
+        cands = dict(CANDIDATES)
+        first = fg.decode_config(layer.n, layer.k, x.device, next(iter(CANDIDATES.values())))
+        for f in SPLIT_MULT:
+            cands[f"n128k256w4s3_split{f}"] = D(128, 256, 4, 3, split=max(1, int(first.split * f)))
+        for name, cfg in cands.items():
+            row = {"shape": shape, "M": m, "cand": name, "config": fg.decode_config(layer.n, layer.k, x.device, cfg).__dict__,
+                   "bf16_us": base}
+            try:
+                y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, out=y, config=cfg)
+                torch.cuda.synchronize()
+                row["rel_err"] = rel(y, ref)
+                fns = [lambda q=q, cfg=cfg, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
+                       for q in layer.q]
+                t = kb.graph_time(fns) * 1e6
+                row.update(us=t, speedup=base / t, wbw_TBps=layer.packed_bytes / t / 1e6)
+            except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(f"{shape:8s} M={m:3d} {name:26s} split={row['config']['split']:3d} "
+                  + (f"ERR {row['error'][:120]}" if "error" in row else
+                     f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}  (bf16 {base:.1f})"),
+                  flush=True)
+    return rows
+
+
+def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
+    q0 = layer.q[0]
+    ref = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.bfloat16)
+    moved = layer.packed_bytes + 2 * layer.n * layer.k
+    rows = []
+    for block in DEQUANT_BLOCKS:
+        row = {"block": list(block)}
+        try:
+            w = fg.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, block=block)
+            row["max_abs_diff"] = (w.float() - ref.float()).abs().max().item()
+            fns = [lambda q=q, block=block: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block)
+                   for q in layer.q]
+            t = kb.graph_time(fns) * 1e6
+            row.update(us=t, TBps=moved / t / 1e6, frac_of_copy=moved / (t * 1e-6) / bw)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        print(f"dequant {block}: " + (row.get("error", "")[:150] or
+              f"{row['us']:.1f} us {row['TBps']:.2f} TB/s ({row['frac_of_copy']:.2f} of copy) maxdiff {row['max_abs_diff']:.2e}"), flush=True)
+    for m in (1024,):
+        x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
+        gy = torch.randn(m, layer.n, device="cuda", dtype=torch.bfloat16)
+        r = {"M": m, "fwd_us": kb.graph_time(layer.dq_fwd_fns(x)) * 1e6, "bf16_fwd_us": kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6,
+             "bwd_us": kb.graph_time(layer.dq_bwd_fns(gy)) * 1e6, "bf16_bwd_us": kb.graph_time(layer.bf16_bwd_fns(gy)) * 1e6}
+        r["fwd_ratio"], r["bwd_ratio"] = r["bf16_fwd_us"] / r["fwd_us"], r["bf16_bwd_us"] / r["bwd_us"]
+        rows.append(r)
+        print(f"M={m} dequant+cuBLAS fwd {r['fwd_us']:.1f} us (x{r['fwd_ratio']:.2f}), bwd {r['bwd_us']:.1f} us (x{r['bwd_ratio']:.2f})", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
+    torch.manual_seed(0)
+    bw = kb.copy_bandwidth()["max"]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "copy_bw_GBps": bw / 1e9,
+              "decode": [], "dequant": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for shape, (n, k) in SHAPES.items():
+        layer = kb.Layer(n, k)
+        result["decode"] += decode_rows(layer, shape)
+        if shape == "down":
+            result["dequant"] = dequant_rows(layer, bw)
+        layer.free()
+        torch.cuda.empty_cache()
+        tmp = out / "decode_tune.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out / "decode_tune.json")
+    best = {}
+    for r in result["decode"]:
+        if "us" in r and r["rel_err"] < 1e-2:
+            key = (r["shape"], r["M"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    print("best per shape/M:")
+    for (shape, m), r in sorted(best.items()):
+        print(f"  {shape:8s} M={m:3d} {r['cand']:26s} {r['us']:7.1f} us x{r['speedup']:.2f} {r['wbw_TBps']:.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()
