@@ -13,13 +13,20 @@ both after a warm-up generate of the same shape (graph capture and Triton compil
 The floor is (weight bytes + LoRA bytes + mean KV bytes read per step) / the device-to-device copy
 bandwidth measured in the same run.
 
+``--lora-sweep`` measures only the LoRA cost on the 7B NVFP4 model, at b = 1/8/64: ms/step and GPU
+launches per decode step (kernels + memcpy/memset of an eager step, i.e. the nodes its CUDA graph
+holds) for LoRA with shrinks fused into the producing kernels, LoRA with one cuBLAS shrink per group
+(``ops.FUSED_LORA_MAX_ROWS = 0``: the previous design), and LoRA disabled.
+
     python benchmarks/rollout.py --out $OUT/rollout.json            # on the GPU
+    python benchmarks/rollout.py --lora-sweep --tokens 256 --out $OUT/rollout_lora.json
     python benchmarks/rollout.py --plot benchmarks/results/rollout.json  # PNG beside the JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -192,6 +199,93 @@ def profile(args: argparse.Namespace) -> None:
     torch.cuda.empty_cache()
 
 
+def launches_per_step(model: nn.Module, prompts: list[list[int]], steps: int = 4) -> float:
+    """GPU activities (kernels, memcpy, memset) per eager decode step: the nodes of its CUDA graph."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.native import NativeEngine
+
+    engine = NativeEngine(model, 0, cuda_graphs=False)
+
+    def count(tokens: int) -> int:
+        params = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=0)
+        engine.generate(prompts, params)  # compiles first, and sizes the cache
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, params)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+    # steps + 1 tokens = prefill + `steps` decode steps, none of them a host check (check_every=16).
+    return (count(steps + 1) - count(1)) / steps
+
+
+def lora_sweep(args: argparse.Namespace) -> dict:
+    """7B NVFP4 at b=1/8/64: LoRA fused / LoRA via cuBLAS shrinks / LoRA disabled, in one process."""
+    from qerl.rollout import ops
+    from qerl.rollout.native import NativeEngine
+
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
+    model = build_model("7b", nvfp4=True)
+    wbytes, lbytes = weight_bytes(model)
+    fused_rows = ops.FUSED_LORA_MAX_ROWS
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    for b in args.batches:
+        prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+        kv = kv_bytes_per_step("7b", b, args.tokens)
+        for variant in ("lora_fused", "lora_cublas", "nolora"):
+            ops.FUSED_LORA_MAX_ROWS = 0 if variant == "lora_cublas" else fused_rows
+            try:
+                with model.disable_adapter() if variant == "nolora" else contextlib.nullcontext():
+                    engine = NativeEngine(model, 0)  # fresh graphs: the shrink placement is baked in
+                    ms, t_one = ms_per_step(engine, prompts, args.tokens)
+                    del engine
+                    launches = launches_per_step(model, prompts)
+            finally:
+                ops.FUSED_LORA_MAX_ROWS = fused_rows
+            gc.collect()
+            torch.cuda.empty_cache()
+            floor = (wbytes + (0 if variant == "nolora" else lbytes) + kv) / bw * 1e3
+            rows.append(dict(shape="7b", engine="native", weights="nvfp4", variant=variant, lora=variant != "nolora",
+                             batch=b, tokens=args.tokens, ms_per_step=round(ms, 4), launches_per_step=launches,
+                             prefill_plus_1_s=round(t_one, 4), floor_ms=round(floor, 4)))  # fmt: skip
+            if args.out is not None:  # partial results survive a run cut off at its time limit
+                partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
+                args.out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
+            print(f"7b nvfp4 {variant:11s} b={b:3d}: {ms:8.3f} ms/step, {launches:6.1f} launches/step "
+                  f"(floor {floor:.3f})", flush=True)  # fmt: skip
+    by = {(r["variant"], r["batch"]): r["ms_per_step"] for r in rows}
+    summary = {}
+    for b in args.batches:
+        off = by.get(("nolora", b))
+        for variant in ("lora_fused", "lora_cublas"):
+            on = by.get((variant, b))
+            summary[f"{variant}_overhead_ms_b{b}"] = None if on is None or off is None else round(on - off, 4)
+            summary[f"{variant}_share_b{b}"] = None if on is None or off is None else round((on - off) / on, 4)
+    return {
+        "benchmark": "rollout LoRA cost sweep (decode ms/step, launches/step)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **environment(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "setup": {
+            "prompt_tokens": PROMPT,
+            "new_tokens": args.tokens,
+            "lora_r": 16,
+            "temperature": 1.0,
+            "weights": "random (real shapes)",
+            "model": "Qwen2.5-7B shapes, NVFP4 decoder Linears",
+            "fused_lora_max_rows": fused_rows,
+        },  # fmt: skip
+        "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+        "summary": summary,
+        "results": rows,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     from qerl.rollout import get_engine
 
@@ -353,6 +447,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a kernel profile of eager decode first")
+    parser.add_argument("--lora-sweep", action="store_true", help="only the 7B NVFP4 LoRA cost sweep (see above)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="with --lora-sweep")
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
     parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
     parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
@@ -382,7 +478,7 @@ def main() -> None:
         sys.exit("benchmarks/rollout.py: --out PATH is required for a run")
     if args.profile:
         profile(args)
-    result = run(args)
+    result = lora_sweep(args) if args.lora_sweep else run(args)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, args.out)

@@ -7,11 +7,14 @@ factors of peft-wrapped projections. Nothing heavy is copied: a CUDA graph captu
 reads the very tensors the optimizer and AQN update in place.
 
 The one exception is LoRA. Projections that share an input (q/k/v; gate/up) get their ``A`` factors
-concatenated into one ``[sum r, K]`` buffer so that the shrink ``u = x @ A.T`` is one matmul per
-group, and each ``B`` is stored pre-multiplied by its peft scaling, in the compute dtype. These
-buffers are tiny (r=16 on a 7B model: 40M values, under 1% of the weight bytes) and are refreshed
-in place by ``refresh_lora`` at the start of every ``generate``, so a trainer step is always seen
-without recapturing graphs.
+concatenated into one ``[sum r, K]`` buffer so that the shrink ``u = x @ A.T`` is one reduction per
+group (fused into the kernel that produces x, see ``triton_ops``), and each ``B`` is stored
+pre-multiplied by its peft scaling, in the compute dtype. These buffers are tiny (r=16 on a 7B
+model: 40M values, under 1% of the weight bytes). They outlive a plan: ``from_model(model,
+previous)`` hands the previous plan's buffers to the new one when their shapes still match, and
+``refresh_lora`` copies the current factors into them in place at the start of every ``generate``,
+so CUDA graphs captured earlier (which read the buffers by address) see a trainer step without
+being recaptured.
 """
 
 from __future__ import annotations
@@ -91,10 +94,17 @@ class Proj:
 
 @dataclass
 class Group:
-    """Projections that read the same input; their LoRA shrinks are done as one matmul."""
+    """Projections that read the same input; their LoRA shrinks are done as one reduction."""
 
     projs: list[Proj]
     lora_a: torch.Tensor | None = None  # [sum r, K], compute dtype
+
+    @property
+    def lora_bounds(self) -> tuple[int, int]:
+        """Ends of the first two rank segments (padded with ``sum r``): the kernels' u layout key."""
+        ends = [p.lora_slice.stop for p in self.projs if p.lora_slice is not None]
+        total = ends[-1]
+        return (ends[0] if len(ends) > 1 else total, ends[1] if len(ends) > 2 else total)
 
 
 @dataclass
@@ -124,20 +134,32 @@ def _proj(module: nn.Module) -> Proj:
     return Proj(module.get_base_layer(), sources)
 
 
-def _group(modules: list[nn.Module], dtype: torch.dtype) -> Group:
+def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
+    """``old`` when it already has this shape, dtype and device (so graphs keep reading it), else a new one."""
+    if old is not None and old.shape == shape and old.dtype == dtype and old.device == device:
+        return old
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _group(modules: list[nn.Module], dtype: torch.dtype, previous: Group | None) -> Group:
+    """The group's projections and LoRA buffers (``previous``'s buffers reused where they fit)."""
     projs = [_proj(m) for m in modules]
     ranks = [sum(a.shape[0] for a, _, _ in p.lora_sources) for p in projs]
     if sum(ranks) == 0:
         return Group(projs)
+    if sum(r > 0 for r in ranks) > 3:
+        raise ValueError("native rollout engine: at most 3 LoRA-wrapped projections may share an input")
     first = next(p for p in projs if p.lora_sources)
     device = first.lora_sources[0][0].device
     in_features = first.lora_sources[0][0].shape[1]
-    group = Group(projs, torch.empty(sum(ranks), in_features, dtype=dtype, device=device))
+    old_a = previous.lora_a if previous is not None else None
+    group = Group(projs, _buffer((sum(ranks), in_features), dtype, device, old_a))
+    old_b = [p.lora_b for p in previous.projs] if previous is not None else [None] * len(projs)
     start = 0
-    for proj, rank in zip(projs, ranks, strict=True):
+    for proj, rank, old in zip(projs, ranks, old_b, strict=True):
         if rank:
             out_features = proj.lora_sources[0][1].shape[0]
-            proj.lora_b = torch.empty(out_features, rank, dtype=dtype, device=device)
+            proj.lora_b = _buffer((out_features, rank), dtype, device, old)
             proj.lora_slice = slice(start, start + rank)
             start += rank
     return group
@@ -174,22 +196,25 @@ class ModelPlan:
     device: torch.device
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> ModelPlan:
+    def from_model(cls, model: nn.Module, previous: ModelPlan | None = None) -> ModelPlan:
+        """A plan over ``model``'s current modules; LoRA buffers come from ``previous`` where they fit."""
         lm = unwrap_causal_lm(model)
         cfg = lm.config
         backbone = lm.model
         dtype = backbone.embed_tokens.weight.dtype
+        old = previous.layers if previous is not None and len(previous.layers) == len(backbone.layers) else None
         layers = []
-        for layer in backbone.layers:
+        for i, layer in enumerate(backbone.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            prev = old[i] if old is not None else None
             layers.append(
                 LayerPlan(
                     attn_norm=Norm.of(layer.input_layernorm),
-                    qkv=_group([attn.q_proj, attn.k_proj, attn.v_proj], dtype),
-                    o=_group([attn.o_proj], dtype),
+                    qkv=_group([attn.q_proj, attn.k_proj, attn.v_proj], dtype, None if prev is None else prev.qkv),
+                    o=_group([attn.o_proj], dtype, None if prev is None else prev.o),
                     mlp_norm=Norm.of(layer.post_attention_layernorm),
-                    gate_up=_group([mlp.gate_proj, mlp.up_proj], dtype),
-                    down=_group([mlp.down_proj], dtype),
+                    gate_up=_group([mlp.gate_proj, mlp.up_proj], dtype, None if prev is None else prev.gate_up),
+                    down=_group([mlp.down_proj], dtype, None if prev is None else prev.down),
                 )
             )
         act = getattr(cfg, "hidden_act", "silu")
@@ -219,9 +244,22 @@ class ModelPlan:
 
     def signature(self) -> tuple:
         """Addresses and shapes a captured graph depends on: if any changes, graphs are recaptured."""
-        ptrs: list[object] = [self.embed.weight.data_ptr(), self.final_norm.weight.data_ptr()]
+
+        def ptr(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        ptrs: list[object] = [ptr(self.embed.weight), ptr(self.final_norm.weight), ptr(self.lm_head.weight)]
         for layer in self.layers:
-            ptrs += [layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr()]
+            ptrs += [ptr(layer.attn_norm.weight), ptr(layer.mlp_norm.weight)]
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                ptrs += [(p.weight_ptr, tuple(a.shape for a, _, _ in p.lora_sources)) for p in group.projs]
+                ptrs.append(ptr(group.lora_a))
+                ptrs += [
+                    (
+                        p.weight_ptr,
+                        ptr(getattr(p.base, "bias", None)),
+                        ptr(p.lora_b),
+                        p.lora_slice and p.lora_slice.stop,
+                    )
+                    for p in group.projs
+                ]
         return tuple(ptrs)

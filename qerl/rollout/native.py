@@ -28,13 +28,14 @@ made between generations need no hook at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from qerl.rollout import ops
+from qerl.rollout import fused, ops
 from qerl.rollout.base import RolloutOutput, SamplingParams
 from qerl.rollout.hf import check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.layers import ModelPlan
@@ -51,6 +52,22 @@ def _bucket(n: int) -> int:
 
 def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
+
+
+@contextlib.contextmanager
+def _side_stream(device: torch.device) -> Iterator[None]:
+    """Run the body on a side CUDA stream ordered after and before the current one (CPU: as is).
+
+    Warm-up before graph capture must not run on the capturing (default) stream's history.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 @dataclass
@@ -135,11 +152,12 @@ class NativeEngine:
         self.prefill_tokens = prefill_tokens
         self._hook: Callable[[], None] | None = None
         self._state: _State | None = None
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple, Callable[[], None]] = {}  # step key -> replay of its captured graph
         self._pool = None
         self._signature: tuple | None = None
         self._gen: torch.Generator | None = None
         self._forced: object = None  # teacher_forced_logits: the completions, then (tokens, logits) buffers
+        self._plan: ModelPlan | None = None  # kept so that its LoRA buffers (read by graphs) are reused
         self.last_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public API
@@ -160,6 +178,7 @@ class NativeEngine:
         """Free the KV cache and the captured graphs (e.g. before a memory-hungry training phase)."""
         self._drop_graphs()
         self._state = None
+        self._plan = None
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput:
         return self._generate(prompt_ids, params, n, force=False)
@@ -194,7 +213,7 @@ class NativeEngine:
     @torch.no_grad()
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int, force: bool) -> RolloutOutput:
         check_prompts(prompt_ids, n)
-        plan = ModelPlan.from_model(self.model)
+        plan = self._plan = ModelPlan.from_model(self.model, previous=self._plan)
         plan.refresh_lora()
         rows = len(prompt_ids) * n
         max_len = max(len(p) for p in prompt_ids)
@@ -309,10 +328,10 @@ class NativeEngine:
         src = torch.arange(p, device=dev).repeat_interleave(n)
         cos, sin = state.cos[:width][None, :, None, :], state.sin[:width][None, :, None, :]
         h = plan.embed(tokens)
-        x = ops.rms_norm(h, plan.layers[0].attn_norm.weight, plan.layers[0].attn_norm.eps)
+        h, x, lora = ops.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
         hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
         for i, layer in enumerate(plan.layers):
-            q, k, v = ops.group_forward(x, layer.qkv)
+            q, k, v = ops.group_forward(x, layer.qkv, lora)
             q = ops.apply_rope(q.view(p, width, nh, hd), cos, sin).transpose(1, 2)
             k = ops.apply_rope(k.view(p, width, nkv, hd), cos, sin).transpose(1, 2)
             v = v.view(p, width, nkv, hd).transpose(1, 2)
@@ -320,15 +339,15 @@ class NativeEngine:
             state.v[i, rows, :, :width] = v[src]
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=nkv != nh)
             (o,) = ops.group_forward(attn.transpose(1, 2).reshape(p, width, nh * hd), layer.o)
-            x = ops.add_rms_norm(h, o, layer.mlp_norm.weight, layer.mlp_norm.eps)
-            gate, up = ops.group_forward(x, layer.gate_up)
-            (mlp,) = ops.group_forward(ops.silu_mul(gate, up), layer.down)
-            nxt = plan.layers[i + 1].attn_norm if i + 1 < len(plan.layers) else plan.final_norm
+            h, x, lora = ops.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
+            gate, up = ops.group_forward(x, layer.gate_up, lora)
+            act, lora = ops.silu_mul(gate, up, layer.down)
+            (mlp,) = ops.group_forward(act, layer.down, lora)
             if i + 1 < len(plan.layers):
-                x = ops.add_rms_norm(h, mlp, nxt.weight, nxt.eps)
-        h.add_(mlp)
-        last = h[torch.arange(p, device=dev), lens - 1]
-        return plan.lm_head(ops.rms_norm(last, plan.final_norm.weight, plan.final_norm.eps))
+                h, x, lora = ops.rms_norm(h, plan.layers[i + 1].attn_norm, mlp, plan.layers[i + 1].qkv)
+        idx = (torch.arange(p, device=dev), lens - 1)
+        last = h[idx] + mlp[idx]  # the last position's residual only: the others are not sampled from
+        return plan.lm_head(ops.rms_norm(last, plan.final_norm)[1])
 
     # ------------------------------------------------------------------ decode
 
@@ -343,20 +362,21 @@ class NativeEngine:
         slots = state.slots[b]
         pos = slots.pos
         hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
-        lengths = pos + 1
         h = plan.embed(slots.tokens)
-        x = ops.rms_norm(h, plan.layers[0].attn_norm.weight, plan.layers[0].attn_norm.eps)
+        h, x, lora = ops.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
         for i, layer in enumerate(plan.layers):
-            q, k, v = ops.group_forward(x, layer.qkv)
+            q, k, v = ops.group_forward(x, layer.qkv, lora)
             k_cache, v_cache = state.k[i, :b], state.v[i, :b]
             q = ops.rope_and_cache(q, k, v, state.cos, state.sin, pos, k_cache, v_cache, nh, nkv)
-            attn = ops.decode_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], lengths, hd**-0.5)
-            (o,) = ops.group_forward(attn, layer.o)
-            x = ops.add_rms_norm(h, o, layer.mlp_norm.weight, layer.mlp_norm.eps)
-            gate, up = ops.group_forward(x, layer.gate_up)
-            (mlp,) = ops.group_forward(ops.silu_mul(gate, up), layer.down)
-            nxt = plan.layers[i + 1].attn_norm if i + 1 < len(plan.layers) else plan.final_norm
-            x = ops.add_rms_norm(h, mlp, nxt.weight, nxt.eps)
+            attn, lora = ops.decode_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], pos, hd**-0.5, layer.o)
+            (o,) = ops.group_forward(attn, layer.o, lora)
+            h, x, lora = ops.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
+            gate, up = ops.group_forward(x, layer.gate_up, lora)
+            act, lora = ops.silu_mul(gate, up, layer.down)
+            (mlp,) = ops.group_forward(act, layer.down, lora)
+            last = i + 1 == len(plan.layers)
+            nxt = plan.final_norm if last else plan.layers[i + 1].attn_norm
+            h, x, lora = ops.rms_norm(h, nxt, mlp, None if last else plan.layers[i + 1].qkv)
         logits = plan.lm_head(x)
         if force:
             forced_tok, forced_logits = self._forced
@@ -366,6 +386,16 @@ class NativeEngine:
             tok, lp = sample(
                 logits, state.temperature, state.top_k, state.top_p, self._gen, greedy=greedy, filtered=filtered
             )
+        self._finish_step(state, slots, tok, lp)
+
+    def _finish_step(self, state: _State, slots: _Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
+        """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
+        if fused.available(tok):
+            fused.kernels_module().finish_step(
+                tok, lp, slots.done, slots.row_id, state.stop, state.step, slots.tokens, slots.pos,
+                state.out_tok, state.out_lp, self.pad_id,
+            )  # fmt: skip
+            return
         tok = torch.where(slots.done, self.pad_id, tok)
         lp = torch.where(slots.done, 0.0, lp)
         state.out_tok[slots.row_id, state.step] = tok
@@ -375,40 +405,46 @@ class NativeEngine:
         slots.pos.add_(1)
         state.step.add_(1)
 
+    def _graphed(self, plan: ModelPlan) -> bool:
+        """Whether decode steps are captured and replayed (else run eagerly)."""
+        return self.cuda_graphs and plan.device.type == "cuda"
+
     def _run_step(self, plan: ModelPlan, state: _State, key: tuple) -> None:
-        if not (self.cuda_graphs and plan.device.type == "cuda"):
+        if not self._graphed(plan):
             self._decode_step(plan, state, key)
             return
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(plan, state, key)
-        graph.replay()
+        replay = self._graphs.get(key)
+        if replay is None:
+            replay = self._graphs[key] = self._capture(plan, state, key)
+        replay()
 
-    def _capture(self, plan: ModelPlan, state: _State, key: tuple) -> torch.cuda.CUDAGraph:
-        """Capture the decode step; warm-up side effects on the step state are undone first."""
+    def _capture(self, plan: ModelPlan, state: _State, key: tuple) -> Callable[[], None]:
+        """Warm the step up (its side effects undone), then record it; returns the replay."""
         slots = state.slots[key[0]]
         saved = [t.clone() for t in (slots.tokens, slots.pos, slots.done, state.step)]
         # Warm up on a scratch generator: set_state() on the real one would swap the state object
-        # that earlier graphs were registered with, and they would stop following manual_seed().
+        # that earlier graphs were registered with, and they would stop following manual_seed();
+        # drawing from it would shift this generation's random stream.
         real_gen, self._gen = self._gen, torch.Generator(device=plan.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.stream(side):
+            with _side_stream(plan.device):
                 for _ in range(2):  # compiles/autotunes Triton kernels, creates cuBLAS handles
                     self._decode_step(plan, state, key)
         finally:
             self._gen = real_gen
-        torch.cuda.current_stream().wait_stream(side)
         for buf, value in zip((slots.tokens, slots.pos, slots.done, state.step), saved, strict=True):
             buf.copy_(value)
+        return self._record(lambda: self._decode_step(plan, state, key))
+
+    def _record(self, step: Callable[[], None]) -> Callable[[], None]:
+        """Capture ``step`` as a CUDA graph (reading every tensor by address) and return its replay."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(self._gen)
         with torch.cuda.graph(graph, pool=self._pool):
-            self._decode_step(plan, state, key)
-        return graph
+            step()
+        return graph.replay
 
     def _compact(self, state: _State, slots: _Slots, live: torch.Tensor, kv_len: int) -> tuple[int, _Slots]:
         """Move the live rows (and their cache rows) to the front of a smaller bucket."""

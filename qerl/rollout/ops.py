@@ -5,6 +5,13 @@ Every op has a plain-torch version (CPU tests, fp32) and, where a fused Triton k
 weight streaming, and an unfused RMSNorm (6 launches) or RoPE (10) costs more than the matmuls
 around it once multiplied by the layer count.
 
+LoRA inputs: the ops that produce a projection group's input (``rms_norm`` for q/k/v and gate/up,
+``decode_attention`` for o, ``silu_mul`` for down) take that group and also return ``lora``, the
+per-projection shrinks ``u_j = x @ A_j.T`` (``None`` where a projection has no adapter, or ``None``
+altogether). On CUDA with at most ``FUSED_LORA_MAX_ROWS`` rows the shrink is reduced inside the
+producing kernel (no launch of its own); otherwise it is one matmul per group. ``group_forward``
+then folds each ``u_j`` into its projection (the FP4 kernel's epilogue, or an ``addmm``).
+
 Rounding follows transformers: RMSNorm normalises in fp32, casts to the activation dtype, then
 multiplies by the weight; residual adds and SiLU-gating round to the activation dtype.
 """
@@ -15,23 +22,60 @@ import torch
 import torch.nn.functional as F
 
 from qerl.rollout import fused
-from qerl.rollout.layers import Group, Proj
+from qerl.rollout.layers import Group, Norm, Proj
+
+#: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input.
+#: Each row re-reads A from L2 (344 KB for q/k/v at r=16 on 7B), so past ~64 rows one cuBLAS
+#: matmul per group is the cheaper way.
+FUSED_LORA_MAX_ROWS = 64
+
+LoraInputs = list[torch.Tensor | None] | None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if fused.available(x):
-        return fused.kernels_module().rms_norm(x, None, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf.to(x.dtype)).to(x.dtype)
+def _fuse_lora(x: torch.Tensor, rows: int, group: Group | None) -> bool:
+    """Whether the group's shrink over ``rows`` rows is reduced inside the kernel producing x."""
+    return group is not None and group.lora_a is not None and fused.available(x) and rows <= FUSED_LORA_MAX_ROWS
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``h += delta`` in place (the residual stream), then return ``rms_norm(h)``."""
+def lora_inputs(x: torch.Tensor, group: Group | None) -> LoraInputs:
+    """``u_j = x @ A_j.T`` for every LoRA-wrapped projection of the group: one matmul (None without LoRA)."""
+    if group is None or group.lora_a is None:
+        return None
+    u = x @ group.lora_a.t()
+    return [None if p.lora_slice is None else u[..., p.lora_slice] for p in group.projs]
+
+
+def _segmented(flat: torch.Tensor, like: torch.Tensor, group: Group) -> LoraInputs:
+    """Views of a kernel's segmented u buffer: projection j's ``[..., r_j]`` block is contiguous."""
+    lead = like.shape[:-1]
+    rows = like.numel() // like.shape[-1]
+    return [
+        None if s is None else flat[s.start * rows : s.stop * rows].view(*lead, s.stop - s.start)
+        for s in (p.lora_slice for p in group.projs)
+    ]
+
+
+def rms_norm(
+    h: torch.Tensor, norm: Norm, delta: torch.Tensor | None = None, group: Group | None = None
+) -> tuple[torch.Tensor, torch.Tensor, LoraInputs]:
+    """Residual add and RMSNorm: returns ``(h + delta, rmsnorm(h + delta), lora inputs of group)``.
+
+    The first result is the residual stream to carry on with: ``h`` itself updated in place, or a
+    new tensor when a fused shrink needs ``h`` unchanged while it runs.
+    """
     if fused.available(h):
-        return fused.kernels_module().rms_norm(h, delta, weight, eps)
-    h.add_(delta)
-    return rms_norm(h, weight, eps)
+        kernels = fused.kernels_module()
+        if _fuse_lora(h, h.numel() // h.shape[-1], group):
+            h, x, flat = kernels.rms_norm_shrink(h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds)
+            return h, x, _segmented(flat, x, group)
+        x = kernels.rms_norm(h, delta, norm.weight, norm.eps)
+        return h, x, lora_inputs(x, group)
+    if delta is not None:
+        h.add_(delta)
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm.eps)
+    x = (norm.weight * hf.to(h.dtype)).to(h.dtype)
+    return h, x, lora_inputs(x, group)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,59 +116,70 @@ def rope_and_cache(
     return apply_rope(q.view(b, num_heads, d), c, s)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, group: Group | None = None) -> tuple[torch.Tensor, LoraInputs]:
+    """``(silu(gate) * up, lora inputs of group)``."""
     if fused.available(gate):
-        return fused.kernels_module().silu_mul(gate, up)
-    return F.silu(gate) * up
-
-
-def lora_shrink(x: torch.Tensor, group: Group) -> torch.Tensor | None:
-    """u = x @ A_cat.T for every LoRA-wrapped projection of the group at once (None without LoRA)."""
-    if group.lora_a is None:
-        return None
-    return x.to(group.lora_a.dtype) @ group.lora_a.t()
+        kernels = fused.kernels_module()
+        if _fuse_lora(gate, gate.numel() // gate.shape[-1], group):
+            act, flat = kernels.silu_mul_shrink(gate, up, group.lora_a)
+            return act, _segmented(flat, act, group)
+        act = kernels.silu_mul(gate, up)
+    else:
+        act = F.silu(gate) * up
+    return act, lora_inputs(act, group)
 
 
 def project(x: torch.Tensor, proj: Proj, u: torch.Tensor | None) -> torch.Tensor:
-    """base(x) + u[:, slice] @ (B * scaling).T: the one seam where LoRA meets the base matmul.
+    """base(x) + u @ (B * scaling).T: the one seam where LoRA meets the base matmul.
 
     On CUDA an NVFP4 base with LoRA goes to the kernel helper's decode op with the expand folded into
     its epilogue when ``qerl.kernels`` offers one; otherwise the expand is a separate ``addmm``.
     """
     if u is None or proj.lora_b is None:
         return proj.base(x)
-    ui = u[..., proj.lora_slice]
     fused_op = fused.nvfp4_lora_op(x) if proj.is_nvfp4 else None
     if fused_op is not None:
         base = proj.base
         bias = None if base.bias is None else base.bias.to(x.dtype)
-        return fused_op(x, base.weight_packed, base.weight_scale, base.weight_global_scale, bias, ui, proj.lora_b)
+        return fused_op(x, base.weight_packed, base.weight_scale, base.weight_global_scale, bias, u, proj.lora_b)
     y = proj.base(x)
     flat = y.reshape(-1, y.shape[-1])
-    flat = torch.addmm(flat, ui.reshape(-1, ui.shape[-1]).to(y.dtype), proj.lora_b.t().to(y.dtype))
+    flat = torch.addmm(flat, u.reshape(-1, u.shape[-1]).to(y.dtype), proj.lora_b.t().to(y.dtype))
     return flat.reshape(y.shape)
 
 
-def group_forward(x: torch.Tensor, group: Group) -> list[torch.Tensor]:
-    u = lora_shrink(x, group)
-    return [project(x, p, u) for p in group.projs]
+def group_forward(x: torch.Tensor, group: Group, lora: LoraInputs = None) -> list[torch.Tensor]:
+    """Every projection of the group on x; ``lora`` from the op that produced x (computed here if None)."""
+    if lora is None:
+        lora = lora_inputs(x, group) or [None] * len(group.projs)
+    return [project(x, p, u) for p, u in zip(group.projs, lora, strict=True)]
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One query token per row against a static cache -> ``[B, H*D]``.
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    group: Group | None = None,
+) -> tuple[torch.Tensor, LoraInputs]:
+    """One query token per row against a static cache -> ``([B, H*D], lora inputs of group)``.
 
     q ``[B, H, D]``; caches ``[B, Hkv, S, D]`` (already holding this step's key/value); row ``i``
-    attends to slots ``< lengths[i]``. GQA views q as ``[B, Hkv, G, D]`` so each cache byte is read once.
+    attends to slots ``<= pos[i]``. GQA views q as ``[B, Hkv, G, D]`` so each cache byte is read once.
     """
     if fused.available(q):
-        return fused.kernels_module().decode_attention(q, k_cache, v_cache, lengths, scale)
-    valid = torch.arange(k_cache.shape[2], device=q.device)[None, :] < lengths[:, None]
+        fuse = _fuse_lora(q, q.shape[0], group)
+        out, flat = fused.kernels_module().decode_attention(
+            q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None
+        )
+        return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group))
+    valid = torch.arange(k_cache.shape[2], device=q.device)[None, :] <= pos[:, None]
     b, h, d = q.shape
     hkv = k_cache.shape[1]
     qg = q.view(b, hkv, h // hkv, d)
     scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
-    return torch.matmul(probs, v_cache).reshape(b, h * d)
+    out = torch.matmul(probs, v_cache).reshape(b, h * d)
+    return out, lora_inputs(out, group)

@@ -1,9 +1,23 @@
 """Triton kernels for the native decode step (imported only where Triton and a GPU exist).
 
-Why these four: at batch 1 a 7B decode step streams ~4.8 GB of weights in ~1.1 ms, and an unfused
-RMSNorm, RoPE or attention costs 5-14 tiny launches each, times the layer count. Each kernel here
-replaces one such cluster by one launch (two for attention) and reproduces transformers' rounding
-(fp32 math, cast to the activation dtype where transformers' ops would round).
+Why these kernels: at batch 1 a 7B decode step streams ~4.8 GB of weights in ~1.1-1.5 ms, and an
+unfused RMSNorm, RoPE or attention costs 5-14 tiny launches each, times the layer count. Each kernel
+here replaces one such cluster by one launch (two for attention) and reproduces transformers'
+rounding (fp32 math, cast to the activation dtype where transformers' ops would round).
+
+LoRA shrinks ride along instead of costing launches of their own: ``u = x @ A.T`` (A is ``[R, K]``,
+R = 16-64 summed over the projections sharing x) is reduced by the kernel that *produces* x:
+
+* the residual-add + RMSNorm kernel for q/k/v and gate/up (x = the normalised row),
+* the SiLU-gating kernel for down_proj, the attention combine kernel for o_proj.
+
+Those kernels split the row's K columns over programs (a GEMV over R x K at b=1 would otherwise be
+one SM reading ~340 KB); each program writes an fp32 partial of u, and the program that draws a
+row's last ticket sums the partials in split order (deterministic) and writes u in the activation
+dtype. Tickets are per row, zero between launches (the last program resets its own), allocated
+once per device outside graph capture. ``u`` comes back *segmented*: projection j's ``[M, r_j]``
+block is contiguous (``flat[start_j * M : end_j * M]``), so the FP4 kernel's LoRA epilogue reads it
+without a ``.contiguous()`` copy.
 """
 
 from __future__ import annotations
@@ -12,25 +26,160 @@ import torch
 import triton
 import triton.language as tl
 
-#: Aim for about two resident programs per SM (132 on an H200) in split-K attention.
+#: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks.
 _TARGET_PROGRAMS = 264
+#: Rows a split shrink can reduce in one launch (one int32 ticket each).
+MAX_TICKET_ROWS = 4096
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, rows: int) -> torch.Tensor:
+    """The per-device row tickets; first called by an eager step (prefill or graph warm-up)."""
+    if rows > MAX_TICKET_ROWS:
+        raise ValueError(f"fused LoRA shrink over {rows} rows exceeds the ticket table ({MAX_TICKET_ROWS})")
+    if device not in _TICKETS:
+        _TICKETS[device] = torch.zeros(MAX_TICKET_ROWS, dtype=torch.int32, device=device)
+    return _TICKETS[device]
+
+
+def rank_pad(rank: int) -> int:
+    """Register width of a rank vector (a power of two, at least 16)."""
+    return max(16, triton.next_power_of_2(rank))
+
+
+def _shrink_split(rows: int, k: int, rp: int, warps: int) -> tuple[int, int, int]:
+    """(programs per row, columns per program, columns per loop step) of a split shrink.
+
+    A loop step holds an ``[rp, bk]`` tile of A, ~32 values per thread; rows x splits aims for
+    ``_TARGET_PROGRAMS`` (a b=1 row is spread over the SMs, a b=64 row over few programs).
+    """
+    bk = max(32, min(512, triton.next_power_of_2(max(1, warps * 32 * 32 // rp))))
+    nsplit = max(1, min(triton.cdiv(_TARGET_PROGRAMS, rows), triton.cdiv(k, bk)))
+    chunk = triton.cdiv(triton.cdiv(k, nsplit), bk) * bk
+    return triton.cdiv(k, chunk), chunk, bk
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+@triton.jit
+def _store_u(u_ptr, acc, row, r, M, R, S1, S2):
+    """u[row, r] into the segmented layout: segments [0, S1), [S1, S2), [S2, R), each ``[M, len]``."""
+    lo = tl.where(r < S1, 0, tl.where(r < S2, S1, S2))
+    hi = tl.where(r < S1, S1, tl.where(r < S2, S2, R))
+    tl.store(u_ptr + lo * M + row * (hi - lo) + (r - lo), acc.to(u_ptr.dtype.element_ty), mask=r < R)
+
+
+@triton.jit
+def _finish_shrink(acc, row, split, nsplit, M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP: tl.constexpr):
+    """``acc`` [RP] is this program's share of u[row]; the row's last program writes the sum."""
+    r = tl.arange(0, RP)
+    if nsplit == 1:
+        _store_u(u_ptr, acc, row, r, M, R, S1, S2)
+    else:
+        tl.store(part_ptr + (row * nsplit + split) * RP + r, acc)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel")
+        if ticket == nsplit - 1:
+            total = tl.zeros([RP], tl.float32)
+            for s in range(0, nsplit):
+                total += tl.load(part_ptr + (row * nsplit + s) * RP + r, cache_modifier=".cg")
+            tl.store(ticket_ptr + row, 0)
+            _store_u(u_ptr, total, row, r, M, R, S1, S2)
+
+
+@triton.jit
+def _load_a(a_ptr, stride_a, cols, mask, R, RP: tl.constexpr):
+    """The ``[RP, len(cols)]`` tile of A (rows >= R and masked columns read as 0, no traffic).
+
+    Callers issue it before the loads that x depends on: A comes from DRAM and x from L2, so the
+    two latencies overlap instead of adding up (at b=1 latency, not bytes, is what a shrink costs).
+    """
+    r = tl.arange(0, RP)
+    return tl.load(a_ptr + r[:, None] * stride_a + cols[None, :], mask=(r[:, None] < R) & mask[None, :], other=0.0)
+
+
+@triton.jit
+def _rank_dot(y, a):
+    """Partial u over a tile's columns: sum_k y[k] * a[r, k] (fp32 from exact products)."""
+    return tl.sum(y.to(tl.float32)[None, :] * a.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _residual(h_ptr, d_ptr, offs, mask, HAS_DELTA: tl.constexpr):
+    """h (+ delta, rounded to h's dtype as transformers' residual add is)."""
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + offs, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    return h
+
+
+@triton.jit
+def _normalise(h, rstd, w_ptr, cols, mask, DT: tl.constexpr):
+    """transformers' RMSNorm tail: (h * rstd) rounded to the activation dtype, times the weight."""
+    y = (h.to(tl.float32) * rstd).to(DT).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (w * y).to(DT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual add + RMSNorm (+ LoRA shrink)
 
 
 @triton.jit
 def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    """One program per row; the residual sum is written back in place."""
+    base = tl.program_id(0).to(tl.int64) * n_cols
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    h = tl.load(h_ptr + row * n_cols + offs, mask=mask, other=0.0)
+    h = _residual(h_ptr, d_ptr, base + offs, mask, HAS_DELTA)
     if HAS_DELTA:
-        d = tl.load(d_ptr + row * n_cols + offs, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + row * n_cols + offs, h, mask=mask)
+        tl.store(h_ptr + base + offs, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
-    y = (hf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + base + offs, _normalise(h, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_shrink_kernel(
+    h_ptr, d_ptr, w_ptr, hout_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr,
+    M, K, eps, chunk, R, S1, S2,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
+):  # fmt: skip
+    """Program (row, split): rstd from the whole row (an L2 read), then its ``chunk`` columns:
+    residual sum -> hout, normalised row -> out, and their share of ``u = out @ A.T``.
+
+    hout is a separate buffer: other programs of the row may still be reading h.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    base = row * K
+    cols = split * chunk + tl.arange(0, BK)
+    a = _load_a(a_ptr, K, cols, cols < K, R, RP)  # in flight while the row is reduced
+    offs = tl.arange(0, BLOCK)
+    hf = _residual(h_ptr, d_ptr, base + offs, offs < K, HAS_DELTA).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([RP], tl.float32)
+    for k0 in range(0, chunk, BK):
+        cols = split * chunk + k0 + tl.arange(0, BK)
+        mask = cols < K
+        nxt = cols + BK
+        a_next = _load_a(a_ptr, K, nxt, (nxt < K) & (k0 + BK < chunk), R, RP)
+        h = _residual(h_ptr, d_ptr, base + cols, mask, HAS_DELTA)
+        if HAS_DELTA:
+            tl.store(hout_ptr + base + cols, h, mask=mask)
+        y = _normalise(h, rstd, w_ptr, cols, mask, dt)
+        tl.store(out_ptr + base + cols, y, mask=mask)
+        acc += _rank_dot(y, a)
+        a = a_next
+    _finish_shrink(acc, row, split, tl.num_programs(1), M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP)
+
+
+def _norm_warps(block: int) -> int:
+    return min(16, max(1, block // 256))
 
 
 def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,19 +189,77 @@ def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, 
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(h.numel() // n_cols,)](
         h, delta if delta is not None else h, weight, out, n_cols, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_DELTA=delta is not None, BLOCK=block, num_warps=_norm_warps(block),
     )  # fmt: skip
     return out
+
+
+def rms_norm_shrink(
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    lora_a: torch.Tensor,
+    bounds: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h + delta, weight * rmsnorm(h + delta), u) with ``u = rmsnorm(..) @ lora_a.T`` segmented at
+    ``bounds`` (see module doc). h is not modified; without delta the first result is h itself."""
+    k = h.shape[-1]
+    m = h.numel() // k
+    rank = lora_a.shape[0]
+    rp = rank_pad(rank)
+    block = triton.next_power_of_2(k)
+    # At most 8 warps: with 16 the 128-register cap spills the double-buffered A tiles (ptxas, sm_90).
+    warps = min(8, _norm_warps(block))
+    nsplit, chunk, bk = _shrink_split(m, k, rp, warps)
+    h_out = torch.empty_like(h) if delta is not None else h
+    out = torch.empty_like(h)
+    u = torch.empty(m * rank, dtype=h.dtype, device=h.device)
+    part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=h.device)
+    _rms_norm_shrink_kernel[(m, nsplit)](
+        h, delta if delta is not None else h, weight, h_out, out, lora_a, u, part, _tickets(h.device, m),
+        m, k, eps, chunk, rank, bounds[0], bounds[1],
+        HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, num_warps=warps,
+    )  # fmt: skip
+    return h_out, out, u
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU gating (+ LoRA shrink of down_proj)
+
+
+@triton.jit
+def _silu_gate(g_ptr, u_ptr, offs, mask, DT: tl.constexpr):
+    """transformers' ``act_fn(gate) * up``: SiLU rounded to the activation dtype, then the product."""
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+    return (act * u).to(DT)
 
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, _silu_gate(g_ptr, u_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_shrink_kernel(
+    g_ptr, up_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, M, K, chunk, R, BK: tl.constexpr, RP: tl.constexpr
+):
+    """Program (row, split): SiLU-gate ``chunk`` columns of the row and reduce their share of u."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    acc = tl.zeros([RP], tl.float32)
+    for k0 in range(0, chunk, BK):
+        cols = split * chunk + k0 + tl.arange(0, BK)
+        mask = cols < K
+        a = _load_a(a_ptr, K, cols, mask, R, RP)
+        act = _silu_gate(g_ptr, up_ptr, row * K + cols, mask, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * K + cols, act, mask=mask)
+        acc += _rank_dot(act, a)
+    _finish_shrink(acc, row, split, tl.num_programs(1), M, R, R, R, u_ptr, part_ptr, ticket_ptr, RP)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -60,6 +267,26 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.numel()
     _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
     return out
+
+
+def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer)."""
+    k = gate.shape[-1]
+    m = gate.numel() // k
+    rank = lora_a.shape[0]
+    rp = rank_pad(rank)
+    nsplit, chunk, bk = _shrink_split(m, k, rp, 4)
+    out = torch.empty_like(gate)
+    u = torch.empty(m * rank, dtype=gate.dtype, device=gate.device)
+    part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=gate.device)
+    _silu_mul_shrink_kernel[(m, nsplit)](
+        gate, up, out, lora_a, u, part, _tickets(gate.device, m), m, k, chunk, rank, BK=bk, RP=rp, num_warps=4
+    )
+    return out, u
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE + KV-cache write
 
 
 @triton.jit
@@ -116,19 +343,24 @@ def rope_and_cache(
     return q_out
 
 
+# ---------------------------------------------------------------------------------------------
+# Split-K decode attention (+ LoRA shrink of o_proj)
+
+
 @triton.jit
 def _attn_partial_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
     skb, skh, sks, svb, svh, svs, scale, chunk, nsplit,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Flash-decoding partials: program (row*kv-head, split) attends G query heads to one key chunk."""
+    """Flash-decoding partials: program (row*kv-head, split) attends G query heads to one key chunk
+    of the row's valid prefix (slots <= pos)."""
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
     kvh = bh % HKV
-    length = tl.load(len_ptr + b)
+    length = tl.load(pos_ptr + b) + 1
     start = sp * chunk
     end = tl.minimum(start + chunk, length)
     offs_g = tl.arange(0, GP)
@@ -173,23 +405,38 @@ def _attn_partial_kernel(
 
 
 @triton.jit
-def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, nsplit, NSP: tl.constexpr, D: tl.constexpr):
+def _attn_combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, nsplit, B, H, R,
+    NSP: tl.constexpr, D: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr,
+):  # fmt: skip
+    """Program (row*head): merge the head's split partials; with LoRA, its share of ``u = out @ A.T``
+    (the head's D columns of A), summed over the row's heads by the last program."""
     bh = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, NSP)
     offs_d = tl.arange(0, D)
+    if HAS_LORA:
+        a = _load_a(a_ptr, H * D, (bh % H) * D + offs_d, offs_d < D, R, RP)
     smask = offs_s < nsplit
     m = tl.load(m_ptr + bh * nsplit + offs_s, mask=smask, other=float("-inf"))
     lsum = tl.load(l_ptr + bh * nsplit + offs_s, mask=smask, other=0.0)
     w = tl.where(smask & (m > float("-inf")), tl.exp(m - tl.max(m, axis=0)), 0.0)
     acc = tl.load(acc_ptr + (bh * nsplit + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
-    tl.store(out_ptr + bh * D + offs_d, out.to(out_ptr.dtype.element_ty))
+    out = (tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + bh * D + offs_d, out)
+    if HAS_LORA:
+        _finish_shrink(_rank_dot(out, a), bh // H, bh % H, H, B, R, R, R, u_ptr, part_ptr, ticket_ptr, RP)
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid prefix ``lengths``) -> ``[B, H*D]``."""
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    lora_a: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
+    with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None."""
     b, h, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -201,12 +448,66 @@ def decode_attention(
     lsum = torch.empty_like(m)
     acc = torch.empty(b * h * nsplit, d, dtype=torch.float32, device=q.device)
     _attn_partial_kernel[(b * hkv, nsplit)](
-        q, k_cache, v_cache, lengths, m, lsum, acc,
+        q, k_cache, v_cache, pos, m, lsum, acc,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale, chunk, nsplit,
         HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
-    _attn_combine_kernel[(b * h,)](m, lsum, acc, out, nsplit, NSP=triton.next_power_of_2(nsplit), D=d, num_warps=4)
-    return out
+    rank = 0 if lora_a is None else lora_a.shape[0]
+    rp = rank_pad(rank)
+    u = part = tickets = None
+    if lora_a is not None:
+        u = torch.empty(b * rank, dtype=q.dtype, device=q.device)
+        part = torch.empty(b * h * rp, dtype=torch.float32, device=q.device)
+        tickets = _tickets(q.device, b)
+    _attn_combine_kernel[(b * h,)](
+        m, lsum, acc, out, lora_a if lora_a is not None else out, u if u is not None else out,
+        part if part is not None else m, tickets if tickets is not None else m, nsplit, b, h, rank,
+        NSP=triton.next_power_of_2(nsplit), D=d, HAS_LORA=lora_a is not None, RP=rp, num_warps=4,
+    )  # fmt: skip
+    return out, u
+
+
+# ---------------------------------------------------------------------------------------------
+# Step bookkeeping
+
+
+@triton.jit
+def _finish_step_kernel(
+    tok_ptr, lp_ptr, done_ptr, row_ptr, stop_ptr, step_ptr, tokens_ptr, pos_ptr, out_tok_ptr, out_lp_ptr,
+    b, n_stop, pad_id, out_stride, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program for all rows: what ``native._finish_step`` does in ~12 torch ops."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < b
+    step = tl.load(step_ptr)
+    done = tl.load(done_ptr + offs, mask=mask, other=1) != 0
+    tok = tl.where(done, pad_id, tl.load(tok_ptr + offs, mask=mask, other=0))
+    lp = tl.where(done, 0.0, tl.load(lp_ptr + offs, mask=mask, other=0.0))
+    row = tl.load(row_ptr + offs, mask=mask, other=0)
+    tl.store(out_tok_ptr + row * out_stride + step, tok, mask=mask)
+    tl.store(out_lp_ptr + row * out_stride + step, lp, mask=mask)
+    hit = done
+    for j in range(0, n_stop):
+        hit = hit | (tok == tl.load(stop_ptr + j))
+    tl.store(done_ptr + offs, hit, mask=mask)
+    tl.store(tokens_ptr + offs, tok, mask=mask)
+    tl.store(pos_ptr + offs, tl.load(pos_ptr + offs, mask=mask, other=0) + 1, mask=mask)
+    tl.debug_barrier()  # every thread has read `step` before it moves on
+    tl.store(step_ptr, step + 1)
+
+
+def finish_step(
+    tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, row_id: torch.Tensor, stop: torch.Tensor,
+    step: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, out_tok: torch.Tensor, out_lp: torch.Tensor,
+    pad_id: int,
+) -> None:  # fmt: skip
+    """Record this step's tokens/log-probs (pad and 0 for finished rows), mark stop tokens done, feed
+    the tokens back, advance positions and the step counter: one launch."""
+    b = tok.shape[0]
+    _finish_step_kernel[(1,)](
+        tok, lp, done, row_id, stop, step, tokens, pos, out_tok, out_lp, b, stop.numel(), pad_id,
+        out_tok.stride(0), BLOCK=max(16, triton.next_power_of_2(b)), num_warps=4,
+    )  # fmt: skip

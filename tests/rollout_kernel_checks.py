@@ -1,0 +1,195 @@
+"""Checks of qerl.rollout.triton_ops against the plain-torch ops, shared by two tests:
+
+* ``test_rollout_kernels.py::test_gpu_rollout_kernels_match_torch`` calls ``check_kernels("cuda", bf16)``;
+* ``test_rollout_kernels.py::test_rollout_kernels_interpreted`` runs this file as a script under
+  ``TRITON_INTERPRET=1`` on CPU (fp32 and fp16; the interpreter rounds bf16 products wrongly), then
+  ``check_engine_interpreted``: a whole NativeEngine generation through the kernels.
+
+Every reference is computed in fp32 on CPU from the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from qerl.rollout import ops, triton_ops
+from qerl.rollout.layers import Group, Norm, Proj
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    got, want = got.detach().cpu().float(), want.detach().cpu().float()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).abs().max().item()
+    scale = max(want.abs().max().item(), 1e-6)
+    assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol} x {scale:.3g}"
+
+
+def _group(ranks: list[int], lora_a: torch.Tensor) -> Group:
+    projs, start = [], 0
+    for r in ranks:
+        proj = Proj(torch.nn.Identity())
+        if r:
+            proj.lora_slice = slice(start, start + r)
+            start += r
+        projs.append(proj)
+    return Group(projs, lora_a)
+
+
+def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
+    """Each fused kernel on ``device``/``dtype`` vs the plain-torch op in fp32; raises AssertionError."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    def dev(t: torch.Tensor) -> torch.Tensor:  # copies: in-place ops must not touch the inputs
+        return t.to(device, copy=True)
+
+    # Residual add + RMSNorm, with and without the fused shrink (three rank segments, one empty proj).
+    for m, k, ranks in ((1, 200, [4, 0, 6]), (3, 328, [8, 2, 6]), (5, 96, [16])):
+        h, d, w = rnd(m, k), rnd(m, k), rnd(k, scale=0.3) + 1
+        a = rnd(sum(ranks), k, scale=0.2)
+        group = _group(ranks, a.float())
+        ref_h, ref_x, ref_u = ops.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
+        hc = dev(h)
+        h_out, x, flat = triton_ops.rms_norm_shrink(hc, dev(d), dev(w), 1e-6, dev(a), group.lora_bounds)
+        assert torch.equal(hc.cpu(), h), "rms_norm_shrink must leave h unchanged"
+        _close(h_out, ref_h, tol, "rms_norm_shrink residual")
+        _close(x, ref_x, tol, "rms_norm_shrink output")
+        for got, want in zip(ops._segmented(flat, x, group), ref_u, strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert got.is_contiguous()
+                _close(got, want, 2 * tol, f"rms_norm_shrink u (m={m}, k={k})")
+        same, x2, flat2 = triton_ops.rms_norm_shrink(hc, None, dev(w), 1e-6, dev(a), group.lora_bounds)
+        assert same is hc
+        _close(x2, ops.rms_norm(h.float(), Norm(w.float(), 1e-6))[1], tol, "rms_norm_shrink without delta")
+        hc = dev(h)
+        x3 = triton_ops.rms_norm(hc, dev(d), dev(w), 1e-6)
+        _close(hc, ref_h, tol, "rms_norm in-place residual")
+        _close(x3, ref_x, tol, "rms_norm output")
+
+    # SiLU gating, with and without the down_proj shrink.
+    for m, k, r in ((1, 1000, 16), (4, 300, 5)):
+        g, u, a = rnd(m, k), rnd(m, k), rnd(r, k, scale=0.1)
+        ref_act, ref_u = ops.silu_mul(g.float(), u.float(), _group([r], a.float()))
+        act, flat = triton_ops.silu_mul_shrink(dev(g), dev(u), dev(a))
+        _close(act, ref_act, tol, "silu_mul_shrink output")
+        _close(flat.view(m, r), ref_u[0], 2 * tol, "silu_mul_shrink u")
+        _close(triton_ops.silu_mul(dev(g), dev(u)), ref_act, tol, "silu_mul")
+
+    # RoPE + cache write, then attention (GQA 4:1) with and without the o_proj shrink.
+    b, nh, nkv, hd, s = 3, 8, 2, 16, 40
+    kc, vc = rnd(b, nkv, s, hd), rnd(b, nkv, s, hd)
+    q, k_, v = rnd(b, nh * hd), rnd(b, nkv * hd), rnd(b, nkv * hd)
+    cos, sin = rnd(s, hd), rnd(s, hd)
+    pos = torch.tensor([0, 17, 39])
+    kcc, vcc = dev(kc), dev(vc)
+    q_out = triton_ops.rope_and_cache(dev(q), dev(k_), dev(v), dev(cos), dev(sin), dev(pos), kcc, vcc, nh, nkv, hd)
+    kr, vr = kc.float().clone(), vc.float().clone()
+    q_ref = ops.rope_and_cache(q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv)
+    _close(q_out, q_ref, 2 * tol, "rope q")
+    _close(kcc, kr, 2 * tol, "rope k cache")
+    assert torch.equal(vcc.cpu().float(), vr), "v cache"
+    qa, a = rnd(b, nh, hd), rnd(12, nh * hd, scale=0.1)
+    ref_att, ref_u = ops.decode_attention(qa.float(), kcc.cpu().float(), vcc.cpu().float(), pos, hd**-0.5,
+                                          _group([12], a.float()))  # fmt: skip
+    att, none = triton_ops.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5)
+    assert none is None
+    _close(att, ref_att, tol, "decode_attention")
+    att, flat = triton_ops.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5, dev(a))
+    _close(att, ref_att, tol, "decode_attention (shrink)")
+    _close(flat.view(b, 12), ref_u[0], 2 * tol, "decode_attention u")
+
+    check_finish_step(device)
+
+
+def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
+    """The fused shrinks on Qwen2.5-7B shapes at decode batches 1/8/64: vs torch, and launched twice
+    (bit-identical: the split reduction is deterministic and its tickets are back at zero)."""
+    gen = torch.Generator().manual_seed(1)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    hidden, inter, nh, nkv, hd = 3584, 18944, 28, 4, 128
+    for m in (1, 8, 64):
+        h, d, w = rnd(m, hidden), rnd(m, hidden), rnd(hidden, scale=0.3) + 1
+        for ranks in ([16, 16, 16], [16, 16]):
+            a = rnd(sum(ranks), hidden, scale=0.05)
+            group = _group(ranks, a.float())
+            _, ref_x, ref_u = ops.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
+            args = (h.to(device), d.to(device), w.to(device), 1e-6, a.to(device), group.lora_bounds)
+            _, x, flat = triton_ops.rms_norm_shrink(*args)
+            assert torch.equal(flat, triton_ops.rms_norm_shrink(*args)[2]), "rms_norm_shrink not repeatable"
+            _close(x, ref_x, tol, "7b rms_norm_shrink output")
+            for got, want in zip(ops._segmented(flat, x, group), ref_u, strict=True):
+                _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks})")
+        g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)
+        ref_act, ref_u = ops.silu_mul(g.float(), u.float(), _group([16], a.float()))
+        act, flat = triton_ops.silu_mul_shrink(g.to(device), u.to(device), a.to(device))
+        assert torch.equal(flat, triton_ops.silu_mul_shrink(g.to(device), u.to(device), a.to(device))[1])
+        _close(act, ref_act, tol, "7b silu_mul_shrink output")
+        _close(flat.view(m, 16), ref_u[0], 2 * tol, f"7b silu_mul_shrink u (m={m})")
+        s = 600
+        kc, vc, q, a = rnd(m, nkv, s, hd), rnd(m, nkv, s, hd), rnd(m, nh, hd), rnd(16, nh * hd, scale=0.05)
+        pos = torch.randint(0, s, (m,), generator=gen)
+        ref_att, ref_u = ops.decode_attention(q.float(), kc.float(), vc.float(), pos, hd**-0.5, _group([16], a.float()))
+        args = (q.to(device), kc.to(device), vc.to(device), pos.to(device), hd**-0.5, a.to(device))
+        att, flat = triton_ops.decode_attention(*args)
+        assert torch.equal(flat, triton_ops.decode_attention(*args)[1]), "decode_attention shrink not repeatable"
+        _close(att, ref_att, tol, "7b decode_attention")
+        _close(flat.view(m, 16), ref_u[0], 2 * tol, f"7b decode_attention u (m={m})")
+
+
+def check_finish_step(device: str) -> None:
+    """The one-launch step bookkeeping vs the torch ops it replaces (exact)."""
+    b, rows, seq, pad = 4, 6, 5, 99
+    tok = torch.tensor([7, 3, 8, 3])
+    lp = torch.tensor([-0.5, -1.0, -2.0, -3.0])
+    done = torch.tensor([False, False, True, False])
+    row_id = torch.tensor([2, 0, rows, 5])
+    stop = torch.tensor([3, 11, -1, -1])
+    step = torch.tensor([2])
+    out_tok, out_lp = torch.zeros(rows + 1, seq, dtype=torch.long), torch.zeros(rows + 1, seq)
+    tokens, positions = torch.zeros(b, dtype=torch.long), torch.tensor([4, 5, 6, 7])
+    args = [t.to(device) for t in (tok, lp, done, row_id, stop, step, tokens, positions, out_tok, out_lp)]
+    triton_ops.finish_step(*args, pad)
+    d_tok, d_lp, d_done, _, _, d_step, d_tokens, d_pos, d_out_tok, d_out_lp = (t.cpu() for t in args)
+    want_tok = torch.tensor([7, 3, pad, 3])
+    assert d_done.tolist() == [False, True, True, True]
+    assert d_tokens.tolist() == want_tok.tolist() and d_pos.tolist() == [5, 6, 7, 8] and d_step.item() == 3
+    assert d_out_tok[2, 2] == 7 and d_out_tok[0, 2] == 3 and d_out_tok[rows, 2] == pad and d_out_tok[5, 2] == 3
+    assert d_out_lp[2, 2] == -0.5 and d_out_lp[rows, 2] == 0.0 and d_out_lp[5, 2] == -3.0
+    assert d_out_tok.sum() == 7 + 3 + pad + 3, "nothing else written"
+
+
+def check_engine_interpreted() -> None:
+    """A tiny NVFP4+LoRA Llama generated through every rollout kernel (CPU tensors, interpreter)."""
+    from qerl.rollout import fused, get_engine
+    from qerl.rollout.native import NativeEngine
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_rollout_engines import PROMPTS, greedy, nvfp4_lora, tiny_llama
+
+    fused.available = lambda x: True  # route CPU tensors to the (interpreted) Triton kernels
+    model = nvfp4_lora(tiny_llama(2))
+    prompts = PROMPTS[:3]  # the interpreter runs every program in Python: keep the grids small
+    ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))
+    engine = NativeEngine(model, 0, kv_block=32)
+    out = engine.generate(prompts, greedy(8))
+    assert out.completion_ids == ref.completion_ids, "interpreted kernels: greedy differs from transformers"
+    worst = max(
+        abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)
+    )
+    assert worst < 1e-4, worst
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    check_kernels("cpu", torch.float32, 1e-5)
+    check_kernels("cpu", torch.float16, 2e-3)
+    check_engine_interpreted()
+    print("rollout kernels: interpreted checks passed")
