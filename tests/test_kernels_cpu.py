@@ -63,7 +63,7 @@ def test_op_autograd_matches_dense() -> None:
     leaves = [t.detach().clone().requires_grad_() for t in (x, bias, u, b)]
     ref = torch.nn.functional.linear(leaves[0], w, leaves[1]) + 0.5 * leaves[2] @ leaves[3].t()
     ref_grads = torch.autograd.grad(ref, leaves, gy)
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         assert _rel(got, want) < 1e-5
 
 

@@ -16,22 +16,10 @@ is computed once per input (shared by q/k/v or gate/up).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from qerl import nvfp4
 from qerl.kernels import ops
 
-
-def reference_linear(
-    x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dequantize to x's dtype, then a plain matmul. Autograd flows to x and bias."""
-    w = nvfp4.dequantize(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
-    return F.linear(x, w, bias)
+reference_linear = ops.reference_mm
 
 
 def nvfp4_linear(

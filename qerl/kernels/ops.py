@@ -26,7 +26,18 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _reference_mm(x, packed, scale, gscale, bias, lora_u, lora_b, lora_scale):
+def reference_mm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    gscale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_u: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+) -> torch.Tensor:
+    """Dequantize to x's dtype, then plain matmuls: the reference every kernel is tested against.
+    Autograd flows to x, bias and the LoRA operands."""
     w = nvfp4.dequantize(packed, scale, gscale, dtype=x.dtype)
     y = torch.nn.functional.linear(x, w, bias)
     if lora_u is not None:
@@ -49,7 +60,7 @@ def nvfp4_mm(
         from qerl.kernels import fp4_gemm
 
         return fp4_gemm.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
-    return _reference_mm(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
+    return reference_mm(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
 
 
 @nvfp4_mm.register_fake
