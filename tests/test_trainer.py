@@ -160,6 +160,24 @@ def test_checkpoint_is_marked_complete_and_loads_in_peft(run: dict[str, Any]) ->
     assert type(model.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "NVFP4LoraLinear"
 
 
+def test_evaluation_applies_the_trained_adapter(run: dict[str, Any]) -> None:
+    """Issue 6's proof that eval really applies an adapter: the one this trainer test produced, loaded
+    through eval's own loader, changes the logits versus the base model."""
+    from eval.loading import apply_adapter, load_base
+
+    ckpt = run["out"] / "checkpoint-3"
+    ids = torch.tensor([[1, 9690, 314, 216, 28, 33, 28, 47, 2]])
+    base, _ = load_base(str(run["model_dir"]), "nvfp4", torch.float32, "cpu")
+    with torch.no_grad():
+        before = base(ids).logits
+        tuned = apply_adapter(base, str(ckpt), str(run["model_dir"]))
+        after = tuned(ids).logits
+        with tuned.disable_adapter():
+            disabled = tuned(ids).logits
+    assert (after - before).abs().max().item() > 1e-3
+    assert torch.allclose(disabled, before, atol=1e-5)
+
+
 def test_resume_reproduces_the_next_step_and_skips_half_written_checkpoints(run: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "resumed"
     shutil.copytree(run["out"], out)
