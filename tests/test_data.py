@@ -12,12 +12,12 @@ from qerl.data import arithmetic, filter_prompt_length, load_dataset, spec, trai
 from qerl.prompts import DAPO_SYSTEM_PROMPT, TAG_SYSTEM_PROMPT
 from qerl.rewards import gsm8k_accuracy
 
-SAMPLE = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
+SAMPLE = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
 
 
 def test_gsm8k_local_jsonl_gets_tag_instruction_and_numeric_gold() -> None:
     ds = load_dataset("gsm8k", str(SAMPLE))
-    assert len(ds) == 20 and sorted(ds.column_names) == ["answer", "prompt"]
+    assert len(ds) == 30 and sorted(ds.column_names) == ["answer", "prompt"]
     row = ds[0]
     assert row["prompt"][0] == {"role": "system", "content": TAG_SYSTEM_PROMPT}
     assert row["prompt"][1]["role"] == "user" and row["prompt"][1]["content"].startswith("Natalia sold clips")
@@ -70,7 +70,7 @@ def test_bad_names_and_paths_raise_clear_errors(tmp_path: Path) -> None:
 
 def test_heldout_split_is_disjoint() -> None:
     train, held = train_heldout_split(load_dataset("gsm8k", str(SAMPLE)), 5, seed=0)
-    assert len(train) == 15 and len(held) == 5
+    assert len(train) == 25 and len(held) == 5
     assert not {r[1]["content"] for r in train["prompt"]} & {r[1]["content"] for r in held["prompt"]}
     with pytest.raises(ValueError, match="--heldout"):
         train_heldout_split(held, 5)

@@ -19,7 +19,7 @@ from eval.scoring import gsm8k_gold
 
 torch.set_num_threads(1)
 
-DATA = Path(__file__).parent / "data" / "eval_gsm8k_train30.jsonl"
+DATA = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
 FIELDS = {"index", "sample", "question", "gold", "completion", "extracted", "method", "correct", "finish_reason",
           "completion_tokens"}
 

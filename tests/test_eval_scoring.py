@@ -92,7 +92,7 @@ def test_gsm8k_gold_needs_a_number() -> None:
 
 def test_every_reference_solution_of_the_sample_scores_correct() -> None:
     """The shipped GSM8K sample's own solutions (``... #### N``) must score 100%."""
-    rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "eval_gsm8k_train30.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "gsm8k_train30.jsonl").read_text().splitlines()]
     assert len(rows) == 30
     assert all(score(r["answer"], gsm8k_gold(r["answer"]))[1] for r in rows)
 
