@@ -18,6 +18,8 @@ multiplies by the weight; residual adds and SiLU-gating round to the activation 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -129,6 +131,23 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, group: Group | None = None) -
     return act, lora_inputs(act, group)
 
 
+#: CPU only: dense copies of frozen NVFP4 weights, keyed by module (dropped with it).
+_CPU_DENSE: weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def base_forward(x: torch.Tensor, proj: Proj) -> torch.Tensor:
+    """The base layer on x. On CPU an NVFP4 base is dequantized once and the dense copy kept: the
+    packed weight is frozen, and the reference path re-dequantizing every layer at every decode step
+    dominated CPU rollouts. On GPU the packed weight is read by the kernels and nothing is copied."""
+    base = proj.base
+    if not (proj.is_nvfp4 and x.device.type == "cpu"):
+        return base(x)
+    dense = _CPU_DENSE.get(base)
+    if dense is None or dense.dtype != x.dtype:
+        dense = _CPU_DENSE[base] = base.dequantized_weight(x.dtype)
+    return F.linear(x, dense, None if base.bias is None else base.bias.to(x.dtype))
+
+
 def project(x: torch.Tensor, proj: Proj, u: torch.Tensor | None) -> torch.Tensor:
     """base(x) + u @ (B * scaling).T: the one seam where LoRA meets the base matmul.
 
@@ -136,13 +155,13 @@ def project(x: torch.Tensor, proj: Proj, u: torch.Tensor | None) -> torch.Tensor
     its epilogue when ``qerl.kernels`` offers one; otherwise the expand is a separate ``addmm``.
     """
     if u is None or proj.lora_b is None:
-        return proj.base(x)
+        return base_forward(x, proj)
     fused_op = fused.nvfp4_lora_op(x) if proj.is_nvfp4 else None
     if fused_op is not None:
         base = proj.base
         bias = None if base.bias is None else base.bias.to(x.dtype)
         return fused_op(x, base.weight_packed, base.weight_scale, base.weight_global_scale, bias, u, proj.lora_b)
-    y = proj.base(x)
+    y = base_forward(x, proj)
     flat = y.reshape(-1, y.shape[-1])
     flat = torch.addmm(flat, u.reshape(-1, u.shape[-1]).to(y.dtype), proj.lora_b.t().to(y.dtype))
     return flat.reshape(y.shape)
