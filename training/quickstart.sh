@@ -21,7 +21,7 @@ echo "== training (recipe training/recipes/quickstart.yaml) -> $OUT"
 
 echo "== evaluating the adapter on the held-out questions"
 "$PYTHON" -m eval.gsm8k --model "$QMODEL" --lora "$OUT/adapter" --data "$OUT/heldout.jsonl" --limit 8 \
-    --max-new-tokens 48 --temperature 0 --batch-size 8 --output "$OUT/eval/heldout.jsonl"
+    --max-new-tokens 96 --temperature 0 --batch-size 8 --output "$OUT/eval/heldout.jsonl"
 
 cat <<MSG
 == done
