@@ -1,0 +1,612 @@
+"""One full GRPO step of qerl, NVFP4 vs bf16 base, on random weights in the real Qwen2.5-7B / 32B shapes.
+
+What it measures, per configuration (shape x base weights), in one process on one GPU:
+
+* the step QeRLTrainer runs: 8 completions of one 256-token prompt, each forced to 2048 new tokens
+  (no early stop), LoRA r16 on all 7 projections plus trainable input/post-attention norms (``ln``),
+  AQN on (stage 1 of 10), bnpo loss, token-truncated IS correction, gradient checkpointing, AdamW on the
+  trainable parameters, grad clip 0.2;
+* wall time and ``torch.cuda.max_memory_allocated`` of each phase, and of the whole step:
+  ``rollout``   QeRLTrainer._generate_single_turn: AQN noise in, the native engine's prefill and
+                2047 CUDA-graph decode steps, noise out;
+  ``logprobs``  trl's no-grad ``_get_per_token_logps_and_entropies`` over prompt+completion: the old
+                log-probs the IS correction needs, through trl's chunked fused LM head (it never
+                builds the ``[B, T, V]`` fp32 logits; the row records that tensor's size beside the
+                phase's peak);
+  ``fwd_bwd``   the loss forward + backward (trl's ``compute_loss`` under gradient checkpointing);
+  ``optimizer`` grad clipping, ``optimizer.step()``, scheduler step, ``zero_grad``;
+  ``other``     the rest of the step on the host/device (tokenising, decoding, rewards, padding,
+                advantages). The phases are contiguous, so the step's peak is the largest phase peak.
+
+How the phases are driven (no dataloader, no ``trainer.train()``): a real QeRLTrainer is built (real
+QeRLConfig, trl's peft wrapping with ``qerl.lora.lora_config(16, train_norms=True)``, trl's fused LM
+head, the trainer's own AdamW + cosine schedule from ``create_optimizer_and_scheduler``), then one
+step is run the way transformers' inner training loop runs it with gradient_accumulation_steps=1:
+``trainer.training_step(model, prompts)`` (GRPO's override: rollout + scoring + old log-probs in
+``_prepare_inputs``, then loss + backward), then clip / step / schedule / zero_grad / global_step.
+Only those ~6 lines of the loop, and its ``gradient_checkpointing_enable`` call, are reproduced here
+(``Trainer.train`` needs a dataloader and fuses the step into its epoch loop, where the phases
+cannot be split). The phase split comes from instance-level wrappers around the trainer's own
+methods; nothing in trl/transformers is patched.
+
+A tokenizer is built in memory (word-level, one word per model token id, so decoding for the reward
+works on random ids) whose EOS id lies *outside* the model's vocabulary: the sampler can never emit
+it, which forces every completion to the full length while the trainer still passes a real stop id.
+Truncated completions are kept in the loss (``mask_truncated_completions=False``): masking them, the
+recipe default, would drop every forced-length completion and skip the work being measured.
+
+Before the timed step, each configuration runs an untimed warm-up: 8-token rollouts whose long
+prompts land in every KV-length bucket (captures every decode graph the timed rollout replays, as
+benchmarks/rollout.py does) and one short full step (compiles the training kernels and allocates the
+optimizer state, as any step after the first finds them). Its time is recorded as ``warmup_s``.
+A configuration that runs out of memory is recorded as ``status: "oom"`` with the phase it was in.
+After each configuration the whole document so far is written to ``<out>.partial.json``.
+
+Floors (per row, and ``--floors`` prints them without a device): rollout = (new tokens - 1) x bytes
+a decode step must read (weights + bf16 LoRA copies + mean KV) / 4.24 TB/s copy bandwidth (measured
+in benchmarks/results/rollout_lora_b1*.json); training passes = matmul + attention flops / 790 TFLOP/s
+(plus, for NVFP4, the bytes of dequantizing every weight once per pass); optimizer = 40 B per fp32
+trainable parameter / 4.24 TB/s. See benchmarks/NOTES.md "GRPO step".
+
+    python benchmarks/grpo_step.py --out $OUT/grpo_step.json        # the H200 run (~5-6 min)
+    python benchmarks/grpo_step.py --tiny --out /tmp/grpo_tiny.json  # 2-layer Llama, 16 tokens, CPU ok
+    python benchmarks/grpo_step.py --floors                          # analytic floors only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _load_rollout_module() -> Any:
+    """benchmarks/rollout.py (the Qwen2.5 shapes), loaded by path. This folder leaves sys.path (its
+    kernels.py would shadow the ``kernels`` package that transformers probes at import); the repo
+    root joins it, so ``qerl`` imports without installation, as in the other benchmarks."""
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [str(here.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (here, here.parent)]
+    spec = importlib.util.spec_from_file_location("qerl_bench_rollout", here / "rollout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_rollout = _load_rollout_module()
+SHAPES: dict[str, dict[str, int]] = _rollout.SHAPES
+VOCAB: int = _rollout.VOCAB
+
+#: Device-to-device copy bandwidth measured on the H200 (benchmarks/results/rollout_lora_b1*.json).
+COPY_BW = 4.24e12
+#: Dense bf16 matmul rate used as the training floor (H200, benchmarks/NOTES.md kernels floors).
+MATMUL_FLOPS = 790e12
+#: AdamW + clipping bytes per fp32 trainable parameter: read p, g, m, v and write p, m, v (28 B),
+#: the clip's norm read of g and its in-place scale (12 B).
+OPTIMIZER_BYTES_PER_PARAM = 40
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY_VOCAB = 256
+PHASES = ("rollout", "logprobs", "fwd_bwd", "optimizer", "other")
+TARGETS = {"peak_gb_32b_nvfp4": ("<=", 48.0), "step_speedup_7b": (">=", 1.3)}
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+# ---------------------------------------------------------------------------------------------- floors
+
+
+def shape_counts(shape: dict[str, int], vocab: int, lora_r: int) -> dict[str, int]:
+    """Parameter and byte counts of a Llama/Qwen2 shape that the floors need."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    head_dim = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * head_dim
+    in_out = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
+    return {
+        "layers": layers,
+        "hidden": h,
+        "linear_params": layers * sum(a * b for a, b in in_out),
+        "lm_head_params": h * vocab,
+        "lora_params": layers * lora_r * sum(a + b for a, b in in_out),
+        "norm_params": layers * 2 * h,
+        "kv_bytes_per_position": layers * 2 * kv * 2,  # K and V, bf16
+    }
+
+
+def floors(shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, tokens: int, lora_r: int) -> dict[str, float]:
+    """Lower bounds (seconds) of each phase; the derivation is in the module docstring and NOTES.md."""
+    c = shape_counts(shape, vocab, lora_r)
+    weight_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2) + c["lm_head_params"] * 2
+    kv_mean = n * c["kv_bytes_per_position"] * (prompt + tokens / 2)
+    step_bytes = weight_bytes + c["lora_params"] * 2 + kv_mean
+    seq = prompt + tokens
+    # Forward flops: every token through the decoder Linears, only completion tokens through the LM
+    # head (trl scores those only), causal attention QK^T + PV = 2 * layers * hidden * seq^2 per row.
+    linear = 2 * c["linear_params"] * n * seq + 2 * c["lm_head_params"] * n * tokens
+    attention = 2 * c["layers"] * c["hidden"] * seq * seq * n
+    dequant = c["linear_params"] * (9 / 16 + 2) / COPY_BW if nvfp4 else 0.0  # one pass: read FP4, write bf16
+    phases = {
+        "rollout_s": (tokens - 1) * step_bytes / COPY_BW,
+        "logprobs_s": (linear + attention) / MATMUL_FLOPS + dequant,
+        # forward + checkpoint recompute + input-gradient backward (3x the Linears; flash attention's
+        # backward is ~2x its forward, so 4x); LoRA weight gradients are < 1% and left out.
+        "fwd_bwd_s": (3 * linear + 4 * attention) / MATMUL_FLOPS + 3 * dequant,
+        "optimizer_s": (c["lora_params"] + c["norm_params"]) * OPTIMIZER_BYTES_PER_PARAM / COPY_BW,
+    }
+    return {
+        "decode_step_ms": step_bytes / COPY_BW * 1e3,
+        **phases,
+        "step_s": sum(phases.values()),
+        "weight_gb": weight_bytes / 1e9,
+        "step_flops_tflop": (4 * linear + 5 * attention) / 1e12,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def build_model(shape: dict[str, int], vocab: int, nvfp4: bool, device: torch.device, dtype: torch.dtype,
+                arch: str = "qwen2", seed: int = 0) -> nn.Module:
+    """A random Qwen2/Llama causal LM of ``shape`` built straight on ``device`` (no dense copy of an
+    NVFP4 model ever exists), decoder Linears as ``NVFP4Linear`` when ``nvfp4``; not peft-wrapped.
+
+    Same random fill as benchmarks/rollout.py (whose builder returns a model already wrapped with
+    LoRA without trainable norms, on CUDA only): random FP4 codes, block scales in [0.25, 1.75),
+    global scale 150 (weights of rms ~0.02), norms 1, everything else N(0, 0.02).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from qerl.linear import NVFP4Linear
+
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config_cls(vocab_size=vocab, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None, **shape)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_cls(cfg)
+            if nvfp4:
+                for layer in model.model.layers:
+                    for parent in (layer.self_attn, layer.mlp):
+                        for name, child in list(parent.named_children()):
+                            if isinstance(child, nn.Linear):
+                                setattr(parent, name, NVFP4Linear(child.in_features, child.out_features,
+                                                                  child.bias is not None, device="meta", bias_dtype=dtype))
+    finally:
+        torch.set_default_dtype(default)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.dtype == torch.uint8:
+                t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.uint8))
+            elif t.dtype == torch.float8_e4m3fn:
+                t.copy_((torch.rand(t.shape, generator=gen, device=device) * 1.5 + 0.25).to(t.dtype))
+            elif name.endswith("weight_global_scale"):
+                t.fill_(150.0)
+            elif "norm" in name:
+                t.fill_(1.0)
+            elif "rotary" not in name:
+                t.normal_(0.0, 0.02, generator=gen)
+    with torch.device(device):  # its inv_freq was left as meta's garbage by to_empty
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    model.generation_config.eos_token_id = None  # the only stop id is the tokenizer's (never sampled)
+    return model
+
+
+def build_tokenizer(vocab: int) -> Any:
+    """Word-level tokenizer over words ``t0 .. t{vocab-1}`` (= model ids), pad ``t0``, EOS = id ``vocab``:
+    outside the model's vocabulary, so no rollout can stop early (forced length)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    words["<eos>"] = vocab
+    tok = Tokenizer(WordLevel(words, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="t0")
+
+
+def spread_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """Cheap reward with spread across a group (decoded lengths of random ids differ), so the
+    advantages, hence the gradients, are non-zero."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def make_trainer(model: nn.Module, tokenizer: Any, prompt: dict[str, str], args: argparse.Namespace, out_dir: str) -> Any:
+    """A QeRLTrainer as ``qerl.train`` builds one, with the benchmark's batch and lengths (trl insists
+    on a train_dataset: the one prompt; the step is driven without its dataloader)."""
+    from datasets import Dataset
+
+    from qerl.lora import lora_config
+    from qerl.trainer import QeRLConfig, QeRLTrainer
+
+    config = QeRLConfig(
+        output_dir=out_dir, per_device_train_batch_size=args.n, num_generations=args.n,
+        max_completion_length=args.tokens, max_steps=10, num_stages=10, save_strategy="no", report_to=[],
+        logging_steps=1, disable_tqdm=True, seed=0, gradient_checkpointing=True, mask_truncated_completions=False,
+    )  # fmt: skip
+    peft = lora_config(r=args.lora_r, train_norms=True)
+    trainer = QeRLTrainer(model, [spread_reward], config, train_dataset=Dataset.from_list([prompt]),
+                          processing_class=tokenizer, peft_config=peft)
+    trainer.create_optimizer_and_scheduler(num_training_steps=config.max_steps)
+    # What Trainer.train does before its loop (transformers 5.17, `_inner_training_loop`).
+    gc_kwargs = dict(config.gradient_checkpointing_kwargs or {})
+    every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None,
+                                                every_n_layers=every_n_layers, offload=offload)
+    # The warm-up runs as step 0 (AQN stage 0: noise-free), the timed step as step 1 (stage 1: sigma_start).
+    trainer.state.max_steps = config.max_steps
+    return trainer
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+class PhaseClock:
+    """Splits a step into contiguous segments and records wall time and peak allocated memory of each.
+
+    ``switch(name)`` synchronizes the device, charges the time and the peak since the previous switch
+    to the segment being left, resets the peak counter and enters ``name``. The segments cover the
+    step without gaps, so the step's peak is the largest segment peak.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stage = "build"  # coarse label for error reports: build, warm-up, step
+        self.current: str | None = None
+        self.seconds: dict[str, float] = {}
+        self.peak: dict[str, int] = {}
+        self._t = 0.0
+
+    def switch(self, name: str | None) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.current is not None:
+            self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self._t
+            if self.cuda:
+                self.peak[self.current] = max(self.peak.get(self.current, 0), torch.cuda.max_memory_allocated())
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.current, self._t = name, now
+
+    @contextmanager
+    def run(self) -> Iterator[PhaseClock]:
+        """One measured span: starts in ``other``, clears earlier segments."""
+        self.seconds, self.peak, self.current = {}, {}, None
+        self.switch("other")
+        try:
+            yield self
+        finally:
+            self.switch(None)
+
+
+class Probe:
+    """Instance-level wrappers on the trainer's own methods that mark the phase boundaries."""
+
+    def __init__(self, trainer: Any, clock: PhaseClock) -> None:
+        self.completion_lengths: list[int] = []
+        self.decode_steps: float | None = None
+        generate = trainer._generate_single_turn
+        logps = trainer._get_per_token_logps_and_entropies
+        prepare = trainer._prepare_inputs
+
+        def rollout(*a: Any, **k: Any) -> Any:
+            clock.switch("rollout")
+            try:
+                ids, lps = generate(*a, **k)
+            finally:
+                clock.switch("other")
+            self.completion_lengths = [len(c) for c in ids]
+            self.decode_steps = trainer.rollout_engine().last_stats.get("decode_steps")
+            return ids, lps
+
+        def old_logprobs(*a: Any, **k: Any) -> Any:
+            if torch.is_grad_enabled():  # the loss's own forward: part of fwd_bwd
+                return logps(*a, **k)
+            clock.switch("logprobs")
+            try:
+                return logps(*a, **k)
+            finally:
+                clock.switch("other")
+
+        def prepared(*a: Any, **k: Any) -> Any:
+            out = prepare(*a, **k)
+            clock.switch("fwd_bwd")
+            return out
+
+        trainer._generate_single_turn = rollout
+        trainer._get_per_token_logps_and_entropies = old_logprobs
+        trainer._prepare_inputs = prepared
+
+
+def grpo_step(trainer: Any, prompts: list[dict[str, str]], clock: PhaseClock) -> tuple[float, float]:
+    """One optimizer step as transformers' inner loop runs it (gradient_accumulation_steps=1):
+    training_step (GRPO: generate + score + old log-probs, then loss + backward), clip, optimizer and
+    scheduler step, zero_grad. Returns (loss, pre-clip grad norm)."""
+    model = trainer.model
+    trainer.current_gradient_accumulation_steps = 1  # set per batch by the loop, read by training_step
+    loss = trainer.training_step(model, prompts, None)
+    clock.switch("optimizer")
+    grad_norm = trainer._clip_grad_norm(model)
+    trainer.optimizer.step()
+    trainer.lr_scheduler.step()
+    model.zero_grad()
+    trainer.state.global_step += 1
+    return float(loss), float(grad_norm)
+
+
+def round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def capture_decode_graphs(trainer: Any, args: argparse.Namespace, gen: torch.Generator, vocab: int) -> None:
+    """Capture every (batch, KV-length) decode graph the timed rollout replays: 8-token rollouts
+    through the trainer whose long prompts land in each KV bucket, largest first (sizes the cache once)."""
+    kv_block = trainer.rollout_engine().kv_block
+    saved = trainer.max_completion_length
+    trainer.max_completion_length = 8
+    try:
+        for end in range(round_up(args.prompt + args.tokens, kv_block), args.prompt, -kv_block):
+            ids = torch.randint(1, vocab, (end - 9,), generator=gen).tolist()
+            trainer._generate_single_turn([ids] * args.n, None, None, args.n)
+    finally:
+        trainer.max_completion_length = saved
+
+
+def gb(n: float | None) -> float | None:
+    return None if n is None else round(n / 1e9, 3)
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (tiny-mode floors are microseconds)."""
+    return float(f"{x:.{digits}g}")
+
+
+def measure(trainer: Any, prompts: list[dict[str, str]], args: argparse.Namespace, row: dict, clock: PhaseClock,
+            gen: torch.Generator, vocab: int) -> None:
+    """Warm up, then time one step; fills ``row``. Every tensor reference it takes dies on return, so
+    the configuration's memory is freed with the trainer."""
+    cuda = clock.cuda
+    probe = Probe(trainer, clock)
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    row["trainable_params"] = sum(p.numel() for p in trainable)
+    row["trainable_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in trainable})
+    row["optimizer"] = f"{type(trainer.optimizer).__name__} ({getattr(trainer.args.optim, 'value', trainer.args.optim)})"
+    row["gradient_checkpointing"] = bool(trainer.model.is_gradient_checkpointing)
+
+    clock.stage = "warm-up"
+    t0 = time.perf_counter()
+    capture_decode_graphs(trainer, args, gen, vocab)
+    row["capture_s"] = round(time.perf_counter() - t0, 2)  # includes the first Triton compiles
+    trainer.max_completion_length = min(32, args.tokens)
+    with clock.run():
+        grpo_step(trainer, prompts, clock)
+    trainer.max_completion_length = args.tokens
+    row["warmup_step_phases_s"] = {p: sig(clock.seconds.get(p, 0.0)) for p in PHASES}
+    row["warmup_s"] = round(time.perf_counter() - t0, 2)
+
+    clock.stage = "step"
+    watched = next(p for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    before = watched.detach().clone()
+    if cuda:
+        row["allocated_at_step_start_gb"] = gb(torch.cuda.memory_allocated())
+    row["aqn_sigma"] = trainer.current_sigma()
+    with clock.run():
+        loss, grad_norm = grpo_step(trainer, prompts, clock)
+    row["phases_s"] = {p: sig(clock.seconds.get(p, 0.0)) for p in PHASES}
+    row["step_s"] = sig(sum(clock.seconds.values()))
+    row["peak_gb"] = {p: gb(clock.peak.get(p)) if cuda else None for p in PHASES}
+    row["peak_gb_step"] = gb(max(clock.peak.values())) if cuda else None
+    if cuda and row["peak_gb"]["logprobs"] is not None:  # the chunked head's transient vs full_logits_fp32_gb
+        row["logprobs_peak_over_start_gb"] = round(row["peak_gb"]["logprobs"] - row["allocated_at_step_start_gb"], 3)
+    row["loss"], row["grad_norm"] = loss, grad_norm
+    row["lora_updated"] = not torch.equal(before, watched.detach())
+    row["completion_lengths"] = sorted(set(probe.completion_lengths))
+    row["forced_length"] = probe.completion_lengths == [args.tokens] * args.n
+    row["decode_steps"] = probe.decode_steps
+    row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)
+    measured = {**row["phases_s"], "step": row["step_s"]}
+    row["of_floor"] = {p: sig(row["floors"][f"{p}_s"] / measured[p])
+                       for p in ("rollout", "logprobs", "fwd_bwd", "optimizer", "step") if measured[p] > 0}
+
+
+def resolve_shape(name: str) -> tuple[dict[str, int], int, str]:
+    """(shape, vocabulary, architecture) of ``7b`` / ``32b`` (Qwen2.5) or ``tiny`` (2-layer Llama)."""
+    return (TINY, TINY_VOCAB, "llama") if name == "tiny" else (SHAPES[name], VOCAB, "qwen2")
+
+
+def run_config(shape_name: str, nvfp4: bool, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    """Build, warm up and time one configuration; OOM is caught and recorded as a result."""
+    shape, vocab, arch = resolve_shape(shape_name)
+    base = "nvfp4" if nvfp4 else ("bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."))
+    counts = shape_counts(shape, vocab, args.lora_r)
+    row: dict[str, Any] = {
+        "shape": shape_name, "base": base, "n": args.n, "prompt_tokens": args.prompt, "new_tokens": args.tokens,
+        "lora_r": args.lora_r, "status": "ok",
+        "floors": {k: sig(v) for k, v in floors(shape, vocab, nvfp4, args.n, args.prompt, args.tokens, args.lora_r).items()},
+        "full_logits_fp32_gb": gb(args.n * args.tokens * vocab * 4),
+    }  # fmt: skip
+    clock = PhaseClock(device)
+    gen = torch.Generator().manual_seed(0)
+    trainer = None
+    t0 = time.perf_counter()
+    if clock.cuda:
+        row["allocated_before_build_gb"] = gb(torch.cuda.memory_allocated())
+    try:
+        with tempfile.TemporaryDirectory(prefix="qerl-grpo-step-") as out_dir:
+            prompt = " ".join(f"t{i}" for i in torch.randint(1, vocab, (args.prompt,), generator=gen).tolist())
+            prompts = [{"prompt": prompt}] * args.n  # trl's RepeatSampler: n copies of one prompt
+            trainer = make_trainer(build_model(shape, vocab, nvfp4, device, dtype, arch), build_tokenizer(vocab),
+                                   prompts[0], args, out_dir)
+            row["build_s"] = round(time.perf_counter() - t0, 2)
+            row["engine_kv_cache_gb"] = gb(counts["kv_bytes_per_position"] * args.n
+                                           * round_up(args.prompt + args.tokens, trainer.rollout_engine().kv_block))
+            measure(trainer, prompts, args, row, clock, gen, vocab)
+    except Exception as e:  # noqa: BLE001  (recorded; the run goes on to the next configuration)
+        # OOM can also surface as a CUDA RuntimeError (e.g. inside graph capture), hence the text test.
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        if not oom:
+            traceback.print_exc()
+        row.update(status="oom" if oom else "error", phase=f"{clock.stage}: {clock.current}",
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400])
+    finally:
+        try:  # after a CUDA error the context may be unusable: record that instead of losing the row
+            if trainer is not None:
+                trainer.rollout_engine().release()  # KV cache and graph pool
+            trainer = None
+            gc.collect()  # the probe's wrappers and the trainer reference each other
+            if clock.cuda:
+                torch.cuda.empty_cache()
+                row["allocated_after_cleanup_gb"] = gb(torch.cuda.memory_allocated())
+        except Exception as e:  # noqa: BLE001
+            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:300]
+    row["total_s"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    """Peaks and NVFP4-vs-dense step speedups per shape; the issue's three keys are always present."""
+    ok = {(r["shape"], r["base"]): r for r in rows if r["status"] == "ok"}
+    summary: dict[str, Any] = {"peak_gb_32b_nvfp4": None, "peak_gb_7b_nvfp4": None, "step_speedup_7b": None}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for (s, base), r in ok.items():
+            if s == shape:
+                summary[f"peak_gb_{shape}_{base}"] = r["peak_gb_step"]
+        nv = ok.get((shape, "nvfp4"))
+        dense = next((r for (s, b), r in ok.items() if s == shape and b != "nvfp4"), None)
+        if nv is not None and dense is not None:
+            summary[f"step_speedup_{shape}"] = round(dense["step_s"] / nv["step_s"], 3)
+            summary[f"rollout_speedup_{shape}"] = round(dense["phases_s"]["rollout"] / nv["phases_s"]["rollout"], 3)
+    targets = {}
+    for key, (op, bound) in TARGETS.items():
+        value = summary.get(key)
+        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        targets[key] = {"target": f"{op} {bound}", "value": value, "met": met}
+    summary["targets"] = targets
+    return summary
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import peft
+    import transformers
+    import trl
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+                "peft": peft.__version__, "python": sys.version.split()[0]}  # fmt: skip
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return {"device": name, "versions": versions}
+
+
+def document(rows: list[dict], args: argparse.Namespace, env: dict, argv: list[str], partial: str | None) -> dict:
+    doc = {
+        "benchmark": "one GRPO step (QeRLTrainer): rollout / old log-probs / fwd+bwd / optimizer, time and peak memory",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **env,
+        "command": " ".join([Path(sys.executable).name, "benchmarks/grpo_step.py", *argv]),
+        "setup": {
+            "model": "tiny Llama (2 layers)" if args.tiny else "Qwen2.5 shapes, random weights",
+            "completions": args.n, "prompt_tokens": args.prompt, "new_tokens": args.tokens,
+            "forced_length": "EOS id outside the model vocabulary", "lora": f"r{args.lora_r} on {'/'.join(PROJECTIONS)} + trainable norms",
+            "loss": "bnpo, token_truncate IS (C=2), AQN stage 1, mask_truncated_completions=False",
+            "gradient_checkpointing": True, "warm-up": "decode graphs of every KV bucket + one short (<= 32-token) step, untimed",
+            "floor_constants": {"copy_bw_tb_s": COPY_BW / 1e12, "matmul_tflop_s": MATMUL_FLOPS / 1e12},
+        },  # fmt: skip
+        "summary": summarize(rows),
+        "results": rows,
+    }
+    if partial is not None:
+        doc["partial"] = partial
+    return doc
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, path)
+
+
+def print_floors(args: argparse.Namespace) -> None:
+    for shape in args.shapes:
+        for base in args.bases:
+            dims, vocab, _ = resolve_shape(shape)
+            f = floors(dims, vocab, base == "nvfp4", args.n, args.prompt, args.tokens, args.lora_r)
+            print(f"{shape} {base:5s}: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/grpo_step.json"))
+    parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
+    parser.add_argument("--bases", nargs="+", default=["nvfp4", "bf16"], choices=["nvfp4", "bf16"])
+    parser.add_argument("--n", type=int, default=8, help="completions per prompt (the GRPO group)")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    parser.add_argument("--tokens", type=int, default=2048, help="new tokens per completion (forced)")
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--tiny", action="store_true", help="2-layer tiny Llama, 16 new tokens, prompt 32 (CPU or GPU)")
+    parser.add_argument("--floors", action="store_true", help="print the analytic floors and exit (no device)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.shapes, args.tokens, args.prompt = ["tiny"], 16, 32
+    for flag in ("n", "prompt", "tokens", "lora_r"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: expected a positive integer, got {getattr(args, flag)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.floors:
+        print_floors(args)
+        return {}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        sys.exit("benchmarks/grpo_step.py: the 7B/32B run needs a CUDA device (use --tiny on CPU, --floors for floors)")
+    dense = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: fp32 (bf16 is emulated there)
+    env = environment(device)
+    partial_path = args.out.with_name(args.out.stem + ".partial.json")
+    rows: list[dict] = []
+    configs = [(s, b == "nvfp4") for s in args.shapes for b in args.bases]
+    for i, (shape, nvfp4) in enumerate(configs):
+        row = run_config(shape, nvfp4, args, device, dense)
+        rows.append(row)
+        print(f"{shape} {row['base']}: {row['status']}, step {row.get('step_s')} s, phases {row.get('phases_s')}, "
+              f"peak {row.get('peak_gb_step')} GB {row.get('peak_gb')}", flush=True)  # fmt: skip
+        write_json(partial_path, document(rows, args, env, argv, f"{i + 1} of {len(configs)} configurations done"))
+    doc = document(rows, args, env, argv, None)
+    write_json(args.out, doc)
+    partial_path.unlink(missing_ok=True)  # the final JSON supersedes it
+    print(json.dumps(doc["summary"], indent=2))
+    if any(r["status"] == "error" for r in rows):
+        sys.exit("benchmarks/grpo_step.py: a configuration failed (status 'error' in the JSON)")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
