@@ -1,6 +1,6 @@
 """Evaluation of qerl models: ``python -m eval.gsm8k`` and ``python -m eval.math``.
 
-Modules: ``data`` (benchmark files / hub ids), ``loading`` (base model + LoRA adapter), ``scoring``
-(answer extraction and equivalence), ``results`` (resumable per-sample JSONL), ``stats`` (pass@k),
-``runner`` (the shared loop and flags).
+Modules: ``data`` (benchmark files / hub ids), ``loading`` (base model + LoRA adapter), ``results`` (resumable per-sample JSONL), ``stats`` (pass@k),
+``runner`` (the shared loop and flags). Answer extraction and equivalence live in ``qerl.answers``,
+shared with the training rewards.
 """

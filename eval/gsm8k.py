@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from eval.runner import Benchmark, evaluate, make_parser
-from eval.scoring import gsm8k_gold
 from eval.stats import Accuracy
+from qerl.answers import gsm8k_gold
 
 GSM8K = Benchmark(
     name="gsm8k",

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from qerl.fsutil import atomic_write_text
+
 Key = tuple[int, str, int]  # (problem index, question, sample index)
 
 # Settings that may change between a run and its resumption: they select how much work is done
@@ -87,9 +89,7 @@ class ResultFile:
             self._whole_bytes = None
         meta = meta_path(self.path)
         if not meta.exists():
-            tmp = meta.with_name(meta.name + ".tmp")
-            tmp.write_text(json.dumps(self.settings, indent=1) + "\n")
-            os.replace(tmp, meta)
+            atomic_write_text(meta, json.dumps(self.settings, indent=1) + "\n")
 
     def append(self, records: list[dict[str, Any]]) -> None:
         """Append whole lines and push them to disk, so a kill loses at most the batch in flight."""

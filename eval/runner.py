@@ -18,8 +18,8 @@ from typing import Any
 
 from eval.data import Problem, load_problems
 from eval.results import ResultFile
-from eval.scoring import score
 from eval.stats import Accuracy, accuracy
+from qerl.answers import score
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -32,3 +32,23 @@ def atomic_directory(target: Path, *, replace: bool = True) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def atomic_file(target: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``target`` to write; rename it onto ``target`` on success,
+    delete it on failure, so readers only ever see the old file or the complete new one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{target.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(target: Path, text: str) -> Path:
+    with atomic_file(target) as tmp:
+        tmp.write_text(text)
+    return target

@@ -102,6 +102,26 @@ def embedded_model_dir() -> Path:
     return convert_gguf(embedded_gguf(), out)
 
 
+#: What a model needs from a hub repo: config, safetensors weights, tokenizer, generation config and
+#: chat template (never the .bin / .pt / .gguf duplicates some repos also ship).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+#: The non-weight files copied next to converted weights.
+SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+              "chat_template*", "*.jinja", "vocab*", "merges.txt", "*.model")
+
+
+def local_model_dir(name_or_path: str | os.PathLike[str], what: str = "model path") -> Path:
+    """A local directory for ``name_or_path``, downloading only :data:`HUB_PATTERNS` for a hub id."""
+    resolved = resolve_model(name_or_path)
+    if isinstance(resolved, str):
+        from huggingface_hub import snapshot_download
+
+        resolved = Path(snapshot_download(resolved, allow_patterns=HUB_PATTERNS))
+    if not resolved.is_dir():
+        raise NotADirectoryError(f"{what} {resolved} is not a model directory")
+    return resolved
+
+
 def resolve_model(name_or_path: str | os.PathLike[str]) -> Path | str:
     """A local directory for ``smollm2-135m`` and for existing paths; anything else is a hub id."""
     text = str(name_or_path)

@@ -27,24 +27,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def _local_dir(path: str | os.PathLike[str]) -> Path:
-    resolved = hub.resolve_model(path)
-    if isinstance(resolved, str):  # a hub id: fetch it like transformers would
-        from huggingface_hub import snapshot_download
-
-        resolved = Path(snapshot_download(resolved, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
-    if not resolved.is_dir():
-        raise NotADirectoryError(f"model path {resolved} is not a directory")
-    return resolved
-
-
 def is_nvfp4_model(model: nn.Module) -> bool:
     return any(isinstance(m, NVFP4Linear) for m in model.modules())
 
 
 def load_tokenizer(path: str | os.PathLike[str]):
     """The checkpoint's tokenizer, with a pad token (eos when the checkpoint has none)."""
-    tok = AutoTokenizer.from_pretrained(_local_dir(path))
+    tok = AutoTokenizer.from_pretrained(hub.local_model_dir(path))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -67,7 +56,7 @@ def load_model(
         raise ValueError(f"--load must be auto, nvfp4 or bf16, got {load!r}")
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or default_dtype(device)
-    model_dir = _local_dir(path)
+    model_dir = hub.local_model_dir(path)
     config = checkpoint.read_config(model_dir)
     quantized = checkpoint.is_nvfp4_config(config)
     if load == "nvfp4" and not quantized:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 from pathlib import Path
+
+from qerl.fsutil import atomic_file
 
 #: (file stem, metric key, y label)
 PANELS = (
@@ -74,23 +75,20 @@ def write_plots(run_dirs: list[Path], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / f"{stem}.png"
-        tmp = out_dir / f".{stem}.tmp.png"
-        fig.savefig(tmp, dpi=120)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=120)
         plt.close(fig)
-        os.replace(tmp, path)
         written.append(path)
     return written
 
 
 def _write_csv(runs: dict[str, dict[int, dict[str, float]]], path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_file(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["run", "step", *CSV_KEYS])
         for name, steps in runs.items():
             for step, m in steps.items():
                 writer.writerow([name, step, *(m.get(k, "") for k in CSV_KEYS)])
-    os.replace(tmp, path)
     return path
 
 

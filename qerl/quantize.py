@@ -13,6 +13,7 @@ does (qerl_method.md §2.3), and the only variant that is deterministic and repr
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -128,9 +129,9 @@ class _ShardWriter:
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer, generation config, chat template: everything that is not weights or config.json."""
+    """Tokenizer, generation config, chat template (:data:`qerl.hub.SIDE_FILES`); never other weights."""
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+        if f.is_file() and any(fnmatch.fnmatch(f.name, pattern) for pattern in hub.SIDE_FILES):
             shutil.copy2(f, dst / f.name)
 
 
@@ -220,11 +221,4 @@ def _source_dir(model: str | os.PathLike[str], gguf_file: str | None, scratch: P
         if not gguf.exists():
             raise FileNotFoundError(f"--gguf-file {gguf} does not exist")
         return hub.convert_gguf(gguf, scratch / "bf16")
-    resolved = hub.resolve_model(model)
-    if isinstance(resolved, str):
-        from huggingface_hub import snapshot_download
-
-        resolved = Path(snapshot_download(resolved))
-    if not resolved.is_dir():
-        raise NotADirectoryError(f"--model {resolved} is not a model directory")
-    return resolved
+    return hub.local_model_dir(model, what="--model")

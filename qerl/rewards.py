@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import re
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
+
+from qerl import answers
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,6 @@ DAPO_REWARD = 1.0
 _SOFT_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
 _STRICT_FORMAT = re.compile(r"^\s*<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>\s*$", re.DOTALL)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _DAPO_ANSWER = re.compile(r"Answer\s*:\s*(.+)", re.IGNORECASE)
 _DAPO_TAIL_CHARS = 300  # the reference scores the last 300 characters only
 
@@ -57,19 +58,9 @@ def extract_answer(text: str) -> str | None:
     return None
 
 
-def parse_number(text: str | None) -> float | None:
-    """The last number in ``text`` (commas, ``$`` and ``%`` ignored; ``a/b`` fractions allowed)."""
-    if text is None:
-        return None
-    cleaned = text.replace(",", "").replace("$", "").replace("%", "")
-    found = _NUMBER.findall(cleaned)
-    if not found:
-        return None
-    last = found[-1]
-    if "/" in last:
-        num, den = last.split("/")
-        return float(num) / float(den) if float(den) != 0 else None
-    return float(last)
+def parse_number(text: str | None) -> Fraction | None:
+    """The last number in ``text``, read exactly as evaluation reads it (``qerl.answers.to_number``)."""
+    return None if text is None else answers.to_number(text)
 
 
 def gsm8k_gold(answer: str) -> str:
@@ -113,8 +104,8 @@ def strict_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[floa
     return _score_all("strict_format_reward", lambda t: FORMAT_REWARD if _STRICT_FORMAT.match(t) else 0.0, completions, None)
 
 
-def _numeric_equal(a: float | None, b: float | None) -> bool:
-    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
+def _numeric_equal(a: Fraction | None, b: Fraction | None) -> bool:
+    return a is not None and b is not None and a == b
 
 
 def gsm8k_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
@@ -231,6 +222,10 @@ REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "math": math_accuracy,
     "dapo": dapo_score,
 }
+
+
+#: Rewards that judge the answer itself (the rest judge its format).
+CORRECTNESS_REWARDS = ("gsm8k", "math", "dapo", "last_number")
 
 
 def get_rewards(names: Sequence[str]) -> list[Callable[..., list[float | None]]]:

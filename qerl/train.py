@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,11 @@ import torch
 from trl import TrlParser
 
 from qerl import data as qdata
-from qerl.fsutil import atomic_directory
+from qerl.fsutil import atomic_directory, atomic_write_text
 from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
 from qerl.prompts import encode_chat
-from qerl.rewards import get_rewards
+from qerl.rewards import CORRECTNESS_REWARDS, get_rewards
 from qerl.rollout import SamplingParams
 from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
 
@@ -100,9 +99,7 @@ def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reward: Any, max_new_token
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def save_adapter(trainer: QeRLTrainer, out_dir: Path) -> Path:
@@ -143,12 +140,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = QeRLTrainer(model, rewards, config, train_dataset=train_rows, processing_class=tokenizer, peft_config=peft)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if len(heldout_rows):  # GSM8K-style rows, so `python -m eval.gsm8k --data out/heldout.jsonl` scores them too
+    if len(heldout_rows):  # question/answer rows: `python -m eval.gsm8k` (numeric golds) or eval.math can score them
         write_jsonl(out / "heldout.jsonl", [{"question": p[-1]["content"], "answer": a}
                                              for p, a in zip(heldout_rows["prompt"], heldout_rows["answer"], strict=True)])
     summary: dict[str, Any] = {"model": script.model_name, "nvfp4": quantized, "dataset": script.dataset,
                                "train_rows": len(train_rows), "heldout_rows": len(heldout_rows), "rewards": reward_names}
-    accuracy_reward = rewards[-1]  # the correctness reward of every data set comes last
+    judges = [n for n in reward_names if n in CORRECTNESS_REWARDS]
+    if len(heldout_rows) and not judges:
+        raise ValueError(f"--rewards {reward_names}: held-out accuracy needs one of {list(CORRECTNESS_REWARDS)} (or --heldout 0)")
+    accuracy_reward = rewards[reward_names.index(judges[-1])] if judges else None
     if len(heldout_rows):
         summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
         logger.info("held-out accuracy before training: %.4f", summary["heldout_accuracy_before"])
@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         summary["plots"] = [str(p) for p in write_plots([out], out / "plots")]
     summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, out / "summary.json")
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     logger.info("run summary: %s", json.dumps(summary))
     return summary
 

@@ -34,6 +34,7 @@ bias the noise introduces. ``vllm_importance_sampling_correction=False`` reprodu
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -53,6 +54,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOConfig, GRPOTrainer
 
 from qerl.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule, NormNoise, draw_seed, norm_weights
+from qerl.fsutil import atomic_write_text
 from qerl.rewards import guarded
 from qerl.rollout import KINDS, SamplingParams, get_engine
 
@@ -183,8 +185,11 @@ class QeRLTrainer(GRPOTrainer):
         for name in ("tools", "rollout_func", "environment_factory"):
             if kwargs.get(name):
                 raise ValueError(f"QeRLTrainer: {name} is not supported (single-turn text rollouts only)")
-        if args.min_p is not None or args.repetition_penalty != 1.0 or args.generation_kwargs:
-            raise ValueError("QeRLTrainer: min_p, repetition_penalty and generation_kwargs are not supported by qerl engines")
+        unsupported = [name for name, off in (("min_p", args.min_p is None), ("repetition_penalty", args.repetition_penalty == 1.0),
+                                              ("generation_kwargs", not args.generation_kwargs)) if not off]
+        if unsupported:
+            raise ValueError(f"QeRLTrainer: --{unsupported[0]} is not supported by qerl's rollout engines; leave it unset")
+        args = copy.copy(args)  # the default learning rate below is filled in on our copy, not the caller's config
         _check_trl_version()
         funcs = reward_funcs if isinstance(reward_funcs, list) else ([] if reward_funcs is None else [reward_funcs])
         funcs = [f if isinstance(f, (str, nn.Module)) else guarded(f) for f in funcs]
@@ -331,9 +336,7 @@ class QeRLTrainer(GRPOTrainer):
                 "next_sigma": self.current_sigma(),
             },
         }
-        tmp = ckpt / f".{CHECKPOINT_MARKER}.tmp"
-        tmp.write_text(json.dumps(marker, indent=1))
-        os.replace(tmp, ckpt / CHECKPOINT_MARKER)
+        atomic_write_text(ckpt / CHECKPOINT_MARKER, json.dumps(marker, indent=1))
         rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:

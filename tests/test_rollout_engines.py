@@ -110,14 +110,14 @@ def test_finished_rows_are_compacted_and_all_done_stops_early() -> None:
     model = tiny_llama(5)
     prompts = [[i + 3, i + 7, 2 * i + 1] for i in range(9)]
     free = get_engine(model, 0, kind="hf").generate(prompts, greedy(48))
-    stop = sorted({c[4] for c in free.completion_ids[:6]})  # most rows stop within ~5 tokens
+    stop = sorted({c[4] for c in free.completion_ids})  # every row stops within 5 tokens
     ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(48, stop))
     engine = NativeEngine(model, 0, check_every=2)
     out = engine.generate(prompts, greedy(48, stop))
     assert out.completion_ids == ref.completion_ids
     assert engine.last_stats["final_bucket"] < 16  # started in bucket 16 (9 rows)
-    if all(r == "stop" for r in ref.finish_reasons):
-        assert engine.last_stats["decode_steps"] < 47
+    assert all(r == "stop" for r in ref.finish_reasons)
+    assert engine.last_stats["decode_steps"] < 47  # the loop ended once every row was done
 
 
 def test_sampled_logprobs_match_full_forward() -> None:
@@ -252,8 +252,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_graph_greedy_equals_transformers_fp32(name: str) -> None:
     model = MODELS[name]().cuda()
     ref = get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(), n=2)
-    # fp32 NVFP4 runs qerl.nvfp4's reference dequantize, which copies its E2M1 table host-to-device
-    # on every call and so cannot be captured; bf16 NVFP4 (the kernels) is graphed below.
+    # fp32 NVFP4 runs qerl.nvfp4's reference dequantize eagerly here: its E2M1 table is now cached per
+    # device, so it could be captured, but that path has not been run on a GPU yet. bf16 NVFP4 (the
+    # kernels) is graphed below.
     graphs = "nvfp4" not in name
     engine = NativeEngine(model, 0, cuda_graphs=graphs)
     out = engine.generate(PROMPTS, greedy(), n=2)

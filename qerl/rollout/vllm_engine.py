@@ -34,6 +34,8 @@ from qerl.rollout.layers import active_norm, unwrap_causal_lm
 #: The id under which the trainer's adapter lives in vLLM's LoRA manager.
 LORA_ID = 1
 LORA_NAME = "qerl-policy"
+#: The values vLLM accepts for max_lora_rank (its MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: LoRARequest insists on a path; vLLM never reads it because the adapter is registered first.
 LORA_PLACEHOLDER_PATH = "qerl-in-memory-adapter"
 
@@ -108,7 +110,9 @@ class VLLMEngine:
                 "target_modules": sorted(peft_config.target_modules),
                 "bias": "none",
             }
-            kwargs.update(enable_lora=True, max_lora_rank=max(8, peft_config.r), max_loras=1)
+            # vLLM accepts only a fixed set of max ranks: take the smallest that holds r.
+            max_rank = next((r for r in VLLM_LORA_RANKS if r >= peft_config.r), peft_config.r)
+            kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
         self.llm = vllm.LLM(
             model=checkpoint,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -133,13 +137,9 @@ class VLLMEngine:
         norms.append(("model.norm.weight", active_norm(self.lm.model.norm).weight.detach()))
         self.llm.collective_rpc("qerl_load_weights", args=(norms,))
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput:
-        check_prompts(prompt_ids, n)
-        vllm = _require_vllm()
-        from vllm.lora.request import LoRARequest
-
-        self.sync()
-        sampling = vllm.SamplingParams(
+    @staticmethod
+    def _sampling(vllm: Any, params: SamplingParams, n: int, seed: int | None) -> Any:
+        return vllm.SamplingParams(
             n=n,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -147,10 +147,21 @@ class VLLMEngine:
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,  # only params.stop_token_ids end a completion, as in the other engines
-            seed=params.seed,
+            seed=seed,
             logprobs=0,  # the sampled token's log-prob
             detokenize=False,
         )
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput:
+        check_prompts(prompt_ids, n)
+        vllm = _require_vllm()
+        from vllm.lora.request import LoRARequest
+
+        self.sync()
+        # One SamplingParams per prompt: vLLM seeds each request's generator with its own seed, so a
+        # shared seed would give identical prompts (a GRPO group sent as n=1 requests) identical samples.
+        sampling = [self._sampling(vllm, params, n, None if params.seed is None else params.seed * 1_000_003 + i)
+                    for i in range(len(prompt_ids))]
         lora = LoRARequest(LORA_NAME, LORA_ID, LORA_PLACEHOLDER_PATH) if self.peft_config is not None else None
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_ids], sampling, lora_request=lora, use_tqdm=False

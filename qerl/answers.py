@@ -1,4 +1,5 @@
-"""Answer extraction and scoring for math benchmarks.
+"""Answer extraction and scoring for math, shared by evaluation (``eval``) and the training rewards
+(``qerl.rewards``), so that a model is trained against the same number reading it is judged by.
 
 The reference scored GSM8K by comparing only the *first character* of the extracted answer and
 gold (qerl_method.md §8 bug b), which inflates accuracy and crashes on an empty extraction. Here a
