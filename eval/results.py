@@ -18,11 +18,6 @@ from qerl.fsutil import atomic_write_text
 
 Key = tuple[int, str, int]  # (problem index, question, sample index)
 
-# Settings that may change between a run and its resumption: they select how much work is done
-# or how fast, not what a sample is.
-RESUMABLE_SETTINGS = frozenset({"samples", "limit", "batch_size", "output"})
-
-
 def meta_path(output: Path) -> Path:
     return output.with_name(output.name + ".meta.json")
 
@@ -39,7 +34,7 @@ class ResultFile:
 
     def __init__(self, path: Path, settings: dict[str, Any]) -> None:
         self.path = path
-        self.settings = {k: v for k, v in settings.items() if k not in RESUMABLE_SETTINGS}
+        self.settings = dict(settings)
         self.records: dict[Key, dict[str, Any]] = {}
         self._whole_bytes: int | None = None  # where to cut a truncated last line, if any
         self._check_settings()

@@ -90,7 +90,10 @@ def default_output(bench: Benchmark, args: argparse.Namespace) -> Path:
 
 
 def run_settings(bench: Benchmark, args: argparse.Namespace) -> dict[str, Any]:
-    """Everything that decides what a sample is (recorded beside the output and checked on resume)."""
+    """Everything that decides what a sample is (recorded beside the output and checked on resume).
+
+    --samples, --limit, --batch-size and --output are left out on purpose: they choose how much work
+    is done, or how fast, so a resumed run may change them."""
     keys = ("model", "load", "lora", "engine", "data", "config", "split", "question_field", "answer_field",
             "max_new_tokens", "temperature", "top_p", "seed", "prompt_style", "dtype")
     return {"benchmark": bench.name, **{k: getattr(args, k) for k in keys}}

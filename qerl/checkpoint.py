@@ -7,7 +7,6 @@ so the format lives in one place.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -122,11 +121,3 @@ class TensorIndex:
                 return st.get_tensor(name)
         except Exception as e:
             raise ValueError(f"{f}: could not read tensor {name!r} ({e}); is the file truncated?") from None
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(self.files[name], framework="pt") as st:
-            return tuple(st.get_slice(name).get_shape())
-
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.files:
-            yield name, self.get(name)

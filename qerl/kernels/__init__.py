@@ -19,8 +19,6 @@ import torch
 
 from qerl.kernels import ops
 
-reference_linear = ops.reference_mm
-
 
 def nvfp4_linear(
     x: torch.Tensor,
@@ -31,7 +29,7 @@ def nvfp4_linear(
 ) -> torch.Tensor:
     """y = x @ dequant(W).T + bias, through the fastest path available for x's device."""
     if not ops.use_triton(x):
-        return reference_linear(x, weight_packed, weight_scale, weight_global_scale, bias)
+        return ops.reference_mm(x, weight_packed, weight_scale, weight_global_scale, bias)
     return nvfp4_decode(x, weight_packed, weight_scale, weight_global_scale, bias)
 
 

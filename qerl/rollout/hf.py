@@ -10,36 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from qerl.rollout.base import RolloutOutput, SamplingParams
-
-
-def resolve_pad_id(tokenizer_or_pad_id: object) -> int:
-    """Accept a tokenizer (its pad, else eos, id) or a plain int; raise a one-line error otherwise."""
-    if isinstance(tokenizer_or_pad_id, int):
-        return tokenizer_or_pad_id
-    for attr in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer_or_pad_id, attr, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError(
-        f"tokenizer_or_pad_id: expected an int or a tokenizer with pad/eos ids, got {type(tokenizer_or_pad_id).__name__}"
-    )
-
-
-def check_prompts(prompt_ids: list[list[int]], n: int) -> None:
-    """One-line errors for inputs every engine rejects."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("prompt_ids: expected a non-empty list of non-empty token id lists")
-
-
-def trim_completion(tokens: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple[int, str]:
-    """Length of a completion (stop token included) and its finish reason."""
-    for i, tok in enumerate(tokens[:max_new_tokens]):
-        if tok in stop_ids:
-            return i + 1, "stop"
-    return min(len(tokens), max_new_tokens), "length"
+from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 
 
 class HFEngine:

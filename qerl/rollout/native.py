@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.rollout import fused, ops
-from qerl.rollout.base import RolloutOutput, SamplingParams
-from qerl.rollout.hf import check_prompts, resolve_pad_id, trim_completion
+from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.layers import ModelPlan
 from qerl.rollout.sampling import is_filtered, make_generator, sample
 

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from qerl.lora import NORM_MODULES
-from qerl.rollout.base import RolloutOutput, SamplingParams
-from qerl.rollout.hf import check_prompts, trim_completion
+from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, trim_completion
 from qerl.rollout.layers import active_norm, unwrap_causal_lm
 
 #: The id under which the trainer's adapter lives in vLLM's LoRA manager.
