@@ -167,7 +167,7 @@ def build_model(shape: dict[str, int], vocab: int, nvfp4: bool, device: torch.de
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from qerl.linear import NVFP4Linear
+    from qerl.linear import NVFP4Linear, replace_linears
 
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     cfg = config_cls(vocab_size=vocab, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False,
@@ -177,13 +177,8 @@ def build_model(shape: dict[str, int], vocab: int, nvfp4: bool, device: torch.de
     try:
         with torch.device("meta"):
             model = model_cls(cfg)
-            if nvfp4:
-                for layer in model.model.layers:
-                    for parent in (layer.self_attn, layer.mlp):
-                        for name, child in list(parent.named_children()):
-                            if isinstance(child, nn.Linear):
-                                setattr(parent, name, NVFP4Linear(child.in_features, child.out_features,
-                                                                  child.bias is not None, device="meta", bias_dtype=dtype))
+            if nvfp4:  # every decoder Linear; lm_head stays in `dtype` as in a real checkpoint
+                replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin, dtype))
     finally:
         torch.set_default_dtype(default)
     model.to_empty(device=device)

@@ -59,7 +59,7 @@ def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
-    from qerl.linear import NVFP4Linear
+    from qerl.linear import NVFP4Linear, replace_linears
     from qerl.lora import lora_config
 
     cfg = Qwen2Config(
@@ -70,15 +70,8 @@ def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.
     try:
         with torch.device("meta"):
             model = Qwen2ForCausalLM(cfg)
-            if nvfp4:
-                for layer in model.model.layers:
-                    for parent in (layer.self_attn, layer.mlp):
-                        for name, child in list(parent.named_children()):
-                            if isinstance(child, nn.Linear):
-                                q = NVFP4Linear(
-                                    child.in_features, child.out_features, child.bias is not None, device="meta"
-                                )
-                                setattr(parent, name, q)
+            if nvfp4:  # every decoder Linear; lm_head stays bf16 as in a real checkpoint
+                replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin))
     finally:
         torch.set_default_dtype(default)
     model.to_empty(device=DEVICE)

@@ -8,6 +8,8 @@ picks the Triton kernels on CUDA and the dequantize-then-matmul reference elsewh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -53,6 +55,12 @@ class NVFP4Linear(nn.Module):
         return layer
 
     @classmethod
+    def empty_like(cls, linear: nn.Linear, bias_dtype: torch.dtype = torch.bfloat16) -> NVFP4Linear:
+        """An unfilled meta-device NVFP4Linear of ``linear``'s shape, for building models without
+        ever allocating their dense weights (the loader fills it from a checkpoint)."""
+        return cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", bias_dtype=bias_dtype)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, gscale: torch.Tensor | None = None) -> NVFP4Linear:
         """Quantize a dense Linear (round-to-nearest, compressed-tensors semantics)."""
         return cls.from_tensors(nvfp4.quantize(linear.weight.data, gscale), linear.bias)
@@ -85,3 +93,15 @@ class NVFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format=nvfp4"
+
+
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]) -> None:
+    """Put ``make(name, linear)`` in place of every ``nn.Linear`` of ``model`` (full module name
+    given); where it returns None the Linear stays. One walk for the loader (driven by the
+    checkpoint's tensors), the benchmarks (empty packed layers) and the tests (quantize in place)."""
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                new = make(f"{parent_name}.{child_name}" if parent_name else child_name, child)
+                if new is not None:
+                    setattr(parent, child_name, new)

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from qerl import checkpoint, hub
-from qerl.linear import NVFP4Linear
+from qerl.linear import NVFP4Linear, replace_linears
 
 LoadMode = Literal["auto", "nvfp4", "bf16"]
 
@@ -93,14 +93,16 @@ def _load_nvfp4(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Pr
 
 
 def _swap_quantized_linears(model: nn.Module, tensors: checkpoint.TensorIndex, model_dir: Path, dtype: torch.dtype) -> None:
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if not isinstance(child, nn.Linear) or f"{full}.weight_packed" not in tensors:
-                continue
-            if child.in_features % 16 != 0:
-                raise ValueError(f"{model_dir}: {full} has in_features={child.in_features}, not a multiple of 16")
-            setattr(module, child_name, NVFP4Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta", bias_dtype=dtype))
+    """Every Linear the checkpoint holds packed becomes an empty NVFP4Linear (filled afterwards)."""
+
+    def make(name: str, linear: nn.Linear) -> NVFP4Linear | None:
+        if f"{name}.weight_packed" not in tensors:
+            return None
+        if linear.in_features % 16 != 0:
+            raise ValueError(f"{model_dir}: {name} has in_features={linear.in_features}, not a multiple of 16")
+        return NVFP4Linear.empty_like(linear, bias_dtype=dtype)
+
+    replace_linears(model, make)
 
 
 def _fill_from_checkpoint(model: nn.Module, tensors: checkpoint.TensorIndex, model_dir: Path) -> None:

@@ -72,9 +72,14 @@ def global_scale(weight: torch.Tensor) -> torch.Tensor:
     return global_scale_from_amax(weight.detach().abs().amax())
 
 
+def min_global_scale(scales: list[torch.Tensor]) -> torch.Tensor:
+    """The scale layers that vLLM fuses (q/k/v, gate/up) must share: the minimum of their own."""
+    return torch.stack([s.reshape(()) for s in scales]).min().reshape(1)
+
+
 def shared_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
-    """One global scale for layers that vLLM fuses (q/k/v, gate/up): the minimum of theirs."""
-    return torch.stack([global_scale(w) for w in weights]).min().reshape(1)
+    """One global scale for fused layers, from their weights."""
+    return min_global_scale([global_scale(w) for w in weights])
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ def global_scales(tensors: checkpoint.TensorIndex, names: list[str]) -> dict[str
     shared = {}
     for name in names:
         siblings = [s for s in _fused_siblings(name) if s in own]
-        shared[name] = torch.stack([own[s] for s in siblings]).min().reshape(1)
+        shared[name] = nvfp4.min_global_scale([own[s] for s in siblings])
     return shared
 
 

@@ -165,13 +165,9 @@ def _tiny_llama(seed: int):
 
 
 def _swap_to_nvfp4(model) -> None:
-    from qerl.linear import NVFP4Linear
+    from qerl.linear import NVFP4Linear, replace_linears
 
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, NVFP4Linear.from_linear(child))
+    replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin))
 
 
 def _dense_twin(model, dtype: torch.dtype):

@@ -8,7 +8,7 @@ from peft import get_peft_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from qerl.linear import NVFP4Linear
+from qerl.linear import NVFP4Linear, replace_linears
 from qerl.lora import lora_config
 from qerl.rollout import SamplingParams, get_engine
 from qerl.rollout.native import NativeEngine
@@ -47,11 +47,7 @@ def tiny_qwen2(seed: int = 0, **kw) -> nn.Module:
 
 def nvfp4_lora(model: nn.Module, seed: int = 1) -> nn.Module:
     """Swap decoder Linears for NVFP4Linear, wrap in peft LoRA r=4 with a nonzero B, perturb the norms."""
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, NVFP4Linear.from_linear(child))
+    replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin))
     peft_model = get_peft_model(model, lora_config(r=4, train_norms=True)).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
