@@ -7,7 +7,14 @@ the dequantized weight (NaN-poisoned output, fresh random x), then timed the way
 bf16 ``F.linear`` on the dequantized weight in the same run. Then the dequantize kernel's blocks
 (bitwise against ``nvfp4.dequantize``) and the M=1024 dequantize + cuBLAS path.
 
-    python benchmarks/decode_tune.py --out $OUT     # prints a table, writes decode_tune.json
+The schedule with the least time summed over every (shape, M) is printed as a ``QERL_DECODE_CONFIG``
+value (``--env-file`` writes it), so a device session can run the model-level benchmarks with it
+before it becomes the code's default. ``*_tiled`` candidates run the same kernel on the weight
+reordered by ``fg.tile_weight`` (one contiguous block per K step): a layout experiment, never
+picked as the schedule since models keep the checkpoint's row-major layout.
+
+    python benchmarks/decode_tune.py --out $OUT            # prints a table, writes decode_tune.json
+    python benchmarks/decode_tune.py --quick --out $OUT    # M in {1, 16}, no dequantize rows (~1-2 min)
 """
 
 from __future__ import annotations
@@ -32,16 +39,38 @@ from qerl.kernels import fp4_gemm as fg  # noqa: E402
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
 D = fg.DecodeConfig
+#: Schedules around the default (BN=64 BK=256 w4 s4, ~3 programs/SM): shared memory per stage is
+#: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x, so fewer/smaller stages fit more CTAs per SM.
 CANDIDATES = {
-    "n128k256w4s3": D(128, 256, 4, 3),
-    "n128k256w4s3_rep": D(128, 256, 4, 3),  # same config again: the run-to-run spread
-    "n128k128w4s4": D(128, 128, 4, 4),
-    "n256k128w8s3": D(256, 128, 8, 3),
     "n64k256w4s4": D(64, 256, 4, 4),
-    "n128k256w4s3_gather": D(128, 256, 4, 3, x_split=False),
+    "n64k256w4s4_rep": D(64, 256, 4, 4),  # same config again: the run-to-run spread
+    "n64k256w4s3": D(64, 256, 4, 3),
+    "n64k256w4s2": D(64, 256, 4, 2),
+    "n64k128w4s4": D(64, 128, 4, 4),
+    "n64k128w4s6": D(64, 128, 4, 6),
+    "n64k512w4s2": D(64, 512, 4, 2),
+    "n64k512w4s3": D(64, 512, 4, 3),
+    "n64k256w4s4_sm2": D(64, 256, 4, 4, per_sm=2),
+    "n64k256w4s4_sm5": D(64, 256, 4, 4, per_sm=5),
+    "n64k128w4s4_sm6": D(64, 128, 4, 4, per_sm=6),
+    "n128k256w4s3": D(128, 256, 4, 3),  # the previous session's runner-up
+    # Same kernel, weight reordered once (fg.tile_weight) so each K step reads one contiguous block:
+    # tells whether the row-major layout's scattered 128-byte pieces cost DRAM efficiency.
+    "n64k256w4s4_tiled": D(64, 256, 4, 4, tiled=True),
+    "n64k128w4s4_tiled": D(64, 128, 4, 4, tiled=True),
 }
-#: split multipliers tried on the first candidate (x the heuristic's split)
-SPLIT_MULT = (0.5, 2.0)
+
+
+def weights_for(layer: kb.Layer, cfg: fg.DecodeConfig, cache: dict) -> list[nvfp4.NVFP4Tensors]:
+    """The layer's rotating weight copies, in tile_weight order when ``cfg.tiled`` (made once per tile shape)."""
+    if not cfg.tiled:
+        return layer.q
+    key = (cfg.BN, cfg.BK)
+    if key not in cache:
+        cache.clear()  # one tiled set at a time: they are as large as the originals
+        cache[key] = [nvfp4.NVFP4Tensors(*fg.tile_weight(q.weight_packed, q.weight_scale, cfg.BN, cfg.BK),
+                                         q.weight_global_scale) for q in layer.q]
+    return cache[key]
 DEQUANT_BLOCKS = ((16, 64, 4), (32, 32, 4), (8, 128, 4))
 
 
@@ -51,28 +80,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def decode_rows(layer: kb.Layer, shape: str) -> list[dict]:
+def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
-    for m in MS[shape]:
+    tiled: dict = {}
+    for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w64.t()
         base = kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6
-        cands = dict(CANDIDATES)
-        first = fg.decode_config(layer.n, layer.k, x.device, next(iter(CANDIDATES.values())))
-        for f in SPLIT_MULT:
-            cands[f"n128k256w4s3_split{f}"] = D(128, 256, 4, 3, split=max(1, int(first.split * f)))
-        for name, cfg in cands.items():
+        for name, cfg in CANDIDATES.items():
             row = {"shape": shape, "M": m, "cand": name, "config": fg.decode_config(layer.n, layer.k, x.device, cfg).__dict__,
                    "bf16_us": base}
             try:
+                qs = weights_for(layer, cfg, tiled)
                 y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, out=y, config=cfg)
+                fg.matmul(x, qs[0].weight_packed, qs[0].weight_scale, qs[0].weight_global_scale, out=y, config=cfg)
                 torch.cuda.synchronize()
                 row["rel_err"] = rel(y, ref)
                 fns = [lambda q=q, cfg=cfg, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
-                       for q in layer.q]
+                       for q in qs]
                 t = kb.graph_time(fns) * 1e6
                 row.update(us=t, speedup=base / t, wbw_TBps=layer.packed_bytes / t / 1e6)
             except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
@@ -118,6 +145,8 @@ def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
+    ap.add_argument("--quick", action="store_true", help="M in {1, 16} only, no dequantize rows")
+    ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
@@ -131,8 +160,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for shape, (n, k) in SHAPES.items():
         layer = kb.Layer(n, k)
-        result["decode"] += decode_rows(layer, shape)
-        if shape == "down":
+        result["decode"] += decode_rows(layer, shape, (1, 16) if args.quick else MS[shape])
+        if shape == "down" and not args.quick:
             result["dequant"] = dequant_rows(layer, bw)
         layer.free()
         torch.cuda.empty_cache()
@@ -148,6 +177,27 @@ def main() -> None:
     print("best per shape/M:")
     for (shape, m), r in sorted(best.items()):
         print(f"  {shape:8s} M={m:3d} {r['cand']:26s} {r['us']:7.1f} us x{r['speedup']:.2f} {r['wbw_TBps']:.2f} TB/s")
+    # One schedule for whole models: the candidate with the least total time over every (shape, M)
+    # measured (a candidate that failed or was inaccurate anywhere is out).
+    keys = {(r["shape"], r["M"]) for r in result["decode"]}
+    total: dict[str, float] = {}
+    for name in (n for n, c in CANDIDATES.items() if not c.tiled):
+        us = [r["us"] for r in result["decode"] if r["cand"] == name and "us" in r and r["rel_err"] < 1e-2]
+        if len(us) == len(keys):
+            total[name] = sum(us)
+    if total:
+        name = min(total, key=total.get)
+        cfg = CANDIDATES[name]
+        env = f"BN={cfg.BN},BK={cfg.BK},warps={cfg.warps},stages={cfg.stages},per_sm={cfg.per_sm}"
+        result["best_overall"] = {"cand": name, "total_us": total[name], "QERL_DECODE_CONFIG": env,
+                                  "default_total_us": total.get("n64k256w4s4")}
+        print(f"best overall: {name} ({total[name]:.1f} us summed; default {total.get('n64k256w4s4', float('nan')):.1f})")
+        print(f"QERL_DECODE_CONFIG={env}")
+        if args.env_file:
+            args.env_file.write_text(env + "\n")
+        tmp = out / "decode_tune.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out / "decode_tune.json")
 
 
 if __name__ == "__main__":

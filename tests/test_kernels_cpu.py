@@ -95,3 +95,17 @@ def test_bad_lora_shapes_raise() -> None:
     with pytest.raises(ValueError, match="LoRA epilogue"):
         fp4_gemm.matmul(torch.zeros(2, 32, dtype=torch.bfloat16), q.weight_packed, q.weight_scale, q.weight_global_scale,
                         lora_u=torch.zeros(3, 4), lora_b=torch.zeros(16, 4))
+
+
+def test_decode_schedule_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QERL_DECODE_CONFIG picks the decode schedule for whole models (tuning runs); junk is a one-line error."""
+    fg = pytest.importorskip("qerl.kernels.fp4_gemm", reason="needs triton")
+    monkeypatch.setenv("QERL_DECODE_CONFIG", "BN=64, BK=128,stages=6,per_sm=5")
+    cfg = fg.DecodeConfig.from_env()
+    assert (cfg.BN, cfg.BK, cfg.warps, cfg.stages, cfg.per_sm) == (64, 128, 4, 6, 5)
+    monkeypatch.setenv("QERL_DECODE_CONFIG", "")
+    assert fg.DecodeConfig.from_env() == fg.DecodeConfig()
+    for bad in ("BN=64,foo=1", "BK=big", "x_split=0"):
+        monkeypatch.setenv("QERL_DECODE_CONFIG", bad)
+        with pytest.raises(ValueError, match="QERL_DECODE_CONFIG"):
+            fg.DecodeConfig.from_env()

@@ -261,3 +261,23 @@ def test_cuda_graph_decode_step() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert _rel(static_y, model.reference(static_x)) < TOL
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 64])
+@pytest.mark.parametrize("bk", [128, 256])
+def test_tiled_decode(M: int, bk: int) -> None:
+    """The decode kernel on tile_weight's tile-contiguous order equals float64 on the row-major weight."""
+    from qerl.kernels import fp4_gemm as fg
+
+    N, K = 384, 3584
+    q = _weight(N, K)
+    x, bias = _rand(M, K), _rand(N)
+    ref = x.double() @ _w64(q).t() + bias.double()
+    packed, scale = fg.tile_weight(q.weight_packed, q.weight_scale, 64, bk)
+    assert not torch.equal(packed, q.weight_packed)  # really reordered
+    y = _nan((M, N), torch.bfloat16)
+    cfg = fg.DecodeConfig(BN=64, BK=bk, warps=4, stages=3, split=4, tiled=True)
+    fg.matmul(x, packed, scale, q.weight_global_scale, bias=bias, out=y, config=cfg)
+    assert _rel(y, ref) < TOL
+    with pytest.raises(ValueError, match="tile_weight needs"):
+        fg.tile_weight(q.weight_packed[:100], q.weight_scale[:100], 64, bk)

@@ -288,7 +288,8 @@ def _nibble(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
 @triton.jit
 def _decode_kernel(
     x_ptr, h_ptr, s_ptr, g_ptr, bias_ptr, u_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, stride_xm, stride_hn, stride_sn, stride_ym, stride_um, stride_bn, R, lora_scale, steps_per_split,
+    M, N, K, stride_xm, stride_hr, h_step, h_tile, stride_sr, s_step, s_tile, stride_ym, stride_um, stride_bn, R,
+    lora_scale, steps_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
 ):
@@ -302,6 +303,10 @@ def _decode_kernel(
     with no reshape/join between the decode and the dot. The fp8 block scale (one per 4 elements)
     times 2^118 (2^6 for fp16) is exact in the act dtype, so ``W_i`` is the exact
     ``e2m1 * scale * 2^-8``; ``2^8 / g`` is applied to the fp32 result.
+
+    Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
+    (``h_step``) and tile (``h_tile``); the checkpoint's row-major layout and the tile-contiguous
+    layout of ``tile_weight`` are both such strides.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -319,8 +324,9 @@ def _decode_kernel(
     mask_m = offs_m < M
     hcol = tl.arange(0, HW)
     gcol = tl.arange(0, G)
-    h_rows = h_ptr + offs_n[:, None] * stride_hn
-    s_rows = s_ptr + offs_n[:, None] * stride_sn
+    rows = tl.arange(0, BN)
+    h_rows = h_ptr + pid_n.to(tl.int64) * h_tile + rows[:, None] * stride_hr
+    s_rows = s_ptr + pid_n.to(tl.int64) * s_tile + rows[:, None] * stride_sr
     x_cols = x_ptr + offs_m[None, :] * stride_xm
     x_rows = x_ptr + offs_m[:, None] * stride_xm
 
@@ -328,15 +334,16 @@ def _decode_kernel(
     k_steps = tl.cdiv(K, BK)
     first = pid_k * steps_per_split
     for step in range(0, tl.minimum(steps_per_split, k_steps - first)):
-        k0 = (first + step) * BK
-        kh = k0 // 4 + hcol
-        ks = k0 // 16 + gcol
+        kt = first + step
+        k0 = kt * BK
+        h_ptrs = h_rows + kt * h_step + hcol[None, :]
+        s_ptrs = s_rows + kt * s_step + gcol[None, :]
         if EVEN_K:
-            h = tl.load(h_rows + kh[None, :], mask=mask_n[:, None], other=0)
-            sc = tl.load(s_rows + ks[None, :], mask=mask_n[:, None], other=0.0)
+            h = tl.load(h_ptrs, mask=mask_n[:, None], other=0)
+            sc = tl.load(s_ptrs, mask=mask_n[:, None], other=0.0)
         else:
-            h = tl.load(h_rows + kh[None, :], mask=mask_n[:, None] & (kh[None, :] < K // 4), other=0)
-            sc = tl.load(s_rows + ks[None, :], mask=mask_n[:, None] & (ks[None, :] < K // 16), other=0.0)
+            h = tl.load(h_ptrs, mask=mask_n[:, None] & (k0 // 4 + hcol[None, :] < K // 4), other=0)
+            sc = tl.load(s_ptrs, mask=mask_n[:, None] & (k0 // 16 + gcol[None, :] < K // 16), other=0.0)
         # Scale in the compact [BN, G] tile, then broadcast to the 4 elements of its group: Triton
         # gives the load a layout in which broadcast + reshape land on the dot-operand layout.
         s = (sc.to(tl.float32) * FACTOR).to(DT)
@@ -463,8 +470,29 @@ class DecodeConfig:
     stages: int = 4
     split: int = 0
     x_split: bool = True
+    per_sm: int = 3  # with split=0: K slices for ~per_sm programs per SM
+    tiled: bool = False  # the weight is in tile_weight(BN, BK) order (an experiment: benchmarks/decode_tune.py)
+
+    @classmethod
+    def from_env(cls) -> DecodeConfig:
+        """The default schedule, or the one ``QERL_DECODE_CONFIG`` names (``"BN=64,BK=128,stages=6"``):
+        lets a tuning run (benchmarks/decode_tune.py prints the line) try a schedule on whole models
+        without editing code. Unknown keys or non-integers are a one-line error."""
+        spec = os.environ.get("QERL_DECODE_CONFIG", "").strip()
+        if not spec:
+            return cls()
+        fields = {f for f in cls.__dataclass_fields__ if f not in ("x_split", "tiled")}
+        values = {}
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            if key.strip() not in fields or not value.strip().isdigit():
+                raise ValueError(f"QERL_DECODE_CONFIG: expected comma-separated KEY=INT with KEY in {sorted(fields)}, got {item!r}")
+            values[key.strip()] = int(value)
+        return cls(**values)
 
 
+#: The decode schedule used when a call names none (read once, at import).
+_DEFAULT_DECODE = DecodeConfig.from_env()
 #: M at or below which the forward takes the split-K decode configuration.
 DECODE_MAX_M = 64
 #: SMs of the device (filled lazily); split-K aims for a few programs per SM.
@@ -492,20 +520,43 @@ def fwd_config(M: int, N: int, K: int, device: torch.device) -> Config:
 
 
 def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None = None) -> DecodeConfig:
-    """``cfg`` (default: DecodeConfig()) with BK and split resolved for this shape.
+    """``cfg`` (default: ``DecodeConfig.from_env()``) with BK and split resolved for this shape.
 
     BK halves (down to 64) until it divides K, so the model shapes take the unmasked EVEN_K loop;
-    split aims at ~3 programs per SM, each running >= 2 K steps.
+    split aims at ~per_sm programs per SM, each running >= 2 K steps.
     """
-    cfg = cfg or DecodeConfig()
+    cfg = cfg or _DEFAULT_DECODE
     bk = cfg.BK
     while K % bk and bk > 64:
         bk //= 2
     split = cfg.split
     if split <= 0:
         tiles = triton.cdiv(N, cfg.BN)
-        split = _split_for(tiles, triton.cdiv(K, bk), device, per_sm=3, min_steps=2)
-    return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split)
+        split = _split_for(tiles, triton.cdiv(K, bk), device, per_sm=cfg.per_sm, min_steps=2)
+    if cfg.tiled and bk != cfg.BK:
+        raise ValueError(f"tiled decode needs K % {cfg.BK} == 0, got K={K}")
+    return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
+                        per_sm=cfg.per_sm, tiled=cfg.tiled)
+
+
+def tile_weight(packed: torch.Tensor, scale: torch.Tensor, BN: int, BK: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same bytes reordered so that each (BN rows x BK codes) decode tile, and its scales, are contiguous.
+
+    In the checkpoint's row-major order a decode K step reads BN separate 128-byte row pieces (and
+    BN 16-byte scale pieces), spread over the whole weight; here it reads one 8 KB block and one
+    1 KB block, consecutive K steps reading consecutive blocks. Shapes are kept ([N, K/2], [N, K/16]).
+    """
+    N, half_k = packed.shape
+    K = 2 * half_k
+    if N % BN or K % BK:
+        raise ValueError(f"tile_weight needs N % {BN} == 0 and K % {BK} == 0, got N={N}, K={K}")
+
+    def tiles(t: torch.Tensor, per_tile_row: int) -> torch.Tensor:
+        r = t.contiguous().view(torch.uint8)
+        r = r.reshape(N // BN, BN, K // BK, per_tile_row).permute(0, 2, 1, 3).contiguous()
+        return r.reshape(t.shape).view(t.dtype)
+
+    return tiles(packed, BK // 2), tiles(scale, BK // 16)
 
 
 def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
@@ -607,9 +658,18 @@ def matmul(
         tiles = triton.cdiv(N, cfg.BN)
         part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
         h = weight_packed.contiguous().view(torch.int16)
+        scale = weight_scale.contiguous()
+        if cfg.tiled:  # tile_weight's order: [N/BN, K/BK, BN, BK/4] elements, [N/BN, K/BK, BN, BK/16] scales
+            if N % cfg.BN or K % cfg.BK:
+                raise ValueError(f"tiled decode needs N % {cfg.BN} == 0 and K % {cfg.BK} == 0, got N={N}, K={K}")
+            h_strides = (cfg.BK // 4, cfg.BN * cfg.BK // 4, cfg.BN * K // 4)
+            s_strides = (cfg.BK // 16, cfg.BN * cfg.BK // 16, cfg.BN * K // 16)
+        else:
+            h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))
+            s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
         _decode_kernel[(tiles, split)](
-            x, h, weight_scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
-            M, N, K, x.stride(0), h.stride(0), weight_scale.stride(0), y.stride(0), *lora_strides, rank,
+            x, h, scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
+            M, N, K, x.stride(0), *h_strides, *s_strides, y.stride(0), *lora_strides, rank,
             float(lora_scale), steps_per_split,
             BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
             HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
