@@ -5,7 +5,12 @@ What it measures (one process, one GPU, random weights of real shapes):
 * ``native nvfp4+lora``: NativeEngine over NVFP4Linear layers + peft LoRA r=16 on all 7 projections
   (unmerged); ``native nvfp4`` the same with the adapter disabled (LoRA overhead);
 * ``native bf16+lora``: NativeEngine over bf16 nn.Linear + the same LoRA;
-* ``hf bf16+lora``: transformers ``generate`` on the bf16+LoRA model (fewer tokens: it is slow).
+* ``hf bf16+lora``: transformers ``generate`` on the bf16+LoRA model (fewer tokens: it is slow);
+* ``hf nf4+lora`` (``--bnb``, 7B, b=1/8): the same over bitsandbytes NF4 ``Linear4bit`` layers (QLoRA's
+  usual rollout path);
+* ``vllm nvfp4+lora`` / ``vllm bf16+lora``: rows measured by benchmarks/rollout_vllm.py (its own
+  processes, same method) and merged with ``--vllm-rows``; the summary's ``over_vllm_*`` ratios come
+  from them.
 
 Each prompt is 256 random tokens; 1024 tokens are generated with no stop token (forced length),
 temperature 1. ms/step = (time of a 1024-token generate - time of a 1-token generate) / 1023,
@@ -21,6 +26,9 @@ holds) for LoRA with shrinks fused into the producing kernels, LoRA with one cuB
     python benchmarks/rollout.py --out $OUT/rollout.json            # on the GPU
     python benchmarks/rollout.py --lora-sweep --tokens 256 --out $OUT/rollout_lora.json
     python benchmarks/rollout.py --plot benchmarks/results/rollout.json  # PNG beside the JSON
+    python benchmarks/rollout.py --out $OUT/rollout.json --vllm-rows $OUT/rollout_vllm.json
+    python benchmarks/rollout.py --merge-into rollout.json --vllm-rows rollout_vllm.json --out merged.json
+    python benchmarks/rollout.py --bnb-only --shapes 7b --out $OUT/rollout_bnb.json  # merge it like vLLM rows
 """
 
 from __future__ import annotations
@@ -55,12 +63,15 @@ EARLIER_VLLM_NVFP4_LORA_MS = {("7b", 1): 4.94, ("7b", 8): 4.88, ("7b", 64): 8.25
 
 def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.Module:
     """A random Qwen2 of ``shape`` on the GPU (bf16 or NVFP4 decoder Linears) wrapped in peft LoRA."""
-    from peft import get_peft_model
+    return with_lora(random_qwen2(shape, nvfp4, seed), lora_r)
+
+
+def random_qwen2(shape: str, nvfp4: bool, seed: int = 0) -> nn.Module:
+    """A random Qwen2 of ``shape`` on the GPU, decoder Linears bf16 or NVFP4 (no adapter)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
     from qerl.linear import NVFP4Linear, replace_linears
-    from qerl.lora import lora_config
 
     cfg = Qwen2Config(
         vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False, **SHAPES[shape]
@@ -90,13 +101,48 @@ def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.
                 t.normal_(0.0, 0.02, generator=gen)
     with torch.device(DEVICE):
         model.model.rotary_emb = Qwen2RotaryEmbedding(cfg)
-    model.eval()
+    return model.eval()
+
+
+def with_lora(model: nn.Module, lora_r: int = 16) -> nn.Module:
+    """peft LoRA r on all seven projections, with a random (nonzero) B."""
+    from peft import get_peft_model
+
+    from qerl.lora import lora_config
+
     peft_model = get_peft_model(model, lora_config(r=lora_r)).eval()
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.01)
     return peft_model
+
+
+def build_bnb_model(shape: str, lora_r: int = 16, seed: int = 0) -> nn.Module:
+    """The random bf16 Qwen2 with every decoder Linear as a bitsandbytes NF4 ``Linear4bit``, + peft LoRA."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        sys.exit("benchmarks/rollout.py: --bnb needs bitsandbytes (pip install bitsandbytes)")
+    from qerl.linear import replace_linears
+
+    def nf4(name: str, lin: nn.Linear) -> nn.Module | None:
+        if name == "lm_head":
+            return None
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")  # fmt: skip
+        # Params4bit quantizes when moved to the GPU (the documented path), so hand it host data.
+        q.weight = bnb.nn.Params4bit(lin.weight.data.cpu(), requires_grad=False, quant_type="nf4").to(DEVICE)
+        if lin.bias is not None:
+            q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
+        return q
+
+    model = random_qwen2(shape, nvfp4=False, seed=seed)
+    replace_linears(model, nf4)
+    model.is_loaded_in_4bit = True  # peft dispatches its bnb LoRA layer only for models marked so
+    gc.collect()
+    torch.cuda.empty_cache()
+    return with_lora(model, lora_r)
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
@@ -280,7 +326,7 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     gen = torch.Generator().manual_seed(0)
     for shape, batches in (("7b", (1, 8, 64)), ("32b", (8, 1))):
-        if shape not in args.shapes:
+        if shape not in args.shapes or args.bnb_only:
             continue
         for variant in ("nvfp4", "bf16"):
             model = build_model(shape, nvfp4=variant == "nvfp4")
@@ -290,12 +336,12 @@ def run(args: argparse.Namespace) -> dict:
             for b in batches:
                 prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
                 kv = kv_bytes_per_step(shape, b, args.tokens)
-                runs = [("native", "lora", True, native, args.tokens)]
+                runs = [("native", True, native, args.tokens)]
                 if variant == "nvfp4" and shape == "7b" and b in (1, 8):
-                    runs.append(("native", "nolora", False, native, args.tokens))
+                    runs.append(("native", False, native, args.tokens))
                 if variant == "bf16" and not args.skip_hf:
-                    runs.append(("hf", "lora", True, hf, args.hf_tokens))
-                for engine_name, lora_tag, with_lora, engine, tokens in runs:
+                    runs.append(("hf", True, hf, args.hf_tokens))
+                for engine_name, with_lora, engine, tokens in runs:
                     if with_lora:
                         ms, t_one = ms_per_step(engine, prompts, tokens)
                     else:
@@ -306,16 +352,84 @@ def run(args: argparse.Namespace) -> dict:
                                tokens=tokens, ms_per_step=round(ms, 4), prefill_plus_1_s=round(t_one, 4),
                                floor_ms=round(floor, 4), weight_gb=round(wbytes / 1e9, 3),
                                lora_gb=round(lbytes / 1e9, 4), kv_gb_mean=round(kv / 1e9, 3))  # fmt: skip
-                    rows.append(row)
-                    if args.out is not None:  # partial results survive a run cut off at its time limit
-                        partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
-                        args.out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
-                    print(f"{shape} {engine_name:6s} {variant}+{lora_tag:6s} b={b:3d}: {ms:8.3f} ms/step "
-                          f"(floor {floor:.3f}, tokens {tokens})", flush=True)  # fmt: skip
+                    record(rows, row, bw, args)
             del native, hf, model
             gc.collect()
             torch.cuda.empty_cache()
-    return build_result(rows, bw, args)
+    if (args.bnb or args.bnb_only) and "7b" in args.shapes:
+        bnb_rows(rows, gen, bw, args)
+    rows, env = with_vllm_rows(rows, args.vllm_rows, environment())
+    return build_result(rows, bw, args, env=env)
+
+
+def record(rows: list[dict], row: dict, bw: float, args: argparse.Namespace) -> None:
+    """Append a row, save the partial results (they survive a run cut off at its limit), print it."""
+    rows.append(row)
+    if args.out is not None:
+        partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
+        args.out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
+    print(f"{row['shape']} {row['engine']:6s} {row['weights']}+{'lora' if row['lora'] else 'nolora':6s} "
+          f"b={row['batch']:3d}: {row['ms_per_step']:8.3f} ms/step (floor {row['floor_ms']:.3f}, "
+          f"tokens {row['tokens']})", flush=True)  # fmt: skip
+
+
+def bnb_rows(rows: list[dict], gen: torch.Generator, bw: float, args: argparse.Namespace) -> None:
+    """7B bitsandbytes NF4 + LoRA through transformers generate, b = 1 and 8 (``--hf-tokens`` tokens)."""
+    from qerl.rollout import get_engine
+
+    model = build_bnb_model("7b")
+    wbytes, lbytes = weight_bytes(model)  # packed NF4 codes; the absmax statistics are not counted
+    engine = get_engine(model, 0, kind="hf")
+    for b in (1, 8):
+        prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+        kv = kv_bytes_per_step("7b", b, args.hf_tokens)
+        ms, t_one = ms_per_step(engine, prompts, args.hf_tokens)
+        floor = (wbytes + lbytes + kv) / bw * 1e3
+        record(rows, dict(shape="7b", engine="hf", weights="nf4", lora=True, batch=b, tokens=args.hf_tokens,
+                          ms_per_step=round(ms, 4), prefill_plus_1_s=round(t_one, 4), floor_ms=round(floor, 4),
+                          weight_gb=round(wbytes / 1e9, 3), lora_gb=round(lbytes / 1e9, 4),
+                          kv_gb_mean=round(kv / 1e9, 3)), bw, args)  # fmt: skip
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+#: (engine, weights) of rows that other calls of the same device session measure and merging adds:
+#: vLLM (needs its 3-part bundle) and transformers + bitsandbytes NF4 (needs a 43 MB wheel).
+MERGEABLE = {("vllm", "nvfp4"), ("vllm", "bf16"), ("hf", "nf4")}
+
+
+def with_vllm_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tuple[list[dict], dict]:
+    """``rows`` plus the vLLM rows of benchmarks/rollout_vllm.py outputs (replacing same-key vLLM rows).
+
+    A vLLM row's floor/bytes fields are taken from the native row of the same configuration (same
+    bytes to read); the vLLM version joins ``env["versions"]``.
+    """
+    if not files:
+        return rows, env
+    key = ("shape", "weights", "lora", "batch", "tokens")
+    merged = {tuple(r[k] for k in key) + (r["engine"],): r for r in rows}
+    env = {**env, "versions": dict(env.get("versions") or {})}
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+            vrows = data["results"] if isinstance(data, dict) else data
+            if not all(isinstance(r, dict) and (r.get("engine"), r.get("weights")) in MERGEABLE for r in vrows):
+                raise ValueError("rows other than vLLM or transformers+NF4 rows")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"benchmarks/rollout.py: --vllm-rows {path}: expected rollout_vllm.py's or a --bnb-only JSON ({e})")
+        if isinstance(data, dict):
+            for name in ("vllm", "bitsandbytes"):
+                if (data.get("versions") or {}).get(name):
+                    env["versions"][name] = data["versions"][name]
+            if env.get("device") and data.get("device") and data["device"] != env["device"]:
+                sys.exit(f"benchmarks/rollout.py: --vllm-rows {path} was measured on {data['device']}, "
+                         f"not {env['device']}")  # fmt: skip
+        for r in vrows:
+            native = merged.get(tuple(r[k] for k in key) + ("native",))
+            fill = {k: native[k] for k in ("floor_ms", "weight_gb", "lora_gb", "kv_gb_mean")} if native else {}
+            merged[tuple(r[k] for k in key) + (r["engine"],)] = {**r, **{k: v for k, v in fill.items() if r.get(k) is None}}
+    return list(merged.values()), env
 
 
 def environment() -> dict:
@@ -327,8 +441,17 @@ def environment() -> dict:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": sys.version.split()[0],
+            **({"bitsandbytes": sys.modules["bitsandbytes"].__version__} if "bitsandbytes" in sys.modules else {}),
         },
+        "decode_config": str(fp4_gemm_default()),
     }
+
+
+def fp4_gemm_default() -> object:
+    """The NVFP4 decode schedule this run used (``QERL_DECODE_CONFIG`` or the code's default)."""
+    from qerl.kernels import fp4_gemm
+
+    return fp4_gemm._DEFAULT_DECODE
 
 
 def build_result(
@@ -345,21 +468,27 @@ def build_result(
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round(a / b, 3)
 
+    def over_vllm(shape: str, b: int) -> float | None:
+        """vLLM NVFP4+LoRA ms / native NVFP4+LoRA ms, both from this run's rows (None without them)."""
+        return ratio(ms(shape, "vllm", "nvfp4", True, b), ms(shape, "native", "nvfp4", True, b))
+
     nv = {(s, b): ms(s, "native", "nvfp4", True, b) for s, b in EARLIER_VLLM_NVFP4_LORA_MS}
     lora1, nolora1 = ms("7b", "native", "nvfp4", True, 1), ms("7b", "native", "nvfp4", False, 1)
     summary = {
         "nvfp4_lora_b1_ms": ms("7b", "native", "nvfp4", True, 1),
-        # vLLM was not run in this session (device-time budget): same-run ratios are null.
-        "over_vllm_nvfp4_lora_b1": None,
-        "over_vllm_nvfp4_lora_b8": None,
-        "over_vllm_nvfp4_lora_b64": None,
-        "over_vllm_nvfp4_lora_32b_b8": None,
+        "over_vllm_nvfp4_lora_b1": over_vllm("7b", 1),
+        "over_vllm_nvfp4_lora_b8": over_vllm("7b", 8),
+        "over_vllm_nvfp4_lora_b64": over_vllm("7b", 64),
+        "over_vllm_nvfp4_lora_32b_b8": over_vllm("32b", 8),
         "nvfp4_over_bf16_b8": ratio(ms("7b", "native", "bf16", True, 8), ms("7b", "native", "nvfp4", True, 8)),
         "lora_overhead_b1": None if lora1 is None or nolora1 is None else round((lora1 - nolora1) / lora1, 4),
         "over_hf_generate_bf16_lora_b1": ratio(ms("7b", "hf", "bf16", True, 1), lora1),
+        "over_hf_generate_nf4_lora_b1": ratio(ms("7b", "hf", "nf4", True, 1), lora1),
     }
+    same_run_vllm = any(r["engine"] == "vllm" for r in rows)
     earlier = {
-        "note": "vLLM 0.26 NVFP4+LoRA r16 ms/step measured EARLIER on this H200 (given in issue 4), NOT in this run",
+        "note": "vLLM 0.26 NVFP4+LoRA r16 ms/step measured EARLIER on this H200 (given in issue 4), NOT in this run"
+        + ("; context only: the summary's over_vllm_* use this run's vLLM rows" if same_run_vllm else ""),
         "vllm_ms": {f"{s}_b{b}": v for (s, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items()},
         "over_earlier_vllm": {f"{s}_b{b}": ratio(v, nv[(s, b)]) for (s, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items()},
     }
@@ -399,17 +528,24 @@ def plot(path: Path) -> Path:
     labels = [f"{r['shape']} b{r['batch']}\n{r['engine']} {r['weights']}{'+lora' if r['lora'] else ''}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5))
     x = range(len(rows))
-    ax.bar(x, [r["ms_per_step"] for r in rows], color=["C0" if r["engine"] == "native" else "C3" for r in rows])
-    ax.scatter(x, [r["floor_ms"] for r in rows], color="k", marker="_", s=400, label="bandwidth floor", zorder=3)
-    for (shape, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items():
-        idx = [
-            i
-            for i, r in enumerate(rows)
-            if (r["shape"], r["batch"], r["engine"], r["weights"], r["lora"]) == (shape, b, "native", "nvfp4", True)
-        ]
-        if idx:
-            ax.scatter(idx, [v], color="C2", marker="*", s=120, zorder=4)
-    ax.scatter([], [], color="C2", marker="*", label="vLLM NVFP4+LoRA (earlier measurement)")
+    colours = {"native": "C0", "hf": "C3", "vllm": "C2"}
+    ax.bar(x, [r["ms_per_step"] for r in rows], color=[colours.get(r["engine"], "C7") for r in rows])
+    for engine, colour in colours.items():
+        if any(r["engine"] == engine for r in rows):
+            ax.bar([0], [0], color=colour, label=engine)  # legend entry only
+    floors = [(i, r["floor_ms"]) for i, r in enumerate(rows) if r.get("floor_ms") is not None]
+    ax.scatter([i for i, _ in floors], [f for _, f in floors], color="k", marker="_", s=400, label="bandwidth floor",
+               zorder=3)  # fmt: skip
+    if not any(r["engine"] == "vllm" for r in rows):  # no same-run vLLM rows: show the earlier numbers
+        for (shape, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items():
+            idx = [
+                i
+                for i, r in enumerate(rows)
+                if (r["shape"], r["batch"], r["engine"], r["weights"], r["lora"]) == (shape, b, "native", "nvfp4", True)
+            ]
+            if idx:
+                ax.scatter(idx, [v], color="C1", marker="*", s=120, zorder=4)
+        ax.scatter([], [], color="C1", marker="*", label="vLLM NVFP4+LoRA (earlier measurement)")
     ax.set_yscale("log")
     ax.set_ylabel("decode ms / step")
     ax.set_xticks(list(x), labels, fontsize=7)
@@ -438,9 +574,31 @@ def main() -> None:
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
     parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
     parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
+    parser.add_argument("--bnb", action="store_true", help="also 7B bitsandbytes NF4+LoRA via generate (b=1/8)")
+    parser.add_argument("--bnb-only", action="store_true", help="only those rows (merge them with --vllm-rows)")
+    parser.add_argument("--vllm-rows", type=Path, nargs="+", help="benchmarks/rollout_vllm.py JSON(s) to merge in")
+    parser.add_argument("--merge-into", type=Path, help="with --vllm-rows and --out: merge into this result JSON")
     args = parser.parse_args()
     if args.plot:
         print(plot(args.plot))
+        return
+    for path in args.vllm_rows or []:  # fail now, not after a long run
+        if not path.is_file():
+            sys.exit(f"benchmarks/rollout.py: --vllm-rows {path}: no such file")
+    if args.merge_into:
+        if not args.vllm_rows or args.out is None:
+            sys.exit("benchmarks/rollout.py: --merge-into needs --vllm-rows FILE... and --out PATH")
+        try:
+            data = json.loads(args.merge_into.read_text())
+            rows, bw, setup = data["results"], data["copy_bandwidth_tb_s"], data["setup"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"benchmarks/rollout.py: --merge-into {args.merge_into}: expected this script's result JSON ({e})")
+        rows, env = with_vllm_rows(rows, args.vllm_rows, {k: data.get(k) for k in ("device", "versions")})
+        args.tokens, args.hf_tokens = setup["new_tokens"], setup["hf_new_tokens"]
+        result = build_result(rows, bw * 1e12, args, partial=data.get("partial"), env=env)
+        result["date"], result["command"] = data["date"], f"{data['command']} ; merged: {result['command']}"
+        write_json(args.out, result)
+        print(json.dumps(result["summary"], indent=2))
         return
     if args.from_partial:
         data = json.loads(args.from_partial.read_text())
@@ -454,8 +612,9 @@ def main() -> None:
             if isinstance(data, dict)
             else {"device": None, "versions": None}
         )
+        rows, env = with_vllm_rows(rows, args.vllm_rows, env)
         result = build_result(rows, bw * 1e12, args, partial=args.partial_note, env=env)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_json(args.out, result)
         print(json.dumps(result["summary"], indent=2))
         return
     if not torch.cuda.is_available():
@@ -465,10 +624,14 @@ def main() -> None:
     if args.profile:
         profile(args)
     result = lora_sweep(args) if args.lora_sweep else run(args)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, args.out)
+    write_json(args.out, result)
     print(json.dumps(result["summary"], indent=2))
+
+
+def write_json(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

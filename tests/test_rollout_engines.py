@@ -319,13 +319,20 @@ def medium_model(nvfp4: bool, seed: int = 12) -> nn.Module:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("nvfp4", [False, True], ids=["bf16_lora", "nvfp4_lora"])
-def test_gpu_teacher_forced_logits_bf16(nvfp4: bool) -> None:
+@pytest.mark.parametrize(
+    "nvfp4,fp32_norms", [(False, False), (True, False), (True, True)], ids=["bf16_lora", "nvfp4_lora", "fp32_norms"]
+)
+def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool) -> None:
     """Bound: max |native - HF forward| over every completion position <= 5% of max |logit|.
 
     bf16 rounding of different (but each reasonable) op orders: fused kernels vs HF's SDPA path.
+    ``fp32_norms``: the trained norm copies stored in fp32 as QeRLTrainer keeps them on a bf16 model.
     """
     model = medium_model(nvfp4)
+    if fp32_norms:
+        from qerl.trainer import keep_trainable_fp32
+
+        assert any("norm" in name for name in keep_trainable_fp32(model))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (17, 250, 64)]
     completions = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (300, 40, 129)]

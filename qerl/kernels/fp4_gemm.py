@@ -464,10 +464,12 @@ class DecodeConfig:
     slices (0 = pick from the SM count), ``x_split``: load x as one contiguous tile and split it in
     registers (else four strided gathers). BM (padded tokens) follows from M."""
 
-    BN: int = 64  # benchmarks/decode_tune.py: best of 8 schedules at every M and shape tried
+    # benchmarks/decode_tune.py --quick (H200, 2026-11-29 21:15): best summed time of 12 schedules over
+    # 7B down/gate_up at M=1/16 (120.6 us vs 129.5 with stages=4; tiled weight layout only -6%).
+    BN: int = 64
     BK: int = 256
     warps: int = 4
-    stages: int = 4
+    stages: int = 3
     split: int = 0
     x_split: bool = True
     per_sm: int = 3  # with split=0: K slices for ~per_sm programs per SM

@@ -15,12 +15,19 @@ is patched:
   ``load_weights`` by module name.
 
 Log-probs are vLLM's ``processed_logprobs`` (after temperature/top-k/top-p), matching
-``RolloutOutput``'s contract. With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker lives in this
-process and the tensors are handed over without copies through the host.
+``RolloutOutput``'s contract. The engine runs vLLM in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here unless the caller chose otherwise): the worker then
+receives the trainer's CUDA tensors by reference through ``collective_rpc`` (vLLM's uniproc
+executor calls the method directly), with no trip through the host. After every push the prefix
+cache is reset, since KV blocks computed under the previous weights must not be reused.
+
+Checked against vLLM 0.26.0 (worker LoRA manager ``vllm/lora/worker_manager.py``: an adapter id
+that is already registered is only activated, never loaded from its path).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -40,6 +47,9 @@ LORA_PLACEHOLDER_PATH = "qerl-in-memory-adapter"
 
 
 def _require_vllm() -> Any:
+    # In-process engine core: collective_rpc then hands CUDA tensors over by reference. vLLM reads
+    # this lazily (vllm/envs.py) until its first engine caches the environment, so set it first.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm
     except ImportError as err:
@@ -50,7 +60,11 @@ def _require_vllm() -> Any:
 
 
 class QerlWorkerExtension:
-    """Methods vLLM mixes into its GPU worker (``worker_extension_cls``); called via ``collective_rpc``."""
+    """Methods vLLM mixes into its GPU worker (``worker_extension_cls``); called via ``collective_rpc``.
+
+    ``self`` is vLLM's ``Worker``; ``self.model_runner`` (V1 or V2 runner) carries the
+    ``LoRAModelRunnerMixin`` whose ``lora_manager`` is an ``LRUCacheWorkerLoRAManager``.
+    """
 
     def qerl_set_lora(self, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any]) -> None:
         """Replace the adapter ``LORA_ID`` by these peft-format tensors and activate it."""
@@ -59,21 +73,29 @@ class QerlWorkerExtension:
 
         worker_manager = self.model_runner.lora_manager
         manager = worker_manager._adapter_manager
+        helper = PEFTHelper.from_dict(peft_config)
+        helper.validate_legal(worker_manager.lora_config)  # rank <= max_lora_rank, no bias/DoRA
+        dtype = worker_manager.lora_config.lora_dtype
+        # Own copies: vLLM folds the scaling into lora_b in place (LoRALayerWeights.optimize), which
+        # would otherwise scale the trainer's own parameter whenever the dtypes already match.
+        tensors = {k: v.to(device=worker_manager.device, dtype=dtype, copy=True) for k, v in tensors.items()}
+        mapper = getattr(manager.model, "hf_to_vllm_mapper", None)  # what _load_adapter applies too
         lora = LoRAModel.from_lora_tensors(
             LORA_ID,
             tensors,
-            PEFTHelper.from_dict(peft_config),
-            device="cuda",
-            dtype=worker_manager.lora_config.lora_dtype,
+            helper,
+            device=str(worker_manager.device),
+            dtype=dtype,
             model_vocab_size=worker_manager.vocab_size,
+            weights_mapper=None if mapper is None else mapper.get_unstacked_mapper(),
         )
-        manager.remove_adapter(LORA_ID)
-        manager.add_adapter(lora)
-        manager.activate_adapter(LORA_ID)
+        manager.remove_adapter(LORA_ID)  # frees its GPU slot too (deactivate_adapter)
+        manager.add_adapter(lora)  # packs q/k/v and gate/up, folds the scaling into B
+        manager.activate_adapter(LORA_ID)  # copies A/B into the GPU slot the kernels read
 
     def qerl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Overwrite (norm) weights by HF module name through the model's own loader."""
-        self.model_runner.model.load_weights(weights)
+        """Overwrite (norm) weights by HF module name through the model's own loader (in place)."""
+        self.model_runner.get_model().load_weights(weights)
 
 
 class VLLMEngine:
@@ -103,17 +125,27 @@ class VLLMEngine:
         self.peft_config = None
         kwargs: dict[str, Any] = {}
         if peft_config is not None:
+            if peft_config.rank_pattern or peft_config.alpha_pattern:
+                raise ValueError("rollout engine kind='vllm': LoRA rank_pattern/alpha_pattern is not supported")
+            targets = peft_config.target_modules
             self.peft_config = {
                 "r": peft_config.r,
                 "lora_alpha": peft_config.lora_alpha,
-                "target_modules": sorted(peft_config.target_modules),
+                "target_modules": targets if isinstance(targets, str) else sorted(targets),
                 "bias": "none",
+                "use_rslora": bool(peft_config.use_rslora),
             }
-            # vLLM accepts only a fixed set of max ranks: take the smallest that holds r.
-            max_rank = next((r for r in VLLM_LORA_RANKS if r >= peft_config.r), peft_config.r)
+            # vLLM accepts only a fixed set of max ranks (MaxLoRARanks): take the smallest that holds r.
+            max_rank = next((r for r in VLLM_LORA_RANKS if r >= peft_config.r), None)
+            if max_rank is None:
+                raise ValueError(
+                    f"rollout engine kind='vllm': LoRA r={peft_config.r} > vLLM's largest {VLLM_LORA_RANKS[-1]}"
+                )
             kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
+        # Prompts arrive as token ids and completions leave as token ids: vLLM needs no tokenizer.
+        kwargs["skip_tokenizer_init"] = True
         self.llm = vllm.LLM(
-            model=checkpoint,
+            model=str(checkpoint),
             gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.QerlWorkerExtension",
@@ -135,6 +167,7 @@ class VLLMEngine:
                 norms.append((f"model.layers.{i}.{name}.weight", active_norm(getattr(layer, name)).weight.detach()))
         norms.append(("model.norm.weight", active_norm(self.lm.model.norm).weight.detach()))
         self.llm.collective_rpc("qerl_load_weights", args=(norms,))
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the previous weights
 
     @staticmethod
     def _sampling(vllm: Any, params: SamplingParams, n: int, seed: int | None) -> Any:
@@ -142,28 +175,34 @@ class VLLMEngine:
             n=n,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
+            top_k=params.top_k,  # 0 disables it in vLLM too
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,  # only params.stop_token_ids end a completion, as in the other engines
             seed=seed,
-            logprobs=0,  # the sampled token's log-prob
+            logprobs=0,  # only the sampled token's log-prob (no top-k alternatives)
             detokenize=False,
         )
+
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` that selects the pushed adapter (None without LoRA), for direct ``llm`` calls."""
+        if self.peft_config is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(LORA_NAME, LORA_ID, LORA_PLACEHOLDER_PATH)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput:
         check_prompts(prompt_ids, n)
         vllm = _require_vllm()
-        from vllm.lora.request import LoRARequest
-
         self.sync()
-        # One SamplingParams per prompt: vLLM seeds each request's generator with its own seed, so a
-        # shared seed would give identical prompts (a GRPO group sent as n=1 requests) identical samples.
-        sampling = [self._sampling(vllm, params, n, None if params.seed is None else params.seed * 1_000_003 + i)
-                    for i in range(len(prompt_ids))]
-        lora = LoRARequest(LORA_NAME, LORA_ID, LORA_PLACEHOLDER_PATH) if self.peft_config is not None else None
+        # One SamplingParams per prompt: vLLM seeds each request's generator with its own seed (and the
+        # j-th of n samples with seed + j), so a shared seed would give identical prompts (a GRPO group
+        # sent as n=1 requests) identical samples; prompts are spaced n seeds apart.
+        sampling = [self._sampling(vllm, params, n, None if params.seed is None else params.seed * 1_000_003 + i * n)
+                    for i in range(len(prompt_ids))]  # fmt: skip
         outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompt_ids], sampling, lora_request=lora, use_tqdm=False
+            [{"prompt_token_ids": p} for p in prompt_ids], sampling, lora_request=self.lora_request(), use_tqdm=False
         )
         stop = set(params.stop_token_ids)
         completions, logprobs, reasons, index = [], [], [], []

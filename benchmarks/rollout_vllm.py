@@ -1,0 +1,279 @@
+"""vLLM decode ms/step on the shapes of benchmarks/rollout.py: the baseline rows of its table.
+
+vLLM 0.26 serving random ("dummy") weights of real Qwen2.5-7B/32B shapes, as NVFP4A16 through
+compressed-tensors (Marlin FP4 GEMM on Hopper) or bf16, each with a LoRA r=16 adapter on all seven
+projections (a peft adapter directory written once, loaded by vLLM from disk as usual). The method is
+benchmarks/rollout.py's ``ms_per_step``: prompts of 256 random token ids, 1024 tokens forced
+(``ignore_eos``), temperature 1, the sampled tokens' log-probs returned (as the RL engine asks);
+ms/step = (t(1024 tokens) - t(1 token)) / 1023 after a warm-up generate of the same shape.
+Prefix caching is off so that the timed runs prefill like the warm-up did.
+
+Every (shape, weights) configuration runs in its own process (``--config 7b:nvfp4``), so the GPU
+memory of one ``LLM`` is surely gone before the next; the driver collects the rows, writing the
+output after every row so that a run cut off at its time limit keeps what it measured.
+
+    python benchmarks/rollout_vllm.py --out $OUT/rollout_vllm.json                 # all configs
+    python benchmarks/rollout_vllm.py --shapes 7b --weights nvfp4 --out $OUT/v.json
+    python benchmarks/rollout.py --merge-into rollout.json --vllm-rows v.json --out merged.json
+
+Rows follow benchmarks/rollout.py's schema (engine="vllm"); ``floor_ms`` etc. are null here and are
+filled from the native row of the same configuration when the rows are merged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# benchmarks/ must not stay on sys.path: transformers probes for a package named ``kernels`` and would
+# import benchmarks/kernels.py instead. qerl comes from the repo root, rollout.py by its path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
+_spec = importlib.util.spec_from_file_location("qerl_bench_rollout", HERE / "rollout.py")
+_rollout = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_rollout)
+PROMPT, SHAPES, VOCAB = _rollout.PROMPT, _rollout.SHAPES, _rollout.VOCAB  # the same shapes and prompt
+
+from qerl.checkpoint import quantization_config  # noqa: E402
+from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
+from qerl.lora import DEFAULT_TARGETS  # noqa: E402
+
+BATCHES = {"7b": (1, 8, 64), "32b": (1, 8)}
+WEIGHTS = ("nvfp4", "bf16")
+LORA_R = 16
+HEAD_DIM = 128
+
+
+def write_model_dir(root: Path, shape: str, weights: str) -> Path:
+    """A config-only Qwen2 directory (vLLM's dummy loader needs no tensors, and no tokenizer here)."""
+    out = root / f"qwen2-{shape}-{weights}"
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1e6,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        **SHAPES[shape],
+    }
+    if weights == "nvfp4":  # exactly the block our quantizer writes (lm_head stays bf16)
+        config["quantization_config"] = quantization_config(ignore=["lm_head"])
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2))
+    return out
+
+
+def write_adapter_dir(root: Path, shape: str, seed: int = 0) -> Path:
+    """A peft LoRA adapter (r=16, alpha=16, all seven projections, random A and B) in peft's file format."""
+    import torch
+    from safetensors.torch import save_file
+
+    s = SHAPES[shape]
+    h, inter, kv = s["hidden_size"], s["intermediate_size"], s["num_key_value_heads"] * HEAD_DIM
+    dims = {  # (in, out)
+        "q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+    }  # fmt: skip
+    out = root / f"lora-{shape}-r{LORA_R}"
+    if (out / "adapter_config.json").exists():  # written by the other weights' config of this shape
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(s["num_hidden_layers"]):
+        for proj in DEFAULT_TARGETS:
+            k_in, n_out = dims[proj]
+            block = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{i}.{block}.{proj}"
+            tensors[f"{name}.lora_A.weight"] = (torch.randn(LORA_R, k_in, generator=gen) / k_in**0.5).bfloat16()
+            tensors[f"{name}.lora_B.weight"] = (torch.randn(n_out, LORA_R, generator=gen) * 0.01).bfloat16()
+    with atomic_file(out / "adapter_model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_R, "lora_alpha": LORA_R, "lora_dropout": 0.0,
+        "target_modules": list(DEFAULT_TARGETS), "bias": "none", "modules_to_save": None, "use_rslora": False,
+        "use_dora": False, "base_model_name_or_path": None,
+    }  # fmt: skip
+    atomic_write_text(out / "adapter_config.json", json.dumps(adapter_config, indent=2))
+    return out
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+    import vllm
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "versions": {
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+    }
+
+
+def run_config(args: argparse.Namespace) -> None:
+    """Child process: one LLM for (shape, weights), one row per batch size, rows rewritten after each."""
+    import torch
+    import vllm
+    from vllm.lora.request import LoRARequest
+
+    shape, weights = args.config
+    root = Path(args.workdir)
+    model_dir = write_model_dir(root, shape, weights)
+    adapter = write_adapter_dir(root, shape)
+    batches = sorted(b for b in args.batches if b in BATCHES[shape])
+    t0 = time.perf_counter()
+    llm = vllm.LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        generation_config="vllm",
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=PROMPT + args.tokens + 256,
+        max_num_seqs=max(batches),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=False,
+        enable_lora=True,
+        max_lora_rank=LORA_R,
+        max_loras=1,
+        logprobs_mode="processed_logprobs",
+        compilation_config={"cudagraph_capture_sizes": batches},
+    )
+    init_s = time.perf_counter() - t0
+    print(f"{shape} vllm {weights}: LLM init {init_s:.1f} s", flush=True)
+    lora = LoRARequest("bench-r16", 1, str(adapter))
+    env = environment()
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+
+    def generate(prompts: list[list[int]], tokens: int) -> list:
+        params = vllm.SamplingParams(
+            temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False, seed=None
+        )
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora, use_tqdm=False)
+
+    def timed(prompts: list[list[int]], tokens: int) -> tuple[float, list]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = generate(prompts, tokens)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, out
+
+    for b in batches:
+        prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+        generate(prompts, args.tokens)  # warm-up of the same shape
+        generate(prompts, 1)  # and of the 1-token run's own prefill
+        t_one, _ = timed(prompts, 1)
+        t_full, out = timed(prompts, args.tokens)
+        assert all(len(o.outputs[0].token_ids) == args.tokens for o in out), "a completion stopped early"
+        ms = (t_full - t_one) / (args.tokens - 1) * 1e3
+        rows.append(dict(shape=shape, engine="vllm", weights=weights, lora=True, batch=b, tokens=args.tokens,
+                         ms_per_step=round(ms, 4), prefill_plus_1_s=round(t_one, 4), floor_ms=None,
+                         weight_gb=None, lora_gb=None, kv_gb_mean=None, llm_init_s=round(init_s, 1)))  # fmt: skip
+        atomic_write_text(Path(args.out), json.dumps({**env, "rows": rows}, indent=1))
+        print(f"{shape} vllm   {weights}+lora   b={b:3d}: {ms:8.3f} ms/step (prefill+1 {t_one:.3f} s)", flush=True)
+
+
+def drive(args: argparse.Namespace) -> dict:
+    """Parent: one child process per (shape, weights); collect rows, rewrite the output after each."""
+    rows: list[dict] = []
+    env: dict = {}
+    failures: list[str] = []
+    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
+    child_env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    with tempfile.TemporaryDirectory(prefix="qerl-vllm-bench-") as tmp:
+        for shape in args.shapes:
+            for weights in args.weights:
+                if not any(b in BATCHES[shape] for b in args.batches):
+                    continue
+                part = Path(tmp) / f"{shape}-{weights}.json"
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--config", f"{shape}:{weights}",
+                       "--out", str(part), "--workdir", tmp, "--tokens", str(args.tokens),
+                       "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                       "--batches", *map(str, args.batches)]  # fmt: skip
+                code = subprocess.run(cmd, env=child_env).returncode
+                if part.exists():  # rows measured before any failure still count
+                    data = json.loads(part.read_text())
+                    rows.extend(data["rows"])
+                    env = {k: data[k] for k in ("device", "versions")}
+                if code != 0:
+                    failures.append(f"{shape}:{weights} exited with {code}")
+                    print(f"benchmarks/rollout_vllm.py: config {shape}:{weights} failed (exit {code})", flush=True)
+                result = build_result(rows, env, args, failures)
+                atomic_write_text(args.out, json.dumps(result, indent=2))
+    return result
+
+
+def build_result(rows: list[dict], env: dict, args: argparse.Namespace, failures: list[str]) -> dict:
+    return {
+        "benchmark": "rollout decode ms/step, vLLM baseline",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **env,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "setup": {
+            "prompt_tokens": PROMPT,
+            "new_tokens": args.tokens,
+            "lora_r": LORA_R,
+            "temperature": 1.0,
+            "weights": "vLLM load_format=dummy (random, real shapes)",
+            "model": "Qwen2.5 7B/32B shapes",
+            "nvfp4": "compressed-tensors NVFP4A16 (vLLM picks Marlin FP4 on Hopper)",
+            "vllm": "in-process engine, CUDA graphs for the timed batch sizes, prefix caching off, logprobs=0",
+        },
+        "failures": failures,
+        "results": rows,
+    }
+
+
+def parse_config(text: str) -> tuple[str, str]:
+    shape, _, weights = text.partition(":")
+    if shape not in SHAPES or weights not in WEIGHTS:
+        raise argparse.ArgumentTypeError(f"expected SHAPE:WEIGHTS with SHAPE in {list(SHAPES)} and WEIGHTS in "
+                                         f"{list(WEIGHTS)}, got {text!r}")  # fmt: skip
+    return shape, weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="JSON to write (rewritten after every row)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="7b: 1/8/64, 32b: 1/8")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--config", type=parse_config, help="(internal) run one SHAPE:WEIGHTS in this process")
+    parser.add_argument("--workdir", help="(internal, with --config) where the config and adapter dirs go")
+    args = parser.parse_args()
+    if args.tokens < 2:
+        sys.exit(f"benchmarks/rollout_vllm.py: --tokens must be >= 2, got {args.tokens}")
+    if args.config is not None:
+        if args.workdir is None:
+            sys.exit("benchmarks/rollout_vllm.py: --config needs --workdir")
+        run_config(args)
+        return
+    result = drive(args)
+    print(json.dumps([{k: r[k] for k in ("shape", "weights", "batch", "ms_per_step")} for r in result["results"]]))
+    if result["failures"]:
+        sys.exit(f"benchmarks/rollout_vllm.py: failed configs: {result['failures']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""VLLMEngine on a real NVFP4 checkpoint: vLLM's log-probs against our own forward (GPU + vLLM only).
+
+One vLLM ``LLM`` (in this process) serves the module. The checkpoint is ``$QERL_VLLM_TEST_CKPT`` (an
+NVFP4A16 checkpoint written by ``qerl.quantize``, e.g. SmolLM2-135M) or, without it, a tiny random
+Llama quantized here by the same quantizer. The trainer-side model is ``qerl.load_model`` of the same
+checkpoint with peft LoRA (r=16, alpha=32: scaling 2, so a dropped or doubled scaling shows) and
+trained norms. Three states are pushed in turn: S0 (LoRA B = 0, norms as loaded), S1 (random B) and
+S2 (random B and perturbed norms). In each, vLLM's teacher-forced prompt log-probs must match ours,
+and vLLM's change between states must match our change, which is made large on purpose (the LoRA
+and norm magnitudes are calibrated so that each moves next-token log-probs by >= 1 / 0.5 nats on
+average).
+
+Bounds. Both sides run bf16 with different kernels (vLLM: Marlin FP4 GEMM, punica LoRA in bf16,
+FlashAttention; ours: dequantize + cuBLAS, fp32 adapters, SDPA). A logit of magnitude 16-32 carries a
+bf16 rounding step of 0.125, so two correct implementations can differ by ~0.1 nat at single
+positions while agreeing to a few hundredths on average: mean |diff| <= 0.08 nat and max |diff| <=
+max(0.6, 3% of the largest |logit|). A missing LoRA, wrong scaling or unwritten norm moves the mean by
+>= 0.5-1 nat (calibrated below), far beyond these bounds.
+
+    QERL_VLLM_TEST_CKPT=/path/to/SmolLM2-135M-NVFP4A16 python -m pytest -q -s tests/test_vllm_gpu.py
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+MEAN_TOL = 0.08
+MAX_TOL = 0.6
+MAX_TOL_REL = 0.03
+LORA_EFFECT = 1.0  # nats, mean |change| of next-token log-probs the random adapter must cause
+NORM_EFFECT = 0.5
+PROMPT_LEN, SEQ_LEN = 16, 64
+
+
+def _checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env = os.environ.get("QERL_VLLM_TEST_CKPT")
+    if env:
+        path = Path(env)
+        if not (path / "config.json").exists():
+            pytest.fail(f"QERL_VLLM_TEST_CKPT={env}: no config.json there; expected an NVFP4A16 checkpoint dir")
+        return path
+    from conftest import make_tiny_llama
+
+    from qerl.quantize import quantize_checkpoint
+
+    # head_dim 64 (hidden 256 / 4 heads): a FlashAttention size; Marlin pads the small GEMMs.
+    src = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "bf16", hidden=256, intermediate=512, vocab=1024)
+    return quantize_checkpoint(src, tmp_path_factory.mktemp("tiny") / "nvfp4", backend="qerl")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    """(engine, peft model, token sequence) with one in-process vLLM LLM for the whole module."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    pytest.importorskip("vllm")
+    from peft import get_peft_model
+
+    import qerl
+    from qerl.lora import lora_config
+    from qerl.rollout.vllm_engine import VLLMEngine
+
+    ckpt = _checkpoint(tmp_path_factory)
+    base = qerl.load_model(ckpt, load="nvfp4", device="cuda", dtype=torch.bfloat16)
+    model = get_peft_model(base, lora_config(r=16, alpha=32, train_norms=True)).eval()
+    vocab = base.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist()
+    with torch.no_grad():  # a continuation sampled from the model itself: realistic log-probs
+        torch.manual_seed(0)
+        ids = torch.tensor([prompt], device="cuda")
+        for _ in range(SEQ_LEN - PROMPT_LEN):
+            logits = model(input_ids=ids).logits[0, -1].float()
+            ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1)[None]], dim=1)
+    eager = os.environ.get("QERL_VLLM_TEST_EAGER", "0") == "1"
+    engine = VLLMEngine(
+        model,
+        checkpoint=str(ckpt),
+        gpu_memory_utilization=0.25,
+        max_model_len=512,
+        max_num_seqs=8,
+        dtype="bfloat16",
+        seed=0,
+        enforce_eager=eager,
+        **({} if eager else {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}}),
+    )
+    print(f"\nvLLM test checkpoint {ckpt} (vocab {vocab}), enforce_eager={eager}")
+    yield engine, model, ids[0].tolist()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def ours(model, seq: list[int]) -> tuple[torch.Tensor, float]:
+    """Our teacher-forced log-prob of seq[t] given seq[:t], t = 1..len-1, and the largest |logit|."""
+    logits = model(input_ids=torch.tensor([seq], device="cuda")).logits[0, :-1].float()
+    target = torch.tensor(seq[1:], device="cuda")
+    return logits.log_softmax(-1).gather(1, target[:, None])[:, 0].cpu(), logits.abs().max().item()
+
+
+def vllm_prompt_logprobs(engine, seq: list[int]) -> torch.Tensor:
+    """vLLM's prompt log-probs of seq[1:] under the pushed adapter and norms."""
+    import vllm
+
+    engine.sync()
+    params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
+    out = engine.llm.generate([{"prompt_token_ids": seq}], params, lora_request=engine.lora_request(), use_tqdm=False)[
+        0
+    ]
+    entries = out.prompt_logprobs
+    assert entries is not None and len(entries) == len(seq) and entries[0] is None
+    return torch.tensor([entries[t][seq[t]].logprob for t in range(1, len(seq))])
+
+
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, logit_scale: float) -> None:
+    diff = (got - ref).abs()
+    max_tol = max(MAX_TOL, MAX_TOL_REL * logit_scale)
+    print(f"{name}: |vLLM - ours| mean {diff.mean():.4f} max {diff.max():.4f} nats over {len(diff)} tokens "
+          f"(bounds {MEAN_TOL} / {max_tol:.3f}; max |logit| {logit_scale:.1f})")  # fmt: skip
+    assert diff.mean().item() <= MEAN_TOL and diff.max().item() <= max_tol
+
+
+def lora_params(model) -> list[torch.Tensor]:
+    return [p for n, p in model.named_parameters() if "lora_B" in n]
+
+
+def norm_weights(model) -> list[torch.Tensor]:
+    from qerl.lora import NORM_MODULES
+    from qerl.rollout.layers import active_norm, unwrap_causal_lm
+
+    lm = unwrap_causal_lm(model)
+    weights = [active_norm(getattr(layer, n)).weight for layer in lm.model.layers for n in NORM_MODULES]
+    return [*weights, active_norm(lm.model.norm).weight]
+
+
+@torch.no_grad()
+def calibrate(model, seq: list[int], set_scale, target: float) -> float:
+    """Double ``set_scale(s)`` until our log-probs move by >= target nats on average; return the move."""
+    before, _ = ours(model, seq)
+    scale = 0.01
+    for _ in range(14):
+        set_scale(scale)
+        moved = (ours(model, seq)[0] - before).abs().mean().item()
+        if moved >= target:
+            return moved
+        scale *= 2
+    pytest.fail(f"could not make the perturbation move log-probs by {target} nats (last {moved:.3f})")
+
+
+def test_teacher_forced_lora_and_norm_pushes(setup) -> None:
+    engine, model, seq = setup
+    # S0: B = 0 (peft's init), norms as loaded.
+    r0, scale = ours(model, seq)
+    v0 = vllm_prompt_logprobs(engine, seq)
+    compare("S0 (B=0)", v0, r0, scale)
+
+    # S1: random B, scaled until the adapter matters (b: the LoRA push changes vLLM's outputs as ours).
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    b_noise = [torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) for p in lora_params(model)]
+
+    def set_b(s: float) -> None:
+        for p, noise in zip(lora_params(model), b_noise, strict=True):
+            p.copy_(noise * s)
+
+    moved = calibrate(model, seq, set_b, LORA_EFFECT)
+    r1, scale = ours(model, seq)
+    v1 = vllm_prompt_logprobs(engine, seq)
+    compare("S1 (LoRA)", v1, r1, scale)
+    delta = ((v1 - v0) - (r1 - r0)).abs().mean().item()
+    print(f"LoRA push: ours moved {moved:.3f} nats, vLLM {(v1 - v0).abs().mean():.3f}, mismatch {delta:.4f}")
+    assert delta <= 0.2 * moved
+
+    # S2: perturbed norms on top (c: the norm push changes vLLM's outputs as ours).
+    norms = norm_weights(model)
+    originals = [w.detach().clone() for w in norms]
+    n_noise = [torch.randn(w.shape, generator=gen, device=w.device, dtype=torch.float32) for w in norms]
+
+    def set_norms(s: float) -> None:
+        for w, orig, noise in zip(norms, originals, n_noise, strict=True):
+            w.copy_(orig.float() * (1 + s * noise))
+
+    moved = calibrate(model, seq, set_norms, NORM_EFFECT)
+    r2, scale = ours(model, seq)
+    v2 = vllm_prompt_logprobs(engine, seq)
+    compare("S2 (LoRA + norms)", v2, r2, scale)
+    delta = ((v2 - v1) - (r2 - r1)).abs().mean().item()
+    print(f"norm push: ours moved {moved:.3f} nats, vLLM {(v2 - v1).abs().mean():.3f}, mismatch {delta:.4f}")
+    assert delta <= 0.2 * moved
+
+
+def test_generate_logprobs_match_our_forward(setup) -> None:
+    """(d) Sampled tokens' log-probs from VLLMEngine.generate = our forward's, at temperature 1."""
+    from qerl.rollout import SamplingParams
+
+    engine, model, seq = setup
+    prompt, n, new = seq[:PROMPT_LEN], 4, 32
+    out = engine.generate([prompt, prompt[:5]], SamplingParams(temperature=1.0, max_new_tokens=new, seed=3), n=n)
+    assert out.prompt_index == [0] * n + [1] * n
+    assert out.finish_reasons == ["length"] * (2 * n)
+    assert all(len(c) == new and len(lp) == new for c, lp in zip(out.completion_ids, out.logprobs, strict=True))
+    for i in (0, 1):  # per-sample seeds: a prompt's n samples are not copies of one another
+        assert len({tuple(c) for c, j in zip(out.completion_ids, out.prompt_index, strict=True) if j == i}) >= 2
+    got, ref, scale = [], [], 0.0
+    for i, comp in zip(out.prompt_index, out.completion_ids, strict=True):
+        p = [prompt, prompt[:5]][i]
+        lp, s = ours(model, p + comp)
+        ref.append(lp[len(p) - 1 :])
+        scale = max(scale, s)
+    got = torch.tensor(out.logprobs).flatten()
+    compare("generate (T=1, 8 x 32 sampled tokens)", got, torch.cat(ref), scale)
