@@ -5,7 +5,16 @@ What it measures, per configuration (shape x base weights), in one process on on
 * the step QeRLTrainer runs: 8 completions of one 256-token prompt, each forced to 2048 new tokens
   (no early stop), LoRA r16 on all 7 projections plus trainable input/post-attention norms (``ln``),
   AQN on (stage 1 of 10), bnpo loss, token-truncated IS correction, gradient checkpointing, AdamW on the
-  trainable parameters, grad clip 0.2;
+  trainable parameters, grad clip 0.2, bf16 autocast on CUDA (accelerate's, as in ``trainer.train()``);
+* micro-batched as trl users run it (``--micro-batch``, default 2): per_device_train_batch_size = 2 and
+  steps_per_generation = gradient_accumulation_steps = 8 / 2 = 4, so the rollout still generates all 8
+  completions in one batch, then 4 forward+backward passes of 2 completions accumulate into ONE
+  optimizer step. Only the training passes' activations shrink (by 4x); the step's math does not change:
+  trl divides each micro-step's loss by ``current_gradient_accumulation_steps`` itself (bnpo/grpo/dr_grpo;
+  dapo normalises by the generation batch's token count instead), transformers adds no second division
+  (trl marks its loss as already scaled), so the accumulated gradient equals the one-pass gradient when
+  the micro-batches hold equal token counts, as forced-length completions do (the smoke test checks
+  that micro 2 and micro 4 of n=4 give the same grad norm);
 * wall time and ``torch.cuda.max_memory_allocated`` of each phase, and of the whole step:
   ``rollout``   QeRLTrainer._generate_single_turn: AQN noise in, the native engine's prefill and
                 2047 CUDA-graph decode steps, noise out;
@@ -13,21 +22,25 @@ What it measures, per configuration (shape x base weights), in one process on on
                 log-probs the IS correction needs, through trl's chunked fused LM head (it never
                 builds the ``[B, T, V]`` fp32 logits; the row records that tensor's size beside the
                 phase's peak);
-  ``fwd_bwd``   the loss forward + backward (trl's ``compute_loss`` under gradient checkpointing);
+  ``fwd_bwd``   the loss forward + backward (trl's ``compute_loss`` under gradient checkpointing),
+                summed over the micro-steps;
   ``optimizer`` grad clipping, ``optimizer.step()``, scheduler step, ``zero_grad``;
   ``other``     the rest of the step on the host/device (tokenising, decoding, rewards, padding,
                 advantages). The phases are contiguous, so the step's peak is the largest phase peak.
 
-How the phases are driven (no dataloader, no ``trainer.train()``): a real QeRLTrainer is built (real
-QeRLConfig, trl's peft wrapping with ``qerl.lora.lora_config(16, train_norms=True)``, trl's fused LM
-head, the trainer's own AdamW + cosine schedule from ``create_optimizer_and_scheduler``), then one
-step is run the way transformers' inner training loop runs it with gradient_accumulation_steps=1:
-``trainer.training_step(model, prompts)`` (GRPO's override: rollout + scoring + old log-probs in
-``_prepare_inputs``, then loss + backward), then clip / step / schedule / zero_grad / global_step.
-Only those ~6 lines of the loop, and its ``gradient_checkpointing_enable`` call, are reproduced here
-(``Trainer.train`` needs a dataloader and fuses the step into its epoch loop, where the phases
-cannot be split). The phase split comes from instance-level wrappers around the trainer's own
-methods; nothing in trl/transformers is patched.
+How the phases are driven (no ``trainer.train()``): a real QeRLTrainer is built (real QeRLConfig,
+trl's peft wrapping with ``qerl.lora.lora_config(16, train_norms=True)``, trl's fused LM head), then
+prepared as ``Trainer.train`` prepares it (``gradient_checkpointing_enable``, then transformers'
+``_prepare_for_training``: the trainer's own AdamW, ``accelerator.prepare`` of model and optimizer,
+the cosine schedule), then one step is run the way transformers' inner training loop runs it:
+``trainer.training_step(model, generation_batch)`` once per micro-step (GRPO's override: at the first,
+rollout + scoring + old log-probs of all 8 completions in ``_prepare_inputs``; at each, the loss +
+backward of its slice), then clip / step / schedule / zero_grad / global_step. Only those ~10 lines
+of the loop are reproduced here (``Trainer.train`` fuses the step into its epoch loop, where the
+phases cannot be split). The phase split comes from instance-level wrappers around the trainer's own
+methods (and accelerate's ``backward``, to count the passes); nothing in trl/transformers is patched.
+Each row records the passes' sizes (``micro_batch_rows``), the rollouts per step (1), the AdamW step
+count after warm-up + timed step (2) and whether a LoRA weight moved before the optimizer phase (never).
 
 A tokenizer is built in memory (word-level, one word per model token id, so decoding for the reward
 works on random ids) whose EOS id lies *outside* the model's vocabulary: the sampler can never emit
@@ -48,7 +61,7 @@ in benchmarks/results/rollout_lora_b1*.json); training passes = matmul + attenti
 (plus, for NVFP4, the bytes of dequantizing every weight once per pass); optimizer = 40 B per fp32
 trainable parameter / 4.24 TB/s. See benchmarks/NOTES.md "GRPO step".
 
-    python benchmarks/grpo_step.py --out $OUT/grpo_step.json        # the H200 run (~5-6 min)
+    python benchmarks/grpo_step.py --out $OUT/grpo_step.json        # the H200 run (~5-7 min, predicted)
     python benchmarks/grpo_step.py --tiny --out /tmp/grpo_tiny.json  # 2-layer Llama, 16 tokens, CPU ok
     python benchmarks/grpo_step.py --floors                          # analytic floors only
 """
@@ -124,9 +137,20 @@ def shape_counts(shape: dict[str, int], vocab: int, lora_r: int) -> dict[str, in
     }
 
 
-def floors(shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, tokens: int, lora_r: int) -> dict[str, float]:
-    """Lower bounds (seconds) of each phase; the derivation is in the module docstring and NOTES.md."""
+def floors(
+    shape: dict[str, int],
+    vocab: int,
+    nvfp4: bool,
+    n: int,
+    prompt: int,
+    tokens: int,
+    lora_r: int,
+    micro: int | None = None,
+) -> dict[str, float]:
+    """Lower bounds (seconds) of each phase; the derivation is in the module docstring and NOTES.md.
+    ``micro`` (default n) completions per training pass: NVFP4 dequantizes every weight once per pass."""
     c = shape_counts(shape, vocab, lora_r)
+    passes = n // (micro or n)
     weight_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2) + c["lm_head_params"] * 2
     kv_mean = n * c["kv_bytes_per_position"] * (prompt + tokens / 2)
     step_bytes = weight_bytes + c["lora_params"] * 2 + kv_mean
@@ -135,7 +159,7 @@ def floors(shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, 
     # head (trl scores those only), causal attention QK^T + PV = 2 * layers * hidden * seq^2 per row.
     linear = 2 * c["linear_params"] * n * seq + 2 * c["lm_head_params"] * n * tokens
     attention = 2 * c["layers"] * c["hidden"] * seq * seq * n
-    dequant = c["linear_params"] * (9 / 16 + 2) / COPY_BW if nvfp4 else 0.0  # one pass: read FP4, write bf16
+    dequant = passes * c["linear_params"] * (9 / 16 + 2) / COPY_BW if nvfp4 else 0.0  # read FP4, write bf16, per pass
     phases = {
         "rollout_s": (tokens - 1) * step_bytes / COPY_BW,
         "logprobs_s": (linear + attention) / MATMUL_FLOPS + dequant,
@@ -156,8 +180,15 @@ def floors(shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, 
 # ---------------------------------------------------------------------------------------------- model
 
 
-def build_model(shape: dict[str, int], vocab: int, nvfp4: bool, device: torch.device, dtype: torch.dtype,
-                arch: str = "qwen2", seed: int = 0) -> nn.Module:
+def build_model(
+    shape: dict[str, int],
+    vocab: int,
+    nvfp4: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    arch: str = "qwen2",
+    seed: int = 0,
+) -> nn.Module:
     """A random Qwen2/Llama causal LM of ``shape`` built straight on ``device`` (no dense copy of an
     NVFP4 model ever exists), decoder Linears as ``NVFP4Linear`` when ``nvfp4``; not peft-wrapped.
 
@@ -170,15 +201,25 @@ def build_model(shape: dict[str, int], vocab: int, nvfp4: bool, device: torch.de
     from qerl.linear import NVFP4Linear, replace_linears
 
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    cfg = config_cls(vocab_size=vocab, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False,
-                     bos_token_id=None, eos_token_id=None, pad_token_id=None, **shape)
+    cfg = config_cls(
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **shape,
+    )
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = model_cls(cfg)
             if nvfp4:  # every decoder Linear; lm_head stays in `dtype` as in a real checkpoint
-                replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin, dtype))
+                replace_linears(
+                    model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin, dtype)
+                )
     finally:
         torch.set_default_dtype(default)
     model.to_empty(device=device)
@@ -222,7 +263,9 @@ def spread_reward(completions: list[str], **kwargs: Any) -> list[float]:
     return [float(len(c) % 7) for c in completions]
 
 
-def make_trainer(model: nn.Module, tokenizer: Any, prompt: dict[str, str], args: argparse.Namespace, out_dir: str) -> Any:
+def make_trainer(
+    model: nn.Module, tokenizer: Any, prompt: dict[str, str], args: argparse.Namespace, out_dir: str
+) -> Any:
     """A QeRLTrainer as ``qerl.train`` builds one, with the benchmark's batch and lengths (trl insists
     on a train_dataset: the one prompt; the step is driven without its dataloader)."""
     from datasets import Dataset
@@ -230,20 +273,31 @@ def make_trainer(model: nn.Module, tokenizer: Any, prompt: dict[str, str], args:
     from qerl.lora import lora_config
     from qerl.trainer import QeRLConfig, QeRLTrainer
 
+    accumulation = args.n // args.micro_batch
     config = QeRLConfig(
-        output_dir=out_dir, per_device_train_batch_size=args.n, num_generations=args.n,
+        output_dir=out_dir, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_generations=args.n,
         max_completion_length=args.tokens, max_steps=10, num_stages=10, save_strategy="no", report_to=[],
         logging_steps=1, disable_tqdm=True, seed=0, gradient_checkpointing=True, mask_truncated_completions=False,
     )  # fmt: skip
     peft = lora_config(r=args.lora_r, train_norms=True)
-    trainer = QeRLTrainer(model, [spread_reward], config, train_dataset=Dataset.from_list([prompt]),
-                          processing_class=tokenizer, peft_config=peft)
-    trainer.create_optimizer_and_scheduler(num_training_steps=config.max_steps)
-    # What Trainer.train does before its loop (transformers 5.17, `_inner_training_loop`).
+    trainer = QeRLTrainer(
+        model,
+        [spread_reward],
+        config,
+        train_dataset=Dataset.from_list([prompt]),
+        processing_class=tokenizer,
+        peft_config=peft,
+    )
+    # What Trainer.train does before its loop (transformers 5.17, `_inner_training_loop`): gradient
+    # checkpointing, then `_prepare_for_training`: AdamW, `accelerator.prepare(model, optimizer)` (with
+    # bf16 on CUDA this wraps the forward in bf16 autocast, as in every real run) and the cosine schedule.
     gc_kwargs = dict(config.gradient_checkpointing_kwargs or {})
     every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
-    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None,
-                                                every_n_layers=every_n_layers, offload=offload)
+    trainer.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=gc_kwargs or None, every_n_layers=every_n_layers, offload=offload
+    )
+    trainer._prepare_for_training(config.max_steps, trainer.get_train_dataloader(), None)
     # The warm-up runs as step 0 (AQN stage 0: noise-free), the timed step as step 1 (stage 1: sigma_start).
     trainer.state.max_steps = config.max_steps
     return trainer
@@ -297,9 +351,15 @@ class Probe:
     def __init__(self, trainer: Any, clock: PhaseClock) -> None:
         self.completion_lengths: list[int] = []
         self.decode_steps: float | None = None
+        self.rollouts = 0  # calls of the engine per step
+        self.micro_rows: list[int] = []  # completions in each backward pass of the step
+        self.weights_moved_in_accumulation = False  # a LoRA weight changed before the optimizer step
         generate = trainer._generate_single_turn
         logps = trainer._get_per_token_logps_and_entropies
         prepare = trainer._prepare_inputs
+        backward = trainer.accelerator.backward
+        self.watched = next(p for n, p in trainer.model.named_parameters() if "lora_B" in n)
+        self.start_value = self.watched.detach().clone()
 
         def rollout(*a: Any, **k: Any) -> Any:
             clock.switch("rollout")
@@ -307,6 +367,7 @@ class Probe:
                 ids, lps = generate(*a, **k)
             finally:
                 clock.switch("other")
+            self.rollouts += 1
             self.completion_lengths = [len(c) for c in ids]
             self.decode_steps = trainer.rollout_engine().last_stats.get("decode_steps")
             return ids, lps
@@ -323,27 +384,49 @@ class Probe:
         def prepared(*a: Any, **k: Any) -> Any:
             out = prepare(*a, **k)
             clock.switch("fwd_bwd")
+            self.micro_rows.append(int(out["completion_ids"].shape[0]))
             return out
+
+        def backward_pass(loss: torch.Tensor, **k: Any) -> None:
+            backward(loss, **k)
+            # Gradients accumulate; the weights may only move in the optimizer phase (a tiny compare).
+            self.weights_moved_in_accumulation |= not torch.equal(self.start_value, self.watched.detach())
 
         trainer._generate_single_turn = rollout
         trainer._get_per_token_logps_and_entropies = old_logprobs
         trainer._prepare_inputs = prepared
+        trainer.accelerator.backward = backward_pass
+
+    def start_step(self) -> None:
+        """Forget the previous step's counts; the watched LoRA weight's value becomes the reference."""
+        self.rollouts, self.micro_rows, self.weights_moved_in_accumulation = 0, [], False
+        self.start_value = self.watched.detach().clone()
 
 
 def grpo_step(trainer: Any, prompts: list[dict[str, str]], clock: PhaseClock) -> tuple[float, float]:
-    """One optimizer step as transformers' inner loop runs it (gradient_accumulation_steps=1):
-    training_step (GRPO: generate + score + old log-probs, then loss + backward), clip, optimizer and
-    scheduler step, zero_grad. Returns (loss, pre-clip grad norm)."""
-    model = trainer.model
-    trainer.current_gradient_accumulation_steps = 1  # set per batch by the loop, read by training_step
-    loss = trainer.training_step(model, prompts, None)
+    """One optimizer step as transformers' inner loop runs it with gradient accumulation: the loop hands
+    ``training_step`` the generation batch (trl's sampler repeats it ``steps_per_generation`` times) once
+    per micro-step; GRPO's ``_prepare_inputs`` generates, scores and computes the old log-probs of all n
+    completions at the first (``trainer._step % steps_per_generation == 0``), buffers them split into
+    micro-batches and returns the next slice at each later one; each micro-step's loss is divided by
+    ``current_gradient_accumulation_steps`` inside trl's loss and its backward adds into the gradients.
+    Then clip, optimizer and scheduler step, zero_grad, once. Returns (loss summed over the micro-steps,
+    as the loop's ``tr_loss`` sums them; pre-clip grad norm)."""
+    model = trainer.model_wrapped
+    accumulation = trainer.args.gradient_accumulation_steps
+    trainer.current_gradient_accumulation_steps = accumulation  # set per optimizer step by the loop
+    losses = []
+    for i in range(accumulation):
+        # The loop's prefetch sets this by hand: gradients "sync" (and trl logs per-step metrics) on the last.
+        trainer.accelerator.gradient_state._set_sync_gradients(i == accumulation - 1)
+        losses.append(trainer.training_step(model, prompts, None))
     clock.switch("optimizer")
     grad_norm = trainer._clip_grad_norm(model)
     trainer.optimizer.step()
     trainer.lr_scheduler.step()
     model.zero_grad()
     trainer.state.global_step += 1
-    return float(loss), float(grad_norm)
+    return float(torch.stack(losses).sum()), float(grad_norm)
 
 
 def round_up(n: int, block: int) -> int:
@@ -373,8 +456,15 @@ def sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def measure(trainer: Any, prompts: list[dict[str, str]], args: argparse.Namespace, row: dict, clock: PhaseClock,
-            gen: torch.Generator, vocab: int) -> None:
+def measure(
+    trainer: Any,
+    prompts: list[dict[str, str]],
+    args: argparse.Namespace,
+    row: dict,
+    clock: PhaseClock,
+    gen: torch.Generator,
+    vocab: int,
+) -> None:
     """Warm up, then time one step; fills ``row``. Every tensor reference it takes dies on return, so
     the configuration's memory is freed with the trainer."""
     cuda = clock.cuda
@@ -382,8 +472,10 @@ def measure(trainer: Any, prompts: list[dict[str, str]], args: argparse.Namespac
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
     row["trainable_params"] = sum(p.numel() for p in trainable)
     row["trainable_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in trainable})
-    row["optimizer"] = f"{type(trainer.optimizer).__name__} ({getattr(trainer.args.optim, 'value', trainer.args.optim)})"
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+    row["optimizer"] = f"{type(optimizer).__name__} ({getattr(trainer.args.optim, 'value', trainer.args.optim)})"
     row["gradient_checkpointing"] = bool(trainer.model.is_gradient_checkpointing)
+    row["mixed_precision"] = trainer.accelerator.mixed_precision  # "bf16": the forward runs under bf16 autocast
 
     clock.stage = "warm-up"
     t0 = time.perf_counter()
@@ -397,8 +489,7 @@ def measure(trainer: Any, prompts: list[dict[str, str]], args: argparse.Namespac
     row["warmup_s"] = round(time.perf_counter() - t0, 2)
 
     clock.stage = "step"
-    watched = next(p for n, p in trainer.model.named_parameters() if "lora_B" in n)
-    before = watched.detach().clone()
+    probe.start_step()
     if cuda:
         row["allocated_at_step_start_gb"] = gb(torch.cuda.memory_allocated())
     row["aqn_sigma"] = trainer.current_sigma()
@@ -411,14 +502,21 @@ def measure(trainer: Any, prompts: list[dict[str, str]], args: argparse.Namespac
     if cuda and row["peak_gb"]["logprobs"] is not None:  # the chunked head's transient vs full_logits_fp32_gb
         row["logprobs_peak_over_start_gb"] = round(row["peak_gb"]["logprobs"] - row["allocated_at_step_start_gb"], 3)
     row["loss"], row["grad_norm"] = loss, grad_norm
-    row["lora_updated"] = not torch.equal(before, watched.detach())
+    row["lora_updated"] = not torch.equal(probe.start_value, probe.watched.detach())
+    row["lora_moved_during_accumulation"] = probe.weights_moved_in_accumulation
+    row["rollouts"] = probe.rollouts
+    row["micro_batch_rows"] = probe.micro_rows  # one entry per backward pass
+    row["optimizer_steps_total"] = int(optimizer.state[probe.watched]["step"])  # warm-up + timed step: 2
     row["completion_lengths"] = sorted(set(probe.completion_lengths))
     row["forced_length"] = probe.completion_lengths == [args.tokens] * args.n
     row["decode_steps"] = probe.decode_steps
     row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)
     measured = {**row["phases_s"], "step": row["step_s"]}
-    row["of_floor"] = {p: sig(row["floors"][f"{p}_s"] / measured[p])
-                       for p in ("rollout", "logprobs", "fwd_bwd", "optimizer", "step") if measured[p] > 0}
+    row["of_floor"] = {
+        p: sig(row["floors"][f"{p}_s"] / measured[p])
+        for p in ("rollout", "logprobs", "fwd_bwd", "optimizer", "step")
+        if measured[p] > 0
+    }
 
 
 def resolve_shape(name: str) -> tuple[dict[str, int], int, str]:
@@ -426,15 +524,19 @@ def resolve_shape(name: str) -> tuple[dict[str, int], int, str]:
     return (TINY, TINY_VOCAB, "llama") if name == "tiny" else (SHAPES[name], VOCAB, "qwen2")
 
 
-def run_config(shape_name: str, nvfp4: bool, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+def run_config(
+    shape_name: str, nvfp4: bool, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> dict:
     """Build, warm up and time one configuration; OOM is caught and recorded as a result."""
     shape, vocab, arch = resolve_shape(shape_name)
     base = "nvfp4" if nvfp4 else ("bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."))
     counts = shape_counts(shape, vocab, args.lora_r)
     row: dict[str, Any] = {
-        "shape": shape_name, "base": base, "n": args.n, "prompt_tokens": args.prompt, "new_tokens": args.tokens,
+        "shape": shape_name, "base": base, "n": args.n, "micro_batch": args.micro_batch,
+        "gradient_accumulation_steps": args.n // args.micro_batch, "prompt_tokens": args.prompt, "new_tokens": args.tokens,
         "lora_r": args.lora_r, "status": "ok",
-        "floors": {k: sig(v) for k, v in floors(shape, vocab, nvfp4, args.n, args.prompt, args.tokens, args.lora_r).items()},
+        "floors": {k: sig(v) for k, v in floors(shape, vocab, nvfp4, args.n, args.prompt, args.tokens, args.lora_r,
+                                                  args.micro_batch).items()},
         "full_logits_fp32_gb": gb(args.n * args.tokens * vocab * 4),
     }  # fmt: skip
     clock = PhaseClock(device)
@@ -447,19 +549,27 @@ def run_config(shape_name: str, nvfp4: bool, args: argparse.Namespace, device: t
         with tempfile.TemporaryDirectory(prefix="qerl-grpo-step-") as out_dir:
             prompt = " ".join(f"t{i}" for i in torch.randint(1, vocab, (args.prompt,), generator=gen).tolist())
             prompts = [{"prompt": prompt}] * args.n  # trl's RepeatSampler: n copies of one prompt
-            trainer = make_trainer(build_model(shape, vocab, nvfp4, device, dtype, arch), build_tokenizer(vocab),
-                                   prompts[0], args, out_dir)
+            torch.manual_seed(0)  # LoRA A init and the batch shuffle: the same step whatever --micro-batch
+            trainer = make_trainer(
+                build_model(shape, vocab, nvfp4, device, dtype, arch), build_tokenizer(vocab), prompts[0], args, out_dir
+            )
             row["build_s"] = round(time.perf_counter() - t0, 2)
-            row["engine_kv_cache_gb"] = gb(counts["kv_bytes_per_position"] * args.n
-                                           * round_up(args.prompt + args.tokens, trainer.rollout_engine().kv_block))
+            row["engine_kv_cache_gb"] = gb(
+                counts["kv_bytes_per_position"]
+                * args.n
+                * round_up(args.prompt + args.tokens, trainer.rollout_engine().kv_block)
+            )
             measure(trainer, prompts, args, row, clock, gen, vocab)
     except Exception as e:  # noqa: BLE001  (recorded; the run goes on to the next configuration)
         # OOM can also surface as a CUDA RuntimeError (e.g. inside graph capture), hence the text test.
         oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
         if not oom:
             traceback.print_exc()
-        row.update(status="oom" if oom else "error", phase=f"{clock.stage}: {clock.current}",
-                   error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400])
+        row.update(
+            status="oom" if oom else "error",
+            phase=f"{clock.stage}: {clock.current}",
+            error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400],
+        )
     finally:
         try:  # after a CUDA error the context may be unusable: record that instead of losing the row
             if trainer is not None:
@@ -513,7 +623,11 @@ def environment(device: torch.device) -> dict[str, Any]:
         versions["triton"] = triton.__version__
     except ImportError:
         pass
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    )
     return {"device": name, "versions": versions}
 
 
@@ -525,10 +639,18 @@ def document(rows: list[dict], args: argparse.Namespace, env: dict, argv: list[s
         "command": " ".join([Path(sys.executable).name, "benchmarks/grpo_step.py", *argv]),
         "setup": {
             "model": "tiny Llama (2 layers)" if args.tiny else "Qwen2.5 shapes, random weights",
-            "completions": args.n, "prompt_tokens": args.prompt, "new_tokens": args.tokens,
-            "forced_length": "EOS id outside the model vocabulary", "lora": f"r{args.lora_r} on {'/'.join(PROJECTIONS)} + trainable norms",
+            "completions": args.n,
+            "micro_batch": args.micro_batch,
+            "prompt_tokens": args.prompt,
+            "new_tokens": args.tokens,
+            "accumulation": f"one rollout of {args.n}, then {args.n // args.micro_batch} forward+backward passes of "
+            f"{args.micro_batch} completions into one optimizer step (per_device_train_batch_size="
+            f"{args.micro_batch}, steps_per_generation = gradient_accumulation_steps = {args.n // args.micro_batch})",
+            "forced_length": "EOS id outside the model vocabulary",
+            "lora": f"r{args.lora_r} on {'/'.join(PROJECTIONS)} + trainable norms",
             "loss": "bnpo, token_truncate IS (C=2), AQN stage 1, mask_truncated_completions=False",
-            "gradient_checkpointing": True, "warm-up": "decode graphs of every KV bucket + one short (<= 32-token) step, untimed",
+            "gradient_checkpointing": True,
+            "warm-up": "decode graphs of every KV bucket + one short (<= 32-token) step, untimed",
             "floor_constants": {"copy_bw_tb_s": COPY_BW / 1e12, "matmul_tflop_s": MATMUL_FLOPS / 1e12},
         },  # fmt: skip
         "summary": summarize(rows),
@@ -550,7 +672,7 @@ def print_floors(args: argparse.Namespace) -> None:
     for shape in args.shapes:
         for base in args.bases:
             dims, vocab, _ = resolve_shape(shape)
-            f = floors(dims, vocab, base == "nvfp4", args.n, args.prompt, args.tokens, args.lora_r)
+            f = floors(dims, vocab, base == "nvfp4", args.n, args.prompt, args.tokens, args.lora_r, args.micro_batch)
             print(f"{shape} {base:5s}: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
 
 
@@ -559,7 +681,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/grpo_step.json"))
     parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
     parser.add_argument("--bases", nargs="+", default=["nvfp4", "bf16"], choices=["nvfp4", "bf16"])
+    parser.add_argument("--skip", nargs="+", default=[], metavar="SHAPE:BASE", help="configurations to leave out (e.g. 32b:bf16)")
     parser.add_argument("--n", type=int, default=8, help="completions per prompt (the GRPO group)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=2,
+        help="completions per forward+backward pass (per_device_train_batch_size); must divide --n",
+    )
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=2048, help="new tokens per completion (forced)")
     parser.add_argument("--lora-r", type=int, default=16)
@@ -568,9 +697,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tiny:
         args.shapes, args.tokens, args.prompt = ["tiny"], 16, 32
-    for flag in ("n", "prompt", "tokens", "lora_r"):
+    for flag in ("n", "micro_batch", "prompt", "tokens", "lora_r"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: expected a positive integer, got {getattr(args, flag)}")
+    if args.n % args.micro_batch:
+        parser.error(f"--micro-batch: expected a divisor of --n {args.n}, got {args.micro_batch}")
     return args
 
 
@@ -587,7 +718,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = environment(device)
     partial_path = args.out.with_name(args.out.stem + ".partial.json")
     rows: list[dict] = []
-    configs = [(s, b == "nvfp4") for s in args.shapes for b in args.bases]
+    configs = [(s, b == "nvfp4") for s in args.shapes for b in args.bases if f"{s}:{b}" not in args.skip]
     for i, (shape, nvfp4) in enumerate(configs):
         row = run_config(shape, nvfp4, args, device, dense)
         rows.append(row)

@@ -77,7 +77,9 @@ def _check_trl_version() -> None:
 
     v = Version(trl.__version__)
     if not (Version("1.16.0") <= v < Version("1.17")):
-        logger.warning("QeRLTrainer was tested with trl %s; found trl %s (private hooks may differ)", " ".join(TRL_RANGE), v)
+        logger.warning(
+            "QeRLTrainer was tested with trl %s; found trl %s (private hooks may differ)", " ".join(TRL_RANGE), v
+        )
 
 
 @dataclass
@@ -90,15 +92,21 @@ class QeRLConfig(GRPOConfig):
     1e-5 for NVFP4 models and 5e-6 for bf16 ones.
     """
 
-    learning_rate: float | None = field(default=None, metadata={"help": "Peak LR; unset: 1e-5 for NVFP4 models, 5e-6 for bf16."})
+    learning_rate: float | None = field(
+        default=None, metadata={"help": "Peak LR; unset: 1e-5 for NVFP4 models, 5e-6 for bf16."}
+    )
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip (DAPO clip-higher)."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)."})
     loss_type: str = field(default="bnpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo (trl's loss types)."})
-    mask_truncated_completions: bool = field(default=True, metadata={"help": "Drop completions without EOS from the loss."})
+    mask_truncated_completions: bool = field(
+        default=True, metadata={"help": "Drop completions without EOS from the loss."}
+    )
     max_grad_norm: float = field(default=0.2, metadata={"help": "Gradient clipping."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "LR schedule."})
     warmup_steps: float = field(default=0.1, metadata={"help": "Warmup steps, or a fraction of the run if < 1."})
-    warmup_ratio: float | None = field(default=None, metadata={"help": "Reference spelling of a fractional warmup_steps."})
+    warmup_ratio: float | None = field(
+        default=None, metadata={"help": "Reference spelling of a fractional warmup_steps."}
+    )
     adam_beta2: float = field(default=0.99, metadata={"help": "AdamW beta2."})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay."})
     logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
@@ -109,9 +117,13 @@ class QeRLConfig(GRPOConfig):
     vllm_importance_sampling_clip_max: float | None = field(default=2.0, metadata={"help": "IS cap C."})
 
     rollout_engine: str = field(default="native", metadata={"help": f"Rollout engine: one of {KINDS}."})
-    rollout_engine_kwargs: dict | str | None = field(default=None, metadata={"help": "Extra engine constructor arguments (JSON)."})
+    rollout_engine_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Extra engine constructor arguments (JSON)."}
+    )
 
-    aqn: bool = field(default=True, metadata={"help": "Adaptive Quantization Noise on the rollout's q/k/v and gate/up norms."})
+    aqn: bool = field(
+        default=True, metadata={"help": "Adaptive Quantization Noise on the rollout's q/k/v and gate/up norms."}
+    )
     sigma_start: float = field(default=1e-2, metadata={"help": "AQN sigma of stage 1."})
     sigma_end: float = field(default=5e-4, metadata={"help": "AQN sigma of the last stage."})
     num_stages: int = field(default=10, metadata={"help": "AQN stages over the run (stage 0 is noise-free)."})
@@ -131,7 +143,9 @@ class QeRLConfig(GRPOConfig):
             try:
                 self.rollout_engine_kwargs = json.loads(self.rollout_engine_kwargs)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--rollout_engine_kwargs: expected a JSON object, got {self.rollout_engine_kwargs!r} ({e})") from None
+                raise ValueError(
+                    f"--rollout_engine_kwargs: expected a JSON object, got {self.rollout_engine_kwargs!r} ({e})"
+                ) from None
         if self.rollout_engine not in KINDS:
             raise ValueError(f"--rollout_engine: expected one of {KINDS}, got {self.rollout_engine!r}")
         if self.aqn_resample not in RESAMPLE_MODES:
@@ -139,7 +153,9 @@ class QeRLConfig(GRPOConfig):
         if self.aqn:
             AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule)  # validates
         if any(tag in str(self.optim) for tag in _BNB_OPTIMIZERS) and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(f"--optim {self.optim}: needs bitsandbytes, which is not installed (pip install bitsandbytes)")
+            raise ValueError(
+                f"--optim {self.optim}: needs bitsandbytes, which is not installed (pip install bitsandbytes)"
+            )
         super().__post_init__()
 
     @property
@@ -162,6 +178,44 @@ def _group_repeats(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
     return [list(ids) for ids in prompt_ids], 1
 
 
+def _output_in_input_dtype(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    """Forward hook: an fp32-stored module fed bf16 activations hands bf16 on (one rounding)."""
+    x = args[0] if args else None
+    if (
+        isinstance(x, torch.Tensor)
+        and isinstance(output, torch.Tensor)
+        and x.is_floating_point()
+        and output.dtype != x.dtype
+    ):
+        return output.to(x.dtype)
+    return output
+
+
+def keep_trainable_fp32(model: nn.Module) -> list[str]:
+    """Store every trainable bf16/fp16 parameter in fp32; its module's output is cast back to the
+    dtype of its input. Returns the upcast parameters' names.
+
+    Why: peft keeps LoRA adapters in fp32 but leaves ``modules_to_save`` copies (the trained RMSNorms
+    of ``--ln``) in the model's dtype, bf16 on GPU. AdamW moves a weight by ~lr per step (1e-5), while
+    bf16's spacing near SmolLM2's median norm weight (0.27) is 2e-3: the update rounds away and the
+    norms never train (on SmolLM2's 34,560 norm values, 10 AdamW steps at lr 1e-5 changed 0.3% of
+    them). Nothing shows it on CPU, where models load in fp32. In fp32 they train, AQN's noise is
+    added exactly, and the hook keeps the activations bf16: an RMSNorm then returns
+    ``bf16(weight * bf16(normalised))``, which is what the rollout engine computes from the same weight.
+    """
+    upcast: list[str] = []
+    for module_name, module in model.named_modules():
+        names = [n for n, p in module.named_parameters(recurse=False)
+                 if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]  # fmt: skip
+        for n in names:
+            param = getattr(module, n)
+            param.data = param.data.float()  # same Parameter object: optimizers built later see fp32
+            upcast.append(f"{module_name}.{n}" if module_name else n)
+        if names:
+            module.register_forward_hook(_output_in_input_dtype)
+    return upcast
+
+
 class _MetricsFile(TrainerCallback):
     """Appends every log record (with its step) to ``output_dir/metrics.jsonl``, flushed per line."""
 
@@ -169,7 +223,10 @@ class _MetricsFile(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         os.makedirs(args.output_dir, exist_ok=True)
-        record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float, str)) or v is None}}
+        record = {
+            "step": state.global_step,
+            **{k: v for k, v in logs.items() if isinstance(v, (int, float, str)) or v is None},
+        }
         with open(os.path.join(args.output_dir, METRICS_FILE), "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -185,15 +242,27 @@ class QeRLTrainer(GRPOTrainer):
         for name in ("tools", "rollout_func", "environment_factory"):
             if kwargs.get(name):
                 raise ValueError(f"QeRLTrainer: {name} is not supported (single-turn text rollouts only)")
-        unsupported = [name for name, off in (("min_p", args.min_p is None), ("repetition_penalty", args.repetition_penalty == 1.0),
-                                              ("generation_kwargs", not args.generation_kwargs)) if not off]
+        unsupported = [
+            name
+            for name, off in (
+                ("min_p", args.min_p is None),
+                ("repetition_penalty", args.repetition_penalty == 1.0),
+                ("generation_kwargs", not args.generation_kwargs),
+            )
+            if not off
+        ]
         if unsupported:
-            raise ValueError(f"QeRLTrainer: --{unsupported[0]} is not supported by qerl's rollout engines; leave it unset")
+            raise ValueError(
+                f"QeRLTrainer: --{unsupported[0]} is not supported by qerl's rollout engines; leave it unset"
+            )
         args = copy.copy(args)  # the default learning rate below is filled in on our copy, not the caller's config
         _check_trl_version()
         funcs = reward_funcs if isinstance(reward_funcs, list) else ([] if reward_funcs is None else [reward_funcs])
         funcs = [f if isinstance(f, (str, nn.Module)) else guarded(f) for f in funcs]
         super().__init__(model=model, reward_funcs=funcs, args=args, **kwargs)
+        upcast = keep_trainable_fp32(self.model)  # before the optimizer, the engine and AQN see them
+        if upcast:
+            logger.info("%d trainable bf16/fp16 parameters (e.g. %s) are kept in fp32", len(upcast), upcast[0])
 
         if args.learning_rate is None:
             from qerl.loader import is_nvfp4_model
@@ -220,7 +289,11 @@ class QeRLTrainer(GRPOTrainer):
         if self._engine is None:
             kwargs = dict(self.args.rollout_engine_kwargs or {})
             self._engine = get_engine(self._policy(), self.processing_class, self.args.rollout_engine, **kwargs)
-            if self.aqn is not None and self.args.aqn_resample == "token" and not hasattr(self._engine, "set_step_hook"):
+            if (
+                self.aqn is not None
+                and self.args.aqn_resample == "token"
+                and not hasattr(self._engine, "set_step_hook")
+            ):
                 raise ValueError(
                     f"--aqn_resample token: the {self.args.rollout_engine!r} engine has no per-decode-step hook "
                     "(set_step_hook); use --aqn_resample step or --rollout_engine native"
@@ -235,8 +308,12 @@ class QeRLTrainer(GRPOTrainer):
             self._noise = NormNoise(weights, seed=draw_seed(self.args.seed, 0, 1))
             if self.args.aqn_resample == "token":  # registered once: graphs captured with it stay valid
                 self.rollout_engine().set_step_hook(self._noise.token_hook)
-            logger.info("AQN on %d norm vectors (%d values); sigma per stage: %s", len(weights), self._noise.numel,
-                        ", ".join(f"{s:.3g}" for s in self.aqn.sigmas()))
+            logger.info(
+                "AQN on %d norm vectors (%d values); sigma per stage: %s",
+                len(weights),
+                self._noise.numel,
+                ", ".join(f"{s:.3g}" for s in self.aqn.sigmas()),
+            )
         return self._noise
 
     def current_sigma(self) -> float:
@@ -262,7 +339,12 @@ class QeRLTrainer(GRPOTrainer):
             yield handle
 
     def _generate_single_turn(
-        self, prompt_ids: list[list[int]], images: Any, multimodal_fields: Any, num_generations: int, has_tool_images: bool = False
+        self,
+        prompt_ids: list[list[int]],
+        images: Any,
+        multimodal_fields: Any,
+        num_generations: int,
+        has_tool_images: bool = False,
     ) -> tuple[list[list[int]], list[list[float]]]:
         if images is not None or multimodal_fields:
             raise ValueError("QeRLTrainer: text-only rollouts; got images/multimodal inputs")
@@ -337,7 +419,12 @@ class QeRLTrainer(GRPOTrainer):
             },
         }
         atomic_write_text(ckpt / CHECKPOINT_MARKER, json.dumps(marker, indent=1))
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """``resume_from_checkpoint=True`` resumes from the newest complete checkpoint of output_dir."""
@@ -348,7 +435,9 @@ class QeRLTrainer(GRPOTrainer):
         if resume_from_checkpoint:
             path = Path(resume_from_checkpoint)
             if not (path / CHECKPOINT_MARKER).exists():
-                raise ValueError(f"--resume_from_checkpoint {path}: incomplete (no {CHECKPOINT_MARKER}); the save was interrupted")
+                raise ValueError(
+                    f"--resume_from_checkpoint {path}: incomplete (no {CHECKPOINT_MARKER}); the save was interrupted"
+                )
             self._resume_marker = json.loads((path / CHECKPOINT_MARKER).read_text())
             self.add_callback(_ResumeCheck(self))
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
@@ -363,11 +452,18 @@ class _ResumeCheck(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         marker = self.trainer._resume_marker or {}
         if marker.get("max_steps") not in (None, state.max_steps):
-            logger.warning("resumed run plans %d steps, the checkpoint's run planned %s: the AQN schedule is stretched accordingly",
-                           state.max_steps, marker.get("max_steps"))
+            logger.warning(
+                "resumed run plans %d steps, the checkpoint's run planned %s: the AQN schedule is stretched accordingly",
+                state.max_steps,
+                marker.get("max_steps"),
+            )
         if self.trainer.aqn is not None:
-            logger.info("resumed at step %d: AQN stage %d, sigma %.3g", state.global_step,
-                        self.trainer.aqn.stage(state.global_step, max(1, state.max_steps)), self.trainer.current_sigma())
+            logger.info(
+                "resumed at step %d: AQN stage %d, sigma %.3g",
+                state.global_step,
+                self.trainer.aqn.stage(state.global_step, max(1, state.max_steps)),
+                self.trainer.current_sigma(),
+            )
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:

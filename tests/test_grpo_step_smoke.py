@@ -1,7 +1,9 @@
 """Smoke test of benchmarks/grpo_step.py in ``--tiny`` mode, so that the GPU benchmark cannot rot
 between its runs: one real QeRLTrainer GRPO step per base (NVFP4 and dense) on a 2-layer Llama,
-every phase timed, the JSON complete. Also checks the analytic decode floor against the floor that
-benchmarks/rollout.py computed from a real 7B-shape model's bytes on the H200."""
+micro-batched as on the H200 (one rollout of 8, four backward passes of 2, one optimizer step),
+every phase timed, the JSON complete; micro-batching leaves the step's gradient unchanged. Also
+checks the analytic decode floor against the floor that benchmarks/rollout.py computed from a real
+7B-shape model's bytes on the H200."""
 
 from __future__ import annotations
 
@@ -43,6 +45,11 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
         assert r["step_s"] == pytest.approx(sum(r["phases_s"].values()), rel=1e-3, abs=1e-3)
         assert r["forced_length"] and r["completion_lengths"] == [16] and r["decode_steps"] == 15
         assert r["gradient_checkpointing"] and r["lora_updated"] and r["aqn_sigma"] > 0
+        # Default micro-batch 2 of n=8: one rollout, four backward passes of 2 completions, AdamW stepped
+        # once per step (warm-up + timed = 2), no weight moved while the gradients accumulated.
+        assert (r["micro_batch"], r["gradient_accumulation_steps"]) == (2, 4)
+        assert r["rollouts"] == 1 and r["micro_batch_rows"] == [2, 2, 2, 2]
+        assert r["optimizer_steps_total"] == 2 and not r["lora_moved_during_accumulation"]
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
         # LoRA r16 on 7 projections of 2 layers (64 hidden, 128 intermediate, 2 kv heads) + 4 norms
         assert r["trainable_params"] == 2 * 16 * (128 + 96 + 96 + 128 + 192 + 192 + 192) + 4 * 64
@@ -55,6 +62,29 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
     assert summary["step_speedup_tiny"] == pytest.approx(dense["step_s"] / rows[0]["step_s"], rel=1e-2)
     assert f"peak_gb_tiny_{dense['base']}" in summary and "peak_gb_tiny_nvfp4" in summary
     assert set(summary["targets"]) == {"peak_gb_32b_nvfp4", "step_speedup_7b"}
+
+
+def test_micro_batching_leaves_the_step_gradient_unchanged(grpo_step: ModuleType, tmp_path: Path) -> None:
+    """The same step (same weights, rollout, advantages) as one pass of 4 and as two accumulated passes
+    of 2: trl's per-micro-step loss scaling must make the summed loss and pre-clip gradient norm equal
+    (forced-length completions: equal token counts per micro-batch). Scaling the loss twice, or not at
+    all, would change both by 2x."""
+    rows = {}
+    for micro in (4, 2):
+        out = tmp_path / f"micro{micro}.json"
+        grpo_step.main(["--tiny", "--n", "4", "--micro-batch", str(micro), "--bases", "nvfp4", "--out", str(out)])
+        rows[micro] = json.loads(out.read_text())["results"][0]
+        assert rows[micro]["status"] == "ok", rows[micro].get("error")
+        assert rows[micro]["micro_batch_rows"] == [micro] * (4 // micro) and rows[micro]["rollouts"] == 1
+    assert rows[2]["grad_norm"] > 0
+    assert rows[2]["grad_norm"] == pytest.approx(rows[4]["grad_norm"], rel=1e-4)
+    assert rows[2]["loss"] == pytest.approx(rows[4]["loss"], rel=1e-3, abs=1e-8)
+
+
+def test_micro_batch_must_divide_the_group(grpo_step: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        grpo_step.parse(["--tiny", "--n", "8", "--micro-batch", "3"])
+    assert "--micro-batch: expected a divisor of --n 8, got 3" in capsys.readouterr().err
 
 
 def test_decode_floor_matches_the_measured_model_bytes(grpo_step: ModuleType) -> None:

@@ -2,7 +2,13 @@
 # Three runs with the same seed and data, side by side on one GPU (SmolLM2-135M is far too small to
 # fill an H200): QeRL (NVFP4 + LoRA + AQN), NVFP4 LoRA without AQN, bf16 LoRA. Each measures greedy
 # held-out accuracy before and after; the curves are overlaid with qerl.plot.
-#   BF16_DIR=... NVFP4_DIR=... OUT=runs/compare STEPS=200 bash training/compare_smollm2.sh [extra qerl.train flags]
+#   BF16_DIR=... NVFP4_DIR=... OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
+# Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200).
+# RUN_TIMEOUT stops a run that outlives it (SIGINT) so that the plots and the table still get written
+# from what it logged; such a run counts as failed. Exit status: nonzero if any run or the plotting failed.
+# Results: OUT/results.json (per run: exit code, steps, held-out accuracy before/after, train runtime),
+# OUT/plots/{reward,entropy,sigma,completion_length}.png + curves.csv, OUT/<run>.log, OUT/<run>/ (metrics.jsonl,
+# summary.json, adapter/).
 # Deliberate deviations from the 7B recipes, the same for all three runs: one LR (LR, default 5e-5) instead
 # of 1e-5 / 5e-6, synthetic arithmetic data with the lenient last-number reward (a 135M model gets
 # ~no tagged GSM8K answer right), short completions, truncated completions kept, no gradient checkpointing.
@@ -12,16 +18,67 @@ cd "$root"
 : "${BF16_DIR:?set BF16_DIR to the dense SmolLM2 directory}" "${NVFP4_DIR:?set NVFP4_DIR to its NVFP4 checkpoint}"
 OUT=${OUT:-runs/compare}
 PYTHON=${PYTHON:-python}
+export PYTHONUNBUFFERED=1
+limit=()
+if [[ -n "${RUN_TIMEOUT:-}" ]]; then
+  limit=(timeout --signal=INT --kill-after=30 "$RUN_TIMEOUT")
+fi
 common=(--dataset arithmetic --num-samples 4000 --heldout 200 --heldout-max-tokens 96
         --rewards soft_format gsm8k last_number --lora-rank 16 --learning-rate "${LR:-5e-5}"
         --max-steps "${STEPS:-200}" --per-device-train-batch-size 16 --num-generations 8 --max-completion-length 96
         --mask-truncated-completions False --gradient-checkpointing False --optim adamw_torch
         --save-strategy no --report-to none --disable-tqdm True --seed 0 "$@")
+runs=(qerl_nvfp4_aqn nvfp4_lora bf16_lora)
 mkdir -p "$OUT"
-"$PYTHON" -m qerl.train --model-name "$NVFP4_DIR" --load nvfp4 --aqn True --output-dir "$OUT/qerl_nvfp4_aqn" "${common[@]}" > "$OUT/qerl_nvfp4_aqn.log" 2>&1 &
-"$PYTHON" -m qerl.train --model-name "$NVFP4_DIR" --load nvfp4 --aqn False --output-dir "$OUT/nvfp4_lora" "${common[@]}" > "$OUT/nvfp4_lora.log" 2>&1 &
-"$PYTHON" -m qerl.train --model-name "$BF16_DIR" --load bf16 --aqn False --output-dir "$OUT/bf16_lora" "${common[@]}" > "$OUT/bf16_lora.log" 2>&1 &
+declare -A pids
+for run in "${runs[@]}"; do
+  case $run in
+    qerl_nvfp4_aqn) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn True) ;;
+    nvfp4_lora) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn False) ;;
+    bf16_lora) own=(--model-name "$BF16_DIR" --load bf16 --aqn False) ;;
+  esac
+  "${limit[@]}" "$PYTHON" -m qerl.train "${own[@]}" --output-dir "$OUT/$run" "${common[@]}" > "$OUT/$run.log" 2>&1 &
+  pids[$run]=$!
+done
 status=0
-for job in $(jobs -p); do wait "$job" || status=1; done
-"$PYTHON" -m qerl.plot "$OUT/qerl_nvfp4_aqn" "$OUT/nvfp4_lora" "$OUT/bf16_lora" --out "$OUT/plots" || status=1
+exits=()  # run=exit code, for the table
+for run in "${runs[@]}"; do
+  code=0
+  wait "${pids[$run]}" || code=$?
+  exits+=("$run=$code")
+  if (( code != 0 )); then status=1; echo "run $run failed (exit $code): see $OUT/$run.log" >&2; fi
+done
+plotted=()
+for run in "${runs[@]}"; do [[ -s "$OUT/$run/metrics.jsonl" ]] && plotted+=("$OUT/$run"); done
+if (( ${#plotted[@]} )); then
+  "$PYTHON" -m qerl.plot "${plotted[@]}" --out "$OUT/plots" > /dev/null || status=1
+else
+  status=1
+fi
+# One table of the three runs: their summary.json, or for a run cut short what its log and metrics say.
+"$PYTHON" - "$OUT" "${exits[@]}" <<'PY' || status=1
+import json, re, sys
+from pathlib import Path
+from qerl.fsutil import atomic_write_text
+out, codes = Path(sys.argv[1]), dict(arg.rsplit("=", 1) for arg in sys.argv[2:])
+rows = []
+for name in codes:
+    run = out / name
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+    log = (out / f"{name}.log").read_text(errors="replace") if (out / f"{name}.log").exists() else ""
+    before = re.findall(r"held-out accuracy before training: ([0-9.]+)", log)
+    steps = [json.loads(l).get("step") for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()] if (run / "metrics.jsonl").exists() else []
+    rows.append({"run": name, "exit_code": int(codes[name]), "steps": summary.get("global_step", max(steps, default=0)),
+                 "heldout_rows": summary.get("heldout_rows"),
+                 "heldout_accuracy_before": summary.get("heldout_accuracy_before", float(before[0]) if before else None),
+                 "heldout_accuracy_after": summary.get("heldout_accuracy_after"),
+                 "train_runtime_s": summary.get("train_runtime_s")})
+atomic_write_text(out / "results.json", json.dumps(rows, indent=1))
+print(f"{'run':16s} {'exit':>4s} {'steps':>5s} {'acc before':>10s} {'acc after':>10s} {'train s':>8s}")
+fmt = lambda v, f: ("-" if v is None else format(v, f)).rjust(int(f.split(".")[0]))
+for r in rows:
+    print(f"{r['run']:16s} {r['exit_code']:4d} {r['steps']:5d} {fmt(r['heldout_accuracy_before'], '10.4f')} "
+          f"{fmt(r['heldout_accuracy_after'], '10.4f')} {fmt(r['train_runtime_s'], '8.1f')}")
+PY
+echo "results: $OUT/results.json; curves: $OUT/plots/ (reward.png, entropy.png, sigma.png, completion_length.png, curves.csv); logs: $OUT/<run>.log; runs: $OUT/<run>/"
 exit $status
