@@ -593,7 +593,7 @@ def main() -> None:
             rows, bw, setup = data["results"], data["copy_bandwidth_tb_s"], data["setup"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             sys.exit(f"benchmarks/rollout.py: --merge-into {args.merge_into}: expected this script's result JSON ({e})")
-        rows, env = with_vllm_rows(rows, args.vllm_rows, {k: data.get(k) for k in ("device", "versions")})
+        rows, env = with_vllm_rows(rows, args.vllm_rows, {k: data.get(k) for k in ("device", "versions", "decode_config")})
         args.tokens, args.hf_tokens = setup["new_tokens"], setup["hf_new_tokens"]
         result = build_result(rows, bw * 1e12, args, partial=data.get("partial"), env=env)
         result["date"], result["command"] = data["date"], f"{data['command']} ; merged: {result['command']}"

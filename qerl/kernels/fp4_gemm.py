@@ -22,8 +22,8 @@ Kernels:
   bitwise equal to ``nvfp4.dequantize``; M > 64 forward and backward run it + cuBLAS.
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
-(N=3584, K=18944): M=1 23.3 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), 1.61x of bf16
-cuBLAS (was 37.7 us, 0.97x); M=16 1.56x; M=64 0.70x; dequantize 61 us (2.9 TB/s of its 174 MB,
+(N=3584, K=18944): M=1 21.3 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), 1.72x of bf16
+cuBLAS (decode_tune_quick.json; was 37.7 us, 0.97x, two designs ago); M=16 1.72x; M=64 0.70x; dequantize 61 us (2.9 TB/s of its 174 MB,
 floor 41 us; was 110 us); M=1024 fwd 0.78x / bwd 0.76x; M=4096 0.93x / 0.95x of bf16.
 """
 
