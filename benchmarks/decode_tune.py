@@ -14,7 +14,7 @@ reordered by ``fg.tile_weight`` (one contiguous block per K step): a layout expe
 picked as the schedule since models keep the checkpoint's row-major layout.
 
     python benchmarks/decode_tune.py --out $OUT            # prints a table, writes decode_tune.json
-    python benchmarks/decode_tune.py --quick --out $OUT    # M in {1, 16}, no dequantize rows (~1-2 min)
+    python benchmarks/decode_tune.py --quick --out $OUT    # no dequantize rows (~2-3 min)
 """
 
 from __future__ import annotations
@@ -39,25 +39,28 @@ from qerl.kernels import fp4_gemm as fg  # noqa: E402
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
 D = fg.DecodeConfig
-#: Schedules around the default (BN=64 BK=256 w4 s4, ~3 programs/SM): shared memory per stage is
-#: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x, so fewer/smaller stages fit more CTAs per SM.
+#: Schedules around the default (BN=64 BK=256 w4 s3, ~3 programs/SM). Shared memory per stage is
+#: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x (BM*BK*2 at larger M), so fewer/smaller stages
+#: fit more programs per SM. Sweep 2 (NOTES.md) found a fixed cost per K step that 3-4 programs per SM
+#: do not hide; the candidates below test more programs per SM and two warpgroups sharing one x tile.
+C = fg.Config
 CANDIDATES = {
-    "n64k256w4s4": D(64, 256, 4, 4),
-    "n64k256w4s4_rep": D(64, 256, 4, 4),  # same config again: the run-to-run spread
     "n64k256w4s3": D(64, 256, 4, 3),
-    "n64k256w4s2": D(64, 256, 4, 2),
-    "n64k128w4s4": D(64, 128, 4, 4),
-    "n64k128w4s6": D(64, 128, 4, 6),
-    "n64k512w4s2": D(64, 512, 4, 2),
+    "n64k256w4s3_rep": D(64, 256, 4, 3),  # same config again: the run-to-run spread
+    "n64k256w4s4": D(64, 256, 4, 4),  # the default before sweep 2
+    "n64k256w4s3_sm4": D(64, 256, 4, 3, per_sm=4),  # 3 stages leave room for 4 programs/SM: fill them
+    "n64k256w4s3_sm2": D(64, 256, 4, 3, per_sm=2),
     "n64k512w4s3": D(64, 512, 4, 3),
-    "n64k256w4s4_sm2": D(64, 256, 4, 4, per_sm=2),
-    "n64k256w4s4_sm5": D(64, 256, 4, 4, per_sm=5),
-    "n64k128w4s4_sm6": D(64, 128, 4, 4, per_sm=6),
-    "n128k256w4s3": D(128, 256, 4, 3),  # the previous session's runner-up
+    "n64k128w4s3": D(64, 128, 4, 3),
+    "n128k256w8s3": D(128, 256, 8, 3),  # two warpgroups, 64 rows each, one shared x tile
+    "n128k256w8s4": D(128, 256, 8, 4),
     # Same kernel, weight reordered once (fg.tile_weight) so each K step reads one contiguous block:
-    # tells whether the row-major layout's scattered 128-byte pieces cost DRAM efficiency.
-    "n64k256w4s4_tiled": D(64, 256, 4, 4, tiled=True),
-    "n64k128w4s4_tiled": D(64, 128, 4, 4, tiled=True),
+    # sweep 2 measured -6% for it; kept as the layout reference.
+    "n64k256w4s3_tiled": D(64, 256, 4, 3, tiled=True),
+    # M=64 only: the fused wgmma tiles (decode into shared memory, x as the A operand), the usual
+    # orientation once 64 tokens amortize the decode (the decode kernel runs 0.70x of bf16 there).
+    "fused_m64n64k128w4s3": C(BM=64, BN=64, BK=128, warps=4, stages=3),
+    "fused_m64n128k64w8s3": C(BM=64, BN=128, BK=64, warps=8, stages=3),
 }
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
@@ -65,7 +68,7 @@ DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
 
 def weights_for(layer: kb.Layer, cfg: fg.DecodeConfig, cache: dict) -> list[nvfp4.NVFP4Tensors]:
     """The layer's rotating weight copies, in tile_weight order when ``cfg.tiled`` (made once per tile shape)."""
-    if not cfg.tiled:
+    if not getattr(cfg, "tiled", False):
         return layer.q
     key = (cfg.BN, cfg.BK)
     if key not in cache:
@@ -83,6 +86,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
+    """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed."""
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
@@ -92,8 +96,14 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
         ref = x.double() @ w64.t()
         base = kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6
         for name, cfg in CANDIDATES.items():
-            row = {"shape": shape, "M": m, "cand": name, "config": fg.decode_config(layer.n, layer.k, x.device, cfg).__dict__,
-                   "bf16_us": base}
+            if isinstance(cfg, fg.Config):  # fused wgmma tiles: only where 64 tokens amortize the decode
+                if m < 64:
+                    continue
+                resolved = fg.with_split(cfg, m, layer.n, layer.k, x.device)
+                cfg = resolved
+            else:
+                resolved = fg.decode_config(layer.n, layer.k, x.device, cfg)
+            row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
                 qs = weights_for(layer, cfg, tiled)
                 y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -147,7 +157,7 @@ def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
-    ap.add_argument("--quick", action="store_true", help="M in {1, 16} only, no dequantize rows")
+    ap.add_argument("--quick", action="store_true", help="no dequantize / M=1024 rows")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -162,7 +172,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for shape, (n, k) in SHAPES.items():
         layer = kb.Layer(n, k)
-        result["decode"] += decode_rows(layer, shape, (1, 16) if args.quick else MS[shape])
+        result["decode"] += decode_rows(layer, shape, MS[shape])
         if shape == "down" and not args.quick:
             result["dequant"] = dequant_rows(layer, bw)
         layer.free()
@@ -183,7 +193,7 @@ def main() -> None:
     # measured (a candidate that failed or was inaccurate anywhere is out).
     keys = {(r["shape"], r["M"]) for r in result["decode"]}
     total: dict[str, float] = {}
-    for name in (n for n, c in CANDIDATES.items() if not c.tiled):
+    for name in (n for n, c in CANDIDATES.items() if isinstance(c, D) and not c.tiled):
         us = [r["us"] for r in result["decode"] if r["cand"] == name and "us" in r and r["rel_err"] < 1e-2]
         if len(us) == len(keys):
             total[name] = sum(us)
