@@ -64,6 +64,8 @@ trainable parameter / 4.24 TB/s. See benchmarks/NOTES.md "GRPO step".
     python benchmarks/grpo_step.py --out $OUT/grpo_step.json        # the H200 run (~5-7 min, predicted)
     python benchmarks/grpo_step.py --tiny --out /tmp/grpo_tiny.json  # 2-layer Llama, 16 tokens, CPU ok
     python benchmarks/grpo_step.py --floors                          # analytic floors only
+    python benchmarks/grpo_step.py --shapes 7b --profile --out $OUT/grpo_step_profile.json
+        # the timed fwd_bwd under torch.profiler: device-busy share, top kernels, host cost of the qerl ops
 """
 
 from __future__ import annotations
@@ -314,13 +316,16 @@ class PhaseClock:
     step without gaps, so the step's peak is the largest segment peak.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, profile: str | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.stage = "build"  # coarse label for error reports: build, warm-up, step
         self.current: str | None = None
         self.seconds: dict[str, float] = {}
         self.peak: dict[str, int] = {}
         self._t = 0.0
+        self.profile_phase = profile  # this phase of the timed step runs under torch.profiler
+        self.profile: dict[str, Any] | None = None  # profile_table() of it, once taken
+        self._profiler: Any = None
 
     def switch(self, name: str | None) -> None:
         if self.cuda:
@@ -330,9 +335,20 @@ class PhaseClock:
             self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self._t
             if self.cuda:
                 self.peak[self.current] = max(self.peak.get(self.current, 0), torch.cuda.max_memory_allocated())
+        if self._profiler is not None and name != self.current:
+            self._profiler.__exit__(None, None, None)  # the device is synchronized: every kernel is in
+            self.profile = profile_table(self._profiler, self.seconds[self.current])
+            self._profiler = None
+        elif self.stage == "step" and name == self.profile_phase and name != self.current and self.profile is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        self.current, self._t = name, now
+        # Profiler start/stop and its table are charged to no phase.
+        self.current, self._t = name, time.perf_counter()
 
     @contextmanager
     def run(self) -> Iterator[PhaseClock]:
@@ -429,6 +445,45 @@ def grpo_step(trainer: Any, prompts: list[dict[str, str]], clock: PhaseClock) ->
     return float(torch.stack(losses).sum()), float(grad_norm)
 
 
+def profile_table(prof: Any, wall_s: float, top: int = 12) -> dict[str, Any]:
+    """The profiled phase in a few lines: device-busy time against its wall time (a busy share far
+    below 1 means the GPU waited on the host), the top kernels by device time, and the top host ops
+    by self CPU time (where a per-call host cost of the qerl ops would show). Also printed."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.key_averages())
+    kernels = sorted((e for e in events if e.device_type != DeviceType.CPU and e.self_device_time_total > 0),
+                     key=lambda e: e.self_device_time_total, reverse=True)  # fmt: skip
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    host = sorted(
+        (e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total, reverse=True
+    )
+
+    def row(e: Any, us: float) -> dict[str, Any]:
+        return {"name": e.key[:90], "calls": e.count, "ms": round(us / 1e3, 2), "share": sig(us / max(busy_us, 1), 3)}
+
+    qerl_ops = {e.key: {"calls": e.count, "cpu_ms_total": round(e.cpu_time_total / 1e3, 2),
+                        "device_ms_total": round(e.device_time_total / 1e3, 2)}
+                for e in events if e.key.startswith("qerl::") or "qerl_nvfp4" in e.key}  # fmt: skip
+    table = {
+        "wall_s": sig(wall_s),
+        "device_busy_s": sig(busy_us / 1e6),
+        "device_busy_share": sig(busy_us / 1e6 / wall_s, 3) if wall_s > 0 else None,
+        "kernels": [row(e, e.self_device_time_total) for e in kernels[:top]],
+        "host_ops": [
+            {"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+            for e in host[:top]
+        ],
+        "qerl_ops": qerl_ops,
+    }
+    print(f"profile: wall {table['wall_s']} s, device busy {table['device_busy_s']} s ({table['device_busy_share']})")
+    for k in table["kernels"]:
+        print(f"  {k['ms']:10.2f} ms {k['share']:6.3f} {k['calls']:7d}x  {k['name']}")
+    for name, v in qerl_ops.items():
+        print(f"  {name}: {v}")
+    return table
+
+
 def round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
@@ -497,6 +552,8 @@ def measure(
         loss, grad_norm = grpo_step(trainer, prompts, clock)
     row["phases_s"] = {p: sig(clock.seconds.get(p, 0.0)) for p in PHASES}
     row["step_s"] = sig(sum(clock.seconds.values()))
+    if clock.profile_phase is not None:  # its phase time includes the profiler's own overhead
+        row["profile"] = {"phase": clock.profile_phase, **(clock.profile or {})}
     row["peak_gb"] = {p: gb(clock.peak.get(p)) if cuda else None for p in PHASES}
     row["peak_gb_step"] = gb(max(clock.peak.values())) if cuda else None
     if cuda and row["peak_gb"]["logprobs"] is not None:  # the chunked head's transient vs full_logits_fp32_gb
@@ -539,7 +596,7 @@ def run_config(
                                                   args.micro_batch).items()},
         "full_logits_fp32_gb": gb(args.n * args.tokens * vocab * 4),
     }  # fmt: skip
-    clock = PhaseClock(device)
+    clock = PhaseClock(device, "fwd_bwd" if args.profile else None)
     gen = torch.Generator().manual_seed(0)
     trainer = None
     t0 = time.perf_counter()
@@ -694,6 +751,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--tiny", action="store_true", help="2-layer tiny Llama, 16 new tokens, prompt 32 (CPU or GPU)")
     parser.add_argument("--floors", action="store_true", help="print the analytic floors and exit (no device)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the timed step's fwd_bwd under torch.profiler (CPU + CUDA); its table goes into the row "
+        "('profile') and its phase time includes the profiler's overhead",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.shapes, args.tokens, args.prompt = ["tiny"], 16, 32

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,3 +96,19 @@ def test_decode_floor_matches_the_measured_model_bytes(grpo_step: ModuleType) ->
     floor = grpo_step.floors(grpo_step.SHAPES["7b"], grpo_step.VOCAB, True, 8, 256, 128, 16)["decode_step_ms"]
     scale = grpo_step.COPY_BW / (measured["copy_bandwidth_tb_s"] * 1e12)
     assert floor * scale == pytest.approx(row["floor_ms"], rel=5e-3)
+
+
+def test_profile_table_summarizes_a_profiled_span(grpo_step: ModuleType) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            a = a @ a.t() / 64
+    table = grpo_step.profile_table(prof, wall_s=0.5)
+    assert table["wall_s"] == 0.5 and table["device_busy_s"] == 0.0  # CPU only: no kernels
+    assert table["kernels"] == [] and table["qerl_ops"] == {}
+    mm = next(op for op in table["host_ops"] if op["name"] == "aten::mm")
+    assert mm["calls"] == 3 and mm["self_cpu_ms"] >= 0
+    json.dumps(table)  # goes into the row as it is
+    assert grpo_step.parse(["--tiny", "--profile"]).profile and not grpo_step.parse(["--tiny"]).profile
