@@ -7,7 +7,10 @@ trl applies the tokenizer's chat template itself. ``answer`` is what the rewards
 
 Sources: a local file (``.jsonl``/``.json``/``.parquet``, or a directory holding ``train.*``) or a
 hub id, for GSM8K, BigMath, DAPO-Math; plus ``arithmetic``, a synthetic set generated from a seed
-for models too small to get any GSM8K reward (SmolLM2-135M solves ~2% of GSM8K).
+for models too small to get any GSM8K reward (SmolLM2-135M solves ~2% of GSM8K). Its difficulty
+level (``ARITHMETIC_LEVELS``) exists because GRPO learns only from groups whose rewards differ: the
+original ``hard`` mix (``36 * 47 * 24``) left SmolLM2-135M ~1% rewarded and nearly every group
+all-zero, so a 200-step run learned nothing.
 """
 
 from __future__ import annotations
@@ -103,18 +106,59 @@ def to_rows(raw: Dataset, s: DatasetSpec, gsm8k: bool) -> Dataset:
     return raw.map(convert, remove_columns=columns)
 
 
-def arithmetic(num_samples: int = 2000, seed: int = 0, max_operand: int = 50) -> Dataset:
-    """Synthetic ``a op b [op c]`` problems with integer answers, reproducible from ``seed``."""
+@dataclass(frozen=True)
+class ArithmeticLevel:
+    """How hard the synthetic questions are: ``a op b [op c]`` with operands in ``[1, max_operand]``."""
+
+    term_counts: tuple[int, ...]
+    ops: tuple[str, ...]
+    max_operand: int
+    non_negative: bool  # drop questions whose answer is negative (a 135M model mostly drops the sign)
+
+
+#: Difficulty levels. ``hard`` is the original generator (same seeded stream). ``easy`` is what
+#: SmolLM2-135M sampled at temperature 1.0 gets right often enough for GRPO groups to mix (measured on
+#: CPU: 11% of samples rewarded, 30% of groups of 4 mixed; hard: 1-2%): see training/compare_smollm2.sh.
+ARITHMETIC_LEVELS: dict[str, ArithmeticLevel] = {
+    "easy": ArithmeticLevel((2,), ("+", "-"), 20, non_negative=True),
+    "medium": ArithmeticLevel((2,), ("+", "-", "*"), 20, non_negative=False),
+    "hard": ArithmeticLevel((2, 3), ("+", "-", "*"), 50, non_negative=False),
+}
+#: Draws allowed per requested question before concluding that a level has too few distinct ones.
+_MAX_DRAWS_PER_QUESTION = 50  # collecting all 610 easy ones takes ~9 per question on average
+
+
+def arithmetic_level(name: str) -> ArithmeticLevel:
+    if name not in ARITHMETIC_LEVELS:
+        raise ValueError(f"--arithmetic-level: unknown {name!r}; expected one of {sorted(ARITHMETIC_LEVELS)}")
+    return ARITHMETIC_LEVELS[name]
+
+
+def arithmetic(num_samples: int = 2000, seed: int = 0, level: str = "hard") -> Dataset:
+    """``num_samples`` distinct synthetic problems with integer answers, reproducible from ``seed``.
+
+    Questions are distinct so that a held-out split never shares a question with the training rows.
+    They are the first distinct ones of one seeded stream, so ``hard`` yields the original
+    generator's rows with its repeats (~5% of 4000) dropped. ValueError when the level has fewer than
+    ``num_samples`` distinct questions (``easy`` has 610).
+    """
+    lv = arithmetic_level(level)
     rng = random.Random(seed)
-    questions, answers = [], []
-    for _ in range(num_samples):
-        terms = [rng.randint(1, max_operand) for _ in range(rng.choice((2, 3)))]
-        ops = [rng.choice(("+", "-", "*")) for _ in terms[1:]]
+    questions: dict[str, str] = {}  # question -> answer, in draw order
+    for _ in range(_MAX_DRAWS_PER_QUESTION * num_samples):
+        if len(questions) == num_samples:
+            break
+        terms = [rng.randint(1, lv.max_operand) for _ in range(rng.choice(lv.term_counts))]
+        ops = [rng.choice(lv.ops) for _ in terms[1:]]
         expr = " ".join([str(terms[0])] + [f"{op} {t}" for op, t in zip(ops, terms[1:], strict=True)])
         value = eval(expr, {"__builtins__": {}})  # noqa: S307 - digits and + - * only, built above
-        questions.append(f"What is {expr}?")
-        answers.append(str(value))
-    return Dataset.from_dict({"question": questions, "answer": answers})
+        if not (lv.non_negative and value < 0):
+            questions.setdefault(f"What is {expr}?", str(value))
+    if len(questions) < num_samples:
+        raise ValueError(
+            f"--num-samples {num_samples}: arithmetic level {level!r} has only {len(questions)} distinct questions"
+        )
+    return Dataset.from_dict({"question": list(questions), "answer": list(questions.values())})
 
 
 def load_dataset(
@@ -124,13 +168,23 @@ def load_dataset(
     split: str = "train",
     num_samples: int | None = None,
     seed: int = 0,
+    arithmetic_level: str | None = None,
 ) -> Dataset:
-    """The named data set as ``prompt``/``answer`` rows; ``num_samples`` keeps the first N after a seeded shuffle."""
+    """The named data set as ``prompt``/``answer`` rows; ``num_samples`` keeps the first N after a seeded shuffle.
+
+    ``arithmetic_level`` (default ``hard``) applies to the generated ``arithmetic`` set only.
+    """
     s = spec(name)
     key = ALIASES.get(name, name)
-    raw = arithmetic(num_samples or 2000, seed) if key == "arithmetic" and source is None else _read_source(name, source, split)
-    if num_samples is not None and key != "arithmetic":
-        raw = raw.shuffle(seed=seed).select(range(min(num_samples, len(raw))))
+    generated = key == "arithmetic" and source is None
+    if arithmetic_level is not None and not generated:
+        raise ValueError(f"--arithmetic-level: applies only to the generated --dataset arithmetic, not {name!r}")
+    if generated:
+        raw = arithmetic(num_samples or 2000, seed, arithmetic_level or "hard")
+    else:
+        raw = _read_source(name, source, split)
+        if num_samples is not None:
+            raw = raw.shuffle(seed=seed).select(range(min(num_samples, len(raw))))
     return to_rows(raw, s, gsm8k=key in ("gsm8k", "arithmetic"))
 
 

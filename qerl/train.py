@@ -52,6 +52,9 @@ class ScriptArguments:
     dataset: str = field(default="gsm8k", metadata={"help": f"One of {sorted(qdata.DATASETS)} (or the reference's dapomath)."})
     dataset_path: str | None = field(default=None, metadata={"help": "Local .jsonl/.parquet/dir or hub id (default: the set's hub id)."})
     num_samples: int | None = field(default=None, metadata={"help": "Use N rows (seeded shuffle)."})
+    arithmetic_level: str | None = field(
+        default=None, metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(qdata.ARITHMETIC_LEVELS)} (default hard)."}
+    )
     heldout: int = field(default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."})
     heldout_max_tokens: int = field(default=256, metadata={"help": "Completion budget of the held-out evaluation."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Drop prompts longer than this many tokens."})
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     quantized = is_nvfp4_model(model)
     logger.info("model %s: %s", script.model_name, "NVFP4 base" if quantized else "dense base")
 
-    rows = qdata.load_dataset(script.dataset, script.dataset_path, num_samples=script.num_samples, seed=config.seed)
+    rows = qdata.load_dataset(script.dataset, script.dataset_path, num_samples=script.num_samples, seed=config.seed,
+                              arithmetic_level=script.arithmetic_level)
     if script.max_prompt_length:
         rows = qdata.filter_prompt_length(rows, tokenizer, script.max_prompt_length)
     train_rows, heldout_rows = qdata.train_heldout_split(rows, script.heldout, seed=config.seed)

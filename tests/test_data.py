@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from datasets import Dataset
 
-from qerl.data import arithmetic, filter_prompt_length, load_dataset, spec, train_heldout_split
+from qerl.data import ARITHMETIC_LEVELS, arithmetic, filter_prompt_length, load_dataset, spec, train_heldout_split
 from qerl.prompts import DAPO_SYSTEM_PROMPT, TAG_SYSTEM_PROMPT
 from qerl.rewards import gsm8k_accuracy
 
@@ -53,6 +54,55 @@ def test_arithmetic_is_reproducible_and_correct() -> None:
     ds = load_dataset("arithmetic", num_samples=8)
     assert len(ds) == 8
     assert gsm8k_accuracy([f"<answer>{x}</answer>" for x in ds["answer"]], answer=ds["answer"]) == [2.0] * 8
+
+
+def _parse(question: str) -> tuple[list[int], list[str]]:
+    """Operands and operators of a generated 'What is a op b [op c]?' question."""
+    tokens = question.removeprefix("What is ").removesuffix("?").split()
+    return [int(t) for t in tokens[::2]], tokens[1::2]
+
+
+@pytest.mark.parametrize("level", sorted(ARITHMETIC_LEVELS))
+def test_arithmetic_levels_bound_the_questions_and_answer_them(level: str) -> None:
+    lv = ARITHMETIC_LEVELS[level]
+    ds = arithmetic(300, seed=5, level=level)
+    assert len(set(ds["question"])) == 300  # distinct, so no held-out question can also be a training one
+    counts = set()
+    for q, ans in zip(ds["question"], ds["answer"], strict=True):
+        assert re.fullmatch(r"What is \d+( [-+*] \d+)+\?", q), q
+        operands, ops = _parse(q)
+        counts.add(len(operands))
+        assert all(1 <= x <= lv.max_operand for x in operands) and set(ops) <= set(lv.ops), q
+        assert str(eval(q.removeprefix("What is ").removesuffix("?"))) == ans  # noqa: S307 - our own digits
+        assert not (lv.non_negative and int(ans) < 0), q
+    assert counts == set(lv.term_counts)
+
+
+def test_easy_is_one_small_addition_or_subtraction_and_hard_keeps_the_original_stream() -> None:
+    easy = arithmetic(200, seed=0, level="easy")
+    ops = {_parse(q)[1][0] for q in easy["question"]}
+    assert ops == {"+", "-"} and max(max(_parse(q)[0]) for q in easy["question"]) <= 20
+    # The original generator's first questions for seed 3 (hard is the default level, as before).
+    assert arithmetic(3, seed=3)["question"] == ["What is 38 + 35?", "What is 39 * 31 + 41?", "What is 31 * 17?"]
+    assert easy["question"] != arithmetic(200, seed=0, level="hard")["question"]
+
+
+def test_arithmetic_level_is_seeded_and_heldout_is_disjoint() -> None:
+    a = load_dataset("arithmetic", num_samples=120, seed=7, arithmetic_level="easy")
+    assert a["prompt"] == load_dataset("arithmetic", num_samples=120, seed=7, arithmetic_level="easy")["prompt"]
+    assert a["prompt"] != load_dataset("arithmetic", num_samples=120, seed=8, arithmetic_level="easy")["prompt"]
+    train, held = train_heldout_split(a, 40, seed=7)
+    assert len(train) == 80 and len(held) == 40
+    assert not {p[-1]["content"] for p in train["prompt"]} & {p[-1]["content"] for p in held["prompt"]}
+
+
+def test_arithmetic_level_errors_name_the_flag() -> None:
+    with pytest.raises(ValueError, match="--num-samples 700: arithmetic level 'easy' has only 610 distinct"):
+        arithmetic(700, level="easy")
+    with pytest.raises(ValueError, match="--arithmetic-level: unknown 'trivial'"):
+        load_dataset("arithmetic", num_samples=4, arithmetic_level="trivial")
+    with pytest.raises(ValueError, match="--arithmetic-level: applies only"):
+        load_dataset("gsm8k", str(SAMPLE), arithmetic_level="easy")
 
 
 def test_bad_names_and_paths_raise_clear_errors(tmp_path: Path) -> None:
