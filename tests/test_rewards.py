@@ -13,6 +13,7 @@ from qerl.rewards import (
     gsm8k_accuracy,
     guarded,
     last_number_accuracy,
+    last_number_closeness,
     math_accuracy,
     parse_number,
     soft_format_reward,
@@ -106,3 +107,10 @@ def test_missing_answer_column_is_reported_not_crashing(caplog: pytest.LogCaptur
 def test_unknown_reward_name() -> None:
     with pytest.raises(ValueError, match="--rewards"):
         get_rewards(["nope"])
+
+
+def test_last_number_closeness_ranks_near_misses() -> None:
+    got = last_number_closeness(["so 20 + 6 = 26", "it is 25", "maybe 13", "-26", "no idea", "100"], answer=["26"] * 6)
+    assert got[0] == 1.0 and got[1] > got[2] > got[3] == 0.0 and got[4] == 0.0 and got[5] == 0.0
+    assert abs(got[1] - (1 - 1 / 26)) < 1e-9
+    assert last_number_closeness(["1"], answer=["0"]) == [0.0] and last_number_closeness(["0.5"], answer=["0"]) == [0.5]

@@ -10,7 +10,7 @@
 # OUT/plots/{reward,entropy,sigma,completion_length}.png + curves.csv, OUT/<run>.log, OUT/<run>/ (metrics.jsonl,
 # summary.json, adapter/).
 # Deliberate deviations from the 7B recipes, the same for all three runs: one LR (LR, default 5e-5) instead
-# of 1e-5 / 5e-6, synthetic arithmetic data with the lenient last-number reward only, short completions,
+# of 1e-5 / 5e-6, synthetic arithmetic data with the lenient last-number reward plus a shaped closeness reward, short completions,
 # truncated completions kept, no gradient checkpointing.
 # Data and reward, calibrated on CPU (40 questions x 4 samples at the trainer's temperature 1.0, 96 tokens,
 # native engine, tag prompt): the original --arithmetic-level hard ("36 * 47 * 24") rewarded 1-2% of
@@ -18,7 +18,10 @@
 # operands 1..20, answer >= 0; 610 distinct questions, all used) rewards 11% of samples, 30% of groups of 4
 # mixed (~half of groups of 8 expected), greedy 35%: a signal, with headroom. soft_format and gsm8k are left
 # out: no completion ever wrote the <think>/<answer> tags (0 of 7,760 on the H200, 0 of ~700 on CPU), and a rare
-# tagged hit (3.2 vs 1.0) would only make one outlier group.
+# tagged hit (3.2 vs 1.0) would only make one outlier group. The 11% above is the bf16 model; the NVFP4
+# SmolLM2 (a re-quantized Q4_1 GGUF) answered 0 of 8 easy held-out sums greedily and earned no exact reward
+# in 8 quickstart steps, so the shaped `closeness` reward (near misses score above far ones) is added to
+# give its two runs a gradient too; `last_number` keeps exact answers worth most.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -31,7 +34,7 @@ if [[ -n "${RUN_TIMEOUT:-}" ]]; then
   limit=(timeout --signal=INT --kill-after=30 "$RUN_TIMEOUT")
 fi
 common=(--dataset arithmetic --arithmetic-level easy --num-samples 610 --heldout 200 --heldout-max-tokens 96
-        --rewards last_number --lora-rank 16 --learning-rate "${LR:-5e-5}"
+        --rewards last_number closeness --lora-rank 16 --learning-rate "${LR:-5e-5}"
         --max-steps "${STEPS:-200}" --per-device-train-batch-size 16 --num-generations 8 --max-completion-length 96
         --mask-truncated-completions False --gradient-checkpointing False --optim adamw_torch
         --save-strategy no --report-to none --disable-tqdm True --seed 0 "$@")
