@@ -582,11 +582,19 @@ def bwd_config(M: int, N: int, K: int) -> Config:
     return Config(BM=128, BN=64, BK=128, warps=8, stages=3)
 
 
-def _check(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int, int]:
-    if x.dim() != 2:
-        raise ValueError(f"nvfp4 kernels take 2-D activations, got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"nvfp4 kernels take bf16/fp16 activations, got {x.dtype}")
+def _check_act(t: torch.Tensor, what: str = "activations") -> None:
+    if t.dim() != 2:
+        raise ValueError(f"nvfp4 kernels take 2-D {what}, got shape {tuple(t.shape)}")
+    _check_dtype(t.dtype, what)
+
+
+def _check_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4 kernels take bf16/fp16 {what}, got {dtype}")
+
+
+def _check_weight(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a well-formed NVFP4 weight; a one-line error otherwise."""
     N, half_k = weight_packed.shape
     K = 2 * half_k
     if weight_packed.dtype != torch.uint8 or weight_scale.shape != (N, K // 16) or K % 16:
@@ -594,7 +602,7 @@ def _check(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Ten
             f"bad NVFP4 weight: packed {tuple(weight_packed.shape)} {weight_packed.dtype}, scale {tuple(weight_scale.shape)}; "
             "expected u8 [N, K/2] and fp8 [N, K/16] with K % 16 == 0"
         )
-    return x.shape[0], N, K
+    return N, K
 
 
 def _words(weight_packed: torch.Tensor) -> torch.Tensor:
@@ -628,7 +636,11 @@ def matmul(
     kernel (any M). ``out`` (a contiguous [M, N] tensor of x's dtype) lets tests hand in a
     poisoned buffer.
     """
-    M, N, K = _check(x, weight_packed, weight_scale)
+    _check_act(x)
+    N, K = _check_weight(weight_packed, weight_scale)
+    M = x.shape[0]
+    if x.shape[1] != K:
+        raise ValueError(f"x must be [M, {K}] for this weight, got {tuple(x.shape)}")
     x = x.contiguous()
     has_lora = lora_u is not None
     if has_lora:
@@ -718,12 +730,11 @@ def matmul_t(
     Like ``matmul``: the fused kernel for M <= DECODE_MAX_M or an explicit ``config``,
     dequantize + cuBLAS above.
     """
-    N, half_k = weight_packed.shape
-    K = 2 * half_k
-    if grad_y.dim() != 2 or grad_y.shape[1] != N:
+    N, K = _check_weight(weight_packed, weight_scale)
+    _check_act(grad_y, "grad_y")
+    if grad_y.shape[1] != N:
         raise ValueError(f"grad_y must be [M, {N}], got {tuple(grad_y.shape)}")
     M = grad_y.shape[0]
-    _check(grad_y.new_empty((M, K)), weight_packed, weight_scale)
     grad_y = grad_y.contiguous()
     if config is None and M > DECODE_MAX_M:
         gx = grad_y @ dequantize(weight_packed, weight_scale, weight_global_scale, grad_y.dtype)
@@ -754,9 +765,8 @@ def dequantize(
 
     ``block`` = (rows, int32 words of 8 codes per row, warps) of one program.
     """
-    N, half_k = weight_packed.shape
-    K = 2 * half_k
-    _check(torch.empty((0, K), dtype=dtype), weight_packed, weight_scale)
+    N, K = _check_weight(weight_packed, weight_scale)
+    _check_dtype(dtype, "dequantize dtype")
     out = torch.empty((N, K), dtype=dtype, device=weight_packed.device)
     words = _words(weight_packed)
     BN, BW, warps = block
