@@ -57,6 +57,10 @@ CANDIDATES = {
     # Same kernel, weight reordered once (fg.tile_weight) so each K step reads one contiguous block:
     # sweep 2 measured -6% for it; kept as the layout reference.
     "n64k256w4s3_tiled": D(64, 256, 4, 3, tiled=True),
+    # Weight nibbles and scales permuted once (fg.permute_nibbles) so that x's four slices are
+    # contiguous: no split + stmatrix + barrier per K step (NOTES.md, "What one K step does").
+    "n64k256w4s3_kperm": D(64, 256, 4, 3, kperm=True),
+    "n64k256w4s4_kperm": D(64, 256, 4, 4, kperm=True),
     # M=64 only: the fused wgmma tiles (decode into shared memory, x as the A operand), the usual
     # orientation once 64 tokens amortize the decode (the decode kernel runs 0.70x of bf16 there).
     "fused_m64n64k128w4s3": C(BM=64, BN=64, BK=128, warps=4, stages=3),
@@ -67,14 +71,19 @@ DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
 
 
 def weights_for(layer: kb.Layer, cfg: fg.DecodeConfig, cache: dict) -> list[nvfp4.NVFP4Tensors]:
-    """The layer's rotating weight copies, in tile_weight order when ``cfg.tiled`` (made once per tile shape)."""
-    if not getattr(cfg, "tiled", False):
+    """The layer's rotating weight copies, reordered for the layout experiments (``tiled``: tile_weight,
+    ``kperm``: permute_nibbles), made once per layout and kept one at a time (they are as large as the originals)."""
+    tiled, kperm = getattr(cfg, "tiled", False), getattr(cfg, "kperm", False)
+    if not (tiled or kperm):
         return layer.q
-    key = (cfg.BN, cfg.BK)
+    key = ("tiled" if tiled else "kperm", cfg.BN, cfg.BK)
     if key not in cache:
-        cache.clear()  # one tiled set at a time: they are as large as the originals
-        cache[key] = [nvfp4.NVFP4Tensors(*fg.tile_weight(q.weight_packed, q.weight_scale, cfg.BN, cfg.BK),
-                                         q.weight_global_scale) for q in layer.q]
+        cache.clear()
+        if tiled:
+            reorder = lambda q: fg.tile_weight(q.weight_packed, q.weight_scale, cfg.BN, cfg.BK)  # noqa: E731
+        else:
+            reorder = lambda q: fg.permute_nibbles(q.weight_packed, q.weight_scale, cfg.BK)  # noqa: E731
+        cache[key] = [nvfp4.NVFP4Tensors(*reorder(q), q.weight_global_scale) for q in layer.q]
     return cache[key]
 DEQUANT_BLOCKS = ((16, 64, 4), (32, 32, 4), (8, 128, 4))
 
@@ -193,7 +202,7 @@ def main() -> None:
     # measured (a candidate that failed or was inaccurate anywhere is out).
     keys = {(r["shape"], r["M"]) for r in result["decode"]}
     total: dict[str, float] = {}
-    for name in (n for n, c in CANDIDATES.items() if isinstance(c, D) and not c.tiled):
+    for name in (n for n, c in CANDIDATES.items() if isinstance(c, D) and not (c.tiled or c.kperm)):
         us = [r["us"] for r in result["decode"] if r["cand"] == name and "us" in r and r["rel_err"] < 1e-2]
         if len(us) == len(keys):
             total[name] = sum(us)

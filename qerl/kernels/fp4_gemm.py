@@ -292,6 +292,7 @@ def _decode_kernel(
     lora_scale, steps_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
+    KPERM: tl.constexpr = False,
 ):
     """Decode GEMM (M <= BM <= 64): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
 
@@ -306,7 +307,8 @@ def _decode_kernel(
 
     Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
     (``h_step``) and tile (``h_tile``); the checkpoint's row-major layout and the tile-contiguous
-    layout of ``tile_weight`` are both such strides.
+    layout of ``tile_weight`` are both such strides. ``KPERM``: the weight is in ``permute_nibbles``
+    order (an experiment), so slice i of x is contiguous and needs no split in registers.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -340,36 +342,51 @@ def _decode_kernel(
         s_ptrs = s_rows + kt * s_step + gcol[None, :]
         if EVEN_K:
             h = tl.load(h_ptrs, mask=mask_n[:, None], other=0)
-            sc = tl.load(s_ptrs, mask=mask_n[:, None], other=0.0)
         else:
             h = tl.load(h_ptrs, mask=mask_n[:, None] & (k0 // 4 + hcol[None, :] < K // 4), other=0)
-            sc = tl.load(s_ptrs, mask=mask_n[:, None] & (k0 // 16 + gcol[None, :] < K // 16), other=0.0)
-        # Scale in the compact [BN, G] tile, then broadcast to the 4 elements of its group: Triton
-        # gives the load a layout in which broadcast + reshape land on the dot-operand layout.
-        s = (sc.to(tl.float32) * FACTOR).to(DT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, G, 4)), (BN, HW))
-        if X_SPLIT:
-            # One contiguous [BM, BK] load, split in registers into the four strided slices.
-            kx = k0 + tl.arange(0, BK)
-            if EVEN_K:
-                xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None], other=0.0)
-            else:
-                xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
-            x02, x13 = tl.split(tl.reshape(xs, (BM, HW, 2, 2)))
-            x0, x2 = tl.split(x02)
-            x1, x3 = tl.split(x13)
-            acc = tl.dot(_nibble(h, 0, IS_FP16) * s, tl.trans(x0), acc)
-            acc = tl.dot(_nibble(h, 1, IS_FP16) * s, tl.trans(x1), acc)
-            acc = tl.dot(_nibble(h, 2, IS_FP16) * s, tl.trans(x2), acc)
-            acc = tl.dot(_nibble(h, 3, IS_FP16) * s, tl.trans(x3), acc)
+        if EVEN_K:
+            sc = tl.load(s_ptrs, mask=mask_n[:, None], other=0.0)
         else:
+            sc = tl.load(s_ptrs, mask=mask_n[:, None] & (k0 // 16 + gcol[None, :] < K // 16), other=0.0)
+        s = (sc.to(tl.float32) * FACTOR).to(DT)
+        if KPERM:
+            # Nibble i of element j is column k0 + i*HW + j (EVEN_K only): x slice i is contiguous and
+            # goes global -> shared -> wgmma as is. The step's scales are stored [G/4, 4 (nibble)], so
+            # two splits give each nibble its [BN, G/4] scales, each covering 16 elements.
+            s_even, s_odd = tl.split(tl.reshape(s, (BN, G // 4, 2, 2)))
+            s0, s2 = tl.split(s_even)
+            s1, s3 = tl.split(s_odd)
             for i in tl.static_range(4):
-                kx = k0 + 4 * hcol + i
+                si = s0 if i == 0 else (s1 if i == 1 else (s2 if i == 2 else s3))
+                si = tl.reshape(tl.broadcast_to(si[:, :, None], (BN, G // 4, 16)), (BN, HW))
+                xt = tl.load(x_cols + (k0 + i * HW + hcol)[:, None], mask=mask_m[None, :], other=0.0)
+                acc = tl.dot(_nibble(h, i, IS_FP16) * si, xt, acc)
+        else:
+            # Scale in the compact [BN, G] tile, then broadcast to the 4 elements of its group: Triton
+            # gives the load a layout in which broadcast + reshape land on the dot-operand layout.
+            sb = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, G, 4)), (BN, HW))
+            if X_SPLIT:
+                # One contiguous [BM, BK] load, split in registers into the four strided slices.
+                kx = k0 + tl.arange(0, BK)
                 if EVEN_K:
-                    xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :], other=0.0)
+                    xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None], other=0.0)
                 else:
-                    xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :] & (kx[:, None] < K), other=0.0)
-                acc = tl.dot(_nibble(h, i, IS_FP16) * s, xt, acc)
+                    xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
+                x02, x13 = tl.split(tl.reshape(xs, (BM, HW, 2, 2)))
+                x0, x2 = tl.split(x02)
+                x1, x3 = tl.split(x13)
+                acc = tl.dot(_nibble(h, 0, IS_FP16) * sb, tl.trans(x0), acc)
+                acc = tl.dot(_nibble(h, 1, IS_FP16) * sb, tl.trans(x1), acc)
+                acc = tl.dot(_nibble(h, 2, IS_FP16) * sb, tl.trans(x2), acc)
+                acc = tl.dot(_nibble(h, 3, IS_FP16) * sb, tl.trans(x3), acc)
+            else:
+                for i in tl.static_range(4):
+                    kx = k0 + 4 * hcol + i
+                    if EVEN_K:
+                        xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :], other=0.0)
+                    else:
+                        xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :] & (kx[:, None] < K), other=0.0)
+                    acc = tl.dot(_nibble(h, i, IS_FP16) * sb, xt, acc)
 
     tile_nm = offs_m[None, :] * N + offs_n[:, None]
     mask_nm = mask_n[:, None] & mask_m[None, :]
@@ -474,6 +491,7 @@ class DecodeConfig:
     x_split: bool = True
     per_sm: int = 3  # with split=0: K slices for ~per_sm programs per SM
     tiled: bool = False  # the weight is in tile_weight(BN, BK) order (an experiment: benchmarks/decode_tune.py)
+    kperm: bool = False  # weight and scales in permute_nibbles(BK) order (an experiment, same place)
 
     @classmethod
     def from_env(cls) -> DecodeConfig:
@@ -483,7 +501,7 @@ class DecodeConfig:
         spec = os.environ.get("QERL_DECODE_CONFIG", "").strip()
         if not spec:
             return cls()
-        fields = {f for f in cls.__dataclass_fields__ if f not in ("x_split", "tiled")}
+        fields = {f for f in cls.__dataclass_fields__ if f not in ("x_split", "tiled", "kperm")}
         values = {}
         for item in spec.split(","):
             key, _, value = item.partition("=")
@@ -535,30 +553,31 @@ def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None
     if split <= 0:
         tiles = triton.cdiv(N, cfg.BN)
         split = _split_for(tiles, triton.cdiv(K, bk), device, per_sm=cfg.per_sm, min_steps=2)
-    if cfg.tiled and bk != cfg.BK:
-        raise ValueError(f"tiled decode needs K % {cfg.BK} == 0, got K={K}")
+    if (cfg.tiled or cfg.kperm) and (bk != cfg.BK or K % bk):
+        raise ValueError(f"tiled / nibble-permuted decode needs K % {cfg.BK} == 0, got K={K}")
     return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
-                        per_sm=cfg.per_sm, tiled=cfg.tiled)
+                        per_sm=cfg.per_sm, tiled=cfg.tiled, kperm=cfg.kperm)
 
 
-def tile_weight(packed: torch.Tensor, scale: torch.Tensor, BN: int, BK: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same bytes reordered so that each (BN rows x BK codes) decode tile, and its scales, are contiguous.
+def permute_nibbles(packed: torch.Tensor, scale: torch.Tensor, BK: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight codes and scales reordered within each BK-column block of a row (same bytes, same shapes).
 
-    In the checkpoint's row-major order a decode K step reads BN separate 128-byte row pieces (and
-    BN 16-byte scale pieces), spread over the whole weight; here it reads one 8 KB block and one
-    1 KB block, consecutive K steps reading consecutive blocks. Shapes are kept ([N, K/2], [N, K/16]).
+    Codes: nibble i of the block's int16 element j holds column i*BK/4 + j (the checkpoint: 4j + i).
+    Scales: the block's BK/16 group scales stored as [BK/64, 4], group i*BK/64 + g at (g, i).
+    Why (an experiment for the decode kernel, ``DecodeConfig(kperm=True)``): in the checkpoint order
+    slice i of x is the strided x[:, 4j + i], which the kernel splits in registers and writes back to
+    shared memory behind a barrier every K step (NOTES.md, "What one K step does"); in this order it
+    is contiguous, and each nibble's scales come out of the step's scale tile with two splits.
     """
     N, half_k = packed.shape
     K = 2 * half_k
-    if N % BN or K % BK:
-        raise ValueError(f"tile_weight needs N % {BN} == 0 and K % {BK} == 0, got N={N}, K={K}")
+    if K % BK or BK % 64:
+        raise ValueError(f"permute_nibbles needs K % {BK} == 0 and BK % 64 == 0, got K={K}")
+    from qerl.nvfp4 import pack_fp4, unpack_fp4
 
-    def tiles(t: torch.Tensor, per_tile_row: int) -> torch.Tensor:
-        r = t.contiguous().view(torch.uint8)
-        r = r.reshape(N // BN, BN, K // BK, per_tile_row).permute(0, 2, 1, 3).contiguous()
-        return r.reshape(t.shape).view(t.dtype)
-
-    return tiles(packed, BK // 2), tiles(scale, BK // 16)
+    codes = unpack_fp4(packed).reshape(N, K // BK, 4, BK // 4).transpose(2, 3).reshape(N, K)
+    groups = scale.view(torch.uint8).reshape(N, K // BK, 4, BK // 64).transpose(2, 3).reshape(N, K // 16)
+    return pack_fp4(codes), groups.contiguous().view(scale.dtype)
 
 
 def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
@@ -687,7 +706,7 @@ def matmul(
             float(lora_scale), steps_per_split,
             BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
             HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-            X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
+            X_SPLIT=cfg.x_split, KPERM=cfg.kperm, num_warps=cfg.warps, num_stages=cfg.stages,
         )
         return y
     cfg = config
