@@ -10,7 +10,7 @@ bf16 ``F.linear`` on the dequantized weight in the same run. Then the dequantize
 The schedule with the least time summed over every (shape, M) is printed as a ``QERL_DECODE_CONFIG``
 value (``--env-file`` writes it), so a device session can run the model-level benchmarks with it
 before it becomes the code's default. ``*_tiled`` candidates run the same kernel on the weight
-reordered by ``fg.tile_weight`` (one contiguous block per K step): a layout experiment, never
+reordered by ``layouts.tile_weight`` (one contiguous block per K step): a layout experiment, never
 picked as the schedule since models keep the checkpoint's row-major layout.
 
     python benchmarks/decode_tune.py --out $OUT            # prints a table, writes decode_tune.json
@@ -35,6 +35,7 @@ import kernels as kb  # noqa: E402  (benchmarks/kernels.py: Layer, graph_time, c
 
 from qerl import nvfp4  # noqa: E402
 from qerl.kernels import fp4_gemm as fg  # noqa: E402
+from qerl.kernels import layouts  # noqa: E402
 
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
@@ -54,10 +55,10 @@ CANDIDATES = {
     "n64k128w4s3": D(64, 128, 4, 3),
     "n128k256w8s3": D(128, 256, 8, 3),  # two warpgroups, 64 rows each, one shared x tile
     "n128k256w8s4": D(128, 256, 8, 4),
-    # Same kernel, weight reordered once (fg.tile_weight) so each K step reads one contiguous block:
+    # Same kernel, weight reordered once (layouts.tile_weight) so each K step reads one contiguous block:
     # sweep 2 measured -6% for it; kept as the layout reference.
     "n64k256w4s3_tiled": D(64, 256, 4, 3, tiled=True),
-    # Weight nibbles and scales permuted once (fg.permute_nibbles) so that x's four slices are
+    # Weight nibbles and scales permuted once (layouts.permute_nibbles) so that x's four slices are
     # contiguous: no split + stmatrix + barrier per K step (NOTES.md, "What one K step does").
     "n64k256w4s3_kperm": D(64, 256, 4, 3, kperm=True),
     "n64k256w4s4_kperm": D(64, 256, 4, 4, kperm=True),
@@ -80,9 +81,9 @@ def weights_for(layer: kb.Layer, cfg: fg.DecodeConfig, cache: dict) -> list[nvfp
     if key not in cache:
         cache.clear()
         if tiled:
-            reorder = lambda q: fg.tile_weight(q.weight_packed, q.weight_scale, cfg.BN, cfg.BK)  # noqa: E731
+            reorder = lambda q: layouts.tile_weight(q.weight_packed, q.weight_scale, cfg.BN, cfg.BK)  # noqa: E731
         else:
-            reorder = lambda q: fg.permute_nibbles(q.weight_packed, q.weight_scale, cfg.BK)  # noqa: E731
+            reorder = lambda q: layouts.permute_nibbles(q.weight_packed, q.weight_scale, cfg.BK)  # noqa: E731
         cache[key] = [nvfp4.NVFP4Tensors(*reorder(q), q.weight_global_scale) for q in layer.q]
     return cache[key]
 DEQUANT_BLOCKS = ((16, 64, 4), (32, 32, 4), (8, 128, 4))

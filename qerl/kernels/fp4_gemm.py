@@ -307,7 +307,7 @@ def _decode_kernel(
 
     Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
     (``h_step``) and tile (``h_tile``); the checkpoint's row-major layout and the tile-contiguous
-    layout of ``tile_weight`` are both such strides. ``KPERM``: the weight is in ``permute_nibbles``
+    layout of ``layouts.tile_weight`` are both such strides. ``KPERM``: the weight is in ``layouts.permute_nibbles``
     order (an experiment), so slice i of x is contiguous and needs no split in registers.
     """
     pid_n = tl.program_id(0)
@@ -490,8 +490,8 @@ class DecodeConfig:
     split: int = 0
     x_split: bool = True
     per_sm: int = 3  # with split=0: K slices for ~per_sm programs per SM
-    tiled: bool = False  # the weight is in tile_weight(BN, BK) order (an experiment: benchmarks/decode_tune.py)
-    kperm: bool = False  # weight and scales in permute_nibbles(BK) order (an experiment, same place)
+    tiled: bool = False  # the weight is in layouts.tile_weight(BN, BK) order (an experiment: benchmarks/decode_tune.py)
+    kperm: bool = False  # weight and scales in layouts.permute_nibbles(BK) order (an experiment, same place)
 
     @classmethod
     def from_env(cls) -> DecodeConfig:
@@ -557,27 +557,6 @@ def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None
         raise ValueError(f"tiled / nibble-permuted decode needs K % {cfg.BK} == 0, got K={K}")
     return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
                         per_sm=cfg.per_sm, tiled=cfg.tiled, kperm=cfg.kperm)
-
-
-def permute_nibbles(packed: torch.Tensor, scale: torch.Tensor, BK: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight codes and scales reordered within each BK-column block of a row (same bytes, same shapes).
-
-    Codes: nibble i of the block's int16 element j holds column i*BK/4 + j (the checkpoint: 4j + i).
-    Scales: the block's BK/16 group scales stored as [BK/64, 4], group i*BK/64 + g at (g, i).
-    Why (an experiment for the decode kernel, ``DecodeConfig(kperm=True)``): in the checkpoint order
-    slice i of x is the strided x[:, 4j + i], which the kernel splits in registers and writes back to
-    shared memory behind a barrier every K step (NOTES.md, "What one K step does"); in this order it
-    is contiguous, and each nibble's scales come out of the step's scale tile with two splits.
-    """
-    N, half_k = packed.shape
-    K = 2 * half_k
-    if K % BK or BK % 64:
-        raise ValueError(f"permute_nibbles needs K % {BK} == 0 and BK % 64 == 0, got K={K}")
-    from qerl.nvfp4 import pack_fp4, unpack_fp4
-
-    codes = unpack_fp4(packed).reshape(N, K // BK, 4, BK // 4).transpose(2, 3).reshape(N, K)
-    groups = scale.view(torch.uint8).reshape(N, K // BK, 4, BK // 64).transpose(2, 3).reshape(N, K // 16)
-    return pack_fp4(codes), groups.contiguous().view(scale.dtype)
 
 
 def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
@@ -692,7 +671,7 @@ def matmul(
         part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
         h = weight_packed.contiguous().view(torch.int16)
         scale = weight_scale.contiguous()
-        if cfg.tiled:  # tile_weight's order: [N/BN, K/BK, BN, BK/4] elements, [N/BN, K/BK, BN, BK/16] scales
+        if cfg.tiled:  # layouts.tile_weight order: [N/BN, K/BK, BN, BK/4] elements, [N/BN, K/BK, BN, BK/16] scales
             if N % cfg.BN or K % cfg.BK:
                 raise ValueError(f"tiled decode needs N % {cfg.BN} == 0 and K % {cfg.BK} == 0, got N={N}, K={K}")
             h_strides = (cfg.BK // 4, cfg.BN * cfg.BK // 4, cfg.BN * K // 4)
