@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     if (args.bnb or args.bnb_only) and "7b" in args.shapes:
         bnb_rows(rows, gen, bw, args)
-    rows, env = with_vllm_rows(rows, args.vllm_rows, environment())
+    rows, env = with_extra_rows(rows, args.vllm_rows, environment())
     return build_result(rows, bw, args, env=env)
 
 
@@ -399,11 +399,12 @@ def bnb_rows(rows: list[dict], gen: torch.Generator, bw: float, args: argparse.N
 MERGEABLE = {("vllm", "nvfp4"), ("vllm", "bf16"), ("hf", "nf4")}
 
 
-def with_vllm_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tuple[list[dict], dict]:
-    """``rows`` plus the vLLM rows of benchmarks/rollout_vllm.py outputs (replacing same-key vLLM rows).
+def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tuple[list[dict], dict]:
+    """``rows`` plus the rows other calls of the same device session measured (``MERGEABLE``: vLLM
+    rows of benchmarks/rollout_vllm.py, transformers + NF4 rows of ``--bnb-only``), replacing same-key rows.
 
-    A vLLM row's floor/bytes fields are taken from the native row of the same configuration (same
-    bytes to read); the vLLM version joins ``env["versions"]``.
+    Such a row's floor/bytes fields are taken from the native row of the same configuration (same
+    bytes to read); the vLLM / bitsandbytes versions join ``env["versions"]``.
     """
     if not files:
         return rows, env
@@ -435,6 +436,8 @@ def with_vllm_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tup
 def environment() -> dict:
     import transformers
 
+    from qerl.kernels import fp4_gemm
+
     return {
         "device": torch.cuda.get_device_name(),
         "versions": {
@@ -443,15 +446,9 @@ def environment() -> dict:
             "python": sys.version.split()[0],
             **({"bitsandbytes": sys.modules["bitsandbytes"].__version__} if "bitsandbytes" in sys.modules else {}),
         },
-        "decode_config": str(fp4_gemm_default()),
+        # The NVFP4 decode schedule this run used (``QERL_DECODE_CONFIG`` or the code's default).
+        "decode_config": str(fp4_gemm.DEFAULT_DECODE),
     }
-
-
-def fp4_gemm_default() -> object:
-    """The NVFP4 decode schedule this run used (``QERL_DECODE_CONFIG`` or the code's default)."""
-    from qerl.kernels import fp4_gemm
-
-    return fp4_gemm._DEFAULT_DECODE
 
 
 def build_result(
@@ -593,7 +590,7 @@ def main() -> None:
             rows, bw, setup = data["results"], data["copy_bandwidth_tb_s"], data["setup"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             sys.exit(f"benchmarks/rollout.py: --merge-into {args.merge_into}: expected this script's result JSON ({e})")
-        rows, env = with_vllm_rows(rows, args.vllm_rows, {k: data.get(k) for k in ("device", "versions", "decode_config")})
+        rows, env = with_extra_rows(rows, args.vllm_rows, {k: data.get(k) for k in ("device", "versions", "decode_config")})
         args.tokens, args.hf_tokens = setup["new_tokens"], setup["hf_new_tokens"]
         result = build_result(rows, bw * 1e12, args, partial=data.get("partial"), env=env)
         result["date"], result["command"] = data["date"], f"{data['command']} ; merged: {result['command']}"
@@ -612,7 +609,7 @@ def main() -> None:
             if isinstance(data, dict)
             else {"device": None, "versions": None}
         )
-        rows, env = with_vllm_rows(rows, args.vllm_rows, env)
+        rows, env = with_extra_rows(rows, args.vllm_rows, env)
         result = build_result(rows, bw * 1e12, args, partial=args.partial_note, env=env)
         write_json(args.out, result)
         print(json.dumps(result["summary"], indent=2))

@@ -164,6 +164,20 @@ def calibrate(model, seq: list[int], set_scale, target: float) -> float:
     pytest.fail(f"could not make the perturbation move log-probs by {target} nats (last {moved:.3f})")
 
 
+def push_and_compare(name: str, engine, model, seq, set_scale, target: float, prev, base) -> tuple:
+    """Scale a perturbation until our log-probs move by >= ``target`` nats, push it, compare vLLM with
+    ours in the new state, and check that vLLM moved from ``prev`` (v, r) as ours did (within 20%).
+    ``base`` is S0's (v, r), for the state's own effect. Returns the new (v, r)."""
+    moved = calibrate(model, seq, set_scale, target)
+    r, scale = ours(model, seq)
+    v = vllm_prompt_logprobs(engine, seq)
+    compare(name, v, r, scale, effect=(r - base[1]).abs().mean().item())
+    delta = ((v - prev[0]) - (r - prev[1])).abs().mean().item()
+    print(f"{name} push: ours moved {moved:.3f} nats, vLLM {(v - prev[0]).abs().mean():.3f}, mismatch {delta:.4f}")
+    assert delta <= 0.2 * moved
+    return v, r
+
+
 def test_teacher_forced_lora_and_norm_pushes(setup) -> None:
     engine, model, seq = setup
     # S0: B = 0 (peft's init), norms as loaded.
@@ -179,13 +193,7 @@ def test_teacher_forced_lora_and_norm_pushes(setup) -> None:
         for p, noise in zip(lora_params(model), b_noise, strict=True):
             p.copy_(noise * s)
 
-    moved = calibrate(model, seq, set_b, LORA_EFFECT)
-    r1, scale = ours(model, seq)
-    v1 = vllm_prompt_logprobs(engine, seq)
-    compare("S1 (LoRA)", v1, r1, scale, effect=(r1 - r0).abs().mean().item())
-    delta = ((v1 - v0) - (r1 - r0)).abs().mean().item()
-    print(f"LoRA push: ours moved {moved:.3f} nats, vLLM {(v1 - v0).abs().mean():.3f}, mismatch {delta:.4f}")
-    assert delta <= 0.2 * moved
+    s1 = push_and_compare("S1 (LoRA)", engine, model, seq, set_b, LORA_EFFECT, (v0, r0), (v0, r0))
 
     # S2: perturbed norms on top (c: the norm push changes vLLM's outputs as ours).
     norms = norm_weights(model)
@@ -196,13 +204,7 @@ def test_teacher_forced_lora_and_norm_pushes(setup) -> None:
         for w, orig, noise in zip(norms, originals, n_noise, strict=True):
             w.copy_(orig.float() * (1 + s * noise))
 
-    moved = calibrate(model, seq, set_norms, NORM_EFFECT)
-    r2, scale = ours(model, seq)
-    v2 = vllm_prompt_logprobs(engine, seq)
-    compare("S2 (LoRA + norms)", v2, r2, scale, effect=(r2 - r0).abs().mean().item())
-    delta = ((v2 - v1) - (r2 - r1)).abs().mean().item()
-    print(f"norm push: ours moved {moved:.3f} nats, vLLM {(v2 - v1).abs().mean():.3f}, mismatch {delta:.4f}")
-    assert delta <= 0.2 * moved
+    push_and_compare("S2 (LoRA + norms)", engine, model, seq, set_norms, NORM_EFFECT, s1, (v0, r0))
 
 
 def test_generate_logprobs_match_our_forward(setup) -> None:

@@ -512,7 +512,7 @@ class DecodeConfig:
 
 
 #: The decode schedule used when a call names none (read once, at import).
-_DEFAULT_DECODE = DecodeConfig.from_env()
+DEFAULT_DECODE = DecodeConfig.from_env()
 #: M at or below which the forward takes the split-K decode configuration.
 DECODE_MAX_M = 64
 #: SMs of the device (filled lazily); split-K aims for a few programs per SM.
@@ -545,7 +545,7 @@ def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None
     BK halves (down to 64) until it divides K, so the model shapes take the unmasked EVEN_K loop;
     split aims at ~per_sm programs per SM, each running >= 2 K steps.
     """
-    cfg = cfg or _DEFAULT_DECODE
+    cfg = cfg or DEFAULT_DECODE
     bk = cfg.BK
     while K % bk and bk > 64:
         bk //= 2
