@@ -40,7 +40,7 @@ of the loop are reproduced here (``Trainer.train`` fuses the step into its epoch
 phases cannot be split). The phase split comes from instance-level wrappers around the trainer's own
 methods (and accelerate's ``backward``, to count the passes); nothing in trl/transformers is patched.
 Each row records the passes' sizes (``micro_batch_rows``), the rollouts per step (1), the AdamW step
-count after warm-up + timed step (2) and whether a LoRA weight moved before the optimizer phase (never).
+count after warm-up + timed steps (1 + ``--steps``) and whether a LoRA weight moved before the optimizer phase (never).
 
 A tokenizer is built in memory (word-level, one word per model token id, so decoding for the reward
 works on random ids) whose EOS id lies *outside* the model's vocabulary: the sampler can never emit
@@ -300,7 +300,7 @@ def make_trainer(
         gradient_checkpointing_kwargs=gc_kwargs or None, every_n_layers=every_n_layers, offload=offload
     )
     trainer._prepare_for_training(config.max_steps, trainer.get_train_dataloader(), None)
-    # The warm-up runs as step 0 (AQN stage 0: noise-free), the timed step as step 1 (stage 1: sigma_start).
+    # The warm-up runs as step 0 (AQN stage 0: noise-free), the timed steps as steps 1.. (noisy stages).
     trainer.state.max_steps = config.max_steps
     return trainer
 
@@ -339,7 +339,13 @@ class PhaseClock:
             self._profiler.__exit__(None, None, None)  # the device is synchronized: every kernel is in
             self.profile = profile_table(self._profiler, self.seconds[self.current])
             self._profiler = None
-        elif self.stage == "step" and name == self.profile_phase and name != self.current and self.profile is None:
+        elif (
+            name is not None  # switch(None) ends a span; without --profile, profile_phase is None too
+            and self.stage == "step"
+            and name == self.profile_phase
+            and name != self.current
+            and self.profile is None
+        ):
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -544,16 +550,23 @@ def measure(
     row["warmup_s"] = round(time.perf_counter() - t0, 2)
 
     clock.stage = "step"
-    probe.start_step()
-    if cuda:
-        row["allocated_at_step_start_gb"] = gb(torch.cuda.memory_allocated())
-    row["aqn_sigma"] = trainer.current_sigma()
-    with clock.run():
-        loss, grad_norm = grpo_step(trainer, prompts, clock)
-    row["phases_s"] = {p: sig(clock.seconds.get(p, 0.0)) for p in PHASES}
-    row["step_s"] = sig(sum(clock.seconds.values()))
+    # ``--steps`` timed steps; the row reports the last one (steady state) and lists every step's time
+    # and phases, so that a one-time cost of the first full-length step (the warm-up step is short) is
+    # seen, not averaged in. ``--profile`` profiles the first timed step, which is then not the one reported
+    # unless it is the only one.
+    row["timed_steps"] = []
+    for _ in range(args.steps):
+        probe.start_step()
+        if cuda:
+            row["allocated_at_step_start_gb"] = gb(torch.cuda.memory_allocated())
+        row["aqn_sigma"] = trainer.current_sigma()
+        with clock.run():
+            loss, grad_norm = grpo_step(trainer, prompts, clock)
+        row["phases_s"] = {p: sig(clock.seconds.get(p, 0.0)) for p in PHASES}
+        row["step_s"] = sig(sum(clock.seconds.values()))
+        row["timed_steps"].append({"step_s": row["step_s"], "phases_s": row["phases_s"]})
     if clock.profile_phase is not None:  # its phase time includes the profiler's own overhead
-        row["profile"] = {"phase": clock.profile_phase, **(clock.profile or {})}
+        row["profile"] = {"phase": clock.profile_phase, "timed_step": 1, **(clock.profile or {})}
     row["peak_gb"] = {p: gb(clock.peak.get(p)) if cuda else None for p in PHASES}
     row["peak_gb_step"] = gb(max(clock.peak.values())) if cuda else None
     if cuda and row["peak_gb"]["logprobs"] is not None:  # the chunked head's transient vs full_logits_fp32_gb
@@ -563,7 +576,7 @@ def measure(
     row["lora_moved_during_accumulation"] = probe.weights_moved_in_accumulation
     row["rollouts"] = probe.rollouts
     row["micro_batch_rows"] = probe.micro_rows  # one entry per backward pass
-    row["optimizer_steps_total"] = int(optimizer.state[probe.watched]["step"])  # warm-up + timed step: 2
+    row["optimizer_steps_total"] = int(optimizer.state[probe.watched]["step"])  # warm-up + timed steps
     row["completion_lengths"] = sorted(set(probe.completion_lengths))
     row["forced_length"] = probe.completion_lengths == [args.tokens] * args.n
     row["decode_steps"] = probe.decode_steps
@@ -749,18 +762,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=2048, help="new tokens per completion (forced)")
     parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="timed steps after the warm-up; the last one is reported (steady state), all are listed",
+    )
     parser.add_argument("--tiny", action="store_true", help="2-layer tiny Llama, 16 new tokens, prompt 32 (CPU or GPU)")
     parser.add_argument("--floors", action="store_true", help="print the analytic floors and exit (no device)")
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="run the timed step's fwd_bwd under torch.profiler (CPU + CUDA); its table goes into the row "
+        help="run the first timed step's fwd_bwd under torch.profiler (CPU + CUDA); its table goes into the row "
         "('profile') and its phase time includes the profiler's overhead",
     )
     args = parser.parse_args(argv)
     if args.tiny:
         args.shapes, args.tokens, args.prompt = ["tiny"], 16, 32
-    for flag in ("n", "micro_batch", "prompt", "tokens", "lora_r"):
+    for flag in ("n", "micro_batch", "prompt", "tokens", "lora_r", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: expected a positive integer, got {getattr(args, flag)}")
     if args.n % args.micro_batch:

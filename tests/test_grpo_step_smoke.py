@@ -47,10 +47,12 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
         assert r["forced_length"] and r["completion_lengths"] == [16] and r["decode_steps"] == 15
         assert r["gradient_checkpointing"] and r["lora_updated"] and r["aqn_sigma"] > 0
         # Default micro-batch 2 of n=8: one rollout, four backward passes of 2 completions, AdamW stepped
-        # once per step (warm-up + timed = 2), no weight moved while the gradients accumulated.
+        # once per step (warm-up + 2 timed steps = 3), no weight moved while the gradients accumulated.
         assert (r["micro_batch"], r["gradient_accumulation_steps"]) == (2, 4)
         assert r["rollouts"] == 1 and r["micro_batch_rows"] == [2, 2, 2, 2]
-        assert r["optimizer_steps_total"] == 2 and not r["lora_moved_during_accumulation"]
+        assert r["optimizer_steps_total"] == 3 and not r["lora_moved_during_accumulation"]
+        # The reported step is the last of the timed ones, each listed with its phases.
+        assert len(r["timed_steps"]) == 2 and r["timed_steps"][-1] == {"step_s": r["step_s"], "phases_s": r["phases_s"]}
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
         # LoRA r16 on 7 projections of 2 layers (64 hidden, 128 intermediate, 2 kv heads) + 4 norms
         assert r["trainable_params"] == 2 * 16 * (128 + 96 + 96 + 128 + 192 + 192 + 192) + 4 * 64
