@@ -191,6 +191,27 @@ def _output_in_input_dtype(module: nn.Module, args: tuple[Any, ...], output: Any
     return output
 
 
+@contextmanager
+def cudnn_attention_disabled() -> Iterator[None]:
+    """SDPA without its cuDNN backend (flash / memory-efficient kernels take over), flag restored after.
+
+    Why: cuDNN's SDPA backward on Hopper returns NaN ``grad_q`` when an attention mask is passed, the
+    sequence length is 64 mod 128 and some row's log-sum-exp is below ln(FLT_MAX) ~ -88.7, e.g. a
+    left-padding query row (pytorch/pytorch#196678, from torch 2.11; trl#7181 sees it on 2.13). The
+    forward stays finite, so a step logs a finite loss with ``grad_norm`` NaN and every weight turns
+    NaN. Seen on the H200 (torch 2.11, 2026-11-29): two of three 200-step SmolLM2 runs died at steps
+    126 and 129, when a padded batch happened to have such a length. The whole training step runs
+    under this (forward, the checkpoint recompute inside backward, and backward), since the backward
+    kernel is the one the forward picked. CPU: only the flag changes.
+    """
+    previous = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(previous)
+
+
 def keep_trainable_fp32(model: nn.Module) -> list[str]:
     """Store every trainable bf16/fp16 parameter in fp32; its module's output is cast back to the
     dtype of its input. Returns the upcast parameters' names.
@@ -378,6 +399,13 @@ class QeRLTrainer(GRPOTrainer):
             metrics["aqn/stage"].append(float(self.aqn.stage(self.state.global_step, max(1, self.state.max_steps))))
             metrics["aqn/changed_frac"].append(self._noise.changed_fraction if self._noise else 0.0)
         return out.completion_ids, out.logprobs
+
+    # ------------------------------------------------------------------ training step
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """trl's step (rollout when due, loss, backward) with cuDNN's attention kernels switched off."""
+        with cudnn_attention_disabled():
+            return super().training_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ logging
 

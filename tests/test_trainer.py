@@ -316,3 +316,23 @@ def test_train_entry_point_end_to_end(tiny_dense_dir: Path, tmp_path: Path) -> N
     assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "plots" / "reward.png").exists()
     assert len((out / "heldout.jsonl").read_text().splitlines()) == 4
     assert json.loads((out / "summary.json").read_text())["adapter"] == str(out / "adapter")
+
+
+def test_training_steps_run_without_cudnn_attention(tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's SDPA backward can return NaN gradients (see ``cudnn_attention_disabled``): every training
+    step (rollout, loss, backward) must run with that backend off, and the flag comes back afterwards."""
+    from trl import GRPOTrainer
+
+    seen: list[bool] = []
+    real = GRPOTrainer.training_step
+
+    def recording(self, *args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "training_step", recording)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    trainer = make_trainer(tiny_dense_dir, tmp_path / "sdp", max_steps=1, max_completion_length=4, save_strategy="no")
+    trainer.train()
+    assert seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
