@@ -19,7 +19,11 @@ largest |logit|). The effect term is there because vLLM runs the adapter in bf16
 there is no fp32 LoRA there) while peft keeps it in fp32, so the LoRA's contribution carries bf16
 rounding in proportion to its size; the stress-sized adapters here move log-probs by >= 1 nat, far
 more than an RL adapter does. First H200 run (2026-11-29, SmolLM2-135M NVFP4, bounds then a flat
-0.08): S0 mean 0.066 / max 0.31, S1 0.139 / 0.58, generate (in S2) 0.117 / 0.63 nats. A missing
+0.08): S0 mean 0.066 / max 0.31, S1 0.139 / 0.58, generate (in S2) 0.117 / 0.63 nats. Second run
+(bounds as now, except the push check, then 20% of the move): S1 0.091 / 0.43, S2 0.086 / 0.36,
+generate 0.072 / 0.34; the LoRA push moved ours 2.124 and vLLM 2.112 nats (mismatch 0.127), the norm
+push 0.558 and 0.576 (mismatch 0.121 > 20% of 0.558: the two states' own gaps, 0.091 + 0.086, bound
+the mismatch from below no matter how exact the push, so the push bound is now those gaps + 10%). A missing
 LoRA, wrong scaling or unwritten norm moves the mean by >= 0.5-1 nat (calibrated below), beyond
 these bounds.
 
@@ -166,15 +170,22 @@ def calibrate(model, seq: list[int], set_scale, target: float) -> float:
 
 def push_and_compare(name: str, engine, model, seq, set_scale, target: float, prev, base) -> tuple:
     """Scale a perturbation until our log-probs move by >= ``target`` nats, push it, compare vLLM with
-    ours in the new state, and check that vLLM moved from ``prev`` (v, r) as ours did (within 20%).
+    ours in the new state, and check that vLLM moved from ``prev`` (v, r) as ours did (within the two
+    states' own gaps + 10% of the move).
     ``base`` is S0's (v, r), for the state's own effect. Returns the new (v, r)."""
     moved = calibrate(model, seq, set_scale, target)
     r, scale = ours(model, seq)
     v = vllm_prompt_logprobs(engine, seq)
     compare(name, v, r, scale, effect=(r - base[1]).abs().mean().item())
     delta = ((v - prev[0]) - (r - prev[1])).abs().mean().item()
-    print(f"{name} push: ours moved {moved:.3f} nats, vLLM {(v - prev[0]).abs().mean():.3f}, mismatch {delta:.4f}")
-    assert delta <= 0.2 * moved
+    # The two sides' moves can differ by at most the two states' own gaps (triangle inequality); on
+    # top of those, 10% of the move. A dropped push gives delta ~ moved, far above this.
+    gaps = (prev[0] - prev[1]).abs().mean().item() + (v - r).abs().mean().item()
+    bound = gaps + 0.1 * moved
+    print(f"{name} push: ours moved {moved:.3f} nats, vLLM {(v - prev[0]).abs().mean():.3f}, mismatch {delta:.4f} "
+          f"(bound {bound:.3f} = gaps {gaps:.3f} + 10% of the move)")
+    assert delta <= bound
+    assert bound < 0.5 * moved  # the check can still tell a dropped push
     return v, r
 
 
