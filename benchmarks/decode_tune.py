@@ -9,9 +9,9 @@ bf16 ``F.linear`` on the dequantized weight in the same run. Then the dequantize
 
 The schedule with the least time summed over every (shape, M) is printed as a ``QERL_DECODE_CONFIG``
 value (``--env-file`` writes it), so a device session can run the model-level benchmarks with it
-before it becomes the code's default. ``*_tiled`` candidates run the same kernel on the weight
-reordered by ``layouts.tile_weight`` (one contiguous block per K step): a layout experiment, never
-picked as the schedule since models keep the checkpoint's row-major layout.
+before it becomes the code's default. (Two weight orders, tile-contiguous and nibble-permuted, were
+candidates here in sweeps 2-3 and gained nothing: benchmarks/NOTES.md; the kernel still addresses the
+weight through (row, K step, tile) strides, so another order can be tried without a new kernel.)
 
     python benchmarks/decode_tune.py --out $OUT            # prints a table, writes decode_tune.json
     python benchmarks/decode_tune.py --quick --out $OUT    # no dequantize rows (~2-3 min)
@@ -35,7 +35,6 @@ import kernels as kb  # noqa: E402  (benchmarks/kernels.py: Layer, graph_time, c
 
 from qerl import nvfp4  # noqa: E402
 from qerl.kernels import fp4_gemm as fg  # noqa: E402
-from qerl.kernels import layouts  # noqa: E402
 
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
@@ -55,13 +54,6 @@ CANDIDATES = {
     "n64k128w4s3": D(64, 128, 4, 3),
     "n128k256w8s3": D(128, 256, 8, 3),  # two warpgroups, 64 rows each, one shared x tile
     "n128k256w8s4": D(128, 256, 8, 4),
-    # Same kernel, weight reordered once (layouts.tile_weight) so each K step reads one contiguous block:
-    # sweep 2 measured -6% for it; kept as the layout reference.
-    "n64k256w4s3_tiled": D(64, 256, 4, 3, tiled=True),
-    # Weight nibbles and scales permuted once (layouts.permute_nibbles) so that x's four slices are
-    # contiguous: no split + stmatrix + barrier per K step (NOTES.md, "What one K step does").
-    "n64k256w4s3_kperm": D(64, 256, 4, 3, kperm=True),
-    "n64k256w4s4_kperm": D(64, 256, 4, 4, kperm=True),
     # M=64 only: the fused wgmma tiles (decode into shared memory, x as the A operand), the usual
     # orientation once 64 tokens amortize the decode (the decode kernel runs 0.70x of bf16 there).
     "fused_m64n64k128w4s3": C(BM=64, BN=64, BK=128, warps=4, stages=3),
@@ -71,21 +63,6 @@ CANDIDATES = {
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
 
 
-def weights_for(layer: kb.Layer, cfg: fg.DecodeConfig, cache: dict) -> list[nvfp4.NVFP4Tensors]:
-    """The layer's rotating weight copies, reordered for the layout experiments (``tiled``: tile_weight,
-    ``kperm``: permute_nibbles), made once per layout and kept one at a time (they are as large as the originals)."""
-    tiled, kperm = getattr(cfg, "tiled", False), getattr(cfg, "kperm", False)
-    if not (tiled or kperm):
-        return layer.q
-    key = ("tiled" if tiled else "kperm", cfg.BN, cfg.BK)
-    if key not in cache:
-        cache.clear()
-        if tiled:
-            reorder = lambda q: layouts.tile_weight(q.weight_packed, q.weight_scale, cfg.BN, cfg.BK)  # noqa: E731
-        else:
-            reorder = lambda q: layouts.permute_nibbles(q.weight_packed, q.weight_scale, cfg.BK)  # noqa: E731
-        cache[key] = [nvfp4.NVFP4Tensors(*reorder(q), q.weight_global_scale) for q in layer.q]
-    return cache[key]
 DEQUANT_BLOCKS = ((16, 64, 4), (32, 32, 4), (8, 128, 4))
 
 
@@ -100,7 +77,6 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
-    tiled: dict = {}
     for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w64.t()
@@ -115,7 +91,7 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
                 resolved = fg.decode_config(layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
-                qs = weights_for(layer, cfg, tiled)
+                qs = layer.q
                 y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 fg.matmul(x, qs[0].weight_packed, qs[0].weight_scale, qs[0].weight_global_scale, out=y, config=cfg)
                 torch.cuda.synchronize()
@@ -203,7 +179,7 @@ def main() -> None:
     # measured (a candidate that failed or was inaccurate anywhere is out).
     keys = {(r["shape"], r["M"]) for r in result["decode"]}
     total: dict[str, float] = {}
-    for name in (n for n, c in CANDIDATES.items() if isinstance(c, D) and not (c.tiled or c.kperm)):
+    for name in (n for n, c in CANDIDATES.items() if isinstance(c, D)):
         us = [r["us"] for r in result["decode"] if r["cand"] == name and "us" in r and r["rel_err"] < 1e-2]
         if len(us) == len(keys):
             total[name] = sum(us)

@@ -109,34 +109,3 @@ def test_decode_schedule_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("QERL_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="QERL_DECODE_CONFIG"):
             fg.DecodeConfig.from_env()
-
-
-def test_reordered_layouts_are_permutations_of_the_checkpoint() -> None:
-    """layouts.tile_weight / permute_nibbles move each code and scale to where the kernel's addressing
-    (fp4_gemm._decode_kernel with tiled / KPERM) looks for it; bad shapes are one-line errors."""
-    from qerl.kernels import layouts
-
-    N, K, BN, BK = 128, 512, 64, 256
-    q = _weight(N, K, 7)
-    codes, scales = nvfp4.unpack_fp4(q.weight_packed), q.weight_scale.view(torch.uint8)
-    # tile_weight: element (n, col) sits in tile (n // BN, col // BK) at row n % BN, column col % BK.
-    tp, ts = layouts.tile_weight(q.weight_packed, q.weight_scale, BN, BK)
-    tcodes = nvfp4.unpack_fp4(tp).reshape(-1)
-    for n, col in ((0, 0), (5, 300), (70, 511), (127, 256)):
-        tile = (n // BN) * (K // BK) + col // BK
-        assert tcodes[(tile * BN + n % BN) * BK + col % BK] == codes[n, col]
-        assert ts.view(torch.uint8).reshape(-1)[(tile * BN + n % BN) * (BK // 16) + (col % BK) // 16] == scales[n, col // 16]
-    # permute_nibbles: nibble i of element j of block b holds column b*BK + i*BK/4 + j; its scale sits
-    # at (j // 16, i) of the block's [BK/64, 4] scale tile.
-    pp, ps = layouts.permute_nibbles(q.weight_packed, q.weight_scale, BK)
-    pcodes, pscales = nvfp4.unpack_fp4(pp), ps.view(torch.uint8)
-    hw, g = BK // 4, BK // 16
-    for n, b, j, i in ((0, 0, 0, 0), (3, 1, 17, 2), (127, 1, 63, 3), (64, 0, 40, 1)):
-        col = b * BK + i * hw + j
-        assert pcodes[n, b * BK + 4 * j + i] == codes[n, col]
-        assert pscales[n, b * g + (j // 16) * 4 + i] == scales[n, col // 16]
-    assert torch.equal(pcodes.sort(dim=1).values, codes.sort(dim=1).values)  # a permutation of each row
-    with pytest.raises(ValueError, match="tile_weight needs"):
-        layouts.tile_weight(q.weight_packed[:100], q.weight_scale[:100], BN, BK)
-    with pytest.raises(ValueError, match="permute_nibbles needs"):
-        layouts.permute_nibbles(q.weight_packed[:, :136], q.weight_scale[:, :17], BK)

@@ -261,33 +261,3 @@ def test_cuda_graph_decode_step() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert _rel(static_y, model.reference(static_x)) < TOL
-
-
-@pytest.mark.parametrize("layout", ["tiled", "kperm"])
-@pytest.mark.parametrize("M", [1, 7, 16, 64])
-@pytest.mark.parametrize("bk", [128, 256])
-def test_reordered_weight_decode(layout: str, M: int, bk: int) -> None:
-    """The decode kernel on a reordered copy of the weight (tile_weight's tile-contiguous order, or
-    permute_nibbles' contiguous-x order) equals float64 on the checkpoint's weight."""
-    from qerl.kernels import fp4_gemm as fg
-    from qerl.kernels import layouts
-
-    N, K = 384, 3584
-    q = _weight(N, K)
-    x, bias = _rand(M, K), _rand(N)
-    ref = x.double() @ _w64(q).t() + bias.double()
-    if layout == "tiled":
-        packed, scale = layouts.tile_weight(q.weight_packed, q.weight_scale, 64, bk)
-    else:
-        packed, scale = layouts.permute_nibbles(q.weight_packed, q.weight_scale, bk)
-    assert not torch.equal(packed, q.weight_packed)  # really reordered
-    for stages in (3, 4):
-        y = _nan((M, N), torch.bfloat16)
-        cfg = fg.DecodeConfig(BN=64, BK=bk, warps=4, stages=stages, split=4, **{layout: True})
-        fg.matmul(x, packed, scale, q.weight_global_scale, bias=bias, out=y, config=cfg)
-        assert _rel(y, ref) < TOL
-    with pytest.raises(ValueError, match="needs"):  # shapes the reordering cannot take: one-line errors
-        if layout == "tiled":
-            layouts.tile_weight(q.weight_packed[:100], q.weight_scale[:100], 64, bk)
-        else:
-            layouts.permute_nibbles(q.weight_packed[:, :520], q.weight_scale[:, :65], bk)

@@ -22,9 +22,9 @@ Kernels:
   bitwise equal to ``nvfp4.dequantize``; M > 64 forward and backward run it + cuBLAS.
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
-(N=3584, K=18944): M=1 21.3 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), 1.72x of bf16
-cuBLAS (decode_tune_quick.json; was 37.7 us, 0.97x, two designs ago); M=16 1.72x; M=64 0.70x; dequantize 61 us (2.9 TB/s of its 174 MB,
-floor 41 us; was 110 us); M=1024 fwd 0.78x / bwd 0.76x; M=4096 0.93x / 0.95x of bf16.
+(N=3584, K=18944), kernels.json: M=1 20.7 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), 1.79x
+of bf16 cuBLAS (was 37.7 us, 0.97x, two designs ago); M=16 1.84x; M=64 0.68x; dequantize 61 us (2.9
+TB/s of its 174 MB, floor 41 us; was 110 us); M=1024 fwd 0.78x / bwd 0.71x; M=4096 0.94x / 0.96x of bf16.
 """
 
 from __future__ import annotations
@@ -292,7 +292,6 @@ def _decode_kernel(
     lora_scale, steps_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
-    KPERM: tl.constexpr = False,
 ):
     """Decode GEMM (M <= BM <= 64): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
 
@@ -306,9 +305,8 @@ def _decode_kernel(
     ``e2m1 * scale * 2^-8``; ``2^8 / g`` is applied to the fp32 result.
 
     Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
-    (``h_step``) and tile (``h_tile``); the checkpoint's row-major layout and the tile-contiguous
-    layout of ``layouts.tile_weight`` are both such strides. ``KPERM``: the weight is in ``layouts.permute_nibbles``
-    order (an experiment), so slice i of x is contiguous and needs no split in registers.
+    (``h_step``) and tile (``h_tile``), so that reordered weights can be tried without a new kernel
+    (a tile-contiguous and a nibble-permuted order were, and gained nothing: benchmarks/NOTES.md).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -349,44 +347,31 @@ def _decode_kernel(
         else:
             sc = tl.load(s_ptrs, mask=mask_n[:, None] & (k0 // 16 + gcol[None, :] < K // 16), other=0.0)
         s = (sc.to(tl.float32) * FACTOR).to(DT)
-        if KPERM:
-            # Nibble i of element j is column k0 + i*HW + j (EVEN_K only): x slice i is contiguous and
-            # goes global -> shared -> wgmma as is. The step's scales are stored [G/4, 4 (nibble)], so
-            # two splits give each nibble its [BN, G/4] scales, each covering 16 elements.
-            s_even, s_odd = tl.split(tl.reshape(s, (BN, G // 4, 2, 2)))
-            s0, s2 = tl.split(s_even)
-            s1, s3 = tl.split(s_odd)
-            for i in tl.static_range(4):
-                si = s0 if i == 0 else (s1 if i == 1 else (s2 if i == 2 else s3))
-                si = tl.reshape(tl.broadcast_to(si[:, :, None], (BN, G // 4, 16)), (BN, HW))
-                xt = tl.load(x_cols + (k0 + i * HW + hcol)[:, None], mask=mask_m[None, :], other=0.0)
-                acc = tl.dot(_nibble(h, i, IS_FP16) * si, xt, acc)
-        else:
-            # Scale in the compact [BN, G] tile, then broadcast to the 4 elements of its group: Triton
-            # gives the load a layout in which broadcast + reshape land on the dot-operand layout.
-            sb = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, G, 4)), (BN, HW))
-            if X_SPLIT:
-                # One contiguous [BM, BK] load, split in registers into the four strided slices.
-                kx = k0 + tl.arange(0, BK)
-                if EVEN_K:
-                    xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None], other=0.0)
-                else:
-                    xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
-                x02, x13 = tl.split(tl.reshape(xs, (BM, HW, 2, 2)))
-                x0, x2 = tl.split(x02)
-                x1, x3 = tl.split(x13)
-                acc = tl.dot(_nibble(h, 0, IS_FP16) * sb, tl.trans(x0), acc)
-                acc = tl.dot(_nibble(h, 1, IS_FP16) * sb, tl.trans(x1), acc)
-                acc = tl.dot(_nibble(h, 2, IS_FP16) * sb, tl.trans(x2), acc)
-                acc = tl.dot(_nibble(h, 3, IS_FP16) * sb, tl.trans(x3), acc)
+        # Scale in the compact [BN, G] tile, then broadcast to the 4 elements of its group: Triton
+        # gives the load a layout in which broadcast + reshape land on the dot-operand layout.
+        sb = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, G, 4)), (BN, HW))
+        if X_SPLIT:
+            # One contiguous [BM, BK] load, split in registers into the four strided slices.
+            kx = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None], other=0.0)
             else:
-                for i in tl.static_range(4):
-                    kx = k0 + 4 * hcol + i
-                    if EVEN_K:
-                        xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :], other=0.0)
-                    else:
-                        xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :] & (kx[:, None] < K), other=0.0)
-                    acc = tl.dot(_nibble(h, i, IS_FP16) * sb, xt, acc)
+                xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
+            x02, x13 = tl.split(tl.reshape(xs, (BM, HW, 2, 2)))
+            x0, x2 = tl.split(x02)
+            x1, x3 = tl.split(x13)
+            acc = tl.dot(_nibble(h, 0, IS_FP16) * sb, tl.trans(x0), acc)
+            acc = tl.dot(_nibble(h, 1, IS_FP16) * sb, tl.trans(x1), acc)
+            acc = tl.dot(_nibble(h, 2, IS_FP16) * sb, tl.trans(x2), acc)
+            acc = tl.dot(_nibble(h, 3, IS_FP16) * sb, tl.trans(x3), acc)
+        else:
+            for i in tl.static_range(4):
+                kx = k0 + 4 * hcol + i
+                if EVEN_K:
+                    xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :], other=0.0)
+                else:
+                    xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :] & (kx[:, None] < K), other=0.0)
+                acc = tl.dot(_nibble(h, i, IS_FP16) * sb, xt, acc)
 
     tile_nm = offs_m[None, :] * N + offs_n[:, None]
     mask_nm = mask_n[:, None] & mask_m[None, :]
@@ -482,7 +467,7 @@ class DecodeConfig:
     registers (else four strided gathers). BM (padded tokens) follows from M."""
 
     # benchmarks/decode_tune.py --quick (H200, 2026-11-29 21:15): best summed time of 12 schedules over
-    # 7B down/gate_up at M=1/16 (120.6 us vs 129.5 with stages=4; tiled weight layout only -6%).
+    # 7B down/gate_up at M=1/16 (120.6 us vs 129.5 with stages=4); confirmed 23:12 (decode_tune_quick.json).
     BN: int = 64
     BK: int = 256
     warps: int = 4
@@ -490,8 +475,6 @@ class DecodeConfig:
     split: int = 0
     x_split: bool = True
     per_sm: int = 3  # with split=0: K slices for ~per_sm programs per SM
-    tiled: bool = False  # the weight is in layouts.tile_weight(BN, BK) order (an experiment: benchmarks/decode_tune.py)
-    kperm: bool = False  # weight and scales in layouts.permute_nibbles(BK) order (an experiment, same place)
 
     @classmethod
     def from_env(cls) -> DecodeConfig:
@@ -501,7 +484,7 @@ class DecodeConfig:
         spec = os.environ.get("QERL_DECODE_CONFIG", "").strip()
         if not spec:
             return cls()
-        fields = {f for f in cls.__dataclass_fields__ if f not in ("x_split", "tiled", "kperm")}
+        fields = {f for f in cls.__dataclass_fields__ if f != "x_split"}
         values = {}
         for item in spec.split(","):
             key, _, value = item.partition("=")
@@ -553,10 +536,8 @@ def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None
     if split <= 0:
         tiles = triton.cdiv(N, cfg.BN)
         split = _split_for(tiles, triton.cdiv(K, bk), device, per_sm=cfg.per_sm, min_steps=2)
-    if (cfg.tiled or cfg.kperm) and (bk != cfg.BK or K % bk):
-        raise ValueError(f"tiled / nibble-permuted decode needs K % {cfg.BK} == 0, got K={K}")
     return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
-                        per_sm=cfg.per_sm, tiled=cfg.tiled, kperm=cfg.kperm)
+                        per_sm=cfg.per_sm)
 
 
 def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
@@ -671,21 +652,15 @@ def matmul(
         part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
         h = weight_packed.contiguous().view(torch.int16)
         scale = weight_scale.contiguous()
-        if cfg.tiled:  # layouts.tile_weight order: [N/BN, K/BK, BN, BK/4] elements, [N/BN, K/BK, BN, BK/16] scales
-            if N % cfg.BN or K % cfg.BK:
-                raise ValueError(f"tiled decode needs N % {cfg.BN} == 0 and K % {cfg.BK} == 0, got N={N}, K={K}")
-            h_strides = (cfg.BK // 4, cfg.BN * cfg.BK // 4, cfg.BN * K // 4)
-            s_strides = (cfg.BK // 16, cfg.BN * cfg.BK // 16, cfg.BN * K // 16)
-        else:
-            h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))
-            s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
+        h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))  # (row, K step, tile)
+        s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
         _decode_kernel[(tiles, split)](
             x, h, scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
             M, N, K, x.stride(0), *h_strides, *s_strides, y.stride(0), *lora_strides, rank,
             float(lora_scale), steps_per_split,
             BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
             HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-            X_SPLIT=cfg.x_split, KPERM=cfg.kperm, num_warps=cfg.warps, num_stages=cfg.stages,
+            X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
         )
         return y
     cfg = config
