@@ -475,11 +475,6 @@ class DecodeConfig:
     split: int = 0
     x_split: bool = True
     per_sm: int = 3  # with split=0: K slices for ~per_sm programs per SM
-    # Register cap per thread (0: the compiler's choice). ptxas -v, offline for sm_90: the default
-    # schedule uses 238 registers at BM=16, so only 2 programs (8 warps) fit an SM, not per_sm; at
-    # BM=64 it uses 255 and spills 640 B. 168 fits 3 programs, 128 fits 4 (at 160 / 356 B of spills).
-    # An experiment for benchmarks/decode_tune.py until measured (benchmarks/NOTES.md).
-    maxnreg: int = 0
 
     @classmethod
     def from_env(cls) -> DecodeConfig:
@@ -542,7 +537,7 @@ def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None
         tiles = triton.cdiv(N, cfg.BN)
         split = _split_for(tiles, triton.cdiv(K, bk), device, per_sm=cfg.per_sm, min_steps=2)
     return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
-                        per_sm=cfg.per_sm, maxnreg=cfg.maxnreg)
+                        per_sm=cfg.per_sm)
 
 
 def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
@@ -666,7 +661,6 @@ def matmul(
             BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
             HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
             X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
-            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
         return y
     cfg = config
