@@ -6,6 +6,8 @@ What is overridden, and why (tested against trl 1.16; ``TRL_RANGE`` below):
   ``hf`` or ``vllm`` on request) instead of ``model.generate``/trl's vLLM. trl's vLLM path merges
   LoRA into the base weights before every sync, which cannot work on a 4-bit base; our engines run
   the adapter unmerged. AQN wraps exactly this call: noise in before, clean weights back after.
+* ``training_step``: trl's step under ``cudnn_attention_disabled`` (cuDNN's attention backward can
+  return NaN gradients on Hopper; see that function).
 * ``log``: adds sigma, rollout tokens/s and peak GPU memory to trl's metrics (reward mean/std per
   function, entropy, completion lengths and step time are trl's own).
 * ``_save_checkpoint`` / ``train``: a checkpoint counts only once its completion marker is written
