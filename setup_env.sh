@@ -4,12 +4,12 @@
 # otherwise), qerl with its extras, and fetches the embedded default model once. Idempotent:
 # running it again only checks what is there. Never touches site-packages by hand.
 #   QERL_VENV=path   use another venv location
-#   QERL_EXTRAS=...  extras to install (default: quantize,dev; add vllm on a CUDA machine)
+#   QERL_EXTRAS=...  extras to install (default: quantize,dev, plus gpu (bitsandbytes, for the recipes'
+#                    8-bit AdamW) on a CUDA machine; add vllm there for the vLLM rollout engine)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV=${QERL_VENV:-.venv}
 PY=${PYTHON:-python3}
-EXTRAS=${QERL_EXTRAS:-quantize,dev}
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
@@ -21,8 +21,10 @@ VPY="$VENV/bin/python"
 # otherwise pull a multi-GB CUDA build onto a CPU machine.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   TORCH_SPEC=${QERL_TORCH:-"torch>=2.10,<2.15"}
+  EXTRAS=${QERL_EXTRAS:-quantize,dev,gpu}
 else
   TORCH_SPEC=${QERL_TORCH:-"torch==2.13.0"}
+  EXTRAS=${QERL_EXTRAS:-quantize,dev}
 fi
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q "$TORCH_SPEC"
