@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: Layer, graph_time, copy_bandwidth)
 
 from qerl import nvfp4  # noqa: E402
+from qerl.fsutil import atomic_write_text  # noqa: E402
 from qerl.kernels import fp4_gemm as fg  # noqa: E402
 
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
@@ -163,9 +163,7 @@ def main() -> None:
             result["dequant"] = dequant_rows(layer, bw)
         layer.free()
         torch.cuda.empty_cache()
-        tmp = out / "decode_tune.json.tmp"
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, out / "decode_tune.json")
+        atomic_write_text(out / "decode_tune.json", json.dumps(result, indent=1))
     best = {}
     for r in result["decode"]:
         if "us" in r and r["rel_err"] < 1e-2:
@@ -193,9 +191,7 @@ def main() -> None:
         print(f"QERL_DECODE_CONFIG={env}")
         if args.env_file:
             args.env_file.write_text(env + "\n")
-        tmp = out / "decode_tune.json.tmp"
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, out / "decode_tune.json")
+        atomic_write_text(out / "decode_tune.json", json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

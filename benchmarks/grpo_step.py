@@ -191,16 +191,10 @@ def build_model(
     arch: str = "qwen2",
     seed: int = 0,
 ) -> nn.Module:
-    """A random Qwen2/Llama causal LM of ``shape`` built straight on ``device`` (no dense copy of an
-    NVFP4 model ever exists), decoder Linears as ``NVFP4Linear`` when ``nvfp4``; not peft-wrapped.
-
-    Same random fill as benchmarks/rollout.py (whose builder returns a model already wrapped with
-    LoRA without trainable norms, on CUDA only): random FP4 codes, block scales in [0.25, 1.75),
-    global scale 150 (weights of rms ~0.02), norms 1, everything else N(0, 0.02).
-    """
+    """A random Qwen2/Llama causal LM of ``shape`` on ``device``, decoder Linears as ``NVFP4Linear``
+    when ``nvfp4``; not peft-wrapped. Built and filled by benchmarks/rollout.py's ``random_causal_lm``
+    (same weights as the rollout benchmark), with no EOS or pad id in the config."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    from qerl.linear import NVFP4Linear, replace_linears
 
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     cfg = config_cls(
@@ -213,33 +207,7 @@ def build_model(
         pad_token_id=None,
         **shape,
     )
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = model_cls(cfg)
-            if nvfp4:  # every decoder Linear; lm_head stays in `dtype` as in a real checkpoint
-                replace_linears(
-                    model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin, dtype)
-                )
-    finally:
-        torch.set_default_dtype(default)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.dtype == torch.uint8:
-                t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.uint8))
-            elif t.dtype == torch.float8_e4m3fn:
-                t.copy_((torch.rand(t.shape, generator=gen, device=device) * 1.5 + 0.25).to(t.dtype))
-            elif name.endswith("weight_global_scale"):
-                t.fill_(150.0)
-            elif "norm" in name:
-                t.fill_(1.0)
-            elif "rotary" not in name:
-                t.normal_(0.0, 0.02, generator=gen)
-    with torch.device(device):  # its inv_freq was left as meta's garbage by to_empty
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    model = _rollout.random_causal_lm(model_cls, cfg, nvfp4, device, dtype, seed)
     model.generation_config.eos_token_id = None  # the only stop id is the tokenizer's (never sampled)
     return model
 
@@ -732,10 +700,9 @@ def document(rows: list[dict], args: argparse.Namespace, env: dict, argv: list[s
 
 
 def write_json(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2))
-    os.replace(tmp, path)
+    from qerl.fsutil import atomic_write_text
+
+    atomic_write_text(path, json.dumps(doc, indent=2))
 
 
 def print_floors(args: argparse.Namespace) -> None:

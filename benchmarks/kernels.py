@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qerl import nvfp4  # noqa: E402
+from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
 from qerl.kernels import fp4_gemm as fg  # noqa: E402
 from qerl.kernels import ops  # noqa: E402
 
@@ -216,9 +217,8 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].set_ylabel("speedup (bf16 time / nvfp4 time)")
     axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, complete: bool) -> dict:
@@ -250,9 +250,7 @@ def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, c
         "sweep_7b_down": sweep_rows,
         "rows": rows,
     }
-    tmp = out / "kernels.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out / "kernels.json")
+    atomic_write_text(out / "kernels.json", json.dumps(result, indent=1))
     plot(rows, out / "kernels_speedup.png")
     return summary
 

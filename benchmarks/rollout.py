@@ -69,39 +69,50 @@ def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.
 def random_qwen2(shape: str, nvfp4: bool, seed: int = 0) -> nn.Module:
     """A random Qwen2 of ``shape`` on the GPU, decoder Linears bf16 or NVFP4 (no adapter)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-
-    from qerl.linear import NVFP4Linear, replace_linears
 
     cfg = Qwen2Config(
         vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False, **SHAPES[shape]
     )
+    return random_causal_lm(Qwen2ForCausalLM, cfg, nvfp4, torch.device(DEVICE), torch.bfloat16, seed).eval()
+
+
+def random_causal_lm(
+    model_cls: type, cfg: object, nvfp4: bool, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> nn.Module:
+    """``model_cls(cfg)`` built straight on ``device`` (no dense copy of an NVFP4 model ever exists),
+    decoder Linears as ``NVFP4Linear`` when ``nvfp4`` (lm_head stays ``dtype``, as in a real checkpoint),
+    filled at random: FP4 codes uniform (never time on zeros), block scales in [0.25, 1.75), global
+    scale 150 (weights of rms ~0.02), norms 1, everything else N(0, 0.02). Shared with grpo_step.py."""
+    from qerl.linear import NVFP4Linear, replace_linears
+
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen2ForCausalLM(cfg)
-            if nvfp4:  # every decoder Linear; lm_head stays bf16 as in a real checkpoint
-                replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin))
+            model = model_cls(cfg)
+            if nvfp4:
+                replace_linears(
+                    model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin, dtype)
+                )
     finally:
         torch.set_default_dtype(default)
-    model.to_empty(device=DEVICE)
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.dtype == torch.uint8:  # random FP4 codes: never time on zeros
-                t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=DEVICE, dtype=torch.uint8))
+            if t.dtype == torch.uint8:
+                t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.uint8))
             elif t.dtype == torch.float8_e4m3fn:
-                t.copy_((torch.rand(t.shape, generator=gen, device=DEVICE) * 1.5 + 0.25).to(t.dtype))
+                t.copy_((torch.rand(t.shape, generator=gen, device=device) * 1.5 + 0.25).to(t.dtype))
             elif name.endswith("weight_global_scale"):
                 t.fill_(150.0)  # E2M1 rms 2.9 x scale ~1 / 150 -> weight rms ~0.02
             elif "norm" in name:
                 t.fill_(1.0)
-            else:
+            elif "rotary" not in name:
                 t.normal_(0.0, 0.02, generator=gen)
-    with torch.device(DEVICE):
-        model.model.rotary_emb = Qwen2RotaryEmbedding(cfg)
-    return model.eval()
+    with torch.device(device):  # its inv_freq was left as meta's garbage by to_empty
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    return model
 
 
 def with_lora(model: nn.Module, lora_r: int = 16) -> nn.Module:
@@ -285,9 +296,7 @@ def lora_sweep(args: argparse.Namespace) -> dict:
             rows.append(dict(shape="7b", engine="native", weights="nvfp4", variant=variant, lora=variant != "nolora",
                              batch=b, tokens=args.tokens, ms_per_step=round(ms, 4), launches_per_step=launches,
                              prefill_plus_1_s=round(t_one, 4), floor_ms=round(floor, 4)))  # fmt: skip
-            if args.out is not None:  # partial results survive a run cut off at its time limit
-                partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
-                args.out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
+            write_partial(args, bw, rows)
             print(f"7b nvfp4 {variant:11s} b={b:3d}: {ms:8.3f} ms/step, {launches:6.1f} launches/step "
                   f"(floor {floor:.3f})", flush=True)  # fmt: skip
     by = {(r["variant"], r["batch"]): r["ms_per_step"] for r in rows}
@@ -365,9 +374,7 @@ def run(args: argparse.Namespace) -> dict:
 def record(rows: list[dict], row: dict, bw: float, args: argparse.Namespace) -> None:
     """Append a row, save the partial results (they survive a run cut off at its limit), print it."""
     rows.append(row)
-    if args.out is not None:
-        partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
-        args.out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
+    write_partial(args, bw, rows)
     print(f"{row['shape']} {row['engine']:6s} {row['weights']}+{'lora' if row['lora'] else 'nolora':6s} "
           f"b={row['batch']:3d}: {row['ms_per_step']:8.3f} ms/step (floor {row['floor_ms']:.3f}, "
           f"tokens {row['tokens']})", flush=True)  # fmt: skip
@@ -625,9 +632,19 @@ def main() -> None:
     print(json.dumps(result["summary"], indent=2))
 
 
-def write_json(path: Path, result: dict) -> None:
+def write_partial(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:
+    """The rows so far beside ``--out`` (``.partial.json``), so a run cut off at its time limit keeps them."""
+    if args.out is not None:
+        partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
+        write_json(args.out.with_suffix(".partial.json"), partial, indent=1)
+
+
+def write_json(path: Path, result: dict, indent: int = 2) -> None:
+    """Write to a temporary file, then rename. Not qerl.fsutil: the --plot / --merge-into paths run on
+    machines without Triton, where importing qerl (hence transformers) from this folder fails, because
+    benchmarks/kernels.py shadows the `kernels` package transformers probes."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
+    tmp.write_text(json.dumps(result, indent=indent))
     os.replace(tmp, path)
 
 
