@@ -15,6 +15,11 @@ weight through (row, K step, tile) strides, so another order can be tried withou
 
     python benchmarks/decode_tune.py --out $OUT            # prints a table, writes decode_tune.json
     python benchmarks/decode_tune.py --quick --out $OUT    # no dequantize rows (~2-3 min)
+    python benchmarks/decode_tune.py --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
+
+``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
+7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
+float64 like the rest: the data for choosing split from the shape (wave quantization, NOTES.md).
 """
 
 from __future__ import annotations
@@ -37,9 +42,14 @@ from qerl.fsutil import atomic_write_text  # noqa: E402
 from qerl.kernels import fp4_gemm as fg  # noqa: E402
 
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
+#: (N, K) of every decode GEMM of a Qwen2.5 layer, q/k/v and gate/up fused as the rollout engine runs them.
+MODEL_SHAPES = {
+    "7b_qkv": (4608, 3584), "7b_o": (3584, 3584), "7b_gate_up": (37888, 3584), "7b_down": (3584, 18944),
+    "32b_qkv": (7168, 5120), "32b_o": (5120, 5120), "32b_gate_up": (55296, 5120), "32b_down": (5120, 27648),
+}  # fmt: skip
 MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
 D = fg.DecodeConfig
-#: Schedules around the default (BN=64 BK=256 w4 s3, ~3 programs/SM). Shared memory per stage is
+#: Schedules around the default (BN=64 BK=256 w4 s3; split from ``fg.decode_split``). Shared memory per stage is
 #: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x (BM*BK*2 at larger M), so fewer/smaller stages
 #: fit more programs per SM. Sweep 2 (NOTES.md) found a fixed cost per K step that 3-4 programs per SM
 #: do not hide; the candidates below test more programs per SM and two warpgroups sharing one x tile.
@@ -48,8 +58,6 @@ CANDIDATES = {
     "n64k256w4s3": D(64, 256, 4, 3),
     "n64k256w4s3_rep": D(64, 256, 4, 3),  # same config again: the run-to-run spread
     "n64k256w4s4": D(64, 256, 4, 4),  # the default before sweep 2
-    "n64k256w4s3_sm4": D(64, 256, 4, 3, per_sm=4),  # 3 stages leave room for 4 programs/SM: fill them
-    "n64k256w4s3_sm2": D(64, 256, 4, 3, per_sm=2),
     "n64k512w4s3": D(64, 512, 4, 3),
     "n64k128w4s3": D(64, 128, 4, 3),
     "n128k256w8s3": D(128, 256, 8, 3),  # two warpgroups, 64 rows each, one shared x tile
@@ -88,7 +96,7 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
                 resolved = fg.with_split(cfg, m, layer.n, layer.k, x.device)
                 cfg = resolved
             else:
-                resolved = fg.decode_config(layer.n, layer.k, x.device, cfg)
+                resolved = fg.decode_config(m, layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
                 qs = layer.q
@@ -107,6 +115,34 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
                   + (f"ERR {row['error'][:120]}" if "error" in row else
                      f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}  (bf16 {base:.1f})"),
                   flush=True)
+    return rows
+
+
+def split_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[dict]:
+    """The default schedule at every distinct split-K count (1..64) of ``layer``: checked, timed."""
+    q0 = layer.q[0]
+    w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
+    k_steps = -(-layer.k // D().BK)
+    splits = sorted({-(-k_steps // -(-k_steps // s)) for s in range(1, min(64, k_steps) + 1)})
+    rows = []
+    for m in ms:
+        asked = fg.decode_config(m, layer.n, layer.k, torch.device("cuda")).split
+        default = -(-k_steps // -(-k_steps // asked))  # the split the launch really uses
+        x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ w64.t()
+        for split in splits:
+            cfg = fg.DecodeConfig(split=split)
+            y = fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, config=cfg)
+            fns = [lambda q=q, x=x, cfg=cfg: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
+                   for q in layer.q]  # fmt: skip
+            t = kb.graph_time(fns) * 1e6
+            rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "split": split, "default": split == default,
+                         "us": t, "rel_err": rel(y, ref), "wbw_TBps": layer.packed_bytes / t / 1e6})  # fmt: skip
+        mine = [r for r in rows if r["M"] == m]
+        best = min(mine, key=lambda r: r["us"])
+        dflt = next(r for r in mine if r["default"])
+        print(f"{shape:12s} M={m:3d} default split {default:3d} {dflt['us']:7.1f} us | best split {best['split']:3d} "
+              f"{best['us']:7.1f} us | " + " ".join(f"{r['split']}:{r['us']:.1f}" for r in mine), flush=True)  # fmt: skip
     return rows
 
 
@@ -144,6 +180,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
     ap.add_argument("--quick", action="store_true", help="no dequantize / M=1024 rows")
+    ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -156,6 +193,15 @@ def main() -> None:
               "decode": [], "dequant": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.splits:
+        result["splits"] = []
+        for shape, (n, k) in MODEL_SHAPES.items():
+            layer = kb.Layer(n, k)
+            result["splits"] += split_rows(layer, shape)
+            layer.free()
+            torch.cuda.empty_cache()
+            atomic_write_text(out / "decode_splits.json", json.dumps(result, indent=1))
+        return
     for shape, (n, k) in SHAPES.items():
         layer = kb.Layer(n, k)
         result["decode"] += decode_rows(layer, shape, MS[shape])
@@ -184,7 +230,7 @@ def main() -> None:
     if total:
         name = min(total, key=total.get)
         cfg = CANDIDATES[name]
-        env = f"BN={cfg.BN},BK={cfg.BK},warps={cfg.warps},stages={cfg.stages},per_sm={cfg.per_sm}"
+        env = f"BN={cfg.BN},BK={cfg.BK},warps={cfg.warps},stages={cfg.stages},resident={cfg.resident}"
         result["best_overall"] = {"cand": name, "total_us": total[name], "QERL_DECODE_CONFIG": env,
                                   "default_total_us": total.get(DEFAULT)}
         print(f"best overall: {name} ({total[name]:.1f} us summed; default {total.get(DEFAULT, float('nan')):.1f})")

@@ -173,7 +173,7 @@ DEQUANT_BLOCKS = ((8, 128, 4), (16, 64, 4))
 
 def _resolve(cfg, m: int, layer: Layer, device: torch.device):
     if isinstance(cfg, fg.DecodeConfig):
-        return fg.decode_config(layer.n, layer.k, device, cfg)
+        return fg.decode_config(m, layer.n, layer.k, device, cfg)
     return fg.with_split(cfg, m, layer.n, layer.k, device)
 
 

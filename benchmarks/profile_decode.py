@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=fg.DEFAULT_DECODE)
     torch.cuda.synchronize()
     err = ((y.double() - ref).norm() / ref.norm()).item()
-    print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {fg.decode_config(n, k, x.device)}, rel err {err:.1e}")
+    print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {fg.decode_config(args.m, n, k, x.device)}, rel err {err:.1e}")
     if not err < 1e-2:
         sys.exit("benchmarks/profile_decode.py: the kernel's result is off (rel err >= 1e-2)")
 

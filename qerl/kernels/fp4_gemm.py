@@ -14,7 +14,8 @@ Kernels:
   dot-operand conversion above it: words go global -> shared (cp.async, pipelined) -> registers
   (ldmatrix) and the decoded weights never touch shared memory. About 4 SASS instructions per
   weight in the main loop (was 8.8 in the join/reshape design it replaces). Split-K with an
-  atomic ticket per tile: one launch, CUDA-graph safe.
+  atomic ticket per tile: one launch, CUDA-graph safe; the split count from a model of waves of
+  resident programs (``decode_split``).
 * ``_fwd_kernel`` / ``_bwd_kernel``: fused wgmma tiles on int32 words (two codes per 32-bit
   shift/mask, two half-tile dots); reachable through an explicit ``Config`` (prefill-sized M
   measured slower than dequantize + cuBLAS); ``_bwd_kernel`` still serves grad_x for M <= 64.
@@ -25,6 +26,9 @@ Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7
 (N=3584, K=18944), kernels.json: M=1 20.7 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), 1.79x
 of bf16 cuBLAS (was 37.7 us, 0.97x, two designs ago); M=16 1.84x; M=64 0.68x; dequantize 61 us (2.9
 TB/s of its 174 MB, floor 41 us; was 110 us); M=1024 fwd 0.78x / bwd 0.71x; M=4096 0.94x / 0.96x of bf16.
+That run predates ``decode_split``, which picks split 9 for this shape (~5% slower here) and saves
+3% / 8% summed over the 7B + 32B decode GEMMs at M=1 / 64 (decode_splits.json). Nsight Compute at
+M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles issuing.
 """
 
 from __future__ import annotations
@@ -463,8 +467,10 @@ class Config:
 @dataclass(frozen=True)
 class DecodeConfig:
     """Schedule of one ``_decode_kernel`` launch: BN weight rows x BK codes per K step, ``split`` K
-    slices (0 = pick from the SM count), ``x_split``: load x as one contiguous tile and split it in
-    registers (else four strided gathers). BM (padded tokens) follows from M."""
+    slices (0 = pick from the shape, ``decode_split``), ``x_split``: load x as one contiguous tile and
+    split it in registers (else four strided gathers). BM (padded tokens) follows from M.
+    ``resident``: programs one SM holds at BM=16, halving per doubling of BM (ptxas, BN=64 BK=256 3
+    stages: 105 registers + 43 KB -> 4; BM=32 -> 2; BM=64, 255 registers + 117 KB -> 1)."""
 
     # benchmarks/decode_tune.py --quick (H200, 2026-11-29 21:15): best summed time of 12 schedules over
     # 7B down/gate_up at M=1/16 (120.6 us vs 129.5 with stages=4); confirmed 23:12 (decode_tune_quick.json).
@@ -474,7 +480,7 @@ class DecodeConfig:
     stages: int = 3
     split: int = 0
     x_split: bool = True
-    per_sm: int = 3  # with split=0: K slices for ~per_sm programs per SM
+    resident: int = 4
 
     @classmethod
     def from_env(cls) -> DecodeConfig:
@@ -498,7 +504,7 @@ class DecodeConfig:
 DEFAULT_DECODE = DecodeConfig.from_env()
 #: M at or below which the forward takes the split-K decode configuration.
 DECODE_MAX_M = 64
-#: SMs of the device (filled lazily); split-K aims for a few programs per SM.
+#: SMs of the device (filled lazily): the slots split-K fills.
 _SM_COUNT: dict[torch.device, int] = {}
 
 
@@ -522,11 +528,37 @@ def fwd_config(M: int, N: int, K: int, device: torch.device) -> Config:
     return with_split(Config(BM=128, BN=128, BK=64, warps=8, stages=3), M, N, K, device)
 
 
-def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None = None) -> DecodeConfig:
+#: Fixed cost of one decode program (pipeline fill, split-K partial + ticket, epilogue) in K steps:
+#: the one parameter of ``decode_split``'s model, fit on benchmarks/results/decode_splits.json (1-4 pick alike).
+DECODE_PROGRAM_STEPS = 2
+
+
+def decode_split(tiles: int, k_steps: int, slots: int) -> int:
+    """Split-K count for ``tiles`` output tiles of ``k_steps`` K steps on ``slots`` resident programs.
+
+    Programs run in waves of ``slots``; a wave lasts as long as one program (its K steps plus
+    ``DECODE_PROGRAM_STEPS``). Minimizing waves x program length avoids both a last wave that is
+    mostly empty (7B gate_up at M=1: 592 one-slice programs for 528 slots) and programs too short
+    to pay their fixed cost (BM=64, one resident program per SM). Ties go to fewer slices (fewer
+    partials). H200, decode_splits.json, sums over the 7B + 32B GEMMs: M=1 209.6 us vs 215.8 for
+    the previous rule (~3 programs per SM), M=64 529.3 vs 576.6; the best split per shape: 206.7 / 528.3.
+    """
+    best, best_cost = 1, None
+    for split in range(1, min(64, k_steps) + 1):
+        steps = triton.cdiv(k_steps, split)
+        if triton.cdiv(k_steps, steps) != split:  # the launch would run fewer slices: seen already
+            continue
+        cost = triton.cdiv(tiles * split, slots) * (steps + DECODE_PROGRAM_STEPS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = split, cost
+    return best
+
+
+def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfig | None = None) -> DecodeConfig:
     """``cfg`` (default: ``DecodeConfig.from_env()``) with BK and split resolved for this shape.
 
     BK halves (down to 64) until it divides K, so the model shapes take the unmasked EVEN_K loop;
-    split aims at ~per_sm programs per SM, each running >= 2 K steps.
+    split comes from ``decode_split`` with the SM count x the programs an SM holds at this M.
     """
     cfg = cfg or DEFAULT_DECODE
     bk = cfg.BK
@@ -534,10 +566,11 @@ def decode_config(N: int, K: int, device: torch.device, cfg: DecodeConfig | None
         bk //= 2
     split = cfg.split
     if split <= 0:
-        tiles = triton.cdiv(N, cfg.BN)
-        split = _split_for(tiles, triton.cdiv(K, bk), device, per_sm=cfg.per_sm, min_steps=2)
+        bm = max(16, triton.next_power_of_2(M))
+        slots = _sm_count(device) * max(1, cfg.resident * 16 // bm)
+        split = decode_split(triton.cdiv(N, cfg.BN), triton.cdiv(K, bk), slots)
     return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
-                        per_sm=cfg.per_sm)
+                        resident=cfg.resident)
 
 
 def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
@@ -644,7 +677,7 @@ def matmul(
     if config is None or isinstance(config, DecodeConfig):
         if M > DECODE_MAX_M:
             raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
-        cfg = decode_config(N, K, x.device, config)
+        cfg = decode_config(M, N, K, x.device, config)
         k_steps = triton.cdiv(K, cfg.BK)
         steps_per_split = triton.cdiv(k_steps, cfg.split)
         split = triton.cdiv(k_steps, steps_per_split)
