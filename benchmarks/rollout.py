@@ -411,7 +411,8 @@ def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tu
     rows of benchmarks/rollout_vllm.py, transformers + NF4 rows of ``--bnb-only``), replacing same-key rows.
 
     Such a row's floor/bytes fields are taken from the native row of the same configuration (same
-    bytes to read); the vLLM / bitsandbytes versions join ``env["versions"]``.
+    bytes to read); the vLLM / bitsandbytes versions join ``env["versions"]``; each row keeps the
+    date of the file it came from as ``measured`` (the document's own date is its native run's).
     """
     if not files:
         return rows, env
@@ -436,7 +437,8 @@ def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tu
         for r in vrows:
             native = merged.get(tuple(r[k] for k in key) + ("native",))
             fill = {k: native[k] for k in ("floor_ms", "weight_gb", "lora_gb", "kv_gb_mean")} if native else {}
-            merged[tuple(r[k] for k in key) + (r["engine"],)] = {**r, **{k: v for k, v in fill.items() if r.get(k) is None}}
+            stamp = {"measured": data["date"]} if isinstance(data, dict) and data.get("date") else {}
+            merged[tuple(r[k] for k in key) + (r["engine"],)] = {**r, **{k: v for k, v in fill.items() if r.get(k) is None}, **stamp}
     return list(merged.values()), env
 
 
@@ -520,42 +522,57 @@ def build_result(
     return result
 
 
+#: Bar order and colour of the plot's series: (engine, weights, lora) -> (label, colour).
+SERIES = {
+    ("native", "nvfp4", True): ("qerl NVFP4 + LoRA", "C0"),
+    ("native", "nvfp4", False): ("qerl NVFP4, LoRA off", "#9ecae1"),
+    ("native", "bf16", True): ("qerl bf16 + LoRA", "C9"),
+    ("vllm", "nvfp4", True): ("vLLM NVFP4 + LoRA", "C2"),
+    ("vllm", "bf16", True): ("vLLM bf16 + LoRA", "#a1d99b"),
+    ("hf", "bf16", True): ("transformers bf16 + LoRA", "C3"),
+    ("hf", "nf4", True): ("transformers NF4 + LoRA", "#fc9272"),
+}
+
+
 def plot(path: Path) -> Path:
-    """Bar chart of ms/step per configuration with its floor, saved beside the JSON (PNG)."""
+    """Grouped bars, one group per (shape, batch), one bar per engine/weights, the NVFP4 + LoRA
+    bandwidth floor as a line over each group; saved beside the JSON (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     data = json.loads(path.read_text())
-    rows = [r for r in data["results"]]
-    labels = [f"{r['shape']} b{r['batch']}\n{r['engine']} {r['weights']}{'+lora' if r['lora'] else ''}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5))
-    x = range(len(rows))
-    colours = {"native": "C0", "hf": "C3", "vllm": "C2"}
-    ax.bar(x, [r["ms_per_step"] for r in rows], color=[colours.get(r["engine"], "C7") for r in rows])
-    for engine, colour in colours.items():
-        if any(r["engine"] == engine for r in rows):
-            ax.bar([0], [0], color=colour, label=engine)  # legend entry only
-    floors = [(i, r["floor_ms"]) for i, r in enumerate(rows) if r.get("floor_ms") is not None]
-    ax.scatter([i for i, _ in floors], [f for _, f in floors], color="k", marker="_", s=400, label="bandwidth floor",
-               zorder=3)  # fmt: skip
-    if not any(r["engine"] == "vllm" for r in rows):  # no same-run vLLM rows: show the earlier numbers
-        for (shape, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items():
-            idx = [
-                i
-                for i, r in enumerate(rows)
-                if (r["shape"], r["batch"], r["engine"], r["weights"], r["lora"]) == (shape, b, "native", "nvfp4", True)
-            ]
-            if idx:
-                ax.scatter(idx, [v], color="C1", marker="*", s=120, zorder=4)
-        ax.scatter([], [], color="C1", marker="*", label="vLLM NVFP4+LoRA (earlier measurement)")
+    rows = data["results"]
+    groups = sorted({(r["shape"], r["batch"]) for r in rows}, key=lambda g: (list(SHAPES).index(g[0]), g[1]))
+    series = [k for k in SERIES if any((r["engine"], r["weights"], r["lora"]) == k for r in rows)]
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 5))
+    for j, key in enumerate(series):
+        xs, ys = [], []
+        for i, group in enumerate(groups):
+            for r in rows:
+                if (r["shape"], r["batch"]) == group and (r["engine"], r["weights"], r["lora"]) == key:
+                    xs.append(i - 0.4 + (j + 0.5) * width)
+                    ys.append(r["ms_per_step"])
+        label, colour = SERIES[key]
+        ax.bar(xs, ys, width=width, color=colour, label=label)
+    for i, group in enumerate(groups):
+        floor = next((r["floor_ms"] for r in rows if (r["shape"], r["batch"], r["engine"], r["weights"], r["lora"])
+                      == (*group, "native", "nvfp4", True) and r.get("floor_ms")), None)  # fmt: skip
+        if floor:
+            ax.hlines(floor, i - 0.4, i + 0.4, color="k", label="NVFP4 + LoRA floor" if i == 0 else None, zorder=3)
+        earlier = EARLIER_VLLM_NVFP4_LORA_MS.get(group)
+        if earlier and ("vllm", "nvfp4", True) not in series:  # no same-run vLLM rows: the earlier numbers
+            ax.scatter([i], [earlier], color="C1", marker="*", s=120, zorder=4,
+                       label="vLLM NVFP4+LoRA (earlier measurement)" if i == 0 else None)  # fmt: skip
     ax.set_yscale("log")
-    ax.set_ylabel("decode ms / step")
-    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylim(top=8 * max(r["ms_per_step"] for r in rows))  # room for the legend above the bars
+    ax.set_ylabel("decode ms / step (log)")
+    ax.set_xticks(range(len(groups)), [f"{shape.upper()} b={b}" for shape, b in groups])
     device = data.get("device") or "device not recorded"
     ax.set_title(f"qerl rollout decode, {device} ({data['date'][:10]}){' — PARTIAL run' if 'partial' in data else ''}")
-    ax.legend()
+    ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     out = path.with_suffix(".png")
     tmp = out.with_suffix(".tmp.png")

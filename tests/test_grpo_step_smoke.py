@@ -7,9 +7,9 @@ checks the analytic decode floor against the floor that benchmarks/rollout.py co
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -20,11 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def grpo_step() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("grpo_step_bench", ROOT / "benchmarks" / "grpo_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def grpo_step(load_benchmark: Callable[[str], ModuleType]) -> ModuleType:
+    return load_benchmark("grpo_step")
 
 
 def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_path: Path) -> None:
