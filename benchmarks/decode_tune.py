@@ -40,6 +40,7 @@ import kernels as kb  # noqa: E402  (benchmarks/kernels.py: Layer, graph_time, c
 from qerl import nvfp4  # noqa: E402
 from qerl.fsutil import atomic_write_text  # noqa: E402
 from qerl.kernels import fp4_gemm as fg  # noqa: E402
+from qerl.kernels import schedule as sch  # noqa: E402
 
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 #: (N, K) of every decode GEMM of a Qwen2.5 layer, q/k/v and gate/up fused as the rollout engine runs them.
@@ -48,12 +49,12 @@ MODEL_SHAPES = {
     "32b_qkv": (7168, 5120), "32b_o": (5120, 5120), "32b_gate_up": (55296, 5120), "32b_down": (5120, 27648),
 }  # fmt: skip
 MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
-D = fg.DecodeConfig
-#: Schedules around the default (BN=64 BK=256 w4 s3; split from ``fg.decode_split``). Shared memory per stage is
+D = sch.DecodeConfig
+#: Schedules around the default (BN=64 BK=256 w4 s3; split from ``sch.decode_split``). Shared memory per stage is
 #: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x (BM*BK*2 at larger M), so fewer/smaller stages
 #: fit more programs per SM. Sweep 2 (NOTES.md) found a fixed cost per K step that 3-4 programs per SM
 #: do not hide; the candidates below test more programs per SM and two warpgroups sharing one x tile.
-C = fg.Config
+C = sch.Config
 CANDIDATES = {
     "n64k256w4s3": D(64, 256, 4, 3),
     "n64k256w4s3_rep": D(64, 256, 4, 3),  # same config again: the run-to-run spread
@@ -90,13 +91,13 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
         ref = x.double() @ w64.t()
         base = kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6
         for name, cfg in CANDIDATES.items():
-            if isinstance(cfg, fg.Config):  # fused wgmma tiles: only where 64 tokens amortize the decode
+            if isinstance(cfg, sch.Config):  # fused wgmma tiles: only where 64 tokens amortize the decode
                 if m < 64:
                     continue
-                resolved = fg.with_split(cfg, m, layer.n, layer.k, x.device)
+                resolved = sch.with_split(cfg, m, layer.n, layer.k, x.device)
                 cfg = resolved
             else:
-                resolved = fg.decode_config(m, layer.n, layer.k, x.device, cfg)
+                resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
                 qs = layer.q
@@ -126,12 +127,12 @@ def split_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> li
     splits = sorted({-(-k_steps // -(-k_steps // s)) for s in range(1, min(64, k_steps) + 1)})
     rows = []
     for m in ms:
-        asked = fg.decode_config(m, layer.n, layer.k, torch.device("cuda")).split
+        asked = sch.decode_config(m, layer.n, layer.k, torch.device("cuda")).split
         default = -(-k_steps // -(-k_steps // asked))  # the split the launch really uses
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w64.t()
         for split in splits:
-            cfg = fg.DecodeConfig(split=split)
+            cfg = sch.DecodeConfig(split=split)
             y = fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, config=cfg)
             fns = [lambda q=q, x=x, cfg=cfg: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
                    for q in layer.q]  # fmt: skip

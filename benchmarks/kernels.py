@@ -32,6 +32,7 @@ from qerl import nvfp4  # noqa: E402
 from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
 from qerl.kernels import fp4_gemm as fg  # noqa: E402
 from qerl.kernels import ops  # noqa: E402
+from qerl.kernels import schedule as sch  # noqa: E402
 
 #: (out_features N, in_features K) per layer: Qwen2.5-7B (hidden 3584, inter 18944, 28 q / 4 kv heads of 128)
 #: and Qwen2.5-32B (hidden 5120, inter 27648, 40 q / 8 kv heads).
@@ -160,21 +161,21 @@ def measure(layer: Layer, m: int, copy_bw: float) -> dict:
     return row
 
 
-D = fg.DecodeConfig
+D = sch.DecodeConfig
 SWEEP = {  # configs tried on the summary shape, to pick the heuristics (see benchmarks/NOTES.md)
     1: [D(), D(128, 256, 4, 3), D(128, 128, 4, 4), D(64, 256, 4, 4, x_split=False)],
     16: [D(), D(128, 128, 4, 4)],
     64: [D(), D(128, 128, 4, 4)],
-    4096: [fg.Config(128, 128, 64, 8, 3)],  # the fused wgmma kernel, against dequantize + cuBLAS
+    4096: [sch.Config(128, 128, 64, 8, 3)],  # the fused wgmma kernel, against dequantize + cuBLAS
 }
-BWD_SWEEP = [fg.Config(128, 64, 128, 8, 3)]
+BWD_SWEEP = [sch.Config(128, 64, 128, 8, 3)]
 DEQUANT_BLOCKS = ((8, 128, 4), (16, 64, 4))
 
 
 def _resolve(cfg, m: int, layer: Layer, device: torch.device):
-    if isinstance(cfg, fg.DecodeConfig):
-        return fg.decode_config(m, layer.n, layer.k, device, cfg)
-    return fg.with_split(cfg, m, layer.n, layer.k, device)
+    if isinstance(cfg, sch.DecodeConfig):
+        return sch.decode_config(m, layer.n, layer.k, device, cfg)
+    return sch.with_split(cfg, m, layer.n, layer.k, device)
 
 
 def sweep(layer: Layer) -> list[dict]:

@@ -37,17 +37,18 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/profile_decode.py: needs a CUDA device")
     from qerl.kernels import fp4_gemm as fg  # Triton: GPU machines only
-    if not 1 <= args.m <= fg.DECODE_MAX_M:
-        sys.exit(f"benchmarks/profile_decode.py: --m: expected 1..{fg.DECODE_MAX_M}, got {args.m}")
+    from qerl.kernels import schedule as sch
+    if not 1 <= args.m <= sch.DECODE_MAX_M:
+        sys.exit(f"benchmarks/profile_decode.py: --m: expected 1..{sch.DECODE_MAX_M}, got {args.m}")
     n, k = SHAPES[args.shape]
     q = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float64).t()
     for _ in range(args.launches):
-        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=fg.DEFAULT_DECODE)
+        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.DEFAULT_DECODE)
     torch.cuda.synchronize()
     err = ((y.double() - ref).norm() / ref.norm()).item()
-    print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {fg.decode_config(args.m, n, k, x.device)}, rel err {err:.1e}")
+    print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {sch.decode_config(args.m, n, k, x.device)}, rel err {err:.1e}")
     if not err < 1e-2:
         sys.exit("benchmarks/profile_decode.py: the kernel's result is off (rel err >= 1e-2)")
 

@@ -445,7 +445,7 @@ def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tu
 def environment() -> dict:
     import transformers
 
-    from qerl.kernels import fp4_gemm
+    from qerl.kernels import schedule
 
     return {
         "device": torch.cuda.get_device_name(),
@@ -456,7 +456,7 @@ def environment() -> dict:
             **({"bitsandbytes": sys.modules["bitsandbytes"].__version__} if "bitsandbytes" in sys.modules else {}),
         },
         # The NVFP4 decode schedule this run used (``QERL_DECODE_CONFIG`` or the code's default).
-        "decode_config": str(fp4_gemm.DEFAULT_DECODE),
+        "decode_config": str(schedule.DEFAULT_DECODE),
     }
 
 

@@ -100,31 +100,39 @@ def test_bad_lora_shapes_raise() -> None:
 def test_decode_split_fills_waves() -> None:
     """The split-K rule (a model of waves x program length) on the H200's 132 SMs: the cases that
     decided it in benchmarks/results/decode_splits.json, and only splits a launch really runs."""
-    fg = pytest.importorskip("qerl.kernels.fp4_gemm", reason="needs triton")
+    from qerl.kernels import schedule as sch
+
     sms4, sms1 = 132 * 4, 132  # M <= 16: 4 programs per SM; M = 64: 1
     # 7B gate_up at M=1: 592 tiles, one slice each, would leave a second wave of 64 programs.
-    assert fg.decode_split(592, 14, sms4) == 2
+    assert sch.decode_split(592, 14, sms4) == 2
     # 7B o_proj at M=64: one resident program per SM, 2 slices of 7 steps fill one wave (7 slices: 3 waves).
-    assert fg.decode_split(56, 14, sms1) == 2
+    assert sch.decode_split(56, 14, sms1) == 2
     # 32B down at M=1: 80 tiles x 108 steps -> 6 slices (480 programs in 528 slots), not 5 (3/SM).
-    assert fg.decode_split(80, 108, sms4) == 6
-    assert fg.decode_split(1, 3, sms4) == 3  # one tile, few steps: every step its own slice
+    assert sch.decode_split(80, 108, sms4) == 6
+    assert sch.decode_split(1, 3, sms4) == 3  # one tile, few steps: every step its own slice
     for tiles in (1, 7, 56, 592, 5000):
         for k_steps in (1, 2, 14, 74, 108, 500):
-            split = fg.decode_split(tiles, k_steps, sms4)
+            split = sch.decode_split(tiles, k_steps, sms4)
             steps = -(-k_steps // split)
             assert 1 <= split <= 64 and -(-k_steps // steps) == split
+    cpu = torch.device("cpu")  # counts as 4 SMs
+    assert sch.decode_config(1, 4096, 640, cpu).BK == 128  # BK halves until it divides K
+    # Slots: SMs x 4 programs at M <= 16, x 1 at M = 64 (BM=64 fills an SM's shared memory). 4 tiles
+    # of 14 steps: 16 slots take 4 slices in one wave; 4 slots, one slice (2 would need two waves).
+    assert sch.decode_config(1, 256, 3584, cpu).split == sch.decode_split(4, 14, 16) == 4
+    assert sch.decode_config(64, 256, 3584, cpu).split == sch.decode_split(4, 14, 4) == 1
 
 
 def test_decode_schedule_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """QERL_DECODE_CONFIG picks the decode schedule for whole models (tuning runs); junk is a one-line error."""
-    fg = pytest.importorskip("qerl.kernels.fp4_gemm", reason="needs triton")
+    from qerl.kernels import schedule as sch
+
     monkeypatch.setenv("QERL_DECODE_CONFIG", "BN=64, BK=128,stages=6,resident=5")
-    cfg = fg.DecodeConfig.from_env()
+    cfg = sch.DecodeConfig.from_env()
     assert (cfg.BN, cfg.BK, cfg.warps, cfg.stages, cfg.resident) == (64, 128, 4, 6, 5)
     monkeypatch.setenv("QERL_DECODE_CONFIG", "")
-    assert fg.DecodeConfig.from_env() == fg.DecodeConfig()
+    assert sch.DecodeConfig.from_env() == sch.DecodeConfig()
     for bad in ("BN=64,foo=1", "BK=big", "x_split=0"):
         monkeypatch.setenv("QERL_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="QERL_DECODE_CONFIG"):
-            fg.DecodeConfig.from_env()
+            sch.DecodeConfig.from_env()

@@ -53,16 +53,16 @@ def _nan(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _configs(M: int, N: int, K: int):
-    from qerl.kernels import fp4_gemm as fg
+    from qerl.kernels import schedule as sch
 
     yield None  # the heuristic choice
-    if M <= fg.DECODE_MAX_M:  # the decode kernel's other schedules: strided x gathers, fixed split
-        yield fg.DecodeConfig(BN=64, BK=128, warps=4, stages=3, split=3, x_split=False)
-        yield fg.DecodeConfig(BN=256, BK=128, warps=8, stages=3, split=1)
-    yield fg.Config(BM=16, BN=64, BK=128, warps=4, stages=3, split=5)  # split-K fused wgmma tiles
-    yield fg.Config(BM=64, BN=64, BK=64, warps=4, stages=3, split=1)
+    if M <= sch.DECODE_MAX_M:  # the decode kernel's other schedules: strided x gathers, fixed split
+        yield sch.DecodeConfig(BN=64, BK=128, warps=4, stages=3, split=3, x_split=False)
+        yield sch.DecodeConfig(BN=256, BK=128, warps=8, stages=3, split=1)
+    yield sch.Config(BM=16, BN=64, BK=128, warps=4, stages=3, split=5)  # split-K fused wgmma tiles
+    yield sch.Config(BM=64, BN=64, BK=64, warps=4, stages=3, split=1)
     if M > 64:
-        yield fg.Config(BM=128, BN=128, BK=64, warps=8, stages=3, split=3)  # split-K on wgmma tiles
+        yield sch.Config(BM=128, BN=128, BK=64, warps=8, stages=3, split=3)  # split-K on wgmma tiles
 
 
 SHAPES = [  # (M, N, K): awkward M, K % 128 != 0, N % 64 != 0

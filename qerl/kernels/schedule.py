@@ -1,0 +1,166 @@
+"""Launch schedules of the NVFP4 kernels (``fp4_gemm``): tile shapes, split-K counts, the decode
+schedule's environment override. Pure Python, no Triton, so the choices are tested on any machine.
+
+Why split-K: a decode GEMM (M <= 64 tokens) has few output tiles (7B down_proj: 56 of 64 rows), so
+the K dimension is cut into slices to give every SM work; ``decode_split`` picks how many from a
+model of waves of resident programs (benchmarks/NOTES.md, "Split-K from a wave model").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+#: The interpreter (TRITON_INTERPRET=1, used to debug on CPU) mis-multiplies bf16, so under it the
+#: scale multiply is done in fp32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile shape and schedule of one launch; ``split`` = number of K slices (1 = no split-K)."""
+
+    BM: int
+    BN: int
+    BK: int
+    warps: int
+    stages: int
+    split: int = 1
+    group_m: int = 8
+    mul_f32: bool = _INTERPRET
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Schedule of one ``_decode_kernel`` launch: BN weight rows x BK codes per K step, ``split`` K
+    slices (0 = pick from the shape, ``decode_split``), ``x_split``: load x as one contiguous tile and
+    split it in registers (else four strided gathers). BM (padded tokens) follows from M.
+    ``resident``: programs one SM holds at BM=16, halving per doubling of BM (ptxas, BN=64 BK=256 3
+    stages: 105 registers + 43 KB -> 4; BM=32 -> 2; BM=64, 255 registers + 117 KB -> 1)."""
+
+    # benchmarks/decode_tune.py --quick (H200, 2026-11-29 21:15): best summed time of 12 schedules over
+    # 7B down/gate_up at M=1/16 (120.6 us vs 129.5 with stages=4); confirmed 23:12 (decode_tune_quick.json).
+    BN: int = 64
+    BK: int = 256
+    warps: int = 4
+    stages: int = 3
+    split: int = 0
+    x_split: bool = True
+    resident: int = 4
+
+    @classmethod
+    def from_env(cls) -> DecodeConfig:
+        """The default schedule, or the one ``QERL_DECODE_CONFIG`` names (``"BN=64,BK=128,stages=6"``):
+        lets a tuning run (benchmarks/decode_tune.py prints the line) try a schedule on whole models
+        without editing code. Unknown keys or non-integers are a one-line error."""
+        spec = os.environ.get("QERL_DECODE_CONFIG", "").strip()
+        if not spec:
+            return cls()
+        fields = {f for f in cls.__dataclass_fields__ if f != "x_split"}
+        values = {}
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            if key.strip() not in fields or not value.strip().isdigit():
+                raise ValueError(f"QERL_DECODE_CONFIG: expected comma-separated KEY=INT with KEY in {sorted(fields)}, got {item!r}")
+            values[key.strip()] = int(value)
+        return cls(**values)
+
+
+#: The decode schedule used when a call names none (read once, at import).
+DEFAULT_DECODE = DecodeConfig.from_env()
+#: M at or below which the forward takes the split-K decode configuration.
+DECODE_MAX_M = 64
+#: SMs of the device (filled lazily): the slots split-K fills.
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return _SM_COUNT[device]
+
+
+def _split_for(tiles: int, k_steps: int, device: torch.device, per_sm: int = 4, min_steps: int = 3) -> int:
+    """Enough K slices for ~per_sm programs per SM, each still running >= min_steps K steps."""
+    want = _cdiv(per_sm * _sm_count(device), tiles)
+    return max(1, min(want, k_steps // min_steps, 64))
+
+
+def fwd_config(M: int, N: int, K: int, device: torch.device) -> Config:
+    """Heuristic config of the fused wgmma forward (reached through an explicit ``config`` or tests)."""
+    if M <= DECODE_MAX_M:
+        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        return with_split(Config(BM=bm, BN=64, BK=128, warps=4, stages=4), M, N, K, device)
+    return with_split(Config(BM=128, BN=128, BK=64, warps=8, stages=3), M, N, K, device)
+
+
+#: Fixed cost of one decode program (pipeline fill, split-K partial + ticket, epilogue) in K steps:
+#: the one parameter of ``decode_split``'s model, fit on benchmarks/results/decode_splits.json (1-4 pick alike).
+DECODE_PROGRAM_STEPS = 2
+
+
+def decode_split(tiles: int, k_steps: int, slots: int) -> int:
+    """Split-K count for ``tiles`` output tiles of ``k_steps`` K steps on ``slots`` resident programs.
+
+    Programs run in waves of ``slots``; a wave lasts as long as one program (its K steps plus
+    ``DECODE_PROGRAM_STEPS``). Minimizing waves x program length avoids both a last wave that is
+    mostly empty (7B gate_up at M=1: 592 one-slice programs for 528 slots) and programs too short
+    to pay their fixed cost (BM=64, one resident program per SM). Ties go to fewer slices (fewer
+    partials). H200, decode_splits.json, sums over the 7B + 32B GEMMs: M=1 209.6 us vs 215.8 for
+    the previous rule (~3 programs per SM), M=64 529.3 vs 576.6; the best split per shape: 206.7 / 528.3.
+    """
+    best, best_cost = 1, None
+    for split in range(1, min(64, k_steps) + 1):
+        steps = _cdiv(k_steps, split)
+        if _cdiv(k_steps, steps) != split:  # the launch would run fewer slices: seen already
+            continue
+        cost = _cdiv(tiles * split, slots) * (steps + DECODE_PROGRAM_STEPS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = split, cost
+    return best
+
+
+def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfig | None = None) -> DecodeConfig:
+    """``cfg`` (default: ``DecodeConfig.from_env()``) with BK and split resolved for this shape.
+
+    BK halves (down to 64) until it divides K, so the model shapes take the unmasked EVEN_K loop;
+    split comes from ``decode_split`` with the SM count x the programs an SM holds at this M.
+    """
+    cfg = cfg or DEFAULT_DECODE
+    bk = cfg.BK
+    while K % bk and bk > 64:
+        bk //= 2
+    split = cfg.split
+    if split <= 0:
+        bm = max(16, 1 << (M - 1).bit_length())
+        slots = _sm_count(device) * max(1, cfg.resident * 16 // bm)
+        split = decode_split(_cdiv(N, cfg.BN), _cdiv(K, bk), slots)
+    return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
+                        resident=cfg.resident)
+
+
+def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
+    """Give ``cfg`` split-K slices when its output tiles alone would leave SMs idle.
+
+    Decode tiles aim for ~4 programs per SM (latency hiding for a pure weight stream); wgmma tiles
+    for ~2, since every extra slice writes and re-reads an fp32 partial of the tile.
+    """
+    tiles = _cdiv(M, cfg.BM) * _cdiv(N, cfg.BN)
+    sms = _sm_count(device)
+    if tiles >= 2 * sms:
+        split = 1
+    else:
+        split = _split_for(tiles, _cdiv(K, cfg.BK), device, per_sm=4 if cfg.BM <= 64 else 2)
+    return Config(**{**cfg.__dict__, "split": split})
+
+
+def bwd_config(M: int, N: int, K: int) -> Config:
+    if M <= DECODE_MAX_M:
+        return Config(BM=16 if M <= 16 else 64, BN=64, BK=128, warps=4, stages=3)
+    return Config(BM=128, BN=64, BK=128, warps=8, stages=3)
