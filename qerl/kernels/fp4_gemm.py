@@ -339,11 +339,9 @@ def _decode_kernel(
         s_ptrs = s_rows + kt * s_step + gcol[None, :]
         if EVEN_K:
             h = tl.load(h_ptrs, mask=mask_n[:, None], other=0)
-        else:
-            h = tl.load(h_ptrs, mask=mask_n[:, None] & (k0 // 4 + hcol[None, :] < K // 4), other=0)
-        if EVEN_K:
             sc = tl.load(s_ptrs, mask=mask_n[:, None], other=0.0)
         else:
+            h = tl.load(h_ptrs, mask=mask_n[:, None] & (k0 // 4 + hcol[None, :] < K // 4), other=0)
             sc = tl.load(s_ptrs, mask=mask_n[:, None] & (k0 // 16 + gcol[None, :] < K // 16), other=0.0)
         s = (sc.to(tl.float32) * FACTOR).to(DT)
         # Scale in the compact [BN, G] tile, then broadcast to the 4 elements of its group: Triton
