@@ -37,14 +37,21 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
+
+# The repo root in, this folder out: benchmarks/kernels.py would shadow the ``kernels`` package that
+# transformers probes (so importing qerl from here failed on machines without Triton).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (_HERE, _HERE.parent)]
+
+from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
 
 SHAPES = {
     "7b": dict(
@@ -172,8 +179,9 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
 def copy_bandwidth() -> float:
     """The copy ceiling, bytes read + written per second, measured as benchmarks/kernels.py does
     (eager ``copy_`` and an SM copy kernel in a graph; the larger)."""
-    import kernels  # benchmarks/kernels.py: this script's folder is first on sys.path
-
+    spec = importlib.util.spec_from_file_location("qerl_bench_kernels", _HERE / "kernels.py")
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
     return kernels.copy_bandwidth()["max"]
 
 
@@ -575,9 +583,8 @@ def plot(path: Path) -> Path:
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     out = path.with_suffix(".png")
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, out)
+    with atomic_file(out) as tmp:
+        fig.savefig(tmp, dpi=120)
     return out
 
 
@@ -618,7 +625,7 @@ def main() -> None:
         args.tokens, args.hf_tokens = setup["new_tokens"], setup["hf_new_tokens"]
         result = build_result(rows, bw * 1e12, args, partial=data.get("partial"), env=env)
         result["date"], result["command"] = data["date"], f"{data['command']} ; merged: {result['command']}"
-        write_json(args.out, result)
+        atomic_write_text(args.out, json.dumps(result, indent=2))
         print(json.dumps(result["summary"], indent=2))
         return
     if args.from_partial:
@@ -635,7 +642,7 @@ def main() -> None:
         )
         rows, env = with_extra_rows(rows, args.vllm_rows, env)
         result = build_result(rows, bw * 1e12, args, partial=args.partial_note, env=env)
-        write_json(args.out, result)
+        atomic_write_text(args.out, json.dumps(result, indent=2))
         print(json.dumps(result["summary"], indent=2))
         return
     if not torch.cuda.is_available():
@@ -645,7 +652,7 @@ def main() -> None:
     if args.profile:
         profile(args)
     result = lora_sweep(args) if args.lora_sweep else run(args)
-    write_json(args.out, result)
+    atomic_write_text(args.out, json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))
 
 
@@ -653,16 +660,7 @@ def write_partial(args: argparse.Namespace, bw: float, rows: list[dict]) -> None
     """The rows so far beside ``--out`` (``.partial.json``), so a run cut off at its time limit keeps them."""
     if args.out is not None:
         partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
-        write_json(args.out.with_suffix(".partial.json"), partial, indent=1)
-
-
-def write_json(path: Path, result: dict, indent: int = 2) -> None:
-    """Write to a temporary file, then rename. Not qerl.fsutil: the --plot / --merge-into paths run on
-    machines without Triton, where importing qerl (hence transformers) from this folder fails, because
-    benchmarks/kernels.py shadows the `kernels` package transformers probes."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=indent))
-    os.replace(tmp, path)
+        atomic_write_text(args.out.with_suffix(".partial.json"), json.dumps(partial, indent=1))
 
 
 if __name__ == "__main__":
