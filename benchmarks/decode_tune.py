@@ -68,6 +68,28 @@ CANDIDATES = {
     "fused_m64n64k128w4s3": C(BM=64, BN=64, BK=128, warps=4, stages=3),
     "fused_m64n128k64w8s3": C(BM=64, BN=128, BK=64, warps=8, stages=3),
 }
+#: ``--large``: schedules for the batches GRPO decodes (M = 64 and 128; BM = 64, 128). At BM=64 the default
+#: holds 238 registers and 117 KB of shared memory, so one 4-warp program per SM issues on 25% of cycles
+#: (ncu, NOTES.md): eight warps (two warpgroups: over 128 weight rows sharing one x tile, or over the
+#: tokens of 64 rows) and BK=128 (half the x tile and registers) are what can fill an SM there.
+LARGE_CANDIDATES = {
+    "n64k256w4s3": D(64, 256, 4, 3),
+    "n64k128w4s3": D(64, 128, 4, 3),
+    "n64k128w4s4": D(64, 128, 4, 4),
+    "n64k256w8s3": D(64, 256, 8, 3),
+    "n64k128w8s3": D(64, 128, 8, 3),
+    "n64k128w8s4": D(64, 128, 8, 4),
+    "n64k128w8s3_r8": D(64, 128, 8, 3, resident=8),  # 116 registers, 61 KB at BM=64: two programs per SM
+    "n64k64w8s4": D(64, 64, 8, 4),
+    "n128k256w8s3": D(128, 256, 8, 3),
+    "n128k128w8s3": D(128, 128, 8, 3),
+    "n128k128w8s3_r8": D(128, 128, 8, 3, resident=8),  # 120 registers, 67 KB at BM=64: two per SM
+    "n128k128w8s4": D(128, 128, 8, 4),
+    "n128k64w8s4": D(128, 64, 8, 4),
+    "n256k128w8s3": D(256, 128, 8, 3),
+}
+LARGE_MS = (64, 128)
+LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
 
@@ -81,8 +103,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
-    """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed."""
+def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...], candidates: dict = CANDIDATES) -> list[dict]:
+    """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed (and, at M > 64,
+    the dequantize + cuBLAS path beside them)."""
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
@@ -90,7 +113,11 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w64.t()
         base = kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6
-        for name, cfg in CANDIDATES.items():
+        if m > 64:
+            t = kb.graph_time(layer.dq_fwd_fns(x)) * 1e6
+            rows.append({"shape": shape, "M": m, "cand": "dequantize+cuBLAS", "bf16_us": base, "us": t, "speedup": base / t})
+            print(f"{shape:8s} M={m:3d} dequantize+cuBLAS {t:8.1f} us  x{base / t:.2f}", flush=True)
+        for name, cfg in candidates.items():
             if isinstance(cfg, sch.Config):  # fused wgmma tiles: only where 64 tokens amortize the decode
                 if m < 64:
                     continue
@@ -182,6 +209,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
     ap.add_argument("--quick", action="store_true", help="no dequantize / M=1024 rows")
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
+    ap.add_argument("--large", action="store_true", help="only the M = 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -202,6 +230,19 @@ def main() -> None:
             layer.free()
             torch.cuda.empty_cache()
             atomic_write_text(out / "decode_splits.json", json.dumps(result, indent=1))
+        return
+    if args.large:
+        for shape in LARGE_SHAPES:
+            layer = kb.Layer(*MODEL_SHAPES[shape])
+            result["decode"] += decode_rows(layer, shape, LARGE_MS, LARGE_CANDIDATES)
+            layer.free()
+            torch.cuda.empty_cache()
+            atomic_write_text(out / "decode_tune_large.json", json.dumps(result, indent=1))
+        for m in LARGE_MS:
+            mine = {name: [r.get("us", float("inf")) for r in result["decode"] if r["cand"] == name and r["M"] == m]
+                    for name in LARGE_CANDIDATES}
+            total = {name: sum(us) for name, us in mine.items()}  # inf where a candidate failed anywhere
+            print(f"M={m}: summed over {LARGE_SHAPES}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items(), key=lambda kv: kv[1])))
         return
     for shape, (n, k) in SHAPES.items():
         layer = kb.Layer(n, k)

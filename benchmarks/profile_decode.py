@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float64).t()
     for _ in range(args.launches):
-        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.DEFAULT_DECODE)
+        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m))
     torch.cuda.synchronize()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {sch.decode_config(args.m, n, k, x.device)}, rel err {err:.1e}")

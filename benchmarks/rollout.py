@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     rows: list[dict] = []
     gen = torch.Generator().manual_seed(0)
-    for shape, batches in (("7b", (1, 8, 64)), ("32b", (8, 1))):
+    for shape, batches in (("7b", (1, 8, 64, 128)), ("32b", (8, 1))):
         if shape not in args.shapes or args.bnb_only:
             continue
         for variant in ("nvfp4", "bf16"):
@@ -463,8 +463,8 @@ def environment() -> dict:
             "python": sys.version.split()[0],
             **({"bitsandbytes": sys.modules["bitsandbytes"].__version__} if "bitsandbytes" in sys.modules else {}),
         },
-        # The NVFP4 decode schedule this run used (``QERL_DECODE_CONFIG`` or the code's default).
-        "decode_config": str(schedule.DEFAULT_DECODE),
+        # The NVFP4 decode schedules this run used (``QERL_DECODE_CONFIG``, or the code's per-BM defaults).
+        "decode_config": str(schedule.ENV_DECODE or schedule.DECODE_BY_BM),
     }
 
 
@@ -493,6 +493,7 @@ def build_result(
         "over_vllm_nvfp4_lora_b1": over_vllm("7b", 1),
         "over_vllm_nvfp4_lora_b8": over_vllm("7b", 8),
         "over_vllm_nvfp4_lora_b64": over_vllm("7b", 64),
+        "over_vllm_nvfp4_lora_b128": over_vllm("7b", 128),
         "over_vllm_nvfp4_lora_32b_b8": over_vllm("32b", 8),
         "nvfp4_over_bf16_b8": ratio(ms("7b", "native", "bf16", True, 8), ms("7b", "native", "nvfp4", True, 8)),
         "lora_overhead_b1": None if lora1 is None or nolora1 is None else round((lora1 - nolora1) / lora1, 4),

@@ -47,7 +47,7 @@ from qerl.checkpoint import quantization_config  # noqa: E402
 from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
 from qerl.lora import DEFAULT_TARGETS  # noqa: E402
 
-BATCHES = {"7b": (1, 8, 64), "32b": (1, 8)}
+BATCHES = {"7b": (1, 8, 64, 128), "32b": (1, 8)}
 WEIGHTS = ("nvfp4", "bf16")
 LORA_R = 16
 HEAD_DIM = 128
@@ -256,7 +256,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON to write (rewritten after every row)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="7b: 1/8/64, 32b: 1/8")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128], help="7b: 1/8/64/128, 32b: 1/8")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--config", type=parse_config, help="(internal) run one SHAPE:WEIGHTS in this process")

@@ -68,9 +68,11 @@ def _configs(M: int, N: int, K: int):
 SHAPES = [  # (M, N, K): awkward M, K % 128 != 0, N % 64 != 0
     (1, 200, 1040),
     (3, 4096, 3584),
+    (16, 1000, 2064),
     (17, 1000, 2064),
     (64, 264, 512),
     (65, 200, 1040),
+    (128, 1000, 2064),  # the largest decode batch: BM=128, eight warps
     (300, 1000, 3584),
     (4095, 520, 1040),
 ]
@@ -95,7 +97,7 @@ def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
         assert _rel(y, x.double() @ _w64(q).t()) < TOL
 
 
-@pytest.mark.parametrize("M", [1, 16, 33, 64, 200])
+@pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_lora_epilogue(M: int, rank: int) -> None:
     from qerl.kernels import nvfp4_decode

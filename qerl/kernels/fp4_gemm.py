@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .schedule import DECODE_MAX_M, Config, DecodeConfig, bwd_config, decode_config
+from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig, bwd_config, decode_config
 
 #: Split-K tickets: one int32 counter per output tile, zero between launches (the last program of a
 #: tile resets its own). Allocated once per device, before any CUDA-graph capture (see `_tickets`).
@@ -582,8 +582,7 @@ def matmul_t(
 ) -> torch.Tensor:
     """grad_x = grad_y @ W_hat for 2-D bf16/fp16 grad_y [M, N]; returns [M, K].
 
-    Like ``matmul``: the fused kernel for M <= DECODE_MAX_M or an explicit ``config``,
-    dequantize + cuBLAS above.
+    The fused kernel for M <= FUSED_BWD_MAX_M or an explicit ``config``, dequantize + cuBLAS above.
     """
     N, K = _check_weight(weight_packed, weight_scale)
     _check_act(grad_y, "grad_y")
@@ -591,7 +590,7 @@ def matmul_t(
         raise ValueError(f"grad_y must be [M, {N}], got {tuple(grad_y.shape)}")
     M = grad_y.shape[0]
     grad_y = grad_y.contiguous()
-    if config is None and M > DECODE_MAX_M:
+    if config is None and M > FUSED_BWD_MAX_M:
         gx = grad_y @ dequantize(weight_packed, weight_scale, weight_global_scale, grad_y.dtype)
         return gx if out is None else out.copy_(gx)
     gx = torch.empty((M, K), dtype=grad_y.dtype, device=grad_y.device) if out is None else out

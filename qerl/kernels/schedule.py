@@ -55,13 +55,13 @@ class DecodeConfig:
     resident: int = 4
 
     @classmethod
-    def from_env(cls) -> DecodeConfig:
-        """The default schedule, or the one ``QERL_DECODE_CONFIG`` names (``"BN=64,BK=128,stages=6"``):
-        lets a tuning run (benchmarks/decode_tune.py prints the line) try a schedule on whole models
-        without editing code. Unknown keys or non-integers are a one-line error."""
+    def from_env(cls) -> DecodeConfig | None:
+        """The schedule ``QERL_DECODE_CONFIG`` names (``"BN=64,BK=128,stages=6"``), or None when it is unset:
+        lets a tuning run (benchmarks/decode_tune.py prints the line) try one schedule at every M on whole
+        models without editing code. Unknown keys or non-integers are a one-line error."""
         spec = os.environ.get("QERL_DECODE_CONFIG", "").strip()
         if not spec:
-            return cls()
+            return None
         fields = {f for f in cls.__dataclass_fields__ if f != "x_split"}
         values = {}
         for item in spec.split(","):
@@ -72,10 +72,29 @@ class DecodeConfig:
         return cls(**values)
 
 
-#: The decode schedule used when a call names none (read once, at import).
-DEFAULT_DECODE = DecodeConfig.from_env()
-#: M at or below which the forward takes the split-K decode configuration.
-DECODE_MAX_M = 64
+#: The schedule ``QERL_DECODE_CONFIG`` forces at every M (read once, at import), else None.
+ENV_DECODE = DecodeConfig.from_env()
+#: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
+#: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
+#: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128
+#: weight rows (two warpgroups sharing one x tile, half the x re-reads of BN=64) took M=64 from 186.8 to
+#: 161.6 us and M=128 from 365.2 (the BM=64 schedule) / 340.6 (dequantize + cuBLAS) to 286.9 us. BK=128
+#: at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the 227 KB an SM has).
+DECODE_BY_BM = {
+    16: DecodeConfig(),
+    32: DecodeConfig(),
+    64: DecodeConfig(BN=128, BK=256, warps=8),
+    128: DecodeConfig(BN=128, BK=128, warps=8),
+}
+
+
+def default_decode(M: int) -> DecodeConfig:
+    """The schedule for M tokens: ``QERL_DECODE_CONFIG`` if set, else the measured one for its BM."""
+    return ENV_DECODE or DECODE_BY_BM[max(16, 1 << (M - 1).bit_length())]
+#: M at or below which the forward takes the split-K decode kernel (BM = 16..128 padded tokens).
+DECODE_MAX_M = 128
+#: M at or below which ``matmul_t`` (grad_x) takes the fused ``_bwd_kernel``; dequantize + cuBLAS above.
+FUSED_BWD_MAX_M = 64
 #: SMs of the device (filled lazily): the slots split-K fills.
 _SM_COUNT: dict[torch.device, int] = {}
 
@@ -127,12 +146,12 @@ def decode_split(tiles: int, k_steps: int, slots: int) -> int:
 
 
 def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfig | None = None) -> DecodeConfig:
-    """``cfg`` (default: ``DecodeConfig.from_env()``) with BK and split resolved for this shape.
+    """``cfg`` (default: ``default_decode(M)``) with BK and split resolved for this shape.
 
     BK halves (down to 64) until it divides K, so the model shapes take the unmasked EVEN_K loop;
     split comes from ``decode_split`` with the SM count x the programs an SM holds at this M.
     """
-    cfg = cfg or DEFAULT_DECODE
+    cfg = cfg or default_decode(M)
     bk = cfg.BK
     while K % bk and bk > 64:
         bk //= 2
@@ -161,6 +180,6 @@ def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Con
 
 
 def bwd_config(M: int, N: int, K: int) -> Config:
-    if M <= DECODE_MAX_M:
+    if M <= FUSED_BWD_MAX_M:
         return Config(BM=16 if M <= 16 else 64, BN=64, BK=128, warps=4, stages=3)
     return Config(BM=128, BN=64, BK=128, warps=8, stages=3)
