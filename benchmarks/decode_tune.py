@@ -68,7 +68,7 @@ CANDIDATES = {
     "fused_m64n64k128w4s3": C(BM=64, BN=64, BK=128, warps=4, stages=3),
     "fused_m64n128k64w8s3": C(BM=64, BN=128, BK=64, warps=8, stages=3),
 }
-#: ``--large``: schedules for the batches GRPO decodes (M = 64 and 128; BM = 64, 128). At BM=64 the default
+#: ``--large``: schedules for the batches GRPO decodes (M = 64 and 128; BM = 64, 128; M = 16 for reference). At BM=64 the default
 #: holds 238 registers and 117 KB of shared memory, so one 4-warp program per SM issues on 25% of cycles
 #: (ncu, NOTES.md): eight warps (two warpgroups: over 128 weight rows sharing one x tile, or over the
 #: tokens of 64 rows) and BK=128 (half the x tile and registers) are what can fill an SM there.
@@ -88,7 +88,7 @@ LARGE_CANDIDATES = {
     "n128k64w8s4": D(128, 64, 8, 4),
     "n256k128w8s3": D(256, 128, 8, 3),
 }
-LARGE_MS = (64, 128)
+LARGE_MS = (16, 64, 128)
 LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
     ap.add_argument("--quick", action="store_true", help="no dequantize / M=1024 rows")
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
-    ap.add_argument("--large", action="store_true", help="only the M = 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
+    ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -31,7 +31,7 @@ SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584), "q": (3584, 3584)}
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="down")
-    parser.add_argument("--m", type=int, default=1, help="tokens (1..64: the decode kernel's range)")
+    parser.add_argument("--m", type=int, default=1, help="tokens (1..128: the decode kernel's range)")
     parser.add_argument("--launches", type=int, default=5, help="launches (skip the first ones in ncu: -s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
