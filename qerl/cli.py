@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 #: Exit status of a run stopped by a user error (argparse's own convention).
@@ -45,6 +46,17 @@ def one_line(message: object) -> str:
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
     text = lines[0] if lines else type(message).__name__
     return text.removeprefix("error:").strip()
+
+
+@contextmanager
+def usage_errors(*types: type[BaseException]) -> Iterator[None]:
+    """Within the block, exceptions of ``types`` are bad input reported by a library (a missing file,
+    a value a config class refused) and become :class:`UsageError`. Meant for a command's setup phase
+    only, so that the same exception types raised later, by a bug, keep their traceback."""
+    try:
+        yield
+    except types as e:
+        raise UsageError(one_line(e)) from e
 
 
 class StrictParsing:
@@ -97,4 +109,5 @@ def _fail(message: object) -> int:
     return USAGE_EXIT
 
 
-__all__ = ["ArgumentParser", "StrictParsing", "UsageError", "run", "one_line", "USAGE_EXIT", "INTERRUPTED_EXIT"]
+__all__ = ["ArgumentParser", "StrictParsing", "UsageError", "run", "usage_errors", "one_line", "USAGE_EXIT",
+           "INTERRUPTED_EXIT"]

@@ -116,7 +116,12 @@ def local_model_dir(name_or_path: str | os.PathLike[str], what: str = "model pat
     if isinstance(resolved, str):
         from huggingface_hub import snapshot_download
 
-        resolved = Path(snapshot_download(resolved, allow_patterns=HUB_PATTERNS))
+        try:
+            resolved = Path(snapshot_download(resolved, allow_patterns=HUB_PATTERNS))
+        except (OSError, ValueError) as e:  # offline, unknown repo, invalid id: say it is not local either
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
+            raise FileNotFoundError(f"{what} {resolved!r}: no such local directory, and fetching it as a hub model "
+                                    f"id failed ({reason.rstrip('.')})") from e
     if not resolved.is_dir():
         raise NotADirectoryError(f"{what} {resolved} is not a model directory")
     return resolved

@@ -56,3 +56,12 @@ def test_parser_no_prefix_matching_and_one_line_errors(capsys: pytest.CaptureFix
     assert run(lambda argv: _parser().parse_args(argv), ["--learning_rate", "fast"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: argument --learning_rate: invalid float value: 'fast'") and err.count("\n") == 1
+
+
+def test_usage_errors_only_inside_the_block() -> None:
+    from qerl.cli import usage_errors
+
+    with pytest.raises(UsageError, match=r"^--rewards: unknown \['x'\]$"), usage_errors(ValueError):
+        raise ValueError("--rewards: unknown ['x']\nmore")
+    with pytest.raises(KeyError), usage_errors(ValueError):
+        raise KeyError("a bug, not bad input")
