@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl.cli import UsageError
+from qerl.hub import path_shaped
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -94,12 +95,6 @@ def _read_hub(data: str, config: str | None, split: str) -> list[dict[str, Any]]
         ) from None
 
 
-def _looks_local(data: str) -> bool:
-    """A path-shaped ``--data`` (file suffix, explicit directory, more than the one slash of ``owner/name``)
-    must never fall through to the hub: a typo in a path should say "no such file"."""
-    return data.endswith(LOCAL_SUFFIXES) or data.startswith(("/", ".", "~")) or data.count("/") > 1
-
-
 def load_problems(
     data: str,
     *,
@@ -120,7 +115,7 @@ def load_problems(
         rows, where = _read_local(path), str(path)
     elif path.is_dir():
         raise UsageError(f"--data {data}: is a directory; expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id")
-    elif _looks_local(data):
+    elif path_shaped(data, LOCAL_SUFFIXES):
         raise UsageError(f"--data {data}: no such file (expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id)")
     else:
         rows, where = _read_hub(data, config, split), f"{data}[{split}]"

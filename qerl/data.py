@@ -22,6 +22,7 @@ from typing import Any
 
 from datasets import Dataset
 
+from qerl.hub import path_shaped
 from qerl.prompts import chat_messages, encode_chat
 from qerl.rewards import gsm8k_gold
 
@@ -80,12 +81,6 @@ def _reason(e: BaseException) -> str:
     return (lines[0] if lines else type(e).__name__)[:200]
 
 
-def _looks_local(source: str) -> bool:
-    """A path-shaped ``--dataset_path`` (file suffix, explicit directory, more than the one slash of
-    ``owner/name``) is never tried on the hub: a typo in a path must say "no such file"."""
-    return source.endswith(LOCAL_SUFFIXES) or source.startswith((".", "/", "~")) or source.count("/") > 1
-
-
 def _read_source(name: str, source: str | None, split: str) -> Dataset:
     """A local path, else a hub id (the spec's own when ``source`` is None)."""
     s = spec(name)
@@ -94,7 +89,7 @@ def _read_source(name: str, source: str | None, split: str) -> Dataset:
     hub_id = source or s.hub_id
     if hub_id is None:
         raise ValueError(f"--dataset {name}: needs --dataset_path (a local file or a hub id)")
-    if source is not None and _looks_local(source):
+    if source is not None and path_shaped(source, LOCAL_SUFFIXES):
         raise FileNotFoundError(f"--dataset_path {source}: no such file or directory")
     import datasets
 

@@ -7,7 +7,6 @@ PATH offers only a ``python``/``python3`` without torch, as on a machine where n
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
