@@ -229,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
         logger.info("held-out accuracy before training: %.4f", summary["heldout_accuracy_before"])
 
-    run_record.save(out, wanted)
+    if trainer.is_world_process_zero():
+        run_record.save(out, wanted)
     checkpoint = last_complete_checkpoint(out)
     if checkpoint:
         logger.info("resuming from %s", checkpoint)
