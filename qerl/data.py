@@ -22,6 +22,7 @@ from typing import Any
 
 from datasets import Dataset
 
+from qerl.hub import path_shaped
 from qerl.prompts import chat_messages, encode_chat
 from qerl.rewards import gsm8k_gold
 
@@ -45,6 +46,7 @@ DATASETS: dict[str, DatasetSpec] = {
     "dapo-math": DatasetSpec("open-r1/DAPO-Math-17k-Processed", "en", "dapo", ("dapo",)),
     "arithmetic": DatasetSpec(None, None, "tags", ("soft_format", "gsm8k")),
 }
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 #: The reference's spellings.
 ALIASES = {"dapomath": "dapo-math", "dapo_math": "dapo-math", "bigmath-hard": "bigmath_hard"}
 
@@ -63,11 +65,20 @@ def _read_local(path: Path) -> Dataset:
         if not found:
             raise FileNotFoundError(f"--dataset_path {path}: directory has no train.jsonl, train.json or train.parquet")
         path = found[0]
-    if path.suffix in (".jsonl", ".json"):
-        return Dataset.from_json(str(path))
-    if path.suffix == ".parquet":
-        return Dataset.from_parquet(str(path))
-    raise ValueError(f"--dataset_path {path}: expected a .jsonl, .json or .parquet file")
+    if path.suffix not in LOCAL_SUFFIXES:
+        raise ValueError(f"--dataset_path {path}: expected a .jsonl, .json or .parquet file")
+    try:
+        return Dataset.from_parquet(str(path)) if path.suffix == ".parquet" else Dataset.from_json(str(path))
+    except Exception as e:  # datasets wraps the reader's error (binary file, bad JSON) in its own types
+        raise ValueError(f"--dataset_path {path}: not a readable {path.suffix} file ({_reason(e)})") from e
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of the innermost error (datasets' own message only says that one occurred)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:200]
 
 
 def _read_source(name: str, source: str | None, split: str) -> Dataset:
@@ -78,11 +89,16 @@ def _read_source(name: str, source: str | None, split: str) -> Dataset:
     hub_id = source or s.hub_id
     if hub_id is None:
         raise ValueError(f"--dataset {name}: needs --dataset_path (a local file or a hub id)")
-    if source is not None and source.startswith((".", "/", "~")):
+    if source is not None and path_shaped(source, LOCAL_SUFFIXES):
         raise FileNotFoundError(f"--dataset_path {source}: no such file or directory")
     import datasets
 
-    return datasets.load_dataset(hub_id, s.config if source is None else None, split=split)
+    try:
+        return datasets.load_dataset(hub_id, s.config if source is None else None, split=split)
+    except Exception as e:  # datasets raises many unrelated types for "cannot get it"
+        where = f"--dataset_path {source}: no such local file or directory, and" if source else f"--dataset {name}:"
+        raise FileNotFoundError(f"{where} loading hub data set {hub_id} failed ({_reason(e)}); "
+                                "pass a local .jsonl/.json/.parquet file as --dataset_path") from e
 
 
 def _pick(row: dict[str, Any], fields: tuple[str, ...], what: str, columns: list[str]) -> Any:

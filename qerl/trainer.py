@@ -12,7 +12,10 @@ What is overridden, and why (tested against trl 1.16; ``TRL_RANGE`` below):
   function, entropy, completion lengths and step time are trl's own).
 * ``_save_checkpoint`` / ``train``: a checkpoint counts only once its completion marker is written
   (atomically, after everything else); resume picks the newest *complete* checkpoint and moves
-  half-written ones aside, because transformers writes straight into ``checkpoint-N``.
+  half-written ones aside, because transformers writes straight into ``checkpoint-N``. Resuming from
+  a checkpoint that already reached ``max_steps`` restores it without training (transformers would
+  run one more step), and ``metrics.jsonl`` drops the rows of steps after the checkpoint, which are
+  about to be trained again, so that no step has two rows.
 
 Everything else is trl's: the loss types (grpo, bnpo, dr_grpo, dapo, ...), advantages, clipping,
 and the per-token log-probs/entropies, which trl 1.16 computes through its fused, chunked LM head
@@ -40,8 +43,6 @@ import copy
 import importlib.util
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,12 +52,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers import TrainerCallback, TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 from trl import GRPOConfig, GRPOTrainer
 
 from qerl.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule, NormNoise, draw_seed, norm_weights
 from qerl.fsutil import atomic_write_text
+from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.rewards import guarded
 from qerl.rollout import KINDS, SamplingParams, get_engine
 
@@ -64,10 +66,6 @@ logger = logging.getLogger(__name__)
 
 #: trl versions this subclass was tested with (its hooks are private and move between releases).
 TRL_RANGE = (">=1.16.0", "<1.17")
-#: Written last into every checkpoint; a checkpoint without it is incomplete.
-CHECKPOINT_MARKER = "qerl_checkpoint.json"
-#: Metrics appended one JSON line per log step (read by ``qerl.plot``; survives crashes).
-METRICS_FILE = "metrics.jsonl"
 _BNB_OPTIMIZERS = ("8bit", "bnb", "lion_32bit", "paged_")
 #: Learning rates of the reference recipes (qerl_method.md §6.2): NVFP4+LoRA, bf16 LoRA.
 LR_NVFP4, LR_BF16 = 1e-5, 5e-6
@@ -239,21 +237,6 @@ def keep_trainable_fp32(model: nn.Module) -> list[str]:
     return upcast
 
 
-class _MetricsFile(TrainerCallback):
-    """Appends every log record (with its step) to ``output_dir/metrics.jsonl``, flushed per line."""
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if not state.is_world_process_zero or not logs:
-            return
-        os.makedirs(args.output_dir, exist_ok=True)
-        record = {
-            "step": state.global_step,
-            **{k: v for k, v in logs.items() if isinstance(v, (int, float, str)) or v is None},
-        }
-        with open(os.path.join(args.output_dir, METRICS_FILE), "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 class QeRLTrainer(GRPOTrainer):
     """GRPO/DAPO on NVFP4 (or bf16) models with LoRA, qerl rollouts and AQN."""
 
@@ -300,7 +283,7 @@ class QeRLTrainer(GRPOTrainer):
         self._noise: NormNoise | None = None
         self._rollout_index = (-1, 0)  # (global step, rollouts drawn at that step): seeds the sampler
         self._resume_marker: dict[str, Any] | None = None
-        self.add_callback(_MetricsFile())
+        self.add_callback(MetricsFile())
 
     # ------------------------------------------------------------------ rollout
 
@@ -469,8 +452,19 @@ class QeRLTrainer(GRPOTrainer):
                     f"--resume_from_checkpoint {path}: incomplete (no {CHECKPOINT_MARKER}); the save was interrupted"
                 )
             self._resume_marker = json.loads((path / CHECKPOINT_MARKER).read_text())
+            if 0 < self.args.max_steps <= self._resume_marker.get("global_step", 0):
+                return self._restore_finished(path)
             self.add_callback(_ResumeCheck(self))
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def _restore_finished(self, checkpoint: Path) -> TrainOutput:
+        """Load a checkpoint that already reached ``max_steps`` (weights and state) and train nothing:
+        transformers' loop runs a step before it checks ``max_steps``, so ``train`` would overshoot."""
+        self._load_from_checkpoint(str(checkpoint))
+        self.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        logger.info("%s is at step %d, max_steps is %d: restored, nothing left to train",
+                    checkpoint, self.state.global_step, self.args.max_steps)
+        return TrainOutput(self.state.global_step, float("nan"), {})
 
 
 class _ResumeCheck(TrainerCallback):
@@ -494,27 +488,6 @@ class _ResumeCheck(TrainerCallback):
                 self.trainer.aqn.stage(state.global_step, max(1, state.max_steps)),
                 self.trainer.current_sigma(),
             )
-
-
-def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
-    """Newest ``checkpoint-N`` holding the completion marker; incomplete ones are renamed aside
-    (``.incomplete-checkpoint-N``) so that neither resume nor rotation ever picks them up."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for d in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
-        suffix = d.name[len(PREFIX_CHECKPOINT_DIR) + 1 :]
-        if not d.is_dir() or not suffix.isdigit():
-            continue
-        if not (d / CHECKPOINT_MARKER).exists():
-            aside = root / f".incomplete-{d.name}-{int(time.time())}"
-            logger.warning("checkpoint %s is incomplete (interrupted save); moving it to %s", d, aside)
-            shutil.move(str(d), str(aside))
-            continue
-        if best is None or int(suffix) > best[0]:
-            best = (int(suffix), d)
-    return None if best is None else str(best[1])
 
 
 __all__ = ["QeRLConfig", "QeRLTrainer", "last_complete_checkpoint", "CHECKPOINT_MARKER", "METRICS_FILE"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -76,6 +77,21 @@ def make_tiny_llama(out_dir: Path, *, hidden: int = 64, intermediate: int = 128,
                 p.normal_(0, 0.05)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def make_tiny_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random tiny Llama that speaks SmolLM2's vocabulary (its tokenizer and chat template copied in):
+    a model the trainer and the evaluation CLIs load and run end to end in about a second."""
+    out = make_tiny_llama(out_dir, vocab=49152, bos_token_id=1, eos_token_id=2, seed=seed)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random dense (non-quantized) tiny Llama with SmolLM2's tokenizer."""
+    return make_tiny_chat_model(tmp_path_factory.mktemp("dense") / "tiny", smollm2_dir)
 
 
 @pytest.fixture

@@ -208,17 +208,6 @@ def test_incomplete_checkpoint_is_refused(run: dict[str, Any], tmp_path: Path) -
         run["trainer"].train(resume_from_checkpoint=str(ckpt))
 
 
-@pytest.fixture(scope="module")
-def tiny_dense_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random dense (non-quantized) tiny Llama with SmolLM2's tokenizer."""
-    from conftest import make_tiny_llama
-
-    out = make_tiny_llama(tmp_path_factory.mktemp("dense") / "tiny", vocab=49152, bos_token_id=1, eos_token_id=2)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2_dir / name, out / name)
-    return out
-
-
 def test_aqn_on_a_dense_model_with_per_token_draws(tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from qerl.aqn import NormNoise
 

@@ -2,8 +2,10 @@
 # Shared body of the dapo_qwen2.5-*_single_gpu.sh scripts: the reference's single-GPU settings
 # (qerl_method.md §6.2) mapped onto `python -m qerl.train`. Sourced, then called as
 #   qerl_single_gpu SIZE PRECISION BATCH VLLM_MEM DEFAULT_DATA [extra qerl.train flags...]
-# Environment overrides: MODEL_PATH, DATA_NAME, DATA_PATH, OUTPUT_DIR, ENGINE (native|vllm|hf), OPTIM, LR.
+# Environment overrides: MODEL_PATH, DATA_NAME, DATA_PATH, OUTPUT_DIR, ENGINE (native|vllm|hf), OPTIM, LR,
+# PYTHON (default: the project's .venv; see _python.sh).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"
 
 qerl_single_gpu() {
     local size=$1 precision=$2 batch=$3 vllm_mem=$4 default_data=$5
@@ -40,5 +42,6 @@ qerl_single_gpu() {
     [[ -n ${DATA_PATH:-} ]] && args+=(--dataset-path "$DATA_PATH")
     [[ -n ${LR:-} ]] && args+=(--learning-rate "$LR")
     cd "$root"
-    exec python -m qerl.train "${args[@]}" "$@"
+    qerl_python "$root"
+    exec "$PYTHON" -m qerl.train "${args[@]}" "$@"
 }

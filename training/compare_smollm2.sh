@@ -2,11 +2,11 @@
 # Three runs with the same seed and data, side by side on one GPU (SmolLM2-135M is far too small to
 # fill an H200): QeRL (NVFP4 + LoRA + AQN), NVFP4 LoRA without AQN, bf16 LoRA. Each measures greedy
 # held-out accuracy before and after; the curves are overlaid with qerl.plot.
-#   BF16_DIR=... NVFP4_DIR=... OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
+#   BF16_DIR=... NVFP4_DIR=... QERL_OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
 # Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200).
 # RUN_TIMEOUT stops a run that outlives it (SIGINT) so that the plots and the table still get written
 # from what it logged; such a run counts as failed. Exit status: nonzero if any run or the plotting failed.
-# Results: OUT/results.json (per run: exit code, steps, held-out accuracy before/after, train runtime),
+# Results (OUT = $QERL_OUT, default runs/compare): OUT/results.json (per run: exit code, steps, held-out accuracy before/after, train runtime),
 # OUT/plots/{reward,entropy,sigma,completion_length}.png + curves.csv, OUT/<run>.log, OUT/<run>/ (metrics.jsonl,
 # summary.json, adapter/).
 # Deliberate deviations from the 7B recipes, the same for all three runs: one LR (LR, default 5e-5) instead
@@ -26,8 +26,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 : "${BF16_DIR:?set BF16_DIR to the dense SmolLM2 directory}" "${NVFP4_DIR:?set NVFP4_DIR to its NVFP4 checkpoint}"
-OUT=${OUT:-runs/compare}
-PYTHON=${PYTHON:-python}
+OUT=${QERL_OUT:-runs/compare}
+source "$root/training/_python.sh"
+qerl_python "$root"  # PYTHON, else the project's .venv
 export PYTHONUNBUFFERED=1
 limit=()
 if [[ -n "${RUN_TIMEOUT:-}" ]]; then
