@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from trl import TrlParser
 
 from qerl import data as qdata
@@ -120,8 +119,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(script, name) is not None:
             logger.warning("--%s is a reference leftover and is ignored", name.replace("_", "-"))
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(script.model_name, device=device, load=script.load)
+    # This process's device: cuda:LOCAL_RANK under `accelerate launch` (one process per GPU), cuda
+    # alone, else CPU. Loading straight there keeps N processes from all filling the first GPU.
+    model = load_model(script.model_name, device=config.device, load=script.load)
     tokenizer = load_tokenizer(script.model_name)
     quantized = is_nvfp4_model(model)
     logger.info("model %s: %s", script.model_name, "NVFP4 base" if quantized else "dense base")
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = QeRLTrainer(model, rewards, config, train_dataset=train_rows, processing_class=tokenizer, peft_config=peft)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if len(heldout_rows):  # question/answer rows: `python -m eval.gsm8k` (numeric golds) or eval.math can score them
+    main_process = trainer.accelerator.is_main_process  # the one that writes files under data parallelism
+    if len(heldout_rows) and main_process:  # question/answer rows: `python -m eval.gsm8k` (numeric golds) or eval.math can score them
         write_jsonl(out / "heldout.jsonl", [{"question": p[-1]["content"], "answer": a}
                                              for p, a in zip(heldout_rows["prompt"], heldout_rows["answer"], strict=True)])
     summary: dict[str, Any] = {"model": script.model_name, "nvfp4": quantized, "dataset": script.dataset,
@@ -157,16 +158,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
         logger.info("held-out accuracy before training: %.4f", summary["heldout_accuracy_before"])
 
-    resume = last_complete_checkpoint(out) if script.auto_resume else None
+    with trainer.accelerator.main_process_first():  # it may move incomplete checkpoints aside: one at a time
+        resume = last_complete_checkpoint(out) if script.auto_resume else None
     if resume:
         logger.info("resuming from %s", resume)
     result = trainer.train(resume_from_checkpoint=resume)
     summary["train_runtime_s"] = result.metrics.get("train_runtime")
     summary["global_step"] = trainer.state.global_step
-    summary["adapter"] = str(save_adapter(trainer, out / "adapter"))
+    summary["adapter"] = str(save_adapter(trainer, out / "adapter") if main_process else out / "adapter")
     if len(heldout_rows):
         summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
         logger.info("held-out accuracy after training: %.4f", summary["heldout_accuracy_after"])
+    if not main_process:
+        return summary
     if script.plot:
         from qerl.plot import write_plots
 
