@@ -23,6 +23,7 @@ from ddp_grpo_worker import GROUP, STEPS, run
 from qerl.quantize import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # ~50 s: two processes start trl each
 
 
 def free_port() -> int:
