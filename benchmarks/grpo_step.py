@@ -66,11 +66,24 @@ trainable parameter / 4.24 TB/s. See benchmarks/NOTES.md "GRPO step".
     python benchmarks/grpo_step.py --floors                          # analytic floors only
     python benchmarks/grpo_step.py --shapes 7b --profile --out $OUT/grpo_step_profile.json
         # the timed fwd_bwd under torch.profiler: device-busy share, top kernels, host cost of the qerl ops
+    python benchmarks/grpo_step.py --shapes 72b --bases nvfp4 --steps 1 --out $OUT/grpo_step_72b.json
+        # Qwen2.5-72B shape, NVFP4 only (the estimate, --floors: ~65 GB peak; target <= 80 GB)
+    python benchmarks/grpo_step.py --shapes 7b --bases nvfp4 --out $OUT/g1.json && \
+    accelerate launch --config_file training/accelerate/ddp.yaml --num_processes 2 benchmarks/grpo_step.py \
+        --shapes 7b --bases nvfp4 --out $OUT/g2.json --baseline $OUT/g1.json
+        # data parallel: the same global batch (8 completions) split 4 + 4 over 2 GPUs, each rank with its own
+        # engine and micro-batches, gradients all-reduced in the last micro-step; rank 0 writes the JSON, whose
+        # summary has ddp_throughput_ratio_7b_nvfp4 = 1-GPU step time / 2-GPU step time (target >= 1.8)
+
+Peak memory is ``torch.cuda.max_memory_allocated`` per phase (``peak_gb``) and the allocator's reserved peak
+over the step (``peak_reserved_gb_step``, what a card must hold); ``memory_estimate_gb`` is the analytic
+estimate of benchmarks/grpo_floors.py beside it. Under data parallelism the row is rank 0's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.util
@@ -89,94 +102,32 @@ import torch
 from torch import nn
 
 
-def _load_rollout_module() -> Any:
-    """benchmarks/rollout.py (the Qwen2.5 shapes), loaded by path. This folder leaves sys.path (its
-    kernels.py would shadow the ``kernels`` package that transformers probes at import); the repo
-    root joins it, so ``qerl`` imports without installation, as in the other benchmarks."""
+def _load_sibling(name: str) -> Any:
+    """benchmarks/NAME.py, loaded by path. This folder leaves sys.path (its kernels.py would shadow the
+    ``kernels`` package that transformers probes at import); the repo root joins it, so ``qerl``
+    imports without installation, as in the other benchmarks."""
     here = Path(__file__).resolve().parent
     sys.path[:] = [str(here.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (here, here.parent)]
-    spec = importlib.util.spec_from_file_location("qerl_bench_rollout", here / "rollout.py")
+    spec = importlib.util.spec_from_file_location(f"qerl_bench_{name}", here / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_rollout = _load_rollout_module()
-SHAPES: dict[str, dict[str, int]] = _rollout.SHAPES
+_rollout = _load_sibling("rollout")  # the Qwen2.5 7B/32B shapes and the random model builder
+_floors = _load_sibling("grpo_floors")  # shape counts, time floors, the memory estimate
+SHAPES: dict[str, dict[str, int]] = {**_rollout.SHAPES, "72b": _floors.QWEN2_5_72B}
 VOCAB: int = _rollout.VOCAB
+COPY_BW, MATMUL_FLOPS = _floors.COPY_BW, _floors.MATMUL_FLOPS
+shape_counts, floors, memory_estimate = _floors.shape_counts, _floors.floors, _floors.memory_estimate
 
-#: Device-to-device copy bandwidth measured on the H200 (benchmarks/results/rollout_lora_b1*.json).
-COPY_BW = 4.24e12
-#: Dense bf16 matmul rate used as the training floor (H200, benchmarks/NOTES.md kernels floors).
-MATMUL_FLOPS = 790e12
-#: AdamW + clipping bytes per fp32 trainable parameter: read p, g, m, v and write p, m, v (28 B),
-#: the clip's norm read of g and its in-place scale (12 B).
-OPTIMIZER_BYTES_PER_PARAM = 40
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 TINY_VOCAB = 256
 PHASES = ("rollout", "logprobs", "fwd_bwd", "optimizer", "other")
-TARGETS = {"peak_gb_32b_nvfp4": ("<=", 48.0), "step_speedup_7b": (">=", 1.3)}
+#: peak_gb_72b_nvfp4: fits an 80 GB card; ddp_throughput_*: 2 GPUs vs 1 on the same global batch (--baseline).
+TARGETS = {"peak_gb_32b_nvfp4": ("<=", 48.0), "step_speedup_7b": (">=", 1.3), "peak_gb_72b_nvfp4": ("<=", 80.0),
+           "ddp_throughput_ratio_7b_nvfp4": (">=", 1.8)}  # fmt: skip
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-# ---------------------------------------------------------------------------------------------- floors
-
-
-def shape_counts(shape: dict[str, int], vocab: int, lora_r: int) -> dict[str, int]:
-    """Parameter and byte counts of a Llama/Qwen2 shape that the floors need."""
-    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    head_dim = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * head_dim
-    in_out = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
-    return {
-        "layers": layers,
-        "hidden": h,
-        "linear_params": layers * sum(a * b for a, b in in_out),
-        "lm_head_params": h * vocab,
-        "lora_params": layers * lora_r * sum(a + b for a, b in in_out),
-        "norm_params": layers * 2 * h,
-        "kv_bytes_per_position": layers * 2 * kv * 2,  # K and V, bf16
-    }
-
-
-def floors(
-    shape: dict[str, int],
-    vocab: int,
-    nvfp4: bool,
-    n: int,
-    prompt: int,
-    tokens: int,
-    lora_r: int,
-    micro: int | None = None,
-) -> dict[str, float]:
-    """Lower bounds (seconds) of each phase; the derivation is in the module docstring and NOTES.md.
-    ``micro`` (default n) completions per training pass: NVFP4 dequantizes every weight once per pass."""
-    c = shape_counts(shape, vocab, lora_r)
-    passes = n // (micro or n)
-    weight_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2) + c["lm_head_params"] * 2
-    kv_mean = n * c["kv_bytes_per_position"] * (prompt + tokens / 2)
-    step_bytes = weight_bytes + c["lora_params"] * 2 + kv_mean
-    seq = prompt + tokens
-    # Forward flops: every token through the decoder Linears, only completion tokens through the LM
-    # head (trl scores those only), causal attention QK^T + PV = 2 * layers * hidden * seq^2 per row.
-    linear = 2 * c["linear_params"] * n * seq + 2 * c["lm_head_params"] * n * tokens
-    attention = 2 * c["layers"] * c["hidden"] * seq * seq * n
-    dequant = passes * c["linear_params"] * (9 / 16 + 2) / COPY_BW if nvfp4 else 0.0  # read FP4, write bf16, per pass
-    phases = {
-        "rollout_s": (tokens - 1) * step_bytes / COPY_BW,
-        "logprobs_s": (linear + attention) / MATMUL_FLOPS + dequant,
-        # forward + checkpoint recompute + input-gradient backward (3x the Linears; flash attention's
-        # backward is ~2x its forward, so 4x); LoRA weight gradients are < 1% and left out.
-        "fwd_bwd_s": (3 * linear + 4 * attention) / MATMUL_FLOPS + 3 * dequant,
-        "optimizer_s": (c["lora_params"] + c["norm_params"]) * OPTIMIZER_BYTES_PER_PARAM / COPY_BW,
-    }
-    return {
-        "decode_step_ms": step_bytes / COPY_BW * 1e3,
-        **phases,
-        "step_s": sum(phases.values()),
-        "weight_gb": weight_bytes / 1e9,
-        "step_flops_tflop": (4 * linear + 5 * attention) / 1e12,
-    }
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -243,7 +194,7 @@ def make_trainer(
     from qerl.lora import lora_config
     from qerl.trainer import QeRLConfig, QeRLTrainer
 
-    accumulation = args.n // args.micro_batch
+    accumulation = args.local_n // args.micro_batch  # per process: its share of the group, in micro-batches
     config = QeRLConfig(
         output_dir=out_dir, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation, num_generations=args.n,
@@ -290,6 +241,7 @@ class PhaseClock:
         self.current: str | None = None
         self.seconds: dict[str, float] = {}
         self.peak: dict[str, int] = {}
+        self.peak_reserved = 0  # the caching allocator's peak over the span: what a card must really hold
         self._t = 0.0
         self.profile_phase = profile  # this phase of the timed step runs under torch.profiler
         self.profile: dict[str, Any] | None = None  # profile_table() of it, once taken
@@ -303,6 +255,7 @@ class PhaseClock:
             self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self._t
             if self.cuda:
                 self.peak[self.current] = max(self.peak.get(self.current, 0), torch.cuda.max_memory_allocated())
+                self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved())
         if self._profiler is not None and name != self.current:
             self._profiler.__exit__(None, None, None)  # the device is synchronized: every kernel is in
             self.profile = profile_table(self._profiler, self.seconds[self.current])
@@ -327,7 +280,7 @@ class PhaseClock:
     @contextmanager
     def run(self) -> Iterator[PhaseClock]:
         """One measured span: starts in ``other``, clears earlier segments."""
-        self.seconds, self.peak, self.current = {}, {}, None
+        self.seconds, self.peak, self.current, self.peak_reserved = {}, {}, None, 0
         self.switch("other")
         try:
             yield self
@@ -408,8 +361,11 @@ def grpo_step(trainer: Any, prompts: list[dict[str, str]], clock: PhaseClock) ->
     losses = []
     for i in range(accumulation):
         # The loop's prefetch sets this by hand: gradients "sync" (and trl logs per-step metrics) on the last.
-        trainer.accelerator.gradient_state._set_sync_gradients(i == accumulation - 1)
-        losses.append(trainer.training_step(model, prompts, None))
+        last = i == accumulation - 1
+        trainer.accelerator.gradient_state._set_sync_gradients(last)
+        # As the loop: under DDP the gradients are all-reduced in the last micro-step's backward only.
+        with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model):
+            losses.append(trainer.training_step(model, prompts, None))
     clock.switch("optimizer")
     grad_norm = trainer._clip_grad_norm(model)
     trainer.optimizer.step()
@@ -471,7 +427,7 @@ def capture_decode_graphs(trainer: Any, args: argparse.Namespace, gen: torch.Gen
     try:
         for end in range(round_up(args.prompt + args.tokens, kv_block), args.prompt, -kv_block):
             ids = torch.randint(1, vocab, (end - 9,), generator=gen).tolist()
-            trainer._generate_single_turn([ids] * args.n, None, None, args.n)
+            trainer._generate_single_turn([ids] * args.local_n, None, None, args.n)
     finally:
         trainer.max_completion_length = saved
 
@@ -537,6 +493,7 @@ def measure(
         row["profile"] = {"phase": clock.profile_phase, "timed_step": 1, **(clock.profile or {})}
     row["peak_gb"] = {p: gb(clock.peak.get(p)) if cuda else None for p in PHASES}
     row["peak_gb_step"] = gb(max(clock.peak.values())) if cuda else None
+    row["peak_reserved_gb_step"] = gb(clock.peak_reserved) if cuda else None
     if cuda and row["peak_gb"]["logprobs"] is not None:  # the chunked head's transient vs full_logits_fp32_gb
         row["logprobs_peak_over_start_gb"] = round(row["peak_gb"]["logprobs"] - row["allocated_at_step_start_gb"], 3)
     row["loss"], row["grad_norm"] = loss, grad_norm
@@ -546,7 +503,7 @@ def measure(
     row["micro_batch_rows"] = probe.micro_rows  # one entry per backward pass
     row["optimizer_steps_total"] = int(optimizer.state[probe.watched]["step"])  # warm-up + timed steps
     row["completion_lengths"] = sorted(set(probe.completion_lengths))
-    row["forced_length"] = probe.completion_lengths == [args.tokens] * args.n
+    row["forced_length"] = probe.completion_lengths == [args.tokens] * args.local_n
     row["decode_steps"] = probe.decode_steps
     row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)
     measured = {**row["phases_s"], "step": row["step_s"]}
@@ -569,13 +526,14 @@ def run_config(
     shape, vocab, arch = resolve_shape(shape_name)
     base = "nvfp4" if nvfp4 else ("bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."))
     counts = shape_counts(shape, vocab, args.lora_r)
+    sizes = (args.local_n, args.prompt, args.tokens, args.lora_r, args.micro_batch)  # this process's share
     row: dict[str, Any] = {
-        "shape": shape_name, "base": base, "n": args.n, "micro_batch": args.micro_batch,
-        "gradient_accumulation_steps": args.n // args.micro_batch, "prompt_tokens": args.prompt, "new_tokens": args.tokens,
-        "lora_r": args.lora_r, "status": "ok",
-        "floors": {k: sig(v) for k, v in floors(shape, vocab, nvfp4, args.n, args.prompt, args.tokens, args.lora_r,
-                                                  args.micro_batch).items()},
-        "full_logits_fp32_gb": gb(args.n * args.tokens * vocab * 4),
+        "shape": shape_name, "base": base, "n": args.n, "processes": args.processes, "n_per_process": args.local_n,
+        "micro_batch": args.micro_batch, "gradient_accumulation_steps": args.local_n // args.micro_batch,
+        "prompt_tokens": args.prompt, "new_tokens": args.tokens, "lora_r": args.lora_r, "status": "ok",
+        "floors": {k: sig(v) for k, v in floors(shape, vocab, nvfp4, *sizes).items()},
+        "memory_estimate_gb": {k.removesuffix("_gb"): sig(v) for k, v in memory_estimate(shape, vocab, nvfp4, *sizes).items()},
+        "full_logits_fp32_gb": gb(args.local_n * args.tokens * vocab * 4),
     }  # fmt: skip
     clock = PhaseClock(device, "fwd_bwd" if args.profile else None)
     gen = torch.Generator().manual_seed(0)
@@ -586,7 +544,7 @@ def run_config(
     try:
         with tempfile.TemporaryDirectory(prefix="qerl-grpo-step-") as out_dir:
             prompt = " ".join(f"t{i}" for i in torch.randint(1, vocab, (args.prompt,), generator=gen).tolist())
-            prompts = [{"prompt": prompt}] * args.n  # trl's RepeatSampler: n copies of one prompt
+            prompts = [{"prompt": prompt}] * args.local_n  # trl's RepeatSampler: n copies of one prompt, split over ranks
             torch.manual_seed(0)  # LoRA A init and the batch shuffle: the same step whatever --micro-batch
             trainer = make_trainer(
                 build_model(shape, vocab, nvfp4, device, dtype, arch), build_tokenizer(vocab), prompts[0], args, out_dir
@@ -594,7 +552,7 @@ def run_config(
             row["build_s"] = round(time.perf_counter() - t0, 2)
             row["engine_kv_cache_gb"] = gb(
                 counts["kv_bytes_per_position"]
-                * args.n
+                * args.local_n
                 * round_up(args.prompt + args.tokens, trainer.rollout_engine().kv_block)
             )
             measure(trainer, prompts, args, row, clock, gen, vocab)
@@ -626,10 +584,17 @@ def run_config(
 # ---------------------------------------------------------------------------------------------- report
 
 
-def summarize(rows: list[dict]) -> dict[str, Any]:
-    """Peaks and NVFP4-vs-dense step speedups per shape; the issue's three keys are always present."""
+def summarize(rows: list[dict], baseline: list[dict] | None = None) -> dict[str, Any]:
+    """Peaks and NVFP4-vs-dense step speedups per shape (the issues' keys are always present); with
+    ``baseline`` (the rows of a 1-process run of the same global batch), each configuration's
+    data-parallel throughput ratio: baseline step time / this step time."""
     ok = {(r["shape"], r["base"]): r for r in rows if r["status"] == "ok"}
-    summary: dict[str, Any] = {"peak_gb_32b_nvfp4": None, "peak_gb_7b_nvfp4": None, "step_speedup_7b": None}
+    summary: dict[str, Any] = {"peak_gb_32b_nvfp4": None, "peak_gb_7b_nvfp4": None, "step_speedup_7b": None,
+                               "peak_gb_72b_nvfp4": None}  # fmt: skip
+    for r in baseline or []:
+        mine = ok.get((r["shape"], r["base"]))
+        if r["status"] == "ok" and mine is not None:
+            summary[f"ddp_throughput_ratio_{r['shape']}_{r['base']}"] = round(r["step_s"] / mine["step_s"], 3)
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for (s, base), r in ok.items():
             if s == shape:
@@ -678,12 +643,13 @@ def document(rows: list[dict], args: argparse.Namespace, env: dict, argv: list[s
         "setup": {
             "model": "tiny Llama (2 layers)" if args.tiny else "Qwen2.5 shapes, random weights",
             "completions": args.n,
+            "processes": args.processes,
             "micro_batch": args.micro_batch,
             "prompt_tokens": args.prompt,
             "new_tokens": args.tokens,
-            "accumulation": f"one rollout of {args.n}, then {args.n // args.micro_batch} forward+backward passes of "
-            f"{args.micro_batch} completions into one optimizer step (per_device_train_batch_size="
-            f"{args.micro_batch}, steps_per_generation = gradient_accumulation_steps = {args.n // args.micro_batch})",
+            "accumulation": f"per process, one rollout of {args.local_n}, then {args.local_n // args.micro_batch} forward+"
+            f"backward passes of {args.micro_batch} completions into one optimizer step (per_device_train_batch_size="
+            f"{args.micro_batch}, steps_per_generation = gradient_accumulation_steps = {args.local_n // args.micro_batch})",
             "forced_length": "EOS id outside the model vocabulary",
             "lora": f"r{args.lora_r} on {'/'.join(PROJECTIONS)} + trainable norms",
             "loss": "bnpo, token_truncate IS (C=2), AQN stage 1, mask_truncated_completions=False",
@@ -691,7 +657,7 @@ def document(rows: list[dict], args: argparse.Namespace, env: dict, argv: list[s
             "warm-up": "decode graphs of every KV bucket + one short (<= 32-token) step, untimed",
             "floor_constants": {"copy_bw_tb_s": COPY_BW / 1e12, "matmul_tflop_s": MATMUL_FLOPS / 1e12},
         },  # fmt: skip
-        "summary": summarize(rows),
+        "summary": summarize(rows, args.baseline_rows),
         "results": rows,
     }
     if partial is not None:
@@ -709,8 +675,11 @@ def print_floors(args: argparse.Namespace) -> None:
     for shape in args.shapes:
         for base in args.bases:
             dims, vocab, _ = resolve_shape(shape)
-            f = floors(dims, vocab, base == "nvfp4", args.n, args.prompt, args.tokens, args.lora_r, args.micro_batch)
+            sizes = (args.local_n, args.prompt, args.tokens, args.lora_r, args.micro_batch)
+            f = floors(dims, vocab, base == "nvfp4", *sizes)
             print(f"{shape} {base:5s}: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
+            m = memory_estimate(dims, vocab, base == "nvfp4", *sizes)
+            print(f"{shape} {base:5s} memory (GB): " + ", ".join(f"{k.removesuffix('_gb')} {v:.3g}" for k, v in m.items()))
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -743,15 +712,42 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="run the first timed step's fwd_bwd under torch.profiler (CPU + CUDA); its table goes into the row "
         "('profile') and its phase time includes the profiler's overhead",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a 1-process run's JSON of the same global batch: the summary gets each configuration's data-parallel "
+        "throughput ratio (run this one with accelerate launch --num_processes N)",
+    )
     args = parser.parse_args(argv)
+    # Under `accelerate launch` every process runs this script on its own GPU and takes n / processes of the
+    # group's completions (trl splits each generation batch across the ranks; the group spans them).
+    args.processes = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tiny:
         args.shapes, args.tokens, args.prompt = ["tiny"], 16, 32
     for flag in ("n", "micro_batch", "prompt", "tokens", "lora_r", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: expected a positive integer, got {getattr(args, flag)}")
-    if args.n % args.micro_batch:
-        parser.error(f"--micro-batch: expected a divisor of --n {args.n}, got {args.micro_batch}")
+    if args.n % (args.micro_batch * args.processes):
+        share = f"--n {args.n}" + (f" / {args.processes} processes" if args.processes > 1 else "")
+        parser.error(f"--micro-batch: expected a divisor of {share}, got {args.micro_batch}")
+    args.local_n = args.n // args.processes
+    args.baseline_rows = None if args.baseline is None else baseline_rows(args.baseline, args, parser)
     return args
+
+
+def baseline_rows(path: Path, args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]:
+    """The results of ``--baseline``, refused unless they ran the same global batch."""
+    try:
+        doc = json.loads(path.read_text())
+        setup, rows = doc["setup"], doc["results"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--baseline {path}: not a grpo_step.py result JSON ({type(e).__name__}: {e})")
+    ours = {"completions": args.n, "prompt_tokens": args.prompt, "new_tokens": args.tokens}
+    theirs = {k: setup.get(k) for k in ours}
+    if theirs != ours:
+        parser.error(f"--baseline {path}: ran {theirs}, not this run's global batch {ours}")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -760,7 +756,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.floors:
         print_floors(args)
         return {}
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # This process's GPU (LOCAL_RANK under accelerate launch): the model is built there before the trainer
+    # (whose accelerator would otherwise find every rank's model on cuda:0).
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    writer = int(os.environ.get("RANK", "0")) == 0  # the process that prints and writes the JSON
     if device.type == "cpu" and not args.tiny:
         sys.exit("benchmarks/grpo_step.py: the 7B/32B run needs a CUDA device (use --tiny on CPU, --floors for floors)")
     dense = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: fp32 (bf16 is emulated there)
@@ -771,13 +772,15 @@ def main(argv: list[str] | None = None) -> dict:
     for i, (shape, nvfp4) in enumerate(configs):
         row = run_config(shape, nvfp4, args, device, dense)
         rows.append(row)
-        print(f"{shape} {row['base']}: {row['status']}, step {row.get('step_s')} s, phases {row.get('phases_s')}, "
-              f"peak {row.get('peak_gb_step')} GB {row.get('peak_gb')}", flush=True)  # fmt: skip
-        write_json(partial_path, document(rows, args, env, argv, f"{i + 1} of {len(configs)} configurations done"))
+        if writer:
+            print(f"{shape} {row['base']}: {row['status']}, step {row.get('step_s')} s, phases {row.get('phases_s')}, "
+                  f"peak {row.get('peak_gb_step')} GB {row.get('peak_gb')}", flush=True)  # fmt: skip
+            write_json(partial_path, document(rows, args, env, argv, f"{i + 1} of {len(configs)} configurations done"))
     doc = document(rows, args, env, argv, None)
-    write_json(args.out, doc)
-    partial_path.unlink(missing_ok=True)  # the final JSON supersedes it
-    print(json.dumps(doc["summary"], indent=2))
+    if writer:
+        write_json(args.out, doc)
+        partial_path.unlink(missing_ok=True)  # the final JSON supersedes it
+        print(json.dumps(doc["summary"], indent=2))
     if any(r["status"] == "error" for r in rows):
         sys.exit("benchmarks/grpo_step.py: a configuration failed (status 'error' in the JSON)")
     return doc

@@ -2,7 +2,8 @@
 
 peft's own LoRA Linear does the work (A/B init, scaling, dropout, saving, loading); we only tell it
 where the base layer lives and refuse to merge, because a bf16 delta cannot be folded into 4-bit
-codes without re-quantizing. The adapter therefore always stays unmerged, as QeRL's RL loop needs.
+codes without re-quantizing. The adapter therefore always stays unmerged, as QeRL's RL loop needs;
+``qerl.export`` writes a merged checkpoint (bf16, or re-quantized NVFP4) for serving.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class NVFP4LoraLinear(PeftLoraLinear):
         return module.in_features, module.out_features
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise NotImplementedError("LoRA cannot be merged into NVFP4 weights; it stays unmerged by design")
+        raise NotImplementedError(
+            "LoRA cannot be merged into NVFP4 weights in place; it stays unmerged by design. To serve a trained "
+            "adapter, write a merged checkpoint: python -m qerl.export --model NVFP4_DIR --lora ADAPTER --output DIR"
+        )
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         a = self.lora_A[adapter].weight

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from trl import TrlParser
 
@@ -204,8 +203,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return todo.finished
         peft = lora_config(script.lora_rank, script.lora_alpha, script.lora_dropout, script.target_modules,
                            train_norms=script.ln)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = load_model(script.model_name, device=device, load=script.load)
+        # This process's device: cuda:LOCAL_RANK under `accelerate launch` (one process per GPU), cuda
+        # alone, else CPU. Loading straight there keeps N processes from all filling the first GPU.
+        model = load_model(script.model_name, device=config.device, load=script.load)
         quantized = is_nvfp4_model(model)
         logger.info("model %s: %s", script.model_name, "NVFP4 base" if quantized else "dense base")
         if config.rollout_engine == "vllm":  # vLLM serves the same checkpoint the trainer loaded
@@ -217,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               peft_config=peft)
 
     out.mkdir(parents=True, exist_ok=True)
-    if len(heldout_rows):  # question/answer rows: `python -m eval.gsm8k` (numeric golds) or eval.math can score them
+    main_process = trainer.accelerator.is_main_process  # the one that writes files under data parallelism
+    if len(heldout_rows) and main_process:  # question/answer rows: `python -m eval.gsm8k` (numeric golds) or eval.math can score them
         write_jsonl(out / "heldout.jsonl", [{"question": p[-1]["content"], "answer": a}
                                              for p, a in zip(heldout_rows["prompt"], heldout_rows["answer"], strict=True)])
     summary: dict[str, Any] = {"model": script.model_name, "nvfp4": quantized, "dataset": script.dataset,
@@ -231,16 +232,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     if trainer.is_world_process_zero():
         run_record.save(out, wanted)
-    checkpoint = last_complete_checkpoint(out)
+    with trainer.accelerator.main_process_first():  # it may move incomplete checkpoints aside: one at a time
+        checkpoint = last_complete_checkpoint(out)
     if checkpoint:
         logger.info("resuming from %s", checkpoint)
     result = trainer.train(resume_from_checkpoint=checkpoint)
     summary["train_runtime_s"] = result.metrics.get("train_runtime")
     summary["global_step"] = trainer.state.global_step
-    summary["adapter"] = str(save_adapter(trainer, out / "adapter"))
+    summary["adapter"] = str(save_adapter(trainer, out / "adapter") if main_process else out / "adapter")
     if len(heldout_rows):
         summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
         logger.info("held-out accuracy after training: %.4f", summary["heldout_accuracy_after"])
+    if not main_process:
+        return summary
     if script.plot:
         from qerl.plot import write_plots
 

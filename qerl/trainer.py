@@ -115,6 +115,11 @@ class QeRLConfig(GRPOConfig):
         default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.trainer docstring)."}
     )
     vllm_importance_sampling_clip_max: float | None = field(default=2.0, metadata={"help": "IS cap C."})
+    # Data parallelism (`accelerate launch`): the buffers are the frozen packed weights, identical on every
+    # rank (each loads the same checkpoint), so DDP must not re-broadcast them (tens of GB) every forward;
+    # every trainable tensor (LoRA, norms) is used in every forward, so DDP need not search for unused ones.
+    ddp_broadcast_buffers: bool | None = field(default=False, metadata={"help": "DDP: re-broadcast buffers each forward."})
+    ddp_find_unused_parameters: bool | None = field(default=False, metadata={"help": "DDP: look for unused parameters."})
 
     rollout_engine: str = field(default="native", metadata={"help": f"Rollout engine: one of {KINDS}."})
     rollout_engine_kwargs: dict | str | None = field(
@@ -137,6 +142,8 @@ class QeRLConfig(GRPOConfig):
             self.warmup_steps = self.warmup_ratio
         if self.bf16 is None and not self.fp16:
             self.bf16 = torch.cuda.is_available()
+        if not torch.cuda.is_available():  # what makes `accelerate launch` give CPU-only processes gloo DDP
+            self.use_cpu = True
         if self.use_vllm:  # the reference's --use-vllm True: our vLLM engine, not trl's (see module docstring)
             self.rollout_engine, self.use_vllm = "vllm", False
         if isinstance(self.rollout_engine_kwargs, str):
@@ -278,6 +285,8 @@ class QeRLTrainer(GRPOTrainer):
         # for our engines, which return the sampling log-probs (see the module docstring). trl's
         # vLLM generation object was never created (args.use_vllm is False).
         self.use_vllm = bool(args.vllm_importance_sampling_correction)
+        if args.rollout_engine == "vllm" and self.accelerator.num_processes > 1:
+            raise ValueError("--rollout_engine vllm runs in one process on one GPU; with accelerate launch use native or hf")
         self.aqn = args.aqn_plan
         self._engine: Any = None
         self._noise: NormNoise | None = None
@@ -329,12 +338,14 @@ class QeRLTrainer(GRPOTrainer):
         return self.aqn.sigma(self.state.global_step, max(1, self.state.max_steps))
 
     def _sampling_seed(self) -> int:
-        """A seed per (run seed, optimizer step, rollout within the step), so rollouts after a resume
-        are the ones the uninterrupted run drew."""
+        """A seed per (run seed, optimizer step, rollout within the step, process), so rollouts after a
+        resume are the ones the uninterrupted run drew, and data-parallel ranks that sample the same
+        prompt (a group split across ranks) draw different completions. One process: (seed, step, count)."""
         step, count = self._rollout_index
         count = count + 1 if step == self.state.global_step else 0
         self._rollout_index = (self.state.global_step, count)
-        return draw_seed(self.args.seed, self.state.global_step, count)
+        draw = count * self.accelerator.num_processes + self.accelerator.process_index
+        return draw_seed(self.args.seed, self.state.global_step, draw)
 
     @contextmanager
     def _aqn_applied(self, sigma: float) -> Iterator[NormNoise | None]:
@@ -411,6 +422,7 @@ class QeRLTrainer(GRPOTrainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are in before the marker
         if not self.args.should_save:
             return
         run_dir = self._get_output_dir(trial=trial)

@@ -3,6 +3,8 @@
 # fill an H200): QeRL (NVFP4 + LoRA + AQN), NVFP4 LoRA without AQN, bf16 LoRA. Each measures greedy
 # held-out accuracy before and after; the curves are overlaid with qerl.plot.
 #   BF16_DIR=... NVFP4_DIR=... QERL_OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
+# NUM_GPUS=N runs each run data-parallel over N GPUs (accelerate launch, training/accelerate/ddp.yaml) with the
+# same per-step batch (16 completions = 2 prompts x 8, 16/N per GPU); RUNS="qerl_nvfp4_aqn ..." picks a subset.
 # Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200).
 # RUN_TIMEOUT stops a run that outlives it (SIGINT) so that the plots and the table still get written
 # from what it logged; such a run counts as failed. Exit status: nonzero if any run or the plotting failed.
@@ -25,6 +27,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+source training/_launch.sh
+gpus=${NUM_GPUS:-1}
+per_device=$(qerl_per_device_batch 16 "$gpus" NUM_GPUS) || exit 2
 : "${BF16_DIR:?set BF16_DIR to the dense SmolLM2 directory}" "${NVFP4_DIR:?set NVFP4_DIR to its NVFP4 checkpoint}"
 OUT=${QERL_OUT:-runs/compare}
 source "$root/training/_python.sh"
@@ -36,19 +41,22 @@ if [[ -n "${RUN_TIMEOUT:-}" ]]; then
 fi
 common=(--dataset arithmetic --arithmetic-level easy --num-samples 610 --heldout 200 --heldout-max-tokens 96
         --rewards last_number closeness --lora-rank 16 --learning-rate "${LR:-5e-5}"
-        --max-steps "${STEPS:-200}" --per-device-train-batch-size 16 --num-generations 8 --max-completion-length 96
+        --max-steps "${STEPS:-200}" --per-device-train-batch-size "$per_device" --num-generations 8 --max-completion-length 96
         --mask-truncated-completions False --gradient-checkpointing False --optim adamw_torch
         --save-strategy no --report-to none --disable-tqdm True --seed 0 "$@")
-runs=(qerl_nvfp4_aqn nvfp4_lora bf16_lora)
+read -r -a runs <<< "${RUNS:-qerl_nvfp4_aqn nvfp4_lora bf16_lora}"
 mkdir -p "$OUT"
 declare -A pids
+port=29500
 for run in "${runs[@]}"; do
   case $run in
     qerl_nvfp4_aqn) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn True) ;;
     nvfp4_lora) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn False) ;;
     bf16_lora) own=(--model-name "$BF16_DIR" --load bf16 --aqn False) ;;
+    *) echo "error: RUNS: unknown run '$run' (expected qerl_nvfp4_aqn, nvfp4_lora or bf16_lora)" >&2; exit 2 ;;
   esac
-  "${limit[@]}" "$PYTHON" -m qerl.train "${own[@]}" --output-dir "$OUT/$run" "${common[@]}" > "$OUT/$run.log" 2>&1 &
+  qerl_launcher "$gpus" $(( port++ )) "$PYTHON"  # concurrent DDP runs each need their own rendezvous port
+  "${limit[@]}" "${launcher[@]}" "${own[@]}" --output-dir "$OUT/$run" "${common[@]}" > "$OUT/$run.log" 2>&1 &
   pids[$run]=$!
 done
 status=0
