@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qerl import nvfp4  # noqa: E402
 from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
+from qerl.kernels import backend  # noqa: E402
 from qerl.kernels import fp4_gemm as fg  # noqa: E402
-from qerl.kernels import ops  # noqa: E402
 from qerl.kernels import schedule as sch  # noqa: E402
 
 #: (out_features N, in_features K) per layer: Qwen2.5-7B (hidden 3584, inter 18944, 28 q / 4 kv heads of 128)
@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results", help="folder for kernels.json and kernels_speedup.png")
     ap.add_argument("--quick", action="store_true", help="only the summary shape (smoke run)")
     args = ap.parse_args()
-    if not torch.cuda.is_available() or not ops.HAS_TRITON:
+    if not torch.cuda.is_available() or not backend.HAS_TRITON:
         sys.exit("benchmarks/kernels.py: needs a CUDA device and triton")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

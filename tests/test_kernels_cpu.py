@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from qerl import nvfp4
-from qerl.kernels import nvfp4_decode, nvfp4_linear, ops
+from qerl.kernels import backend, nvfp4_decode, nvfp4_linear, ops
 from qerl.linear import NVFP4Linear
 
 torch.set_num_threads(1)
@@ -87,7 +87,7 @@ def test_nvfp4linear_cpu_uses_reference() -> None:
     assert _rel(nvfp4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale), x @ want.t()) < 1e-5
 
 
-@pytest.mark.skipif(not ops.HAS_TRITON, reason="needs triton")
+@pytest.mark.skipif(not backend.HAS_TRITON, reason="needs triton")
 def test_bad_lora_shapes_raise() -> None:
     from qerl.kernels import fp4_gemm
 

@@ -24,6 +24,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import qerl.kernels
 from qerl import nvfp4
 from qerl.kernels import ops
+from qerl.kernels import reference as kernel_reference
 from qerl.linear import NVFP4Linear, replace_linears
 from qerl.lora import lora_config
 from qerl.trainer import keep_trainable_fp32
@@ -36,7 +37,7 @@ LINEARS = 7 * LAYERS
 def calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """Route bf16/fp16 to the 'Triton' ops on any device and count (path, dtype) of every call."""
     seen: Counter = Counter()
-    reference = ops.reference_mm
+    reference = kernel_reference.mm
 
     def matmul(x, packed, scale, gscale, bias=None, lora_u=None, lora_b=None, lora_scale=1.0):
         seen["kernel_fwd", x.dtype] += 1
@@ -60,7 +61,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     monkeypatch.setitem(sys.modules, "qerl.kernels.fp4_gemm", fake)
     monkeypatch.setattr(qerl.kernels, "fp4_gemm", fake, raising=False)
     monkeypatch.setattr(ops, "use_triton", lambda x: x.dtype in (torch.bfloat16, torch.float16))
-    monkeypatch.setattr(ops, "reference_mm", reference_mm)
+    monkeypatch.setattr(kernel_reference, "mm", reference_mm)
     monkeypatch.setattr(nvfp4, "dequantize", dequantize)
     return seen
 

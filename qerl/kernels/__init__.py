@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.kernels import ops
+from qerl.kernels import ops, reference
 
 
 def nvfp4_linear(
@@ -29,7 +29,7 @@ def nvfp4_linear(
 ) -> torch.Tensor:
     """y = x @ dequant(W).T + bias, through the fastest path available for x's device."""
     if not ops.use_triton(x):
-        return ops.reference_mm(x, weight_packed, weight_scale, weight_global_scale, bias)
+        return reference.mm(x, weight_packed, weight_scale, weight_global_scale, bias)
     return nvfp4_decode(x, weight_packed, weight_scale, weight_global_scale, bias)
 
 

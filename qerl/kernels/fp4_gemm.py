@@ -37,12 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import backend
 from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig, bwd_config, decode_config
-
-#: Split-K tickets: one int32 counter per output tile, zero between launches (the last program of a
-#: tile resets its own). Allocated once per device, before any CUDA-graph capture (see `_tickets`).
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_MAX_TILES = 1 << 20
 
 
 @triton.jit
@@ -470,13 +466,6 @@ def _words(weight_packed: torch.Tensor) -> torch.Tensor:
     return weight_packed.contiguous().view(torch.int32)
 
 
-def _tickets(device: torch.device) -> torch.Tensor:
-    """The per-device split-K tickets. Call once outside CUDA-graph capture (any eager forward does)."""
-    if device not in _TICKETS:
-        _TICKETS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _TICKETS[device]
-
-
 def matmul(
     x: torch.Tensor,
     weight_packed: torch.Tensor,
@@ -567,9 +556,7 @@ def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device,
     """fp32 partials [split, M, N] and the ticket table for a split-K launch (``dummy`` twice if split == 1)."""
     if split == 1:
         return dummy, dummy
-    if tiles > _MAX_TILES:
-        raise ValueError(f"split-K over {tiles} tiles exceeds the ticket table ({_MAX_TILES})")
-    return torch.empty((split, M, N), dtype=torch.float32, device=device), _tickets(device)
+    return torch.empty((split, M, N), dtype=torch.float32, device=device), backend.tickets(device, tiles)
 
 
 def matmul_t(

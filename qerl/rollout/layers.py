@@ -8,7 +8,7 @@ reads the very tensors the optimizer and AQN update in place.
 
 The one exception is LoRA. Projections that share an input (q/k/v; gate/up) get their ``A`` factors
 concatenated into one ``[sum r, K]`` buffer so that the shrink ``u = x @ A.T`` is one reduction per
-group (fused into the kernel that produces x, see ``triton_ops``), and each ``B`` is stored
+group (fused into the kernel that produces x, see ``qerl.kernels.fused_step``), and each ``B`` is stored
 pre-multiplied by its peft scaling, in the compute dtype. These buffers are tiny (r=16 on a 7B
 model: 40M values, under 1% of the weight bytes). They outlive a plan: ``from_model(model,
 previous)`` hands the previous plan's buffers to the new one when their shapes still match, and

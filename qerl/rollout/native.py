@@ -36,7 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from qerl.rollout import fused, ops
+from qerl.kernels import backend, reference
+from qerl.rollout import ops
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.layers import ModelPlan
 from qerl.rollout.sampling import is_filtered, make_generator, sample
@@ -339,8 +340,8 @@ class NativeEngine:
         hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, None]:
-            q = ops.apply_rope(q.view(p, width, nh, hd), cos, sin).transpose(1, 2)
-            k = ops.apply_rope(k.view(p, width, nkv, hd), cos, sin).transpose(1, 2)
+            q = reference.apply_rope(q.view(p, width, nh, hd), cos, sin).transpose(1, 2)
+            k = reference.apply_rope(k.view(p, width, nkv, hd), cos, sin).transpose(1, 2)
             v = v.view(p, width, nkv, hd).transpose(1, 2)
             state.k[i, rows, :, :width] = k[src]
             state.v[i, rows, :, :width] = v[src]
@@ -408,20 +409,11 @@ class NativeEngine:
 
     def _finish_step(self, state: _State, slots: _Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
-        if fused.available(tok):
-            fused.kernels_module().finish_step(
-                tok, lp, slots.done, slots.row_id, state.stop, state.step, slots.tokens, slots.pos,
-                state.out_tok, state.out_lp, self.pad_id,
-            )  # fmt: skip
-            return
-        tok = torch.where(slots.done, self.pad_id, tok)
-        lp = torch.where(slots.done, 0.0, lp)
-        state.out_tok[slots.row_id, state.step] = tok
-        state.out_lp[slots.row_id, state.step] = lp
-        slots.done |= self._is_stop(state, tok)
-        slots.tokens.copy_(tok)
-        slots.pos.add_(1)
-        state.step.add_(1)
+        impl = backend.fused_step() if backend.available(tok) else reference
+        impl.finish_step(
+            tok, lp, slots.done, slots.row_id, state.stop, state.step, slots.tokens, slots.pos,
+            state.out_tok, state.out_lp, self.pad_id,
+        )  # fmt: skip
 
     def _graphed(self, plan: ModelPlan) -> bool:
         """Whether decode steps are captured and replayed (else run eagerly)."""
