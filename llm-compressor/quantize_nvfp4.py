@@ -25,10 +25,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gguf-file", default=None, help="a GGUF file (path, or name inside --model's directory)")
     p.add_argument("--output", default=None, help="output directory (default ./qmodel/<name>-NVFP4A16)")
     p.add_argument("--backend", default="auto", choices=["auto", "qerl", "llmcompressor"])
-    p.add_argument("--ignore", nargs="+", default=["lm_head"], help="module names (or last name parts) to keep in bf16")
+    p.add_argument("--ignore", nargs="+", default=[],
+                   help="Linear modules to keep in bf16 besides lm_head: full or last-part names (down_proj) "
+                        "or re:REGEX patterns matched against full names, for both backends")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too (kept in bf16 by default)")
     p.add_argument("--max-shard-gb", type=float, default=4.0, help="output shard size; bounds the streaming peak memory")
     p.add_argument("--skip_generation", "--skip-generation", action="store_true", help="do not print a sample generation")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output directory (only an earlier NVFP4 output of this tool)")
     return p.parse_args(argv)
 
 
@@ -53,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out_dir = quantize_checkpoint(args.model, output, gguf_file=args.gguf_file, backend=args.backend,
                                      overwrite=args.overwrite, ignore=tuple(args.ignore),
+                                     quantize_lm_head=args.quantize_lm_head,
                                      max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
-    except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, RuntimeError, KeyError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out_dir}")

@@ -19,20 +19,21 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import torch
 from safetensors.torch import save_file
-from torch import nn
 from tqdm import tqdm
 
 from qerl import checkpoint, hub, nvfp4
 from qerl.fsutil import atomic_directory
+from qerl.quant import target
+from qerl.quant.source import SourceModel, check_finite
 
 Backend = Literal["auto", "qerl", "llmcompressor"]
-DEFAULT_IGNORE = ("lm_head",)
 #: Output shard size: the streaming backend's peak memory is about one shard plus one tensor.
 _SHARD_BYTES = 4 << 30
 
@@ -45,28 +46,6 @@ def default_output(model: str, root: str | os.PathLike[str] = "qmodel") -> Path:
     return Path(root) / f"{name}-NVFP4A16"
 
 
-def linear_names(config_dir: Path, ignore: tuple[str, ...] = DEFAULT_IGNORE) -> tuple[list[str], list[str]]:
-    """Names of the nn.Linear modules to quantize and of those ignored (found on a meta-device model).
-
-    An ``ignore`` entry matches a module's full name or its last part (``lm_head``, ``down_proj``).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(config_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    names, ignored = [], []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        if name.split(".")[-1] in ignore or name in ignore:
-            ignored.append(name)
-        else:
-            nvfp4.check_quantizable((module.out_features, module.in_features), name)
-            names.append(name)
-    return names, ignored
-
-
 def _fused_siblings(name: str) -> tuple[str, ...]:
     parent, _, leaf = name.rpartition(".")
     for group in checkpoint.FUSED_GROUPS:
@@ -76,10 +55,18 @@ def _fused_siblings(name: str) -> tuple[str, ...]:
 
 
 def global_scales(tensors: checkpoint.TensorIndex, names: list[str]) -> dict[str, torch.Tensor]:
-    """Each Linear's global scale, the fused groups sharing their minimum (first streaming pass)."""
+    """Each Linear's global scale, the fused groups sharing their minimum (first streaming pass).
+
+    The pass reads every tensor of the checkpoint, not only the weights to quantize, so that a NaN
+    or Inf anywhere fails here, before any output is written.
+    """
+    wanted = {f"{n}.weight": n for n in names}
     own = {}
-    for name in tqdm(names, desc="scales", leave=False):
-        own[name] = nvfp4.global_scale(tensors.get(f"{name}.weight"))
+    for key in tqdm(tensors.names(), desc="check", leave=False):
+        tensor = tensors.get(key)
+        check_finite(key, tensor, tensors.files[key])
+        if key in wanted:
+            own[wanted[key]] = nvfp4.global_scale(tensor)
     shared = {}
     for name in names:
         siblings = [s for s in _fused_siblings(name) if s in own]
@@ -135,17 +122,32 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def quantize_streaming(src: Path, out_dir: Path, ignore: tuple[str, ...] = DEFAULT_IGNORE,
-                       max_shard_bytes: int | None = None) -> None:
+@dataclass
+class Source:
+    """A checked source checkpoint and the Linear modules the run quantizes / keeps."""
+
+    path: Path
+    model: SourceModel
+    tensors: checkpoint.TensorIndex
+    names: list[str]
+    ignored: list[str]
+
+    @classmethod
+    def open(cls, src: Path, ignore: tuple[str, ...], quantize_lm_head: bool) -> Source:
+        """Refuse, with a one-line error, a source that is already NVFP4, that config.json does not
+        describe, or whose ignore patterns do not resolve; all before anything is written."""
+        model = SourceModel.from_dir(src)
+        if checkpoint.is_nvfp4_config(model.config):
+            raise ValueError(f"{src}: is already an NVFP4 checkpoint")
+        names, ignored = model.linears(ignore, quantize_lm_head)
+        tensors = checkpoint.TensorIndex(src)
+        model.check_shapes(src, tensors)
+        return cls(src, model, tensors, names, ignored)
+
+
+def quantize_streaming(source: Source, out_dir: Path, max_shard_bytes: int | None = None) -> None:
     """The qerl backend: two passes over the shards, one tensor in memory at a time."""
-    config = checkpoint.read_config(src)
-    if checkpoint.is_nvfp4_config(config):
-        raise ValueError(f"{src}: is already an NVFP4 checkpoint")
-    tensors = checkpoint.TensorIndex(src)
-    names, ignored = linear_names(src, ignore)
-    missing = [f"{n}.weight" for n in names if f"{n}.weight" not in tensors]
-    if missing:
-        raise ValueError(f"{src}: checkpoint is missing tensor {missing[0]!r}")
+    src, tensors, names = source.path, source.tensors, source.names
     scales = global_scales(tensors, names)
     quantized = {f"{n}.weight": n for n in names}
     writer = _ShardWriter(out_dir, max_shard_bytes)
@@ -158,13 +160,18 @@ def quantize_streaming(src: Path, out_dir: Path, ignore: tuple[str, ...] = DEFAU
         else:
             writer.add(name, tensor)
     writer.finish()
-    config["quantization_config"] = checkpoint.quantization_config(ignored)
+    config = dict(source.model.config)
+    config["quantization_config"] = checkpoint.quantization_config(source.ignored)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _copy_side_files(src, out_dir)
 
 
-def quantize_llmcompressor(src: Path, out_dir: Path, ignore: tuple[str, ...] = DEFAULT_IGNORE) -> None:
-    """The llmcompressor backend: llm-compressor's own data-free NVFP4A16 oneshot."""
+def quantize_llmcompressor(source: Source, out_dir: Path) -> None:
+    """The llmcompressor backend: llm-compressor's own data-free NVFP4A16 oneshot.
+
+    It is given the resolved list of ignored module names, so ``--ignore`` means the same as for
+    the streaming backend whatever form (bare name or ``re:``) the user wrote.
+    """
     try:
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -172,10 +179,12 @@ def quantize_llmcompressor(src: Path, out_dir: Path, ignore: tuple[str, ...] = D
         raise RuntimeError("--backend llmcompressor needs llmcompressor: pip install 'qerl[quantize]'") from None
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=list(ignore)))
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype="auto")
+    for name, tensor in model.state_dict().items():
+        check_finite(name, tensor, source.path)
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=source.ignored))
     model.save_pretrained(out_dir, save_compressed=True)
-    _copy_side_files(src, out_dir)
+    _copy_side_files(source.path, out_dir)
 
 
 def quantize_checkpoint(
@@ -185,40 +194,45 @@ def quantize_checkpoint(
     gguf_file: str | None = None,
     backend: Backend = "auto",
     overwrite: bool = False,
-    ignore: tuple[str, ...] = DEFAULT_IGNORE,
+    ignore: tuple[str, ...] = (),
+    quantize_lm_head: bool = False,
     max_shard_bytes: int | None = None,
 ) -> Path:
     """Quantize ``model`` (dir, hub id, ``smollm2-135m``, or a dir + ``gguf_file``) into ``output``.
 
-    The result appears atomically: everything is written to a temporary sibling directory that is
-    renamed into place only when complete. ``auto`` prefers the streaming backend, which needs no
-    extra package and bounded memory.
+    ``ignore`` lists Linear modules kept in bf16 in addition to ``lm_head`` (which is quantized
+    only with ``quantize_lm_head``). The result appears atomically: everything is written to a
+    temporary sibling directory that is renamed into place only when complete; an existing
+    ``output`` is replaced only under the rules of :func:`qerl.quant.target.check_target`.
+    ``auto`` prefers the streaming backend, which needs no extra package and bounded memory.
     """
     if backend not in ("auto", "qerl", "llmcompressor"):
         raise ValueError(f"--backend must be auto, qerl or llmcompressor, got {backend!r}")
     out_dir = Path(output) if output is not None else default_output(gguf_file or str(model))
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it")
+    gguf, model_dir = _source_paths(model, gguf_file)
+    target.check_target(out_dir, [p for p in (model_dir, gguf) if p is not None], overwrite)
     # auto -> the streaming backend: same bytes, bounded memory, no extra package.
-    run: Callable[[Path, Path, tuple[str, ...]], None] = (
+    run: Callable[[Source, Path], None] = (
         quantize_llmcompressor if backend == "llmcompressor"
         else partial(quantize_streaming, max_shard_bytes=max_shard_bytes)
     )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.src-") as scratch:
-        src = _source_dir(model, gguf_file, Path(scratch))
-        with atomic_directory(out_dir) as tmp:
-            run(src, tmp, ignore)
+    with target.target_lock(out_dir):
+        target.remove_stale_scratch(out_dir)
+        with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=target.scratch_prefix(out_dir, "src-")) as scratch:
+            src = hub.convert_gguf(gguf, Path(scratch) / "bf16") if gguf is not None else model_dir
+            source = Source.open(src, tuple(ignore), quantize_lm_head)
+            with atomic_directory(out_dir) as tmp:
+                run(source, tmp)
     return out_dir
 
 
-def _source_dir(model: str | os.PathLike[str], gguf_file: str | None, scratch: Path) -> Path:
-    """A local safetensors directory for the source model (GGUF files are converted to bf16 first)."""
+def _source_paths(model: str | os.PathLike[str], gguf_file: str | None) -> tuple[Path | None, Path | None]:
+    """(GGUF file, model directory) of the source; a hub id is downloaded (safetensors files only)."""
     if gguf_file is not None:
         gguf = Path(gguf_file)
         if not gguf.is_absolute():
             gguf = Path(str(model)) / gguf_file
         if not gguf.exists():
             raise FileNotFoundError(f"--gguf-file {gguf} does not exist")
-        return hub.convert_gguf(gguf, scratch / "bf16")
-    return hub.local_model_dir(model, what="--model")
+        return gguf, None
+    return None, hub.local_model_dir(model, what="--model")

@@ -117,8 +117,9 @@ def test_existing_output_needs_overwrite(tiny_llama_dir: Path, tmp_path: Path, c
     code, err = _run_cli(["--model", str(tiny_llama_dir), "--output", str(out), "--skip_generation"], capsys)
     assert code == 2 and err.count("\n") == 0 and "--overwrite" in err
     assert (out / "keep.txt").read_text() == "mine"
-    code, _ = _run_cli(["--model", str(tiny_llama_dir), "--output", str(out), "--skip_generation", "--overwrite"], capsys)
-    assert code == 0 and not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    code, err = _run_cli(["--model", str(tiny_llama_dir), "--output", str(out), "--skip_generation", "--overwrite"], capsys)
+    assert code == 2 and "not a checkpoint written by this tool" in err  # --overwrite replaces only our own outputs
+    assert (out / "keep.txt").read_text() == "mine"
 
 
 def test_crash_mid_write_leaves_nothing(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
