@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qerl.lora import NORM_MODULES
+from qerl.arch import NORM_MODULES
 
 #: Decay shapes the paper ablated (Fig. 9/15); exponential is its default.
 SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")

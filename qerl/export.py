@@ -137,7 +137,7 @@ def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_b
     """Write ``model_dir`` with ``adapter`` folded in as a dense bf16 safetensors checkpoint into ``out_dir``."""
     config = checkpoint.read_config(model_dir)
     tensors = checkpoint.TensorIndex(model_dir)
-    packed = {n.removesuffix(".weight_packed") for n in tensors.names() if n.endswith(".weight_packed")}
+    packed = checkpoint.packed_layers(tensors.names())
     for layer in adapter.deltas:
         if layer not in packed and f"{layer}.weight" not in tensors:
             raise ValueError(f"--lora {adapter.path}: targets {layer!r}, which {model_dir} does not have; wrong base model?")
@@ -149,7 +149,7 @@ def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_b
     for name in tensors.names():
         layer, _, suffix = name.rpartition(".")
         if layer in packed:
-            if suffix != "weight_packed":
+            if suffix != checkpoint.PACKED:
                 continue  # the scales are read with their packed weight
             base = _dequantized(tensors, layer)
             name, dtype = f"{layer}.weight", torch.bfloat16
@@ -189,7 +189,7 @@ def requantize(dense_dir: Path, out_dir: Path, ignore: tuple[str, ...], method: 
     which it applies without being told, so only ``rtn`` reaches here (``QUANT_METHODS``)."""
     if method not in QUANT_METHODS:
         raise ValueError(f"--method: expected one of {QUANT_METHODS}, got {method!r}")
-    quantize.quantize_streaming(dense_dir, out_dir, ignore)
+    quantize.quantize_streaming(quantize.Source.open(dense_dir, ignore, quantize_lm_head=False), out_dir)
 
 
 def retained_share(model_dir: Path, dense_dir: Path, out_dir: Path, layers: list[str]) -> float | None:
@@ -199,7 +199,7 @@ def retained_share(model_dir: Path, dense_dir: Path, out_dir: Path, layers: list
     original, dense, requantized = (checkpoint.TensorIndex(d) for d in (model_dir, dense_dir, out_dir))
     dot = norm = 0.0
     for layer in layers:
-        if f"{layer}.weight_packed" not in original or f"{layer}.weight_packed" not in requantized:
+        if f"{layer}.{checkpoint.PACKED}" not in original or f"{layer}.{checkpoint.PACKED}" not in requantized:
             continue
         w_hat = _dequantized(original, layer)
         delta = dense.get(f"{layer}.weight").float() - w_hat

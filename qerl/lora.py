@@ -12,12 +12,11 @@ import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
+from qerl import arch
 from qerl.linear import NVFP4Linear
 
-#: The seven projections of a Llama/Qwen2 decoder layer.
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: RMSNorms that feed q/k/v and gate/up: trainable with ``ln=True`` and the targets of AQN.
-NORM_MODULES = ("input_layernorm", "post_attention_layernorm")
+#: LoRA on every decoder Linear (QeRL's setting).
+DEFAULT_TARGETS = arch.LINEAR_TARGETS
 
 
 class NVFP4LoraLinear(PeftLoraLinear):
@@ -61,7 +60,7 @@ def lora_config(
         lora_alpha=alpha if alpha is not None else r,
         lora_dropout=dropout,
         target_modules=list(target_modules),
-        modules_to_save=list(NORM_MODULES) if train_norms else None,
+        modules_to_save=list(arch.NORM_MODULES) if train_norms else None,
         task_type="CAUSAL_LM",
     )
     return register_nvfp4(cfg)

@@ -146,7 +146,7 @@ def lora_params(model) -> list[torch.Tensor]:
 
 
 def norm_weights(model) -> list[torch.Tensor]:
-    from qerl.lora import NORM_MODULES
+    from qerl.arch import NORM_MODULES
     from qerl.rollout.layers import active_norm, unwrap_causal_lm
 
     lm = unwrap_causal_lm(model)
