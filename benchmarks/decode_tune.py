@@ -54,7 +54,6 @@ D = sch.DecodeConfig
 #: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x (BM*BK*2 at larger M), so fewer/smaller stages
 #: fit more programs per SM. Sweep 2 (NOTES.md) found a fixed cost per K step that 3-4 programs per SM
 #: do not hide; the candidates below test more programs per SM and two warpgroups sharing one x tile.
-C = sch.Config
 CANDIDATES = {
     "n64k256w4s3": D(64, 256, 4, 3),
     "n64k256w4s3_rep": D(64, 256, 4, 3),  # same config again: the run-to-run spread
@@ -63,10 +62,6 @@ CANDIDATES = {
     "n64k128w4s3": D(64, 128, 4, 3),
     "n128k256w8s3": D(128, 256, 8, 3),  # two warpgroups, 64 rows each, one shared x tile
     "n128k256w8s4": D(128, 256, 8, 4),
-    # M=64 only: the fused wgmma tiles (decode into shared memory, x as the A operand), the usual
-    # orientation once 64 tokens amortize the decode (the decode kernel runs 0.70x of bf16 there).
-    "fused_m64n64k128w4s3": C(BM=64, BN=64, BK=128, warps=4, stages=3),
-    "fused_m64n128k64w8s3": C(BM=64, BN=128, BK=64, warps=8, stages=3),
 }
 #: ``--large``: schedules for the batches GRPO decodes (M = 64 and 128; BM = 64, 128; M = 16 for reference). At BM=64 the default
 #: holds 238 registers and 117 KB of shared memory, so one 4-warp program per SM issues on 25% of cycles
@@ -118,13 +113,7 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...], candidates: di
             rows.append({"shape": shape, "M": m, "cand": "dequantize+cuBLAS", "bf16_us": base, "us": t, "speedup": base / t})
             print(f"{shape:8s} M={m:3d} dequantize+cuBLAS {t:8.1f} us  x{base / t:.2f}", flush=True)
         for name, cfg in candidates.items():
-            if isinstance(cfg, sch.Config):  # fused wgmma tiles: only where 64 tokens amortize the decode
-                if m < 64:
-                    continue
-                resolved = sch.with_split(cfg, m, layer.n, layer.k, x.device)
-                cfg = resolved
-            else:
-                resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
+            resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
                 qs = layer.q
@@ -265,7 +254,7 @@ def main() -> None:
     # measured (a candidate that failed or was inaccurate anywhere is out).
     keys = {(r["shape"], r["M"]) for r in result["decode"]}
     total: dict[str, float] = {}
-    for name in (n for n, c in CANDIDATES.items() if isinstance(c, D)):
+    for name in CANDIDATES:
         us = [r["us"] for r in result["decode"] if r["cand"] == name and "us" in r and r["rel_err"] < 1e-2]
         if len(us) == len(keys):
             total[name] = sum(us)

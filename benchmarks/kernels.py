@@ -166,16 +166,10 @@ SWEEP = {  # configs tried on the summary shape, to pick the heuristics (see ben
     1: [D(), D(128, 256, 4, 3), D(128, 128, 4, 4), D(64, 256, 4, 4, x_split=False)],
     16: [D(), D(128, 128, 4, 4)],
     64: [D(), D(128, 128, 4, 4)],
-    4096: [sch.Config(128, 128, 64, 8, 3)],  # the fused wgmma kernel, against dequantize + cuBLAS
 }
+#: The fused grad_x kernel at a prefill-sized M, against dequantize + cuBLAS (what ``matmul_t`` runs there).
 BWD_SWEEP = [sch.Config(128, 64, 128, 8, 3)]
 DEQUANT_BLOCKS = ((8, 128, 4), (16, 64, 4))
-
-
-def _resolve(cfg, m: int, layer: Layer, device: torch.device):
-    if isinstance(cfg, sch.DecodeConfig):
-        return sch.decode_config(m, layer.n, layer.k, device, cfg)
-    return sch.with_split(cfg, m, layer.n, layer.k, device)
 
 
 def sweep(layer: Layer) -> list[dict]:
@@ -183,11 +177,9 @@ def sweep(layer: Layer) -> list[dict]:
     for m, cfgs in SWEEP.items():
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         for cfg in cfgs:
-            cfg = _resolve(cfg, m, layer, x.device)
+            cfg = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
             out.append({"M": m, "kind": "fwd", "config": {"kernel": type(cfg).__name__, **cfg.__dict__},
                         "time_us": graph_time(layer.fwd_fns(x, cfg)) * 1e6})
-        if m >= 1024:
-            out.append({"M": m, "kind": "fwd", "config": "dequantize+cuBLAS", "time_us": graph_time(layer.dq_fwd_fns(x)) * 1e6})
     gy = torch.randn(4096, layer.n, device="cuda", dtype=torch.bfloat16)
     for cfg in BWD_SWEEP:
         out.append({"M": 4096, "kind": "bwd", "config": cfg.__dict__, "time_us": graph_time(layer.bwd_fns(gy, cfg)) * 1e6})

@@ -59,10 +59,6 @@ def _configs(M: int, N: int, K: int):
     if M <= sch.DECODE_MAX_M:  # the decode kernel's other schedules: strided x gathers, fixed split
         yield sch.DecodeConfig(BN=64, BK=128, warps=4, stages=3, split=3, x_split=False)
         yield sch.DecodeConfig(BN=256, BK=128, warps=8, stages=3, split=1)
-    yield sch.Config(BM=16, BN=64, BK=128, warps=4, stages=3, split=5)  # split-K fused wgmma tiles
-    yield sch.Config(BM=64, BN=64, BK=64, warps=4, stages=3, split=1)
-    if M > 64:
-        yield sch.Config(BM=128, BN=128, BK=64, warps=8, stages=3, split=3)  # split-K on wgmma tiles
 
 
 SHAPES = [  # (M, N, K): awkward M, K % 128 != 0, N % 64 != 0

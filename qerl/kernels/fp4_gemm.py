@@ -16,9 +16,8 @@ Kernels:
   weight in the main loop (was 8.8 in the join/reshape design it replaces). Split-K with an
   atomic ticket per tile: one launch, CUDA-graph safe; the split count from a model of waves of
   resident programs (``decode_split``).
-* ``_fwd_kernel`` / ``_bwd_kernel``: fused wgmma tiles on int32 words (two codes per 32-bit
-  shift/mask, two half-tile dots); reachable through an explicit ``Config`` (prefill-sized M
-  measured slower than dequantize + cuBLAS); ``_bwd_kernel`` still serves grad_x for M <= 64.
+* ``_bwd_kernel`` (grad_x for M <= 64): fused wgmma tiles on int32 words (two codes per 32-bit
+  shift/mask, two half-tile dots).
 * ``_dequant_kernel``: dense ``W_hat`` in bf16/fp16, 8 codes per thread -> one 16-byte store,
   bitwise equal to ``nvfp4.dequantize``; M > 64 forward and backward run it + cuBLAS.
 
@@ -120,84 +119,6 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
     return pid_m, pid_n
-
-
-@triton.jit
-def _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr, stride_bn,
-              R, lora_scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr):
-    """y = acc * 2^8 / g (+ bias) (+ lora_scale * u @ B^T), cast to y's dtype."""
-    out = acc * (256.0 / tl.load(g_ptr))
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        r = tl.arange(0, BR)
-        u = tl.load(u_ptr + offs_m[:, None] * stride_um + r[None, :], mask=mask_m[:, None] & (r[None, :] < R), other=0.0)
-        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0)
-        dt = y_ptr.dtype.element_ty
-        out += lora_scale * tl.dot(u.to(dt), tl.trans(b.to(dt)))
-    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _fwd_kernel(
-    x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, u_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, stride_um, stride_bn, R, lora_scale, steps_per_split,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, MUL_F32: tl.constexpr,
-):
-    """y[M, N] = x[M, K] @ W_hat[N, K]^T; program (tile, s) reduces K slice s of steps_per_split * BK columns."""
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    xcol = _half_cols(BK)
-    wcol = tl.arange(0, BK // 8)
-    scol = tl.arange(0, BK // 16)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_rows = w_ptr + offs_n[:, None] * stride_wn
-    s_rows = s_ptr + offs_n[:, None] * stride_sn
-
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_begin = pid_k * (steps_per_split * BK)
-    # The last slice may run past K: those steps are fully masked (no memory traffic).
-    for step in range(0, steps_per_split):
-        k0 = k_begin + step * BK
-        kx = k0 + xcol
-        x_lo = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
-        x_hi = tl.load(x_rows + (kx + 4)[None, :], mask=mask_m[:, None] & (kx[None, :] + 4 < K), other=0.0)
-        kw = k0 // 8 + wcol
-        words = tl.load(w_rows + kw[None, :], mask=mask_n[:, None] & (kw[None, :] < K // 8), other=0)
-        ks = k0 // 16 + scol
-        scale = tl.load(s_rows + ks[None, :], mask=mask_n[:, None] & (ks[None, :] < K // 16), other=0.0)
-        w_lo, w_hi = _dequant_tile(words, scale, IS_FP16, MUL_F32)
-        acc = tl.dot(x_lo, tl.trans(w_lo), acc)
-        acc = tl.dot(x_hi, tl.trans(w_hi), acc)
-
-    if SPLIT:
-        # Publish this partial, take a ticket; the program that draws the last ticket of the tile
-        # sums all partials (L2 reads, .cg) and writes y. Stream order guarantees the tickets are
-        # back at zero for the next launch.
-        nsplit = tl.num_programs(1)
-        tile_mn = offs_m[:, None] * N + offs_n[None, :]
-        mask_mn = mask_m[:, None] & mask_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + tile_mn, acc, mask=mask_mn)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel")
-        if ticket == nsplit - 1:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, nsplit):
-                acc += tl.load(part_ptr + s * M * N + tile_mn, mask=mask_mn, other=0.0, cache_modifier=".cg")
-            tl.store(ticket_ptr + tl.program_id(0), 0)
-            _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr,
-                      stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
-    else:
-        _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr,
-                  stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
 
 
 @triton.jit
@@ -369,8 +290,9 @@ def _decode_kernel(
     tile_nm = offs_m[None, :] * N + offs_n[:, None]
     mask_nm = mask_n[:, None] & mask_m[None, :]
     if SPLIT:
-        # Same ticket protocol as _fwd_kernel: publish the fp32 partial; the last program of the
-        # tile sums all partials (L2, .cg) and runs the epilogue; it resets its ticket.
+        # Publish this fp32 partial, take a ticket; the program that draws the tile's last ticket
+        # sums all partials (L2 reads, .cg), runs the epilogue and resets the ticket, so stream
+        # order guarantees the tickets are back at zero for the next launch.
         nsplit = tl.num_programs(1)
         tl.store(part_ptr + pid_k * M * N + tile_nm, acc, mask=mask_nm)
         tl.debug_barrier()
@@ -476,15 +398,14 @@ def matmul(
     lora_b: torch.Tensor | None = None,
     lora_scale: float = 1.0,
     out: torch.Tensor | None = None,
-    config: Config | DecodeConfig | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
 
     Decode-sized M (<= DECODE_MAX_M) takes ``_decode_kernel`` (one launch, split-K). Larger M
     dequantizes the weight once into a transient bf16/fp16 copy and calls cuBLAS. An explicit
-    ``DecodeConfig`` forces the decode kernel (M <= 64), an explicit ``Config`` the fused wgmma
-    kernel (any M). ``out`` (a contiguous [M, N] tensor of x's dtype) lets tests hand in a
-    poisoned buffer.
+    ``DecodeConfig`` sets the decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
+    contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer.
     """
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
@@ -499,7 +420,9 @@ def matmul(
                              f"{None if lora_u is None else tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}")
         lora_u = lora_u.contiguous()
         lora_b = lora_b.contiguous()
-    if config is None and M > DECODE_MAX_M:
+    if M > DECODE_MAX_M:
+        if config is not None:
+            raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
         # Large M: one dequantize pass + cuBLAS beats the fused kernels measured so far (NOTES.md).
         y = torch.nn.functional.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, x.dtype), bias)
         if has_lora:
@@ -512,42 +435,23 @@ def matmul(
     lora_args = (lora_u if has_lora else y, lora_b if has_lora else y)
     lora_strides = (lora_u.stride(0) if has_lora else 0, lora_b.stride(0) if has_lora else 0)
     br = max(16, triton.next_power_of_2(rank))
-    if config is None or isinstance(config, DecodeConfig):
-        if M > DECODE_MAX_M:
-            raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
-        cfg = decode_config(M, N, K, x.device, config)
-        k_steps = triton.cdiv(K, cfg.BK)
-        steps_per_split = triton.cdiv(k_steps, cfg.split)
-        split = triton.cdiv(k_steps, steps_per_split)
-        tiles = triton.cdiv(N, cfg.BN)
-        part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
-        h = weight_packed.contiguous().view(torch.int16)
-        scale = weight_scale.contiguous()
-        h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))  # (row, K step, tile)
-        s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
-        _decode_kernel[(tiles, split)](
-            x, h, scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
-            M, N, K, x.stride(0), *h_strides, *s_strides, y.stride(0), *lora_strides, rank,
-            float(lora_scale), steps_per_split,
-            BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
-            HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-            X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
-        )
-        return y
-    cfg = config
-    words = _words(weight_packed)
+    cfg = decode_config(M, N, K, x.device, config)
     k_steps = triton.cdiv(K, cfg.BK)
     steps_per_split = triton.cdiv(k_steps, cfg.split)
     split = triton.cdiv(k_steps, steps_per_split)
-    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    tiles = triton.cdiv(N, cfg.BN)
     part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
-    _fwd_kernel[(tiles, split)](
-        x, words, weight_scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
-        M, N, K, x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0), *lora_strides, rank,
+    h = weight_packed.contiguous().view(torch.int16)
+    scale = weight_scale.contiguous()
+    h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))  # (row, K step, tile)
+    s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
+    _decode_kernel[(tiles, split)](
+        x, h, scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
+        M, N, K, x.stride(0), *h_strides, *s_strides, y.stride(0), *lora_strides, rank,
         float(lora_scale), steps_per_split,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, SPLIT=split > 1,
-        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br,
-        IS_FP16=x.dtype == torch.float16, MUL_F32=cfg.mul_f32, num_warps=cfg.warps, num_stages=cfg.stages,
+        BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
+        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
+        X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y
 

@@ -24,14 +24,13 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Config:
-    """Tile shape and schedule of one launch; ``split`` = number of K slices (1 = no split-K)."""
+    """Tile shape and schedule of one ``_bwd_kernel`` launch (grad_x, M <= ``FUSED_BWD_MAX_M``)."""
 
     BM: int
     BN: int
     BK: int
     warps: int
     stages: int
-    split: int = 1
     group_m: int = 8
     mul_f32: bool = _INTERPRET
 
@@ -105,20 +104,6 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
-def _split_for(tiles: int, k_steps: int, device: torch.device, per_sm: int = 4, min_steps: int = 3) -> int:
-    """Enough K slices for ~per_sm programs per SM, each still running >= min_steps K steps."""
-    want = _cdiv(per_sm * _sm_count(device), tiles)
-    return max(1, min(want, k_steps // min_steps, 64))
-
-
-def fwd_config(M: int, N: int, K: int, device: torch.device) -> Config:
-    """Heuristic config of the fused wgmma forward (reached through an explicit ``config`` or tests)."""
-    if M <= DECODE_MAX_M:
-        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-        return with_split(Config(BM=bm, BN=64, BK=128, warps=4, stages=4), M, N, K, device)
-    return with_split(Config(BM=128, BN=128, BK=64, warps=8, stages=3), M, N, K, device)
-
-
 #: Fixed cost of one decode program (pipeline fill, split-K partial + ticket, epilogue) in K steps:
 #: the one parameter of ``decode_split``'s model, fit on benchmarks/results/decode_splits.json (1-4 pick alike).
 DECODE_PROGRAM_STEPS = 2
@@ -162,21 +147,6 @@ def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfi
         split = decode_split(_cdiv(N, cfg.BN), _cdiv(K, bk), slots)
     return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
                         resident=cfg.resident)
-
-
-def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
-    """Give ``cfg`` split-K slices when its output tiles alone would leave SMs idle.
-
-    Decode tiles aim for ~4 programs per SM (latency hiding for a pure weight stream); wgmma tiles
-    for ~2, since every extra slice writes and re-reads an fp32 partial of the tile.
-    """
-    tiles = _cdiv(M, cfg.BM) * _cdiv(N, cfg.BN)
-    sms = _sm_count(device)
-    if tiles >= 2 * sms:
-        split = 1
-    else:
-        split = _split_for(tiles, _cdiv(K, cfg.BK), device, per_sm=4 if cfg.BM <= 64 else 2)
-    return Config(**{**cfg.__dict__, "split": split})
 
 
 def bwd_config(M: int, N: int, K: int) -> Config:
