@@ -3,7 +3,7 @@
 For the Qwen2.5-7B down_proj (N=3584, K=18944) and gate_up (N=37888, K=3584) shapes and
 M in {1, 16, 64} (gate_up: {1, 16}): every candidate ``DecodeConfig`` is first checked against a float64 product on
 the dequantized weight (NaN-poisoned output, fresh random x), then timed the way
-``benchmarks/kernels.py`` times (CUDA graph over rotating weight copies > L2, median), beside torch's
+benchmarks/gemm.py times (CUDA graph over rotating weight copies > L2, median), beside torch's
 bf16 ``F.linear`` on the dequantized weight in the same run. Then the dequantize kernel's blocks
 (bitwise against ``nvfp4.dequantize``) and the M=1024 dequantize + cuBLAS path.
 
@@ -13,9 +13,9 @@ before it becomes the code's default. (Two weight orders, tile-contiguous and ni
 candidates here in sweeps 2-3 and gained nothing: benchmarks/NOTES.md; the kernel still addresses the
 weight through (row, K step, tile) strides, so another order can be tried without a new kernel.)
 
-    python benchmarks/decode_tune.py --out $OUT            # prints a table, writes decode_tune.json
-    python benchmarks/decode_tune.py --quick --out $OUT    # no dequantize rows (~2-3 min)
-    python benchmarks/decode_tune.py --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
+    python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
+    python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
+    python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -25,22 +25,15 @@ float64 like the rest: the data for choosing split from the shape (wave quantiza
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels as kb  # noqa: E402  (benchmarks/kernels.py: Layer, graph_time, copy_bandwidth)
-
-from qerl import nvfp4  # noqa: E402
-from qerl.fsutil import atomic_write_text  # noqa: E402
-from qerl.kernels import fp4_gemm as fg  # noqa: E402
-from qerl.kernels import schedule as sch  # noqa: E402
+from benchmarks.common import Layer, command, copy_bandwidth, graph_time, utc_now, write_json
+from qerl import nvfp4
+from qerl.kernels import fp4_gemm as fg
+from qerl.kernels import schedule as sch
 
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 #: (N, K) of every decode GEMM of a Qwen2.5 layer, q/k/v and gate/up fused as the rollout engine runs them.
@@ -98,7 +91,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...], candidates: dict = CANDIDATES) -> list[dict]:
+def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict = CANDIDATES) -> list[dict]:
     """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed (and, at M > 64,
     the dequantize + cuBLAS path beside them)."""
     q0 = layer.q[0]
@@ -107,9 +100,9 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...], candidates: di
     for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w64.t()
-        base = kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6
+        base = graph_time(layer.bf16_fwd_fns(x)) * 1e6
         if m > 64:
-            t = kb.graph_time(layer.dq_fwd_fns(x)) * 1e6
+            t = graph_time(layer.dq_fwd_fns(x)) * 1e6
             rows.append({"shape": shape, "M": m, "cand": "dequantize+cuBLAS", "bf16_us": base, "us": t, "speedup": base / t})
             print(f"{shape:8s} M={m:3d} dequantize+cuBLAS {t:8.1f} us  x{base / t:.2f}", flush=True)
         for name, cfg in candidates.items():
@@ -123,7 +116,7 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...], candidates: di
                 row["rel_err"] = rel(y, ref)
                 fns = [lambda q=q, cfg=cfg, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
                        for q in qs]
-                t = kb.graph_time(fns) * 1e6
+                t = graph_time(fns) * 1e6
                 row.update(us=t, speedup=base / t, wbw_TBps=layer.packed_bytes / t / 1e6)
             except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -135,7 +128,7 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...], candidates: di
     return rows
 
 
-def split_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[dict]:
+def split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[dict]:
     """The default schedule at every distinct split-K count (1..64) of ``layer``: checked, timed."""
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
@@ -152,7 +145,7 @@ def split_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> li
             y = fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, config=cfg)
             fns = [lambda q=q, x=x, cfg=cfg: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
                    for q in layer.q]  # fmt: skip
-            t = kb.graph_time(fns) * 1e6
+            t = graph_time(fns) * 1e6
             rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "split": split, "default": split == default,
                          "us": t, "rel_err": rel(y, ref), "wbw_TBps": layer.packed_bytes / t / 1e6})  # fmt: skip
         mine = [r for r in rows if r["M"] == m]
@@ -163,7 +156,7 @@ def split_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> li
     return rows
 
 
-def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
+def dequant_rows(layer: Layer, bw: float) -> list[dict]:
     q0 = layer.q[0]
     ref = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.bfloat16)
     moved = layer.packed_bytes + 2 * layer.n * layer.k
@@ -173,9 +166,7 @@ def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
         try:
             w = fg.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, block=block)
             row["max_abs_diff"] = (w.float() - ref.float()).abs().max().item()
-            fns = [lambda q=q, block=block: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block)
-                   for q in layer.q]
-            t = kb.graph_time(fns) * 1e6
+            t = graph_time(layer.dequant_fns(block)) * 1e6
             row.update(us=t, TBps=moved / t / 1e6, frac_of_copy=moved / (t * 1e-6) / bw)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -185,8 +176,8 @@ def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
     for m in (1024,):
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         gy = torch.randn(m, layer.n, device="cuda", dtype=torch.bfloat16)
-        r = {"M": m, "fwd_us": kb.graph_time(layer.dq_fwd_fns(x)) * 1e6, "bf16_fwd_us": kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6,
-             "bwd_us": kb.graph_time(layer.dq_bwd_fns(gy)) * 1e6, "bf16_bwd_us": kb.graph_time(layer.bf16_bwd_fns(gy)) * 1e6}
+        r = {"M": m, "fwd_us": graph_time(layer.dq_fwd_fns(x)) * 1e6, "bf16_fwd_us": graph_time(layer.bf16_fwd_fns(x)) * 1e6,
+             "bwd_us": graph_time(layer.dq_bwd_fns(gy)) * 1e6, "bf16_bwd_us": graph_time(layer.bf16_bwd_fns(gy)) * 1e6}
         r["fwd_ratio"], r["bwd_ratio"] = r["bf16_fwd_us"] / r["fwd_us"], r["bf16_bwd_us"] / r["bwd_us"]
         rows.append(r)
         print(f"M={m} dequant+cuBLAS fwd {r['fwd_us']:.1f} us (x{r['fwd_ratio']:.2f}), bwd {r['bwd_us']:.1f} us (x{r['bwd_ratio']:.2f})", flush=True)
@@ -204,29 +195,29 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
     torch.manual_seed(0)
-    bw = kb.copy_bandwidth()["max"]
+    bw = copy_bandwidth()["max"]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "copy_bw_GBps": bw / 1e9,
+    result = {"date": utc_now(),
+              "device": torch.cuda.get_device_name(), "command": command("benchmarks.decode_tune"), "copy_bw_GBps": bw / 1e9,
               "decode": [], "dequant": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.splits:
         result["splits"] = []
         for shape, (n, k) in MODEL_SHAPES.items():
-            layer = kb.Layer(n, k)
+            layer = Layer(n, k)
             result["splits"] += split_rows(layer, shape)
             layer.free()
             torch.cuda.empty_cache()
-            atomic_write_text(out / "decode_splits.json", json.dumps(result, indent=1))
+            write_json(out / "decode_splits.json", result, indent=1)
         return
     if args.large:
         for shape in LARGE_SHAPES:
-            layer = kb.Layer(*MODEL_SHAPES[shape])
+            layer = Layer(*MODEL_SHAPES[shape])
             result["decode"] += decode_rows(layer, shape, LARGE_MS, LARGE_CANDIDATES)
             layer.free()
             torch.cuda.empty_cache()
-            atomic_write_text(out / "decode_tune_large.json", json.dumps(result, indent=1))
+            write_json(out / "decode_tune_large.json", result, indent=1)
         for m in LARGE_MS:
             mine = {name: [r.get("us", float("inf")) for r in result["decode"] if r["cand"] == name and r["M"] == m]
                     for name in LARGE_CANDIDATES}
@@ -234,13 +225,13 @@ def main() -> None:
             print(f"M={m}: summed over {LARGE_SHAPES}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items(), key=lambda kv: kv[1])))
         return
     for shape, (n, k) in SHAPES.items():
-        layer = kb.Layer(n, k)
+        layer = Layer(n, k)
         result["decode"] += decode_rows(layer, shape, MS[shape])
         if shape == "down" and not args.quick:
             result["dequant"] = dequant_rows(layer, bw)
         layer.free()
         torch.cuda.empty_cache()
-        atomic_write_text(out / "decode_tune.json", json.dumps(result, indent=1))
+        write_json(out / "decode_tune.json", result, indent=1)
     best = {}
     for r in result["decode"]:
         if "us" in r and r["rel_err"] < 1e-2:
@@ -268,7 +259,7 @@ def main() -> None:
         print(f"QERL_DECODE_CONFIG={env}")
         if args.env_file:
             args.env_file.write_text(env + "\n")
-        atomic_write_text(out / "decode_tune.json", json.dumps(result, indent=1))
+        write_json(out / "decode_tune.json", result, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The analytic side of benchmarks/grpo_step.py: shape counts, time floors and a peak-memory estimate
-of one GRPO step, with no device and no model (``python benchmarks/grpo_step.py --floors`` prints them).
+of one GRPO step, with no device and no model (``python -m benchmarks.grpo_step --floors`` prints them).
 
 The memory estimate adds what a step holds at its peak (the training pass: forward + backward under
 gradient checkpointing), in the order the step allocates it:

@@ -3,12 +3,9 @@ second OpenMP thread slows everything down when anything else runs (cpu_env.md Â
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -29,20 +26,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def load_benchmark() -> Callable[[str], ModuleType]:
-    """``load_benchmark("rollout")``: benchmarks/rollout.py as a module, loaded by path (putting the
-    folder on sys.path would let benchmarks/kernels.py shadow the ``kernels`` package transformers probes)."""
-
-    def load(name: str) -> ModuleType:
-        spec = importlib.util.spec_from_file_location(f"{name}_bench", Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -20,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def grpo_step(load_benchmark: Callable[[str], ModuleType]) -> ModuleType:
-    return load_benchmark("grpo_step")
+def grpo_step() -> ModuleType:
+    from benchmarks import grpo_step
+
+    return grpo_step
 
 
 def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_path: Path) -> None:

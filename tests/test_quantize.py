@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
 import torch
 from safetensors.torch import load_file, save_file
 
 from qerl.quantize import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("quantize_nvfp4", ROOT / "llm-compressor" / "quantize_nvfp4.py")
-cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cli)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
