@@ -10,8 +10,6 @@ Every reference is computed in fp32 on CPU from the same (rounded) inputs.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from qerl.kernels import fused_step
@@ -169,12 +167,12 @@ def check_finish_step(device: str) -> None:
 
 def check_engine_interpreted() -> None:
     """A tiny NVFP4+LoRA Llama generated through every rollout kernel (CPU tensors, interpreter)."""
+    from test_rollout_engines import PROMPTS, greedy
+    from tiny_models import nvfp4_lora, tiny_llama
+
     from qerl.kernels import backend
     from qerl.rollout import get_engine
     from qerl.rollout.native import NativeEngine
-
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from test_rollout_engines import PROMPTS, greedy, nvfp4_lora, tiny_llama
 
     backend.available = lambda x: True  # route CPU tensors to the (interpreted) Triton kernels (fp32: not the FP4 ones)
     model = nvfp4_lora(tiny_llama(2))

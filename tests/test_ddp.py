@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 from ddp_grpo_worker import GROUP, STEPS, run
+from tiny_models import make_tiny_llama
 
 from qerl.quantize import quantize_checkpoint
 

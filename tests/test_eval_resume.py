@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_chat_model
+from tiny_models import make_tiny_chat_model
 
 from eval import gsm8k
 from eval.results import meta_path

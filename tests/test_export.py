@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
+from tiny_models import make_tiny_llama
 
 from qerl import nvfp4
 from qerl.export import MARKER, export, main

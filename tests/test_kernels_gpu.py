@@ -154,12 +154,10 @@ def test_autograd_matches_dense(M: int, dtype: torch.dtype) -> None:
 
 
 def _tiny_llama(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_model
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(cfg).cuda()
+    model = tiny_model("llama", seed, vocab_size=512, hidden_size=256, intermediate_size=688, max_position_embeddings=128)
+    return model.cuda()
 
 
 def _swap_to_nvfp4(model) -> None:

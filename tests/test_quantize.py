@@ -96,7 +96,7 @@ def test_checkpoint_missing_a_tensor(tiny_llama_dir: Path, tmp_path: Path, capsy
 
 
 def test_in_features_not_multiple_of_16(tmp_path: Path, capsys):
-    from conftest import make_tiny_llama
+    from tiny_models import make_tiny_llama
 
     src = make_tiny_llama(tmp_path / "odd", hidden=64, intermediate=120)  # down_proj in_features = 120
     code, err = _run_cli(["--model", str(src), "--output", str(tmp_path / "o"), "--skip_generation"], capsys)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
 import torch
-from conftest import make_tiny_llama
 from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 import torch
 from peft import get_peft_model
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_model
 
 import qerl.kernels
 from qerl import nvfp4
@@ -67,11 +67,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)  # fmt: skip
-    model = Qwen2ForCausalLM(cfg)
+    model = tiny_model(
+        "qwen2", 0, vocab_size=64, num_hidden_layers=LAYERS, max_position_embeddings=64, tie_word_embeddings=False
+    )
     replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin))
     model = get_peft_model(model.to(torch.bfloat16), lora_config(r=16, train_norms=True))
     assert keep_trainable_fp32(model)  # the trained norms are fp32 from here on
