@@ -9,9 +9,9 @@ bf16 ``F.linear`` on the dequantized weight in the same run. Then the dequantize
 
 The schedule with the least time summed over every (shape, M) is printed as a ``QERL_DECODE_CONFIG``
 value (``--env-file`` writes it), so a device session can run the model-level benchmarks with it
-before it becomes the code's default. (Two weight orders, tile-contiguous and nibble-permuted, were
-candidates here in sweeps 2-3 and gained nothing: benchmarks/NOTES.md; the kernel still addresses the
-weight through (row, K step, tile) strides, so another order can be tried without a new kernel.)
+before it becomes the code's default. (The kernel addresses the weight through (row, K step, tile)
+strides, so another weight order can be a candidate here without a new kernel; benchmarks/NOTES.md,
+sweeps 2-3, has the orders measured.)
 
     python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
     python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
@@ -50,7 +50,7 @@ D = sch.DecodeConfig
 CANDIDATES = {
     "n64k256w4s3": D(64, 256, 4, 3),
     "n64k256w4s3_rep": D(64, 256, 4, 3),  # same config again: the run-to-run spread
-    "n64k256w4s4": D(64, 256, 4, 4),  # the default before sweep 2
+    "n64k256w4s4": D(64, 256, 4, 4),  # one more stage: more loads in flight, fewer programs per SM
     "n64k512w4s3": D(64, 512, 4, 3),
     "n64k128w4s3": D(64, 128, 4, 3),
     "n128k256w8s3": D(128, 256, 8, 3),  # two warpgroups, 64 rows each, one shared x tile

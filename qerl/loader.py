@@ -23,7 +23,7 @@ LoadMode = Literal["auto", "nvfp4", "bf16"]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on accelerators; fp32 on CPU, where bf16 matmuls are emulated and slower (cpu_env.md)."""
+    """bf16 on accelerators; fp32 on CPU, where bf16 matmuls are emulated and slower."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 

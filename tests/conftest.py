@@ -1,5 +1,6 @@
-"""Shared fixtures. CPU tests run in fp32 on one torch thread: bf16 is emulated on this CPU and a
-second OpenMP thread slows everything down when anything else runs (cpu_env.md §5)."""
+"""Shared fixtures. CPU tests run in fp32 on one torch thread: bf16 is emulated on this CPU, and with a
+second OpenMP thread anything else running makes torch far slower (threads wait on a descheduled
+sibling: a GRPO step went from 5 s to 27-160 s on a 2-vCPU machine)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def aqn_model() -> torch.nn.Module:
 
 
 def test_exponential_matches_reference_table() -> None:
-    # qerl_method.md §5.2: the reference's 10-stage 1e-2 -> 1e-4 schedule, stages 1..9.
+    # The reference code's 10-stage 1e-2 -> 1e-4 schedule, stages 1..9: 1e-2 * (1e-4 / 1e-2)^(i / 8), i = 0..8.
     expected = [1.0e-2, 5.62e-3, 3.16e-3, 1.78e-3, 1.0e-3, 5.62e-4, 3.16e-4, 1.78e-4, 1.0e-4]
     sched = AQNSchedule(1e-2, 1e-4, 10, "exponential")
     got = sched.sigmas()

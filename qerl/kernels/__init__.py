@@ -4,8 +4,9 @@
 ``x @ W_hat.T + bias`` with gradients to ``x`` and ``bias`` only (the packed weight is frozen).
 
 On CUDA with bf16/fp16 activations it runs the Triton NVFP4 kernels through the custom op
-``torch.ops.qerl.nvfp4_mm`` (``qerl/kernels/ops.py``; split-K Triton kernel for M <= 64, Triton
-dequantize + cuBLAS above, the same split for ``grad_x`` in backward). On CPU, fp32, or without Triton it dequantizes and calls
+``torch.ops.qerl.nvfp4_mm`` (``qerl/kernels/ops.py``; split-K Triton kernel for M <= 128, Triton
+dequantize + cuBLAS above; ``grad_x`` in backward: a fused Triton kernel for M <= 64, dequantize +
+cuBLAS above). On CPU, fp32, or without Triton it dequantizes and calls
 ``F.linear``: the reference path that every fast path is tested against.
 
 ``nvfp4_decode`` is the same op with an optional LoRA expand fused into its epilogue, for the

@@ -5,29 +5,29 @@ checkpoint (``weight_packed`` u8 ``[N, K/2]``, ``weight_scale`` fp8 ``[N, K/16]`
 registers and feeds bf16/fp16 ``tl.dot`` (wgmma).
 
 Kernels:
-* ``_decode_kernel`` (M <= 64, the rollout path): y^T = W_hat @ x^T with the weight as the wgmma
-  A operand in registers and the tokens padded to 16..64 as its N dim; the packed row is read as
+* ``_decode_kernel`` (M <= 128, the rollout path): y^T = W_hat @ x^T with the weight as the wgmma
+  A operand in registers and the tokens padded to 16..128 as its N dim; the packed row is read as
   int16 elements of 4 codes, and a 4-instruction PTX snippet (``_nibble_asm``, via
   ``tl.inline_asm_elementwise(pack=2)``) turns nibble i of two elements into one bf16x2 pair
   ``e2m1 * 2^-126``; one packed multiply by the fp8 block scale * 2^118 makes the exact
   ``e2m1 * scale * 2^-8``. Because the decode is a unary elementwise op, Triton hoists the
   dot-operand conversion above it: words go global -> shared (cp.async, pipelined) -> registers
   (ldmatrix) and the decoded weights never touch shared memory. About 4 SASS instructions per
-  weight in the main loop (was 8.8 in the join/reshape design it replaces). Split-K with an
+  weight in the main loop. Split-K with an
   atomic ticket per tile: one launch, CUDA-graph safe; the split count from a model of waves of
   resident programs (``decode_split``).
 * ``_bwd_kernel`` (grad_x for M <= 64): fused wgmma tiles on int32 words (two codes per 32-bit
   shift/mask, two half-tile dots).
 * ``_dequant_kernel``: dense ``W_hat`` in bf16/fp16, 8 codes per thread -> one 16-byte store,
-  bitwise equal to ``nvfp4.dequantize``; M > 64 forward and backward run it + cuBLAS.
+  bitwise equal to ``nvfp4.dequantize``; the forward above M = 128 and grad_x above M = 64 run it
+  + cuBLAS.
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
-(N=3584, K=18944), kernels.json: M=1 20.7 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), 1.79x
-of bf16 cuBLAS (was 37.7 us, 0.97x, two designs ago); M=16 1.84x; M=64 0.68x; dequantize 61 us (2.9
-TB/s of its 174 MB, floor 41 us; was 110 us); M=1024 fwd 0.78x / bwd 0.71x; M=4096 0.94x / 0.96x of bf16.
-That run predates ``decode_split``, which picks split 9 for this shape (~5% slower here) and saves
-3% / 8% summed over the 7B + 32B decode GEMMs at M=1 / 64 (decode_splits.json). Nsight Compute at
-M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles issuing.
+(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01): M=1 21.6 us against a 9.0 us floor
+(38.2 MB at 4.26 TB/s), 1.71x of bf16 cuBLAS; M=16 1.70x; M=64 0.91x; dequantize 64 us (2.7 TB/s of
+its 174 MB, floor 41 us); M=1024 fwd 0.77x / bwd 0.73x; M=4096 0.95x / 0.92x of bf16. Nsight Compute
+at M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles
+issuing.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _decode_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
 ):
-    """Decode GEMM (M <= BM <= 64): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
+    """Decode GEMM (M <= BM <= 128): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
 
     Swapped operands: the weight tile is the wgmma A operand (registers, M-dim = BN rows of W) and
     the few tokens are the N-dim (BM >= 16, padded by masking), so the tensor cores do all
@@ -221,8 +221,8 @@ def _decode_kernel(
     ``e2m1 * scale * 2^-8``; ``2^8 / g`` is applied to the fp32 result.
 
     Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
-    (``h_step``) and tile (``h_tile``), so that reordered weights can be tried without a new kernel
-    (a tile-contiguous and a nibble-permuted order were, and gained nothing: benchmarks/NOTES.md).
+    (``h_step``) and tile (``h_tile``), so that another weight order can be tried without a new kernel
+    (benchmarks/NOTES.md, sweeps 2-3, has the orders measured).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)

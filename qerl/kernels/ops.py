@@ -1,7 +1,7 @@
 """torch.library custom ops over the NVFP4 GEMMs, so torch.compile and CUDA graphs see opaque ops.
 
 * ``qerl::nvfp4_mm(x, packed, scale, gscale, bias?, lora_u?, lora_b?, lora_scale) -> y`` (2-D x):
-  ``x @ W_hat^T + bias + lora_scale * lora_u @ lora_b^T``; the decode path (M <= 64, split-K) and the
+  ``x @ W_hat^T + bias + lora_scale * lora_u @ lora_b^T``; the decode path (M <= 128, split-K) and the
   prefill path are picked inside by M; the LoRA expand rides in the kernel's epilogue.
 * ``qerl::nvfp4_mm_t(grad_y, packed, scale, gscale) -> grad_x`` (``grad_y @ W_hat``).
 

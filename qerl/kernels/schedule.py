@@ -1,7 +1,7 @@
 """Launch schedules of the NVFP4 kernels (``fp4_gemm``): tile shapes, split-K counts, the decode
 schedule's environment override. Pure Python, no Triton, so the choices are tested on any machine.
 
-Why split-K: a decode GEMM (M <= 64 tokens) has few output tiles (7B down_proj: 56 of 64 rows), so
+Why split-K: a decode GEMM (M <= 128 tokens) has few output tiles (7B down_proj: 56 of 64 rows), so
 the K dimension is cut into slices to give every SM work; ``decode_split`` picks how many from a
 model of waves of resident programs (benchmarks/NOTES.md, "Split-K from a wave model").
 """
@@ -76,9 +76,10 @@ ENV_DECODE = DecodeConfig.from_env()
 #: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
 #: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
 #: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128
-#: weight rows (two warpgroups sharing one x tile, half the x re-reads of BN=64) took M=64 from 186.8 to
-#: 161.6 us and M=128 from 365.2 (the BM=64 schedule) / 340.6 (dequantize + cuBLAS) to 286.9 us. BK=128
-#: at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the 227 KB an SM has).
+#: weight rows (two warpgroups sharing one x tile, half the x re-reads of BN=64) run M=64 in 161.6 us
+#: (the BM <= 32 schedule: 186.8) and M=128 in 286.9 us (the BM=64 schedule: 365.2; dequantize +
+#: cuBLAS: 340.6). BK=128 at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the
+#: 227 KB an SM has).
 DECODE_BY_BM = {
     16: DecodeConfig(),
     32: DecodeConfig(),
@@ -105,7 +106,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 #: Fixed cost of one decode program (pipeline fill, split-K partial + ticket, epilogue) in K steps:
-#: the one parameter of ``decode_split``'s model, fit on benchmarks/results/decode_splits.json (1-4 pick alike).
+#: the one parameter of ``decode_split``'s model, fit on benchmarks/results/decode_splits_fit.json (1-4 pick alike).
 DECODE_PROGRAM_STEPS = 2
 
 
@@ -116,8 +117,9 @@ def decode_split(tiles: int, k_steps: int, slots: int) -> int:
     ``DECODE_PROGRAM_STEPS``). Minimizing waves x program length avoids both a last wave that is
     mostly empty (7B gate_up at M=1: 592 one-slice programs for 528 slots) and programs too short
     to pay their fixed cost (BM=64, one resident program per SM). Ties go to fewer slices (fewer
-    partials). H200, decode_splits.json, sums over the 7B + 32B GEMMs: M=1 209.6 us vs 215.8 for
-    the previous rule (~3 programs per SM), M=64 529.3 vs 576.6; the best split per shape: 206.7 / 528.3.
+    partials). H200, decode_splits.json (this rule as the default), sums over the 7B + 32B GEMMs:
+    M=1 212.8 us, M=64 541.0; the best split per shape: 210.5 / 538.5 (benchmarks/NOTES.md, "Split-K
+    from a wave model").
     """
     best, best_cost = 1, None
     for split in range(1, min(64, k_steps) + 1):
