@@ -22,9 +22,9 @@ from typing import Any
 
 from datasets import Dataset
 
+from qerl.answers import gsm8k_gold
 from qerl.hub import path_shaped
 from qerl.prompts import chat_messages, encode_chat
-from qerl.rewards import gsm8k_gold
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,17 @@ class DatasetSpec:
     config: str | None
     style: str
     rewards: tuple[str, ...]
+    reading: str  # how its answers are read and judged: one of qerl.answers.READINGS
     question_fields: tuple[str, ...] = ("question", "problem", "prompt")
     answer_fields: tuple[str, ...] = ("answer", "solution", "final_answer")
 
 
 DATASETS: dict[str, DatasetSpec] = {
-    "gsm8k": DatasetSpec("openai/gsm8k", "main", "tags", ("soft_format", "gsm8k")),
-    "bigmath": DatasetSpec("open-r1/Big-Math-RL-Verified-Processed", "level_3_4_5", "tags", ("soft_format", "math")),
-    "bigmath_hard": DatasetSpec("open-r1/Big-Math-RL-Verified-Processed", "level_4_5", "tags", ("soft_format", "math")),
-    "dapo-math": DatasetSpec("open-r1/DAPO-Math-17k-Processed", "en", "dapo", ("dapo",)),
-    "arithmetic": DatasetSpec(None, None, "tags", ("soft_format", "gsm8k")),
+    "gsm8k": DatasetSpec("openai/gsm8k", "main", "tags", ("soft_format", "gsm8k"), "numeric"),
+    "bigmath": DatasetSpec("open-r1/Big-Math-RL-Verified-Processed", "level_3_4_5", "tags", ("soft_format", "math"), "math"),
+    "bigmath_hard": DatasetSpec("open-r1/Big-Math-RL-Verified-Processed", "level_4_5", "tags", ("soft_format", "math"), "math"),
+    "dapo-math": DatasetSpec("open-r1/DAPO-Math-17k-Processed", "en", "dapo", ("dapo",), "dapo"),
+    "arithmetic": DatasetSpec(None, None, "tags", ("soft_format", "gsm8k"), "numeric"),
 }
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 #: The reference's spellings.
@@ -108,7 +109,7 @@ def _pick(row: dict[str, Any], fields: tuple[str, ...], what: str, columns: list
     raise ValueError(f"data set row has no {what} column; expected one of {fields}, found {columns}")
 
 
-def to_rows(raw: Dataset, s: DatasetSpec, gsm8k: bool) -> Dataset:
+def to_rows(raw: Dataset, s: DatasetSpec) -> Dataset:
     """Normalise a raw data set to ``prompt`` (messages) + ``answer`` (gold string)."""
     columns = list(raw.column_names)
 
@@ -117,7 +118,7 @@ def to_rows(raw: Dataset, s: DatasetSpec, gsm8k: bool) -> Dataset:
         if isinstance(question, list):  # already a conversation: keep its last user turn's text
             question = question[-1]["content"]
         gold = str(_pick(row, s.answer_fields, "answer", columns))
-        return {"prompt": chat_messages(str(question), s.style), "answer": gsm8k_gold(gold) if gsm8k else gold}
+        return {"prompt": chat_messages(str(question), s.style), "answer": gsm8k_gold(gold) if s.reading == "numeric" else gold}
 
     return raw.map(convert, remove_columns=columns)
 
@@ -201,7 +202,7 @@ def load_dataset(
         raw = _read_source(name, source, split)
         if num_samples is not None:
             raw = raw.shuffle(seed=seed).select(range(min(num_samples, len(raw))))
-    return to_rows(raw, s, gsm8k=key in ("gsm8k", "arithmetic"))
+    return to_rows(raw, s)
 
 
 def filter_prompt_length(ds: Dataset, tokenizer: Any, max_tokens: int) -> Dataset:
