@@ -8,7 +8,10 @@ Flags are trl's ``TrlParser`` over ``ScriptArguments`` (model, data, LoRA) and `
 (everything trl's GRPOConfig knows, plus the rollout engine and AQN). Both ``--lora_rank`` and the
 reference's ``--lora-rank`` spellings work. Reference flags that no longer do anything
 (``--max-seq-length``, ``--fast-inference``, ``--random-state``, ``--load-in-4bit``, ...) are accepted
-with a warning so that the reference's scripts still run.
+with a warning so that the reference's scripts still run. What a recipe leaves unset is the reference
+scripts' choice: one epoch, the data set's completion budget (``qerl.data``), AQN for NVFP4 models only
+(``qerl.config``), the data set's prompt (``--prompt-style``). ``--push_to_hub`` uploads only when a
+Hugging Face token is configured; otherwise it logs one note and the run stays local.
 
 A run into an ``output_dir`` that already holds one continues it from its newest complete checkpoint,
 but only when the recorded settings (``run_config.json``: flags, data and model digests) match; a
@@ -67,6 +70,9 @@ class ScriptArguments:
     arithmetic_level: str | None = field(
         default=None, metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(qdata.ARITHMETIC_LEVELS)} (default hard)."}
     )
+    prompt_style: str | None = field(default=None, metadata={"help": "plain | tags | dapo | source (a row's own "
+                                     "conversation); unset: the reference's for the data set (gsm8k plain, bigmath "
+                                     "tags, dapo-math source, arithmetic tags). See qerl/prompts.py."})
     heldout: int = field(default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."})
     heldout_max_tokens: int = field(default=256, metadata={"help": "Completion budget of the held-out evaluation."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Drop prompts longer than this many tokens."})
@@ -142,6 +148,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, QeRL
     if unknown_args:
         raise UsageError(f"unrecognized arguments: {' '.join(unknown_args)} (see python -m qerl.train --help)")
     _check_values(script, config)
+    if config.max_completion_length is None:  # the reference scripts' budget for this data set (None: 8192)
+        with usage_errors(ValueError):
+            config.max_completion_length = qdata.spec(script.dataset).completion_length
     return script, config
 
 
@@ -184,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise UsageError(f"--model_name {script.model_name}: {one_line(e)}") from None
     with usage_errors(ValueError, OSError):
         rows = qdata.load_dataset(script.dataset, script.dataset_path, num_samples=script.num_samples,
-                                  seed=config.seed, arithmetic_level=script.arithmetic_level)
+                                  seed=config.seed, arithmetic_level=script.arithmetic_level, style=script.prompt_style)
         if script.max_prompt_length:
             rows = qdata.filter_prompt_length(rows, tokenizer, script.max_prompt_length)
         train_rows, heldout_rows = qdata.train_heldout_split(rows, script.heldout, seed=config.seed)
