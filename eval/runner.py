@@ -23,6 +23,7 @@ from eval.stats import Accuracy, accuracy
 from qerl.answers import score
 from qerl.cli import ArgumentParser, UsageError
 from qerl.fingerprint import adapter_sha256, model_sha256
+from qerl.prompts import PROMPT_STYLES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -65,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = No
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--samples", type=int, default=1, help="samples per question; pass@1 is averaged over them")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-style", choices=("tags", "dapo"), default="tags", help="must match training")
+    parser.add_argument("--prompt-style", choices=sorted(PROMPT_STYLES), default="tags",
+                        help="tags (default: the reference's evaluation prompt), plain (the question alone: the "
+                             "reference's and qerl.train's default GSM8K training prompt) or dapo; match training")
     parser.add_argument("--output", default=None, help="results JSONL (default outputs/eval/<benchmark>-<model>.jsonl)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype (auto: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

@@ -8,7 +8,10 @@ Flags are trl's ``TrlParser`` over ``ScriptArguments`` (model, data, LoRA) and `
 (everything trl's GRPOConfig knows, plus the rollout engine and AQN). Both ``--lora_rank`` and the
 reference's ``--lora-rank`` spellings work. Reference flags that no longer do anything
 (``--max-seq-length``, ``--fast-inference``, ``--random-state``, ``--load-in-4bit``, ...) are accepted
-with a warning so that the reference's scripts still run.
+with a warning so that the reference's scripts still run. What a recipe leaves unset is the reference
+scripts' choice: one epoch, the data set's completion budget (``qerl.data``), AQN for NVFP4 models only
+(``qerl.config``), the data set's prompt (``--prompt-style``). ``--push_to_hub`` uploads only when a
+Hugging Face token is configured; otherwise it logs one note and the run stays local.
 
 A run into an ``output_dir`` that already holds one continues it from its newest complete checkpoint,
 but only when the recorded settings (``run_config.json``: flags, data and model digests) match; a
@@ -37,13 +40,14 @@ from trl import TrlParser
 
 from qerl import data as qdata
 from qerl import resume as run_record
+from qerl.answers import judge
 from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
 from qerl.fingerprint import model_sha256
 from qerl.fsutil import atomic_directory, atomic_write_text
 from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
 from qerl.prompts import encode_chat
-from qerl.rewards import CORRECTNESS_REWARDS, get_rewards
+from qerl.rewards import get_rewards
 from qerl.rollout import SamplingParams
 from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
 
@@ -66,6 +70,9 @@ class ScriptArguments:
     arithmetic_level: str | None = field(
         default=None, metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(qdata.ARITHMETIC_LEVELS)} (default hard)."}
     )
+    prompt_style: str | None = field(default=None, metadata={"help": "plain | tags | dapo | source (a row's own "
+                                     "conversation); unset: the reference's for the data set (gsm8k plain, bigmath "
+                                     "tags, dapo-math source, arithmetic tags). See qerl/prompts.py."})
     heldout: int = field(default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."})
     heldout_max_tokens: int = field(default=256, metadata={"help": "Completion budget of the held-out evaluation."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Drop prompts longer than this many tokens."})
@@ -89,8 +96,9 @@ class ScriptArguments:
     activation_offloading: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
 
 
-def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reward: Any, max_new_tokens: int, batch: int = 64) -> float:
-    """Greedy accuracy on held-out rows: the share whose reward is positive, through the rollout engine."""
+def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reading: str, max_new_tokens: int, batch: int = 64) -> float:
+    """Greedy accuracy on held-out rows through the rollout engine, judged as evaluation judges
+    (``qerl.answers.judge`` with the data set's reading), whatever rewards the run trains with."""
     if len(rows) == 0:
         return float("nan")
     tok = trainer.processing_class
@@ -106,8 +114,7 @@ def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reward: Any, max_new_token
             ids = [encode_chat(tok, p) for p in chunk["prompt"]]
             out = engine.generate(ids, params, n=1)
             texts = tok.batch_decode(out.completion_ids, skip_special_tokens=True)
-            scores = reward(completions=texts, answer=chunk["answer"])
-            correct += sum(1 for s in scores if s is not None and s > 0)
+            correct += sum(judge(text, gold, reading) for text, gold in zip(texts, chunk["answer"], strict=True))
     finally:
         policy.train(was_training)
     return correct / len(rows)
@@ -141,6 +148,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, QeRL
     if unknown_args:
         raise UsageError(f"unrecognized arguments: {' '.join(unknown_args)} (see python -m qerl.train --help)")
     _check_values(script, config)
+    if config.max_completion_length is None:  # the reference scripts' budget for this data set (None: 8192)
+        with usage_errors(ValueError):
+            config.max_completion_length = qdata.spec(script.dataset).completion_length
     return script, config
 
 
@@ -183,16 +193,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise UsageError(f"--model_name {script.model_name}: {one_line(e)}") from None
     with usage_errors(ValueError, OSError):
         rows = qdata.load_dataset(script.dataset, script.dataset_path, num_samples=script.num_samples,
-                                  seed=config.seed, arithmetic_level=script.arithmetic_level)
+                                  seed=config.seed, arithmetic_level=script.arithmetic_level, style=script.prompt_style)
         if script.max_prompt_length:
             rows = qdata.filter_prompt_length(rows, tokenizer, script.max_prompt_length)
         train_rows, heldout_rows = qdata.train_heldout_split(rows, script.heldout, seed=config.seed)
         reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
         rewards = get_rewards(reward_names)
-        judges = [n for n in reward_names if n in CORRECTNESS_REWARDS]
-        if len(heldout_rows) and not judges:
-            raise UsageError(f"--rewards {reward_names}: held-out accuracy needs one of {list(CORRECTNESS_REWARDS)} "
-                             "(or --heldout 0)")
         used = {k: v for k, v in dataclasses.asdict(script).items() if k not in IGNORED_REFERENCE_FLAGS}
         wanted = run_record.run_config(used, config.to_dict(), rewards=reward_names,
                                        model_sha256=model_sha256(script.model_name),
@@ -225,9 +231,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                "train_rows": len(train_rows), "heldout_rows": len(heldout_rows), "rewards": reward_names}
     if todo.changed:
         summary["resumed_with_changes"] = todo.changed
-    accuracy_reward = rewards[reward_names.index(judges[-1])] if judges else None
+    reading = qdata.spec(script.dataset).reading
     if len(heldout_rows):
-        summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
+        summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, reading, script.heldout_max_tokens)
         logger.info("held-out accuracy before training: %.4f", summary["heldout_accuracy_before"])
 
     if trainer.is_world_process_zero():
@@ -241,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summary["global_step"] = trainer.state.global_step
     summary["adapter"] = str(save_adapter(trainer, out / "adapter") if main_process else out / "adapter")
     if len(heldout_rows):
-        summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
+        summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, reading, script.heldout_max_tokens)
         logger.info("held-out accuracy after training: %.4f", summary["heldout_accuracy_after"])
     if not main_process:
         return summary

@@ -39,14 +39,11 @@ bias the noise introduces. ``vllm_importance_sampling_correction=False`` reprodu
 
 from __future__ import annotations
 
-import copy
-import importlib.util
 import json
 import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +51,19 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
-from qerl.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule, NormNoise, draw_seed, norm_weights
+from qerl.aqn import NormNoise, draw_seed, norm_weights
+from qerl.config import QeRLConfig, with_model_defaults
 from qerl.fsutil import atomic_write_text
 from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.rewards import guarded
-from qerl.rollout import KINDS, SamplingParams, get_engine
+from qerl.rollout import SamplingParams, get_engine
 
 logger = logging.getLogger(__name__)
 
 #: trl versions this subclass was tested with (its hooks are private and move between releases).
 TRL_RANGE = (">=1.16.0", "<1.17")
-_BNB_OPTIMIZERS = ("8bit", "bnb", "lion_32bit", "paged_")
-#: Learning rates of the reference recipes (qerl_method.md §6.2): NVFP4+LoRA, bf16 LoRA.
-LR_NVFP4, LR_BF16 = 1e-5, 5e-6
 
 
 def _check_trl_version() -> None:
@@ -80,94 +75,6 @@ def _check_trl_version() -> None:
         logger.warning(
             "QeRLTrainer was tested with trl %s; found trl %s (private hooks may differ)", " ".join(TRL_RANGE), v
         )
-
-
-@dataclass
-class QeRLConfig(GRPOConfig):
-    """GRPOConfig with the QeRL recipe's defaults, the rollout engine choice and AQN.
-
-    Defaults that differ from trl's are the reference's (qerl_method.md §6): epsilon_high 0.28,
-    beta 0, bnpo (token-level) loss, truncated completions masked, grad clip 0.2, cosine schedule
-    with 10% warmup, AdamW betas (0.9, 0.99), weight decay 0.1. ``learning_rate`` left unset picks
-    1e-5 for NVFP4 models and 5e-6 for bf16 ones.
-    """
-
-    learning_rate: float | None = field(
-        default=None, metadata={"help": "Peak LR; unset: 1e-5 for NVFP4 models, 5e-6 for bf16."}
-    )
-    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip (DAPO clip-higher)."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)."})
-    loss_type: str = field(default="bnpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo (trl's loss types)."})
-    mask_truncated_completions: bool = field(
-        default=True, metadata={"help": "Drop completions without EOS from the loss."}
-    )
-    max_grad_norm: float = field(default=0.2, metadata={"help": "Gradient clipping."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "LR schedule."})
-    warmup_steps: float = field(default=0.1, metadata={"help": "Warmup steps, or a fraction of the run if < 1."})
-    warmup_ratio: float | None = field(
-        default=None, metadata={"help": "Reference spelling of a fractional warmup_steps."}
-    )
-    adam_beta2: float = field(default=0.99, metadata={"help": "AdamW beta2."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay."})
-    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
-    bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; unset: on with CUDA, off on CPU."})
-    vllm_importance_sampling_mode: str = field(
-        default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.trainer docstring)."}
-    )
-    vllm_importance_sampling_clip_max: float | None = field(default=2.0, metadata={"help": "IS cap C."})
-    # Data parallelism (`accelerate launch`): the buffers are the frozen packed weights, identical on every
-    # rank (each loads the same checkpoint), so DDP must not re-broadcast them (tens of GB) every forward;
-    # every trainable tensor (LoRA, norms) is used in every forward, so DDP need not search for unused ones.
-    ddp_broadcast_buffers: bool | None = field(default=False, metadata={"help": "DDP: re-broadcast buffers each forward."})
-    ddp_find_unused_parameters: bool | None = field(default=False, metadata={"help": "DDP: look for unused parameters."})
-
-    rollout_engine: str = field(default="native", metadata={"help": f"Rollout engine: one of {KINDS}."})
-    rollout_engine_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra engine constructor arguments (JSON)."}
-    )
-
-    aqn: bool = field(
-        default=True, metadata={"help": "Adaptive Quantization Noise on the rollout's q/k/v and gate/up norms."}
-    )
-    sigma_start: float = field(default=1e-2, metadata={"help": "AQN sigma of stage 1."})
-    sigma_end: float = field(default=5e-4, metadata={"help": "AQN sigma of the last stage."})
-    num_stages: int = field(default=10, metadata={"help": "AQN stages over the run (stage 0 is noise-free)."})
-    aqn_schedule: str = field(default="exponential", metadata={"help": f"AQN decay: one of {SCHEDULES}."})
-    aqn_resample: str = field(default="step", metadata={"help": f"AQN draw frequency: one of {RESAMPLE_MODES}."})
-
-    def __post_init__(self) -> None:
-        if self.warmup_ratio is not None:
-            if not 0 <= self.warmup_ratio < 1:
-                raise ValueError(f"--warmup_ratio: expected a fraction in [0, 1), got {self.warmup_ratio}")
-            self.warmup_steps = self.warmup_ratio
-        if self.bf16 is None and not self.fp16:
-            self.bf16 = torch.cuda.is_available()
-        if not torch.cuda.is_available():  # what makes `accelerate launch` give CPU-only processes gloo DDP
-            self.use_cpu = True
-        if self.use_vllm:  # the reference's --use-vllm True: our vLLM engine, not trl's (see module docstring)
-            self.rollout_engine, self.use_vllm = "vllm", False
-        if isinstance(self.rollout_engine_kwargs, str):
-            try:
-                self.rollout_engine_kwargs = json.loads(self.rollout_engine_kwargs)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"--rollout_engine_kwargs: expected a JSON object, got {self.rollout_engine_kwargs!r} ({e})"
-                ) from None
-        if self.rollout_engine not in KINDS:
-            raise ValueError(f"--rollout_engine: expected one of {KINDS}, got {self.rollout_engine!r}")
-        if self.aqn_resample not in RESAMPLE_MODES:
-            raise ValueError(f"--aqn_resample: expected one of {RESAMPLE_MODES}, got {self.aqn_resample!r}")
-        if self.aqn:
-            AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule)  # validates
-        if any(tag in str(self.optim) for tag in _BNB_OPTIMIZERS) and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(
-                f"--optim {self.optim}: needs bitsandbytes, which is not installed (pip install bitsandbytes)"
-            )
-        super().__post_init__()
-
-    @property
-    def aqn_plan(self) -> AQNSchedule | None:
-        return AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule) if self.aqn else None
 
 
 def _group_repeats(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
@@ -268,7 +175,7 @@ class QeRLTrainer(GRPOTrainer):
             raise ValueError(
                 f"QeRLTrainer: --{unsupported[0]} is not supported by qerl's rollout engines; leave it unset"
             )
-        args = copy.copy(args)  # the default learning rate below is filled in on our copy, not the caller's config
+        args = with_model_defaults(args, model)  # LR, AQN, completion budget: on our copy, not the caller's config
         _check_trl_version()
         funcs = reward_funcs if isinstance(reward_funcs, list) else ([] if reward_funcs is None else [reward_funcs])
         funcs = [f if isinstance(f, (str, nn.Module)) else guarded(f) for f in funcs]
@@ -277,10 +184,6 @@ class QeRLTrainer(GRPOTrainer):
         if upcast:
             logger.info("%d trainable bf16/fp16 parameters (e.g. %s) are kept in fp32", len(upcast), upcast[0])
 
-        if args.learning_rate is None:
-            from qerl.loader import is_nvfp4_model
-
-            args.learning_rate = LR_NVFP4 if is_nvfp4_model(self.model) else LR_BF16
         # trl applies its rollout-mismatch IS correction only `if self.use_vllm`: switch that gate on
         # for our engines, which return the sampling log-probs (see the module docstring). trl's
         # vLLM generation object was never created (args.use_vllm is False).

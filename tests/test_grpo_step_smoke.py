@@ -43,7 +43,8 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
         assert all(r["phases_s"][p] > 0 for p in ("rollout", "logprobs", "fwd_bwd", "optimizer"))
         assert r["step_s"] == pytest.approx(sum(r["phases_s"].values()), rel=1e-3, abs=1e-3)
         assert r["forced_length"] and r["completion_lengths"] == [16] and r["decode_steps"] == 15
-        assert r["gradient_checkpointing"] and r["lora_updated"] and r["aqn_sigma"] > 0
+        assert r["gradient_checkpointing"] and r["lora_updated"]
+        assert (r["aqn_sigma"] > 0) is (r["base"] == "nvfp4")  # AQN defaults to on for NVFP4 models only (issue 15)
         # Default micro-batch 2 of n=8: one rollout, four backward passes of 2 completions, AdamW stepped
         # once per step (warm-up + 2 timed steps = 3), no weight moved while the gradients accumulated.
         assert (r["micro_batch"], r["gradient_accumulation_steps"]) == (2, 4)
@@ -81,7 +82,10 @@ def test_micro_batching_leaves_the_step_gradient_unchanged(grpo_step: ModuleType
         assert rows[micro]["micro_batch_rows"] == [micro] * (4 // micro) and rows[micro]["rollouts"] == 1
     assert rows[2]["grad_norm"] > 0
     assert rows[2]["grad_norm"] == pytest.approx(rows[4]["grad_norm"], rel=1e-4)
-    assert rows[2]["loss"] == pytest.approx(rows[4]["loss"], rel=1e-3, abs=1e-8)
+    # The loss of a step is ~0 (group-normalised advantages sum to zero; here ~2e-5), so its relative
+    # rounding differs with the AQN draw: with sigma_end 1e-4 the two passes differ by 2e-8 (0.11%).
+    # A scaling error would show as ~2e-5.
+    assert rows[2]["loss"] == pytest.approx(rows[4]["loss"], rel=1e-3, abs=1e-7)
 
 
 def test_micro_batch_must_divide_the_group(grpo_step: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:

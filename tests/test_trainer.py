@@ -42,7 +42,7 @@ def make_config(out: Path, **overrides: Any) -> QeRLConfig:
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, save_steps=2, report_to=[], seed=0, num_stages=3, sigma_start=1e-2,
         sigma_end=1e-3, warmup_steps=0, learning_rate=1e-3, mask_truncated_completions=False,
-        gradient_checkpointing=False, disable_tqdm=True,
+        gradient_checkpointing=False, disable_tqdm=True, aqn=True,  # AQN on the dense test model too (default: NVFP4 only)
     )
     base.update(overrides)
     return QeRLConfig(**base)
