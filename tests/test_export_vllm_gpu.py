@@ -2,7 +2,8 @@
 
 The checkpoint is ``$QERL_VLLM_TEST_CKPT`` (an NVFP4A16 checkpoint, e.g. SmolLM2-135M) or a tiny random
 Llama quantized here, as in tests/test_vllm_gpu.py. A "trained" adapter is made on it: LoRA r16 with
-random B scaled until it moves our next-token log-probs by >= 1 nat, norms perturbed by 10%. It is
+random B scaled until it moves our next-token log-probs by >= 0.5 nat (the tiny random Llama saturates
+below 1 nat: 0.87 on the H200), norms perturbed by 10%. It is
 exported both ways (``--format bf16`` and ``--format nvfp4``), each export is loaded by a fresh vLLM
 ``LLM`` in a child process (one engine per process: vLLM does not free a second in-process engine
 cleanly), and vLLM's teacher-forced prompt log-probs are compared with our forward of the *adapter
@@ -37,7 +38,7 @@ def serve_prompt_logprobs(model_dir: str, seq: list[int]) -> list[float]:
     import vllm
 
     llm = vllm.LLM(model=model_dir, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512, seed=0,
-                   enforce_eager=True)  # fmt: skip
+                   enforce_eager=True, skip_tokenizer_init=True)  # token ids in and out: no tokenizer needed  # fmt: skip
     params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
     out = llm.generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
     return [out.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(seq))]
@@ -52,7 +53,7 @@ def served(model_dir: Path, seq: list[int], tmp_path: Path) -> torch.Tensor:
 def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> None:
     pytest.importorskip("vllm")
     from peft import get_peft_model
-    from test_vllm_gpu import EFFECT_REL, LORA_EFFECT, MAX_TOL, MAX_TOL_REL, MEAN_TOL, _checkpoint, calibrate, ours
+    from test_vllm_gpu import EFFECT_REL, MAX_TOL, MAX_TOL_REL, MEAN_TOL, NORM_EFFECT, _checkpoint, calibrate, ours
 
     import qerl
     from qerl.export import export
@@ -72,7 +73,7 @@ def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> N
         for p, z in zip(lora_b, noise, strict=True):
             p.copy_(z * scale)
 
-    calibrate(model, seq, set_b, LORA_EFFECT)
+    calibrate(model, seq, set_b, NORM_EFFECT)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "modules_to_save" in name:
@@ -90,7 +91,7 @@ def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> N
     retained = records["nvfp4"]["lora_delta_retained"]
     print(f"\nadapter effect {effect:.3f} nats; NVFP4 re-quantization error mean {requant.mean():.3f} / max "
           f"{requant.max():.3f} nats; LoRA delta retained {retained:.3f}")  # fmt: skip
-    assert retained > 0.5  # a 1-nat adapter survives re-quantization (else the NVFP4 check means little)
+    assert retained > 0.5  # the adapter survives re-quantization (else the NVFP4 check means little)
     for fmt, path in dirs.items():
         diff = (served(path, seq, tmp) - ref).abs()
         extra = requant if fmt == "nvfp4" else torch.zeros(1)
