@@ -1,6 +1,6 @@
 """``python -m eval.gsm8k``: GSM8K accuracy of a (quantized, LoRA-adapted) model.
 
-Unlike the reference's ``eval/gsm8k.py`` (qerl_method.md §8), this evaluates GSM8K by default (not
+Unlike the reference's eval script (``eval/gsm8k.py``), this evaluates GSM8K by default (not
 AMC23), applies the adapter, and compares whole numeric answers rather than first characters.
 """
 

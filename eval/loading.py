@@ -1,6 +1,6 @@
 """Load the model under evaluation: a base checkpoint plus, optionally, a trained LoRA adapter.
 
-The reference evaluated NVFP4 runs without ever applying the LoRA (qerl_method.md §8 bug a): only
+The reference evaluated NVFP4 runs without ever applying the LoRA (the reference's eval script, bug (a) there): only
 the trained norms changed the output. Here the adapter goes through peft's own loader, and the
 result is checked tensor by tensor against the adapter file, so a run either evaluates exactly
 the trained weights or stops with a one-line error before any output is written.

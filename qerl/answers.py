@@ -7,13 +7,13 @@ Three readings (``READINGS``), one per kind of gold answer:
 * ``numeric`` (GSM8K, arithmetic): the marker spans below, reduced to a number, compared exactly.
 * ``math`` (BigMath, MATH500/AIME/AMC): first what the reference's BigMath reward read, math-verify's
   LaTeX extraction over the *whole* completion with ``\\boxed`` tried first and no anchor-less
-  matches (qerl_method.md §7); when that finds nothing, the marker spans. The fallback is ours: the
+  matches (the reference's prompt and reward code); when that finds nothing, the marker spans. The fallback is ours: the
   BigMath prompt asks for ``<answer>`` tags, and the reference scored a bare ``<answer>3</answer>`` 0.
 * ``dapo`` (DAPO-Math): the reference's ``dapo_score`` reading: the last ``Answer: X`` line in the
   last 300 characters, normalised as Minerva/DAPO do (``normalize_final_answer``), exact string match.
 
 The reference scored GSM8K by comparing only the *first character* of the extracted answer and
-gold (qerl_method.md §8 bug b), which inflates accuracy and crashes on an empty extraction. Here a
+gold (the reference's eval script, bug (b) there), which inflates accuracy and crashes on an empty extraction. Here a
 completion's answer is located by the marker a model was trained or is likely to use, reduced to a
 number (GSM8K) or a LaTeX expression (MATH/AIME/AMC), and compared by value: exact rational
 equality for numbers, math-verify for anything symbolic.
@@ -183,7 +183,7 @@ def extract_answer(completion: str, numeric: bool = True) -> Extraction | None:
     return None
 
 
-#: The reference's BigMath extraction (qerl_method.md §7): LaTeX only, ``\\boxed`` first (every boxed
+#: The reference's BigMath extraction (the reference's prompt and reward code): LaTeX only, ``\\boxed`` first (every boxed
 #: expression of the completion), no match without an anchor, basic LaTeX and units normalised.
 #: (Its ``equations=True`` is what math-verify >= 0.9 does by itself and has been deprecated there.)
 _REFERENCE_LATEX = [LatexExtractionConfig(
@@ -248,7 +248,7 @@ def score(completion: str, gold: str, numeric: bool = True) -> tuple[Extraction 
 
 
 # --- the DAPO reading ---------------------------------------------------------------------------------
-# The reference's DAPO-Math/MiroMind reward (qerl_method.md §7) normalises both sides the way Minerva's
+# The reference's DAPO-Math/MiroMind reward (the reference's prompt and reward code) normalises both sides the way Minerva's
 # MATH evaluation did and compares the strings: these tables and steps give the same strings.
 
 _DAPO_TAIL_CHARS = 300  # only the end of a completion is read

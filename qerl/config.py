@@ -25,7 +25,7 @@ from qerl.rollout import KINDS
 logger = logging.getLogger(__name__)
 
 _BNB_OPTIMIZERS = ("8bit", "bnb", "lion_32bit", "paged_")
-#: Learning rates of the reference recipes (qerl_method.md §6.2): NVFP4+LoRA, bf16 LoRA.
+#: Learning rates of the reference recipes (the reference's run scripts): NVFP4+LoRA, bf16 LoRA.
 LR_NVFP4, LR_BF16 = 1e-5, 5e-6
 #: Completion budget of the reference's scripts for data sets without a preset of their own (and its
 #: QeRLConfig default); ``qerl.data`` holds the presets (gsm8k 2048, bigmath 4096).
@@ -36,7 +36,7 @@ DEFAULT_COMPLETION_LENGTH = 8192
 class QeRLConfig(GRPOConfig):
     """GRPOConfig with the QeRL recipe's defaults, the rollout engine choice and AQN.
 
-    Defaults that differ from trl's are the reference's scripts' (qerl_method.md §6): epsilon_high
+    Defaults that differ from trl's are the reference's run scripts': epsilon_high
     0.28, beta 0, bnpo (token-level) loss, truncated completions masked, grad clip 0.2, cosine schedule
     with 10% warmup, AdamW betas (0.9, 0.99), weight decay 0.1, one epoch, AQN sigma 1e-2 -> 1e-4 over
     10 stages. Three defaults depend on the model or the data and are filled in later, when those are

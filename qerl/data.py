@@ -43,7 +43,7 @@ class DatasetSpec:
 
 
 _BIGMATH = "open-r1/Big-Math-RL-Verified-Processed"
-#: Prompt styles and completion budgets are the reference's (qerl_method.md §6.2, §7); ``arithmetic`` is
+#: Prompt styles and completion budgets are the reference's (its run scripts and its prompt code); ``arithmetic`` is
 #: ours, with the tag prompt its recipes were calibrated on.
 DATASETS: dict[str, DatasetSpec] = {
     "gsm8k": DatasetSpec("openai/gsm8k", "main", "plain", ("soft_format", "gsm8k"), "numeric", 2048),

@@ -8,7 +8,7 @@ with ``Answer: X``. Training also knows ``source``: a row's own conversation (DA
 ``source_prompt``), which is what the reference trained DAPO-Math on.
 
 The reference's GSM8K prompt asked for no tags while 2.2 of its reward depended on them
-(qerl_method.md §7). Ours keeps that prompt by default but reads the answer wherever it is stated
+(the reference's prompt and reward code). Ours keeps that prompt by default but reads the answer wherever it is stated
 (``qerl.answers``), so only the 0.2 format reward still needs the tags; ``--prompt-style tags`` asks
 for them.
 """

@@ -1,6 +1,6 @@
 """The evaluation loader really applies a saved LoRA adapter and its trained norms (CPU, fp32).
 
-The reference's NVFP4 evaluation silently dropped the LoRA (qerl_method.md §8 bug a). Here an
+The reference's NVFP4 evaluation silently dropped the LoRA (the reference's eval script, bug (a) there). Here an
 adapter with nonzero B and modified RMSNorm weights is built in memory, saved, and reloaded through
 ``eval.loading``: the logits must differ from the base model's and equal the in-memory PeftModel's,
 for the bf16 checkpoint and for our NVFP4 checkpoint.

@@ -1,4 +1,4 @@
-"""Defaults and prompts follow the reference (issue 15, fidelity items; qerl_method.md §5-§7), on fixed
+"""Defaults and prompts follow the reference (issue 15, fidelity items; the reference's noise scheduler and the reference's prompt and reward code), on fixed
 inputs: AQN on only for NVFP4 models with sigma 1e-2 -> 1e-4, one epoch and the scripts' completion
 budgets, the GSM8K and DAPO prompts as the reference built them, ``--push_to_hub`` accepted but inert
 without a token, and the held-out accuracy judged by evaluation's scorer. (The DAPO normaliser and the
@@ -54,13 +54,13 @@ def _trainer(model_dir: Path, out: Path, **config: Any) -> QeRLTrainer:
 
 
 def test_aqn_is_on_by_default_for_nvfp4_models_only(tiny_nvfp4_dir: Path, tiny_dense_dir: Path, tmp_path: Path) -> None:
-    """The reference switched its noise scheduler on only for NVFP4 models (qerl_method.md §2.3)."""
+    """The reference switched its noise scheduler on only for NVFP4 models (the reference's training entry point)."""
     nvfp4 = _trainer(tiny_nvfp4_dir, tmp_path / "q")
     dense = _trainer(tiny_dense_dir, tmp_path / "d")
     assert is_nvfp4_model(nvfp4.model) and not is_nvfp4_model(dense.model)
     assert nvfp4.aqn is not None and nvfp4.args.aqn is True
     assert dense.aqn is None and dense.args.aqn is False and dense.current_sigma() == 0.0
-    # The reference's schedule: 10 stages, sigma 1e-2 -> 1e-4 (qerl_method.md §5.2 table, stages 1..9).
+    # The reference's schedule: 10 stages, sigma 1e-2 -> 1e-4 (the reference's noise scheduler).
     assert nvfp4.aqn.sigmas()[1:] == pytest.approx([1e-2, 5.62e-3, 3.16e-3, 1.78e-3, 1e-3, 5.62e-4, 3.16e-4, 1.78e-4, 1e-4],
                                                    rel=2e-3)
     # The same defaults pick the reference's learning rates; an explicit choice wins on either model.
@@ -78,7 +78,7 @@ def test_model_defaults_leave_the_callers_config_alone(tmp_path: Path) -> None:
 
 def test_config_defaults_are_the_reference_scripts(tmp_path: Path) -> None:
     """trl's defaults would be 3 epochs, 512 completion tokens; the reference's scripts run 1 epoch and
-    sigma 1e-2 -> 1e-4 over 10 stages (qerl_method.md §5.2, §6.2)."""
+    sigma 1e-2 -> 1e-4 over 10 stages (its noise scheduler and run scripts)."""
     config = QeRLConfig(output_dir=str(tmp_path), report_to=[])
     assert (config.num_train_epochs, config.sigma_start, config.sigma_end, config.num_stages) == (1, 1e-2, 1e-4, 10)
     assert AQNSchedule().sigma_end == 1e-4

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Shared body of the dapo_qwen2.5-*_single_gpu.sh scripts: the reference's single-GPU settings
-# (qerl_method.md §6.2) mapped onto `python -m qerl.train`. Sourced, then called as
+# (the reference's run scripts) mapped onto `python -m qerl.train`. Sourced, then called as
 #   qerl_single_gpu SIZE PRECISION BATCH VLLM_MEM DEFAULT_DATA [--num-gpus N] [extra qerl.train flags...]
 # --num-gpus N (default 1): data-parallel over N GPUs with `accelerate launch` (training/accelerate/ddp.yaml),
 # the same per-step batch as on one GPU (BATCH completions of one prompt; each GPU samples and trains on

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Qwen2.5-3B-Instruct, bf16 LoRA baseline, single GPU: batch 2 (= generations per prompt),
-# rollout memory share 0.20 (vLLM engine only), default data bigmath -- the reference's per-size settings (qerl_method.md §6.2).
+# rollout memory share 0.20 (vLLM engine only), default data bigmath -- the reference's per-size settings (its run scripts).
 # Extra flags are passed on to `python -m qerl.train`.
 source "$(dirname "$0")/_single_gpu.sh"
 qerl_single_gpu 3b bf16 2 0.20 bigmath "$@"
