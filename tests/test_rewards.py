@@ -1,6 +1,6 @@
 """Rewards: format, GSM8K numeric, math-verify, DAPO ``Answer:``; failures score 0, never crash. The
 correctness rewards read answers exactly as evaluation does (``qerl.answers``), and the BigMath and DAPO
-rewards as the reference's did (the reference's prompt and reward code) on fixed inputs."""
+rewards as the reference's reward code did, on fixed inputs."""
 
 from __future__ import annotations
 
