@@ -3,7 +3,10 @@
 # fill an H200): QeRL (NVFP4 + LoRA + AQN), NVFP4 LoRA without AQN, bf16 LoRA. Each measures greedy
 # held-out accuracy before and after; the curves are overlaid with qerl.plot.
 #   BF16_DIR=... NVFP4_DIR=... OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
-# Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200).
+# Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200, --seed 1).
+# RUNS picks the runs (default the three above); benchmarks/learning.py adds dequant_lora (bf16 LoRA on
+# DEQUANT_DIR, NVFP4_DIR's weights dequantized), best_lora and qerl_best_aqn (BEST_DIR: another
+# quantization method's checkpoint, without and with AQN), and runs this script once per seed.
 # RUN_TIMEOUT stops a run that outlives it (SIGINT) so that the plots and the table still get written
 # from what it logged; such a run counts as failed. Exit status: nonzero if any run or the plotting failed.
 # Results: OUT/results.json (per run: exit code, steps, held-out accuracy before/after, train runtime),
@@ -38,15 +41,23 @@ common=(--dataset arithmetic --arithmetic-level easy --num-samples 610 --heldout
         --max-steps "${STEPS:-200}" --per-device-train-batch-size 16 --num-generations 8 --max-completion-length 96
         --mask-truncated-completions False --gradient-checkpointing False --optim adamw_torch
         --save-strategy no --report-to none --disable-tqdm True --seed 0 "$@")
-runs=(qerl_nvfp4_aqn nvfp4_lora bf16_lora)
-mkdir -p "$OUT"
-declare -A pids
-for run in "${runs[@]}"; do
-  case $run in
+read -r -a runs <<< "${RUNS:-qerl_nvfp4_aqn nvfp4_lora bf16_lora}"
+own_flags() {  # sets own=(...) for run $1; exits before anything starts on an unknown run or a missing dir
+  case $1 in
     qerl_nvfp4_aqn) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn True) ;;
     nvfp4_lora) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn False) ;;
     bf16_lora) own=(--model-name "$BF16_DIR" --load bf16 --aqn False) ;;
+    dequant_lora) own=(--model-name "${DEQUANT_DIR:?set DEQUANT_DIR for dequant_lora}" --load bf16 --aqn False) ;;
+    best_lora) own=(--model-name "${BEST_DIR:?set BEST_DIR for best_lora}" --load nvfp4 --aqn False) ;;
+    qerl_best_aqn) own=(--model-name "${BEST_DIR:?set BEST_DIR for qerl_best_aqn}" --load nvfp4 --aqn True) ;;
+    *) echo "RUNS: unknown run '$1'" >&2; exit 2 ;;
   esac
+}
+for run in "${runs[@]}"; do own_flags "$run"; done
+mkdir -p "$OUT"
+declare -A pids
+for run in "${runs[@]}"; do
+  own_flags "$run"
   "${limit[@]}" "$PYTHON" -m qerl.train "${own[@]}" --output-dir "$OUT/$run" "${common[@]}" > "$OUT/$run.log" 2>&1 &
   pids[$run]=$!
 done
