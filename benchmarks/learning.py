@@ -24,6 +24,11 @@ extra); a seed whose ``OUT/seed<S>/results.json`` lists every arm with exit 0 is
 the seeds can go to separate calls (the GPU machine's 10-minute command limit) and a last
 ``--aggregate-only`` writes ``OUT/learning.json`` and ``OUT/learning.png`` (mean reward per step
 with its standard-error band, and held-out accuracy before/after).
+
+CPU smoke (about 7 minutes on 2 cores; extra flags after ``--`` override compare_smollm2.sh's):
+
+    python benchmarks/learning.py --out /tmp/learn --seeds 0 1 --steps 2 --best-method mse -- --num-samples 40 \
+        --heldout 4 --heldout-max-tokens 16 --per-device-train-batch-size 4 --num-generations 2 --max-completion-length 16
 """
 
 from __future__ import annotations
