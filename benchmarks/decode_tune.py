@@ -3,19 +3,19 @@
 For the Qwen2.5-7B down_proj (N=3584, K=18944) and gate_up (N=37888, K=3584) shapes and
 M in {1, 16, 64} (gate_up: {1, 16}): every candidate ``DecodeConfig`` is first checked against a float64 product on
 the dequantized weight (NaN-poisoned output, fresh random x), then timed the way
-``benchmarks/kernels.py`` times (CUDA graph over rotating weight copies > L2, median), beside torch's
+benchmarks/gemm.py times (CUDA graph over rotating weight copies > L2, median), beside torch's
 bf16 ``F.linear`` on the dequantized weight in the same run. Then the dequantize kernel's blocks
 (bitwise against ``nvfp4.dequantize``) and the M=1024 dequantize + cuBLAS path.
 
 The schedule with the least time summed over every (shape, M) is printed as a ``QERL_DECODE_CONFIG``
 value (``--env-file`` writes it), so a device session can run the model-level benchmarks with it
-before it becomes the code's default. (Two weight orders, tile-contiguous and nibble-permuted, were
-candidates here in sweeps 2-3 and gained nothing: benchmarks/NOTES.md; the kernel still addresses the
-weight through (row, K step, tile) strides, so another order can be tried without a new kernel.)
+before it becomes the code's default. (The kernel addresses the weight through (row, K step, tile)
+strides, so another weight order can be a candidate here without a new kernel; benchmarks/NOTES.md,
+sweeps 2-3, has the orders measured.)
 
-    python benchmarks/decode_tune.py --out $OUT            # prints a table, writes decode_tune.json
-    python benchmarks/decode_tune.py --quick --out $OUT    # no dequantize rows (~2-3 min)
-    python benchmarks/decode_tune.py --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
+    python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
+    python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
+    python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -25,22 +25,15 @@ float64 like the rest: the data for choosing split from the shape (wave quantiza
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels as kb  # noqa: E402  (benchmarks/kernels.py: Layer, graph_time, copy_bandwidth)
-
-from qerl import nvfp4  # noqa: E402
-from qerl.fsutil import atomic_write_text  # noqa: E402
-from qerl.kernels import fp4_gemm as fg  # noqa: E402
-from qerl.kernels import schedule as sch  # noqa: E402
+from benchmarks.common import Layer, command, copy_bandwidth, graph_time, utc_now, write_json
+from qerl import nvfp4
+from qerl.kernels import fp4_gemm as fg
+from qerl.kernels import schedule as sch
 
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 #: (N, K) of every decode GEMM of a Qwen2.5 layer, q/k/v and gate/up fused as the rollout engine runs them.
@@ -54,20 +47,37 @@ D = sch.DecodeConfig
 #: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x (BM*BK*2 at larger M), so fewer/smaller stages
 #: fit more programs per SM. Sweep 2 (NOTES.md) found a fixed cost per K step that 3-4 programs per SM
 #: do not hide; the candidates below test more programs per SM and two warpgroups sharing one x tile.
-C = sch.Config
 CANDIDATES = {
     "n64k256w4s3": D(64, 256, 4, 3),
     "n64k256w4s3_rep": D(64, 256, 4, 3),  # same config again: the run-to-run spread
-    "n64k256w4s4": D(64, 256, 4, 4),  # the default before sweep 2
+    "n64k256w4s4": D(64, 256, 4, 4),  # one more stage: more loads in flight, fewer programs per SM
     "n64k512w4s3": D(64, 512, 4, 3),
     "n64k128w4s3": D(64, 128, 4, 3),
     "n128k256w8s3": D(128, 256, 8, 3),  # two warpgroups, 64 rows each, one shared x tile
     "n128k256w8s4": D(128, 256, 8, 4),
-    # M=64 only: the fused wgmma tiles (decode into shared memory, x as the A operand), the usual
-    # orientation once 64 tokens amortize the decode (the decode kernel runs 0.70x of bf16 there).
-    "fused_m64n64k128w4s3": C(BM=64, BN=64, BK=128, warps=4, stages=3),
-    "fused_m64n128k64w8s3": C(BM=64, BN=128, BK=64, warps=8, stages=3),
 }
+#: ``--large``: schedules for the batches GRPO decodes (M = 64 and 128; BM = 64, 128; M = 16 for reference). At BM=64 the default
+#: holds 238 registers and 117 KB of shared memory, so one 4-warp program per SM issues on 25% of cycles
+#: (ncu, NOTES.md): eight warps (two warpgroups: over 128 weight rows sharing one x tile, or over the
+#: tokens of 64 rows) and BK=128 (half the x tile and registers) are what can fill an SM there.
+LARGE_CANDIDATES = {
+    "n64k256w4s3": D(64, 256, 4, 3),
+    "n64k128w4s3": D(64, 128, 4, 3),
+    "n64k128w4s4": D(64, 128, 4, 4),
+    "n64k256w8s3": D(64, 256, 8, 3),
+    "n64k128w8s3": D(64, 128, 8, 3),
+    "n64k128w8s4": D(64, 128, 8, 4),
+    "n64k128w8s3_r8": D(64, 128, 8, 3, resident=8),  # 116 registers, 61 KB at BM=64: two programs per SM
+    "n64k64w8s4": D(64, 64, 8, 4),
+    "n128k256w8s3": D(128, 256, 8, 3),
+    "n128k128w8s3": D(128, 128, 8, 3),
+    "n128k128w8s3_r8": D(128, 128, 8, 3, resident=8),  # 120 registers, 67 KB at BM=64: two per SM
+    "n128k128w8s4": D(128, 128, 8, 4),
+    "n128k64w8s4": D(128, 64, 8, 4),
+    "n256k128w8s3": D(256, 128, 8, 3),
+}
+LARGE_MS = (16, 64, 128)
+LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
 
@@ -81,23 +91,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
-    """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed."""
+def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict = CANDIDATES) -> list[dict]:
+    """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed (and, at M > 64,
+    the dequantize + cuBLAS path beside them)."""
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
     for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w64.t()
-        base = kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6
-        for name, cfg in CANDIDATES.items():
-            if isinstance(cfg, sch.Config):  # fused wgmma tiles: only where 64 tokens amortize the decode
-                if m < 64:
-                    continue
-                resolved = sch.with_split(cfg, m, layer.n, layer.k, x.device)
-                cfg = resolved
-            else:
-                resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
+        base = graph_time(layer.bf16_fwd_fns(x)) * 1e6
+        if m > 64:
+            t = graph_time(layer.dq_fwd_fns(x)) * 1e6
+            rows.append({"shape": shape, "M": m, "cand": "dequantize+cuBLAS", "bf16_us": base, "us": t, "speedup": base / t})
+            print(f"{shape:8s} M={m:3d} dequantize+cuBLAS {t:8.1f} us  x{base / t:.2f}", flush=True)
+        for name, cfg in candidates.items():
+            resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
                 qs = layer.q
@@ -107,7 +116,7 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
                 row["rel_err"] = rel(y, ref)
                 fns = [lambda q=q, cfg=cfg, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
                        for q in qs]
-                t = kb.graph_time(fns) * 1e6
+                t = graph_time(fns) * 1e6
                 row.update(us=t, speedup=base / t, wbw_TBps=layer.packed_bytes / t / 1e6)
             except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -119,7 +128,7 @@ def decode_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-def split_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[dict]:
+def split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[dict]:
     """The default schedule at every distinct split-K count (1..64) of ``layer``: checked, timed."""
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
@@ -136,7 +145,7 @@ def split_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> li
             y = fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, config=cfg)
             fns = [lambda q=q, x=x, cfg=cfg: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
                    for q in layer.q]  # fmt: skip
-            t = kb.graph_time(fns) * 1e6
+            t = graph_time(fns) * 1e6
             rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "split": split, "default": split == default,
                          "us": t, "rel_err": rel(y, ref), "wbw_TBps": layer.packed_bytes / t / 1e6})  # fmt: skip
         mine = [r for r in rows if r["M"] == m]
@@ -147,7 +156,7 @@ def split_rows(layer: kb.Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> li
     return rows
 
 
-def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
+def dequant_rows(layer: Layer, bw: float) -> list[dict]:
     q0 = layer.q[0]
     ref = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.bfloat16)
     moved = layer.packed_bytes + 2 * layer.n * layer.k
@@ -157,9 +166,7 @@ def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
         try:
             w = fg.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, block=block)
             row["max_abs_diff"] = (w.float() - ref.float()).abs().max().item()
-            fns = [lambda q=q, block=block: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block)
-                   for q in layer.q]
-            t = kb.graph_time(fns) * 1e6
+            t = graph_time(layer.dequant_fns(block)) * 1e6
             row.update(us=t, TBps=moved / t / 1e6, frac_of_copy=moved / (t * 1e-6) / bw)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -169,8 +176,8 @@ def dequant_rows(layer: kb.Layer, bw: float) -> list[dict]:
     for m in (1024,):
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         gy = torch.randn(m, layer.n, device="cuda", dtype=torch.bfloat16)
-        r = {"M": m, "fwd_us": kb.graph_time(layer.dq_fwd_fns(x)) * 1e6, "bf16_fwd_us": kb.graph_time(layer.bf16_fwd_fns(x)) * 1e6,
-             "bwd_us": kb.graph_time(layer.dq_bwd_fns(gy)) * 1e6, "bf16_bwd_us": kb.graph_time(layer.bf16_bwd_fns(gy)) * 1e6}
+        r = {"M": m, "fwd_us": graph_time(layer.dq_fwd_fns(x)) * 1e6, "bf16_fwd_us": graph_time(layer.bf16_fwd_fns(x)) * 1e6,
+             "bwd_us": graph_time(layer.dq_bwd_fns(gy)) * 1e6, "bf16_bwd_us": graph_time(layer.bf16_bwd_fns(gy)) * 1e6}
         r["fwd_ratio"], r["bwd_ratio"] = r["bf16_fwd_us"] / r["fwd_us"], r["bf16_bwd_us"] / r["bwd_us"]
         rows.append(r)
         print(f"M={m} dequant+cuBLAS fwd {r['fwd_us']:.1f} us (x{r['fwd_ratio']:.2f}), bwd {r['bwd_us']:.1f} us (x{r['bwd_ratio']:.2f})", flush=True)
@@ -182,35 +189,49 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
     ap.add_argument("--quick", action="store_true", help="no dequantize / M=1024 rows")
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
+    ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
     torch.manual_seed(0)
-    bw = kb.copy_bandwidth()["max"]
+    bw = copy_bandwidth()["max"]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "copy_bw_GBps": bw / 1e9,
+    result = {"date": utc_now(),
+              "device": torch.cuda.get_device_name(), "command": command("benchmarks.decode_tune"), "copy_bw_GBps": bw / 1e9,
               "decode": [], "dequant": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.splits:
         result["splits"] = []
         for shape, (n, k) in MODEL_SHAPES.items():
-            layer = kb.Layer(n, k)
+            layer = Layer(n, k)
             result["splits"] += split_rows(layer, shape)
             layer.free()
             torch.cuda.empty_cache()
-            atomic_write_text(out / "decode_splits.json", json.dumps(result, indent=1))
+            write_json(out / "decode_splits.json", result, indent=1)
+        return
+    if args.large:
+        for shape in LARGE_SHAPES:
+            layer = Layer(*MODEL_SHAPES[shape])
+            result["decode"] += decode_rows(layer, shape, LARGE_MS, LARGE_CANDIDATES)
+            layer.free()
+            torch.cuda.empty_cache()
+            write_json(out / "decode_tune_large.json", result, indent=1)
+        for m in LARGE_MS:
+            mine = {name: [r.get("us", float("inf")) for r in result["decode"] if r["cand"] == name and r["M"] == m]
+                    for name in LARGE_CANDIDATES}
+            total = {name: sum(us) for name, us in mine.items()}  # inf where a candidate failed anywhere
+            print(f"M={m}: summed over {LARGE_SHAPES}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items(), key=lambda kv: kv[1])))
         return
     for shape, (n, k) in SHAPES.items():
-        layer = kb.Layer(n, k)
+        layer = Layer(n, k)
         result["decode"] += decode_rows(layer, shape, MS[shape])
         if shape == "down" and not args.quick:
             result["dequant"] = dequant_rows(layer, bw)
         layer.free()
         torch.cuda.empty_cache()
-        atomic_write_text(out / "decode_tune.json", json.dumps(result, indent=1))
+        write_json(out / "decode_tune.json", result, indent=1)
     best = {}
     for r in result["decode"]:
         if "us" in r and r["rel_err"] < 1e-2:
@@ -224,7 +245,7 @@ def main() -> None:
     # measured (a candidate that failed or was inaccurate anywhere is out).
     keys = {(r["shape"], r["M"]) for r in result["decode"]}
     total: dict[str, float] = {}
-    for name in (n for n, c in CANDIDATES.items() if isinstance(c, D)):
+    for name in CANDIDATES:
         us = [r["us"] for r in result["decode"] if r["cand"] == name and "us" in r and r["rel_err"] < 1e-2]
         if len(us) == len(keys):
             total[name] = sum(us)
@@ -238,7 +259,7 @@ def main() -> None:
         print(f"QERL_DECODE_CONFIG={env}")
         if args.env_file:
             args.env_file.write_text(env + "\n")
-        atomic_write_text(out / "decode_tune.json", json.dumps(result, indent=1))
+        write_json(out / "decode_tune.json", result, indent=1)
 
 
 if __name__ == "__main__":

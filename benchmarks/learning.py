@@ -1,8 +1,8 @@
 """Does the quantization method decide how much an NVFP4 LoRA run learns? A controlled, seeded comparison.
 
-    python benchmarks/learning.py --out runs/learning --seeds 0 1 2 [--steps 200] [--best-method gptq]
+    python -m benchmarks.learning --out runs/learning --seeds 0 1 2 [--steps 200] [--best-method gptq]
                                   [--arms bf16 dequant rtn best qerl] [--run-timeout S] [-- extra qerl.train flags]
-    python benchmarks/learning.py --out runs/learning --aggregate-only    # tables and plot from finished seeds
+    python -m benchmarks.learning --out runs/learning --aggregate-only    # tables and plot from finished seeds
 
 Five arms on the embedded SmolLM2-135M, all with the training setup of ``training/compare_smollm2.sh``
 (arithmetic, 200 held-out questions, greedy accuracy before and after; that script is what runs
@@ -27,32 +27,29 @@ with its standard-error band, and held-out accuracy before/after).
 
 CPU smoke (about 7 minutes on 2 cores; extra flags after ``--`` override compare_smollm2.sh's):
 
-    python benchmarks/learning.py --out /tmp/learn --seeds 0 1 --steps 2 --best-method mse -- --num-samples 40 \
+    python -m benchmarks.learning --out /tmp/learn --seeds 0 1 --steps 2 --best-method mse -- --num-samples 40 \
         --heldout 4 --heldout-max-tokens 16 --per-device-train-batch-size 4 --num-generations 2 --max-completion-length 16
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-# The repo root replaces this folder on sys.path: benchmarks/kernels.py would shadow the ``kernels``
-# package transformers probes at import (as in rollout.py / profile_decode.py).
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import torch
 
-from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
-from qerl.plot import read_run  # noqa: E402
+from benchmarks.common import command, device_name, save_figure, utc_now, versions, write_json
+from qerl.fsutil import atomic_directory, atomic_write_text
+from qerl.plot import read_run
 
-COMPARE = _HERE.parent / "training" / "compare_smollm2.sh"
+ROOT = Path(__file__).resolve().parents[1]
+COMPARE = ROOT / "training" / "compare_smollm2.sh"
 #: arm -> (run name in compare_smollm2.sh, label)
 ARMS = {
     "bf16": ("bf16_lora", "bf16 + LoRA"),
@@ -63,20 +60,29 @@ ARMS = {
 }
 
 
-def prepare(out: Path, best_method: str, best_dir: Path | None, bf16_dir: Path | None) -> dict[str, Path]:
-    """The checkpoints every seed shares: bf16 source, rtn, its dequantized copy, the best method's."""
+def dequantized_copy(src: Path, out: Path) -> Path:
+    """``src``'s NVFP4 weights as a dense bf16 checkpoint: ``qerl.export``'s merge with no adapter."""
+    from qerl.export import Adapter, merge_to_dense
+
+    with atomic_directory(out) as tmp:
+        merge_to_dense(src, Adapter(src), tmp)
+    return out
+
+
+def prepare(out: Path, arms: list[str], best_method: str, best_dir: Path | None, bf16_dir: Path | None) -> dict[str, Path]:
+    """The checkpoints the seeds share (bf16 source, rtn, its dequantized copy, the best method's),
+    made once under ``out/checkpoints``, and only those the ``arms`` need."""
     from qerl.hub import embedded_model_dir
-    from qerl.quant.dequantize import dequantize_checkpoint
     from qerl.quantize import quantize_checkpoint
 
     root = out / "checkpoints"
     dirs = {"bf16": bf16_dir or embedded_model_dir(), "rtn": root / "rtn", "dequant": root / "rtn-dequantized",
             "best": best_dir or root / best_method}
-    if not (dirs["rtn"] / "config.json").exists():
+    if {"rtn", "dequant"} & set(arms) and not (dirs["rtn"] / "config.json").exists():
         quantize_checkpoint(dirs["bf16"], dirs["rtn"])
-    if not (dirs["dequant"] / "config.json").exists():
-        dequantize_checkpoint(dirs["rtn"], dirs["dequant"])
-    if not (dirs["best"] / "config.json").exists():
+    if "dequant" in arms and not (dirs["dequant"] / "config.json").exists():
+        dequantized_copy(dirs["rtn"], dirs["dequant"])
+    if {"best", "qerl"} & set(arms) and not (dirs["best"] / "config.json").exists():
         quantize_checkpoint(dirs["bf16"], dirs["best"], method=best_method)
     return dirs
 
@@ -101,17 +107,17 @@ def run_seed(out: Path, seed: int, arms: list[str], dirs: dict[str, Path], steps
         print(f"seed {seed}: every arm finished before, skipped")
         return 0
     env = {**os.environ, "BF16_DIR": str(dirs["bf16"]), "NVFP4_DIR": str(dirs["rtn"]), "DEQUANT_DIR": str(dirs["dequant"]),
-           "BEST_DIR": str(dirs["best"]), "OUT": str(seed_dir), "STEPS": str(steps), "PYTHON": sys.executable,
+           "BEST_DIR": str(dirs["best"]), "QERL_OUT": str(seed_dir), "STEPS": str(steps), "PYTHON": sys.executable,
            "RUNS": " ".join(ARMS[a][0] for a in pending)}
     if run_timeout:
         env["RUN_TIMEOUT"] = str(run_timeout)
-    command = ["bash", str(COMPARE), "--seed", str(seed), *extra]
+    call = ["bash", str(COMPARE), "--seed", str(seed), *extra]
     calls = json.loads((seed_dir / "calls.json").read_text()) if (seed_dir / "calls.json").exists() else []
-    calls.append({"runs": env["RUNS"], "steps": steps, "run_timeout": run_timeout, "command": command,
+    calls.append({"runs": env["RUNS"], "steps": steps, "run_timeout": run_timeout, "command": call,
                   "checkpoints": {k: str(v) for k, v in dirs.items()}})
     seed_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(seed_dir / "calls.json", json.dumps(calls, indent=1))
-    status = subprocess.run(command, env=env, cwd=_HERE.parent).returncode
+    status = subprocess.run(call, env=env, cwd=ROOT).returncode
     merged = {**earlier, **seed_rows(seed_dir)}
     atomic_write_text(seed_dir / "results.json", json.dumps(list(merged.values()), indent=1))
     return status
@@ -212,8 +218,7 @@ def plot(result: dict[str, Any], path: Path, smooth: int = 10) -> Path:
     right.grid(alpha=0.3, axis="y")
     right.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(own)
     status = 0
     if not args.aggregate_only:
-        dirs = prepare(args.out, args.best_method, args.best_dir, args.bf16_dir)
+        dirs = prepare(args.out, args.arms, args.best_method, args.best_dir, args.bf16_dir)
         for seed in args.seeds:
             status |= run_seed(args.out, seed, args.arms, dirs, args.steps, args.run_timeout, extra) != 0
     result = aggregate(args.out, args.arms, args.best_method)
@@ -243,12 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "paired-seed GRPO runs on SmolLM2-135M-Instruct, arms side by side per seed "
                      "(training/compare_smollm2.sh setup)",
         "best_method": args.best_method,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": _device(),
-        "python": platform.python_version(),
-        "command": "python benchmarks/learning.py " + " ".join(argv),
+        "date": utc_now(),
+        "device": device_name(None if torch.cuda.is_available() else torch.device("cpu")),
+        "versions": versions("transformers", "trl", "peft", "compressed_tensors", "llmcompressor"),
+        "command": command("benchmarks.learning", argv),
     })
-    atomic_write_text(args.out / "learning.json", json.dumps(result, indent=1) + "\n")
+    write_json(args.out / "learning.json", result, indent=1)
     if result["seeds"]:
         plot(result, args.out / "learning.png")
     for a, arm in result["arms"].items():
@@ -263,12 +268,6 @@ def _pm(stats: dict[str, Any], key: str = "mean") -> str:
     """``0.412 +- 0.031`` (``+- -`` where one seed gives no standard error)."""
     se = stats.get("se")
     return f"{stats[key]:.3f} +- {'-' if se is None else f'{se:.3f}'}"
-
-
-def _device() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.machine()})"
 
 
 if __name__ == "__main__":

@@ -1,28 +1,23 @@
 """Launch the NVFP4 decode kernel on one Qwen2.5-7B layer shape a few times, for Nsight Compute.
 
-Timing lives in kernels.py / decode_tune.py; this script only gives `ncu` a short, clean program to
+Timing lives in gemm.py / decode_tune.py; this script only gives `ncu` a short, clean program to
 read counters from (warp stall reasons, issue-slot use, DRAM throughput) for the question the timings
 cannot answer: what a K step of ``_decode_kernel`` waits on (benchmarks/NOTES.md, "Residency" and
 "Sweep 3"). On the H200 (Firecracker runtime; keep the clocks alone):
 
     ncu --clock-control none -k regex:_decode_kernel -s 3 -c 1 \\
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \\
-        --section MemoryWorkloadAnalysis python3 benchmarks/profile_decode.py --shape down --m 1
+        --section MemoryWorkloadAnalysis python3 -m benchmarks.profile_decode --shape down --m 1
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-# The repo root in, this folder out (its kernels.py would shadow the `kernels` package transformers probes).
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-from qerl import nvfp4  # noqa: E402
+from qerl import nvfp4
 
 #: (N, K) of the 7B layers the decode notes discuss.
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584), "q": (3584, 3584)}
@@ -31,7 +26,7 @@ SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584), "q": (3584, 3584)}
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="down")
-    parser.add_argument("--m", type=int, default=1, help="tokens (1..64: the decode kernel's range)")
+    parser.add_argument("--m", type=int, default=1, help="tokens (1..128: the decode kernel's range)")
     parser.add_argument("--launches", type=int, default=5, help="launches (skip the first ones in ncu: -s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -45,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float64).t()
     for _ in range(args.launches):
-        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.DEFAULT_DECODE)
+        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m))
     torch.cuda.synchronize()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {sch.decode_config(args.m, n, k, x.device)}, rel err {err:.1e}")

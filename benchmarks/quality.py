@@ -1,6 +1,6 @@
 """NVFP4 vs bf16 quality of the embedded default, per quantization method (rtn / mse / gptq).
 
-    python benchmarks/quality.py [--data ../shared/data/gsm8k/train.jsonl] [--n 50] [--methods rtn mse gptq]
+    python -m benchmarks.quality [--data ../shared/data/gsm8k/train.jsonl] [--n 50] [--methods rtn mse gptq]
                                  [--calibration-samples 128] [--layers] [--out benchmarks/results/quality_cpu.json]
 
 For each method the embedded SmolLM2-135M is quantized in a child process (wall time and that
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import resource
 import subprocess
 import sys
@@ -32,22 +31,22 @@ from typing import Any
 
 import torch
 
-# The repo root replaces this folder on sys.path: benchmarks/kernels.py would shadow the ``kernels``
-# package transformers probes at import (as in rollout.py / profile_decode.py).
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+from benchmarks.common import SHAPES, command, device_name, utc_now, versions, write_json
+from qerl import nvfp4
+from qerl.hub import embedded_model_dir
+from qerl.loader import load_model, load_tokenizer
+from qerl.quant import mse
+from qerl.quant.calibration import DEFAULT_SAMPLES, Calibration
+from qerl.quantize import quantize_checkpoint
 
-from qerl import nvfp4  # noqa: E402
-from qerl.fsutil import atomic_write_text  # noqa: E402
-from qerl.hub import embedded_model_dir  # noqa: E402
-from qerl.loader import load_model, load_tokenizer  # noqa: E402
-from qerl.quant import mse  # noqa: E402
-from qerl.quant.calibration import DEFAULT_SAMPLES, Calibration  # noqa: E402
-from qerl.quantize import quantize_checkpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
-#: (out_features, in_features) of Qwen2.5-7B's distinct Linear shapes.
-LAYER_SHAPES = {"q_proj/o_proj": (3584, 3584), "k_proj/v_proj": (512, 3584), "gate_proj/up_proj": (18944, 3584),
-                "down_proj": (3584, 18944)}
+
+def layer_shapes(shape: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of a decoder's distinct Linear shapes."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    return {"q_proj/o_proj": (h, h), "k_proj/v_proj": (kv, h), "gate_proj/up_proj": (i, h), "down_proj": (h, i)}
 
 
 def texts(path: Path, n: int) -> list[str]:
@@ -66,8 +65,8 @@ def quantize_one(method: str, out: Path, samples: int) -> dict[str, float]:
 
 
 def quantize_in_child(method: str, out: Path, samples: int) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--quantize-one", method, str(out), "--calibration-samples", str(samples)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "benchmarks.quality", "--quantize-one", method, str(out), "--calibration-samples", str(samples)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"quantize --method {method} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -105,7 +104,7 @@ def layer_errors(seed: int = 0) -> dict[str, Any]:
     """rtn and mse on random N(0, 0.02) bf16 weights of the 7B shapes: relative squared error, time."""
     gen = torch.Generator().manual_seed(seed)
     rows = {}
-    for name, shape in LAYER_SHAPES.items():
+    for name, shape in layer_shapes(SHAPES["7b"]).items():
         w = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
         row: dict[str, Any] = {"shape": list(shape)}
         for method, quantize in (("rtn", nvfp4.quantize), ("mse", mse.quantize)):
@@ -121,12 +120,12 @@ def layer_errors(seed: int = 0) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"))
+    p.add_argument("--data", default=str(ROOT.parent / "shared/data/gsm8k/train.jsonl"))
     p.add_argument("--n", type=int, default=50)
     p.add_argument("--methods", nargs="+", default=["rtn", "mse", "gptq"], choices=["rtn", "mse", "gptq"])
     p.add_argument("--calibration-samples", type=int, default=DEFAULT_SAMPLES)
     p.add_argument("--layers", action="store_true", help="add rtn/mse error on random 7B-shaped weights")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quality_cpu.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality_cpu.json"))
     p.add_argument("--quantize-one", nargs=2, metavar=("METHOD", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quantize_one:
@@ -147,13 +146,13 @@ def main() -> None:
         result["random_7b_layers"] = layer_errors()
     result.update({
         "model": "SmolLM2-135M-Instruct (embedded default; bf16 from the Q4_1 GGUF)",
-        "date": time.strftime("%Y-%m-%d"),
-        "device": f"cpu ({platform.processor() or platform.machine()}), fp32 activations, 1 torch thread",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "command": "python benchmarks/quality.py " + " ".join(sys.argv[1:]),
+        "date": utc_now(),
+        "device": device_name(torch.device("cpu")) + ", fp32 activations",
+        "versions": versions("transformers", "compressed_tensors", "llmcompressor"),
+        "command": command("benchmarks.quality"),
         "seconds": round(time.time() - start, 1),
     })
-    atomic_write_text(Path(args.out), json.dumps(result, indent=2) + "\n")
+    write_json(Path(args.out), result)
     print(json.dumps(result, indent=2))
 
 

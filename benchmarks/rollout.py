@@ -21,23 +21,21 @@ bandwidth measured in the same run.
 ``--lora-sweep`` measures only the LoRA cost on the 7B NVFP4 model, at b = 1/8/64: ms/step and GPU
 launches per decode step (kernels + memcpy/memset of an eager step, i.e. the nodes its CUDA graph
 holds) for LoRA with shrinks fused into the producing kernels, LoRA with one cuBLAS shrink per group
-(``ops.FUSED_LORA_MAX_ROWS = 0``: the previous design), and LoRA disabled.
+(``ops.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
-    python benchmarks/rollout.py --out $OUT/rollout.json            # on the GPU
-    python benchmarks/rollout.py --lora-sweep --tokens 256 --out $OUT/rollout_lora.json
-    python benchmarks/rollout.py --plot benchmarks/results/rollout.json  # PNG beside the JSON
-    python benchmarks/rollout.py --out $OUT/rollout.json --vllm-rows $OUT/rollout_vllm.json
-    python benchmarks/rollout.py --merge-into rollout.json --vllm-rows rollout_vllm.json --out merged.json
-    python benchmarks/rollout.py --bnb-only --shapes 7b --out $OUT/rollout_bnb.json  # merge it like vLLM rows
+    python -m benchmarks.rollout --out $OUT/rollout.json            # on the GPU
+    python -m benchmarks.rollout --lora-sweep --tokens 256 --out $OUT/rollout_lora.json
+    python -m benchmarks.rollout --plot benchmarks/results/rollout.json  # PNG beside the JSON
+    python -m benchmarks.rollout --out $OUT/rollout.json --vllm-rows $OUT/rollout_vllm.json
+    python -m benchmarks.rollout --merge-into rollout.json --vllm-rows rollout_vllm.json --out merged.json
+    python -m benchmarks.rollout --bnb-only --shapes 7b --out $OUT/rollout_bnb.json  # merge it like vLLM rows
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
-import importlib.util
 import json
 import sys
 import time
@@ -46,26 +44,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# The repo root in, this folder out: benchmarks/kernels.py would shadow the ``kernels`` package that
-# transformers probes (so importing qerl from here failed on machines without Triton).
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (_HERE, _HERE.parent)]
+from benchmarks import common
+from benchmarks.common import PROMPT, SHAPES, VOCAB, utc_now, versions, write_json
+from benchmarks.rollout_report import build_result, from_partial, merge_into, plot, with_extra_rows
 
-from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
-
-SHAPES = {
-    "7b": dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
-    ),
-    "32b": dict(
-        hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8
-    ),
-}
-VOCAB = 152064
 DEVICE = "cuda"
-PROMPT = 256
-#: vLLM 0.26 NVFP4(Marlin)+LoRA r16 decode ms/step measured EARLIER on this H200 (issue 4), not in this run.
-EARLIER_VLLM_NVFP4_LORA_MS = {("7b", 1): 4.94, ("7b", 8): 4.88, ("7b", 64): 8.25, ("32b", 8): 14.7}
 
 
 def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.Module:
@@ -75,51 +58,7 @@ def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.
 
 def random_qwen2(shape: str, nvfp4: bool, seed: int = 0) -> nn.Module:
     """A random Qwen2 of ``shape`` on the GPU, decoder Linears bf16 or NVFP4 (no adapter)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False, **SHAPES[shape]
-    )
-    return random_causal_lm(Qwen2ForCausalLM, cfg, nvfp4, torch.device(DEVICE), torch.bfloat16, seed).eval()
-
-
-def random_causal_lm(
-    model_cls: type, cfg: object, nvfp4: bool, device: torch.device, dtype: torch.dtype, seed: int = 0
-) -> nn.Module:
-    """``model_cls(cfg)`` built straight on ``device`` (no dense copy of an NVFP4 model ever exists),
-    decoder Linears as ``NVFP4Linear`` when ``nvfp4`` (lm_head stays ``dtype``, as in a real checkpoint),
-    filled at random: FP4 codes uniform (never time on zeros), block scales in [0.25, 1.75), global
-    scale 150 (weights of rms ~0.02), norms 1, everything else N(0, 0.02). Shared with grpo_step.py."""
-    from qerl.linear import NVFP4Linear, replace_linears
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = model_cls(cfg)
-            if nvfp4:
-                replace_linears(
-                    model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin, dtype)
-                )
-    finally:
-        torch.set_default_dtype(default)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.dtype == torch.uint8:
-                t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.uint8))
-            elif t.dtype == torch.float8_e4m3fn:
-                t.copy_((torch.rand(t.shape, generator=gen, device=device) * 1.5 + 0.25).to(t.dtype))
-            elif name.endswith("weight_global_scale"):
-                t.fill_(150.0)  # E2M1 rms 2.9 x scale ~1 / 150 -> weight rms ~0.02
-            elif "norm" in name:
-                t.fill_(1.0)
-            elif "rotary" not in name:
-                t.normal_(0.0, 0.02, generator=gen)
-    with torch.device(device):  # its inv_freq was left as meta's garbage by to_empty
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
-    return model
+    return common.random_model(SHAPES[shape], VOCAB, nvfp4, torch.device(DEVICE), torch.bfloat16, seed=seed).eval()
 
 
 def with_lora(model: nn.Module, lora_r: int = 16) -> nn.Module:
@@ -177,12 +116,8 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 def copy_bandwidth() -> float:
-    """The copy ceiling, bytes read + written per second, measured as benchmarks/kernels.py does
-    (eager ``copy_`` and an SM copy kernel in a graph; the larger)."""
-    spec = importlib.util.spec_from_file_location("qerl_bench_kernels", _HERE / "kernels.py")
-    kernels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kernels)
-    return kernels.copy_bandwidth()["max"]
+    """The copy ceiling, bytes read + written per second (``common.copy_bandwidth``'s larger way)."""
+    return common.copy_bandwidth()["max"]
 
 
 def kv_bytes_per_step(shape: str, batch: int, tokens: int) -> float:
@@ -317,9 +252,9 @@ def lora_sweep(args: argparse.Namespace) -> dict:
             summary[f"{variant}_share_b{b}"] = None if on is None or off is None else round((on - off) / on, 4)
     return {
         "benchmark": "rollout LoRA cost sweep (decode ms/step, launches/step)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         **environment(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": common.command("benchmarks.rollout"),
         "setup": {
             "prompt_tokens": PROMPT,
             "new_tokens": args.tokens,
@@ -342,7 +277,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     rows: list[dict] = []
     gen = torch.Generator().manual_seed(0)
-    for shape, batches in (("7b", (1, 8, 64)), ("32b", (8, 1))):
+    for shape, batches in (("7b", (1, 8, 64, 128)), ("32b", (8, 1))):
         if shape not in args.shapes or args.bnb_only:
             continue
         for variant in ("nvfp4", "bf16"):
@@ -376,7 +311,7 @@ def run(args: argparse.Namespace) -> dict:
     if (args.bnb or args.bnb_only) and "7b" in args.shapes:
         bnb_rows(rows, gen, bw, args)
     rows, env = with_extra_rows(rows, args.vllm_rows, environment())
-    return build_result(rows, bw, args, env=env)
+    return build_result(rows, bw, args, env)
 
 
 def record(rows: list[dict], row: dict, bw: float, args: argparse.Namespace) -> None:
@@ -409,183 +344,19 @@ def bnb_rows(rows: list[dict], gen: torch.Generator, bw: float, args: argparse.N
     torch.cuda.empty_cache()
 
 
-#: (engine, weights) of rows that other calls of the same device session measure and merging adds:
-#: vLLM (needs its 3-part bundle) and transformers + bitsandbytes NF4 (needs a 43 MB wheel).
-MERGEABLE = {("vllm", "nvfp4"), ("vllm", "bf16"), ("hf", "nf4")}
-
-
-def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tuple[list[dict], dict]:
-    """``rows`` plus the rows other calls of the same device session measured (``MERGEABLE``: vLLM
-    rows of benchmarks/rollout_vllm.py, transformers + NF4 rows of ``--bnb-only``), replacing same-key rows.
-
-    Such a row's floor/bytes fields are taken from the native row of the same configuration (same
-    bytes to read); the vLLM / bitsandbytes versions join ``env["versions"]``; each row keeps the
-    date of the file it came from as ``measured`` (the document's own date is its native run's).
-    """
-    if not files:
-        return rows, env
-    key = ("shape", "weights", "lora", "batch", "tokens")
-    merged = {tuple(r[k] for k in key) + (r["engine"],): r for r in rows}
-    env = {**env, "versions": dict(env.get("versions") or {})}
-    for path in files:
-        try:
-            data = json.loads(path.read_text())
-            vrows = data["results"] if isinstance(data, dict) else data
-            if not all(isinstance(r, dict) and (r.get("engine"), r.get("weights")) in MERGEABLE for r in vrows):
-                raise ValueError("rows other than vLLM or transformers+NF4 rows")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            sys.exit(f"benchmarks/rollout.py: --vllm-rows {path}: expected rollout_vllm.py's or a --bnb-only JSON ({e})")
-        if isinstance(data, dict):
-            for name in ("vllm", "bitsandbytes"):
-                if (data.get("versions") or {}).get(name):
-                    env["versions"][name] = data["versions"][name]
-            if env.get("device") and data.get("device") and data["device"] != env["device"]:
-                sys.exit(f"benchmarks/rollout.py: --vllm-rows {path} was measured on {data['device']}, "
-                         f"not {env['device']}")  # fmt: skip
-        for r in vrows:
-            native = merged.get(tuple(r[k] for k in key) + ("native",))
-            fill = {k: native[k] for k in ("floor_ms", "weight_gb", "lora_gb", "kv_gb_mean")} if native else {}
-            stamp = {"measured": data["date"]} if isinstance(data, dict) and data.get("date") else {}
-            merged[tuple(r[k] for k in key) + (r["engine"],)] = {**r, **{k: v for k, v in fill.items() if r.get(k) is None}, **stamp}
-    return list(merged.values()), env
-
-
 def environment() -> dict:
-    import transformers
-
+    """Device, versions (bitsandbytes where this run used it) and the decode schedules this run used."""
     from qerl.kernels import schedule
 
+    found = versions("transformers")
+    if "bitsandbytes" in sys.modules:
+        found["bitsandbytes"] = sys.modules["bitsandbytes"].__version__
     return {
         "device": torch.cuda.get_device_name(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": sys.version.split()[0],
-            **({"bitsandbytes": sys.modules["bitsandbytes"].__version__} if "bitsandbytes" in sys.modules else {}),
-        },
-        # The NVFP4 decode schedule this run used (``QERL_DECODE_CONFIG`` or the code's default).
-        "decode_config": str(schedule.DEFAULT_DECODE),
+        "versions": found,
+        # ``QERL_DECODE_CONFIG``, or the code's per-BM defaults.
+        "decode_config": str(schedule.ENV_DECODE or schedule.DECODE_BY_BM),
     }
-
-
-def build_result(
-    rows: list[dict], bw: float, args: argparse.Namespace, partial: str | None = None, env: dict | None = None
-) -> dict:
-    """The JSON document: environment, summary ratios (None where a row is missing), all rows."""
-
-    def ms(shape: str, engine: str, weights: str, lora: bool, b: int) -> float | None:
-        for r in rows:
-            if (r["shape"], r["engine"], r["weights"], r["lora"], r["batch"]) == (shape, engine, weights, lora, b):
-                return r["ms_per_step"]
-        return None
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None else round(a / b, 3)
-
-    def over_vllm(shape: str, b: int) -> float | None:
-        """vLLM NVFP4+LoRA ms / native NVFP4+LoRA ms, both from this run's rows (None without them)."""
-        return ratio(ms(shape, "vllm", "nvfp4", True, b), ms(shape, "native", "nvfp4", True, b))
-
-    nv = {(s, b): ms(s, "native", "nvfp4", True, b) for s, b in EARLIER_VLLM_NVFP4_LORA_MS}
-    lora1, nolora1 = ms("7b", "native", "nvfp4", True, 1), ms("7b", "native", "nvfp4", False, 1)
-    summary = {
-        "nvfp4_lora_b1_ms": ms("7b", "native", "nvfp4", True, 1),
-        "over_vllm_nvfp4_lora_b1": over_vllm("7b", 1),
-        "over_vllm_nvfp4_lora_b8": over_vllm("7b", 8),
-        "over_vllm_nvfp4_lora_b64": over_vllm("7b", 64),
-        "over_vllm_nvfp4_lora_32b_b8": over_vllm("32b", 8),
-        "nvfp4_over_bf16_b8": ratio(ms("7b", "native", "bf16", True, 8), ms("7b", "native", "nvfp4", True, 8)),
-        "lora_overhead_b1": None if lora1 is None or nolora1 is None else round((lora1 - nolora1) / lora1, 4),
-        "over_hf_generate_bf16_lora_b1": ratio(ms("7b", "hf", "bf16", True, 1), lora1),
-        "over_hf_generate_nf4_lora_b1": ratio(ms("7b", "hf", "nf4", True, 1), lora1),
-    }
-    same_run_vllm = any(r["engine"] == "vllm" for r in rows)
-    earlier = {
-        "note": "vLLM 0.26 NVFP4+LoRA r16 ms/step measured EARLIER on this H200 (given in issue 4), NOT in this run"
-        + ("; context only: the summary's over_vllm_* use this run's vLLM rows" if same_run_vllm else ""),
-        "vllm_ms": {f"{s}_b{b}": v for (s, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items()},
-        "over_earlier_vllm": {f"{s}_b{b}": ratio(v, nv[(s, b)]) for (s, b), v in EARLIER_VLLM_NVFP4_LORA_MS.items()},
-    }
-    result = {
-        "benchmark": "rollout decode ms/step",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **(env if env is not None else environment()),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "setup": {
-            "prompt_tokens": PROMPT,
-            "new_tokens": args.tokens,
-            "hf_new_tokens": args.hf_tokens,
-            "lora_r": 16,
-            "temperature": 1.0,
-            "weights": "random (real shapes)",
-            "model": "Qwen2.5 7B/32B shapes",
-        },  # fmt: skip
-        "copy_bandwidth_tb_s": round(bw / 1e12, 3),
-        "summary": summary,
-        "earlier_vllm_reference": earlier,
-        "results": rows,
-    }
-    if partial is not None:
-        result["partial"] = partial
-    return result
-
-
-#: Bar order and colour of the plot's series: (engine, weights, lora) -> (label, colour).
-SERIES = {
-    ("native", "nvfp4", True): ("qerl NVFP4 + LoRA", "C0"),
-    ("native", "nvfp4", False): ("qerl NVFP4, LoRA off", "#9ecae1"),
-    ("native", "bf16", True): ("qerl bf16 + LoRA", "C9"),
-    ("vllm", "nvfp4", True): ("vLLM NVFP4 + LoRA", "C2"),
-    ("vllm", "bf16", True): ("vLLM bf16 + LoRA", "#a1d99b"),
-    ("hf", "bf16", True): ("transformers bf16 + LoRA", "C3"),
-    ("hf", "nf4", True): ("transformers NF4 + LoRA", "#fc9272"),
-}
-
-
-def plot(path: Path) -> Path:
-    """Grouped bars, one group per (shape, batch), one bar per engine/weights, the NVFP4 + LoRA
-    bandwidth floor as a line over each group; saved beside the JSON (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = json.loads(path.read_text())
-    rows = data["results"]
-    groups = sorted({(r["shape"], r["batch"]) for r in rows}, key=lambda g: (list(SHAPES).index(g[0]), g[1]))
-    series = [k for k in SERIES if any((r["engine"], r["weights"], r["lora"]) == k for r in rows)]
-    width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 5))
-    for j, key in enumerate(series):
-        xs, ys = [], []
-        for i, group in enumerate(groups):
-            for r in rows:
-                if (r["shape"], r["batch"]) == group and (r["engine"], r["weights"], r["lora"]) == key:
-                    xs.append(i - 0.4 + (j + 0.5) * width)
-                    ys.append(r["ms_per_step"])
-        label, colour = SERIES[key]
-        ax.bar(xs, ys, width=width, color=colour, label=label)
-    for i, group in enumerate(groups):
-        floor = next((r["floor_ms"] for r in rows if (r["shape"], r["batch"], r["engine"], r["weights"], r["lora"])
-                      == (*group, "native", "nvfp4", True) and r.get("floor_ms")), None)  # fmt: skip
-        if floor:
-            ax.hlines(floor, i - 0.4, i + 0.4, color="k", label="NVFP4 + LoRA floor" if i == 0 else None, zorder=3)
-        earlier = EARLIER_VLLM_NVFP4_LORA_MS.get(group)
-        if earlier and ("vllm", "nvfp4", True) not in series:  # no same-run vLLM rows: the earlier numbers
-            ax.scatter([i], [earlier], color="C1", marker="*", s=120, zorder=4,
-                       label="vLLM NVFP4+LoRA (earlier measurement)" if i == 0 else None)  # fmt: skip
-    ax.set_yscale("log")
-    ax.set_ylim(top=8 * max(r["ms_per_step"] for r in rows))  # room for the legend above the bars
-    ax.set_ylabel("decode ms / step (log)")
-    ax.set_xticks(range(len(groups)), [f"{shape.upper()} b={b}" for shape, b in groups])
-    device = data.get("device") or "device not recorded"
-    ax.set_title(f"qerl rollout decode, {device} ({data['date'][:10]}){' — PARTIAL run' if 'partial' in data else ''}")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    with atomic_file(out) as tmp:
-        fig.savefig(tmp, dpi=120)
-    return out
 
 
 def main() -> None:
@@ -613,36 +384,9 @@ def main() -> None:
     for path in args.vllm_rows or []:  # fail now, not after a long run
         if not path.is_file():
             sys.exit(f"benchmarks/rollout.py: --vllm-rows {path}: no such file")
-    if args.merge_into:
-        if not args.vllm_rows or args.out is None:
-            sys.exit("benchmarks/rollout.py: --merge-into needs --vllm-rows FILE... and --out PATH")
-        try:
-            data = json.loads(args.merge_into.read_text())
-            rows, bw, setup = data["results"], data["copy_bandwidth_tb_s"], data["setup"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            sys.exit(f"benchmarks/rollout.py: --merge-into {args.merge_into}: expected this script's result JSON ({e})")
-        rows, env = with_extra_rows(rows, args.vllm_rows, {k: data.get(k) for k in ("device", "versions", "decode_config")})
-        args.tokens, args.hf_tokens = setup["new_tokens"], setup["hf_new_tokens"]
-        result = build_result(rows, bw * 1e12, args, partial=data.get("partial"), env=env)
-        result["date"], result["command"] = data["date"], f"{data['command']} ; merged: {result['command']}"
-        atomic_write_text(args.out, json.dumps(result, indent=2))
-        print(json.dumps(result["summary"], indent=2))
-        return
-    if args.from_partial:
-        data = json.loads(args.from_partial.read_text())
-        rows, bw = (
-            (data, args.bandwidth_tb_s) if isinstance(data, list) else (data["rows"], data["copy_bandwidth_tb_s"])
-        )
-        if bw is None or args.out is None:
-            sys.exit("benchmarks/rollout.py: --from-partial needs --out and the run's bandwidth (--bandwidth-tb-s)")
-        env = (
-            {k: data.get(k) for k in ("device", "versions")}
-            if isinstance(data, dict)
-            else {"device": None, "versions": None}
-        )
-        rows, env = with_extra_rows(rows, args.vllm_rows, env)
-        result = build_result(rows, bw * 1e12, args, partial=args.partial_note, env=env)
-        atomic_write_text(args.out, json.dumps(result, indent=2))
+    if args.merge_into or args.from_partial:
+        result = merge_into(args) if args.merge_into else from_partial(args)
+        write_json(args.out, result)
         print(json.dumps(result["summary"], indent=2))
         return
     if not torch.cuda.is_available():
@@ -652,7 +396,7 @@ def main() -> None:
     if args.profile:
         profile(args)
     result = lora_sweep(args) if args.lora_sweep else run(args)
-    atomic_write_text(args.out, json.dumps(result, indent=2))
+    write_json(args.out, result)
     print(json.dumps(result["summary"], indent=2))
 
 
@@ -660,7 +404,7 @@ def write_partial(args: argparse.Namespace, bw: float, rows: list[dict]) -> None
     """The rows so far beside ``--out`` (``.partial.json``), so a run cut off at its time limit keeps them."""
     if args.out is not None:
         partial = {"copy_bandwidth_tb_s": bw / 1e12, **environment(), "rows": rows}
-        atomic_write_text(args.out.with_suffix(".partial.json"), json.dumps(partial, indent=1))
+        write_json(args.out.with_suffix(".partial.json"), partial, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ Every (shape, weights) configuration runs in its own process (``--config 7b:nvfp
 memory of one ``LLM`` is surely gone before the next; the driver collects the rows, writing the
 output after every row so that a run cut off at its time limit keeps what it measured.
 
-    python benchmarks/rollout_vllm.py --out $OUT/rollout_vllm.json                 # all configs
-    python benchmarks/rollout_vllm.py --shapes 7b --weights nvfp4 --out $OUT/v.json
-    python benchmarks/rollout.py --merge-into rollout.json --vllm-rows v.json --out merged.json
+    python -m benchmarks.rollout_vllm --out $OUT/rollout_vllm.json                 # all configs
+    python -m benchmarks.rollout_vllm --shapes 7b --weights nvfp4 --out $OUT/v.json
+    python -m benchmarks.rollout --merge-into rollout.json --vllm-rows v.json --out merged.json
 
 Rows follow benchmarks/rollout.py's schema (engine="vllm"); ``floor_ms`` etc. are null here and are
 filled from the native row of the same configuration when the rows are merged.
@@ -23,8 +23,6 @@ filled from the native row of the same configuration when the rows are merged.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
 import os
 import subprocess
@@ -33,21 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# benchmarks/ must not stay on sys.path: transformers probes for a package named ``kernels`` and would
-# import benchmarks/kernels.py instead. qerl comes from the repo root, rollout.py by its path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(HERE.parent))
-_spec = importlib.util.spec_from_file_location("qerl_bench_rollout", HERE / "rollout.py")
-_rollout = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_rollout)
-PROMPT, SHAPES, VOCAB = _rollout.PROMPT, _rollout.SHAPES, _rollout.VOCAB  # the same shapes and prompt
+from benchmarks.common import PROMPT, SHAPES, VOCAB, command, device_name, utc_now, versions, write_json
+from qerl.checkpoint import quantization_config
+from qerl.fsutil import atomic_file
+from qerl.lora import DEFAULT_TARGETS
 
-from qerl.checkpoint import quantization_config  # noqa: E402
-from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
-from qerl.lora import DEFAULT_TARGETS  # noqa: E402
-
-BATCHES = {"7b": (1, 8, 64), "32b": (1, 8)}
+#: The repository root: the children run ``python -m benchmarks.rollout_vllm`` from there.
+REPO = Path(__file__).resolve().parents[1]
+BATCHES = {"7b": (1, 8, 64, 128), "32b": (1, 8)}
 WEIGHTS = ("nvfp4", "bf16")
 LORA_R = 16
 HEAD_DIM = 128
@@ -73,7 +64,7 @@ def write_model_dir(root: Path, shape: str, weights: str) -> Path:
     }
     if weights == "nvfp4":  # exactly the block our quantizer writes (lm_head stays bf16)
         config["quantization_config"] = quantization_config(ignore=["lm_head"])
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2))
+    write_json(out / "config.json", config)
     return out
 
 
@@ -108,24 +99,12 @@ def write_adapter_dir(root: Path, shape: str, seed: int = 0) -> Path:
         "target_modules": list(DEFAULT_TARGETS), "bias": "none", "modules_to_save": None, "use_rslora": False,
         "use_dora": False, "base_model_name_or_path": None,
     }  # fmt: skip
-    atomic_write_text(out / "adapter_config.json", json.dumps(adapter_config, indent=2))
+    write_json(out / "adapter_config.json", adapter_config)
     return out
 
 
 def environment() -> dict:
-    import torch
-    import transformers
-    import vllm
-
-    return {
-        "device": torch.cuda.get_device_name(),
-        "versions": {
-            "vllm": vllm.__version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": sys.version.split()[0],
-        },
-    }
+    return {"device": device_name(), "versions": versions("vllm", "transformers")}
 
 
 def run_config(args: argparse.Namespace) -> None:
@@ -188,7 +167,7 @@ def run_config(args: argparse.Namespace) -> None:
         rows.append(dict(shape=shape, engine="vllm", weights=weights, lora=True, batch=b, tokens=args.tokens,
                          ms_per_step=round(ms, 4), prefill_plus_1_s=round(t_one, 4), floor_ms=None,
                          weight_gb=None, lora_gb=None, kv_gb_mean=None, llm_init_s=round(init_s, 1)))  # fmt: skip
-        atomic_write_text(Path(args.out), json.dumps({**env, "rows": rows}, indent=1))
+        write_json(Path(args.out), {**env, "rows": rows}, indent=1)
         print(f"{shape} vllm   {weights}+lora   b={b:3d}: {ms:8.3f} ms/step (prefill+1 {t_one:.3f} s)", flush=True)
 
 
@@ -205,11 +184,11 @@ def drive(args: argparse.Namespace) -> dict:
                 if not any(b in BATCHES[shape] for b in args.batches):
                     continue
                 part = Path(tmp) / f"{shape}-{weights}.json"
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--config", f"{shape}:{weights}",
+                cmd = [sys.executable, "-m", "benchmarks.rollout_vllm", "--config", f"{shape}:{weights}",
                        "--out", str(part), "--workdir", tmp, "--tokens", str(args.tokens),
                        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                        "--batches", *map(str, args.batches)]  # fmt: skip
-                code = subprocess.run(cmd, env=child_env).returncode
+                code = subprocess.run(cmd, env=child_env, cwd=REPO).returncode
                 if part.exists():  # rows measured before any failure still count
                     data = json.loads(part.read_text())
                     rows.extend(data["rows"])
@@ -218,16 +197,16 @@ def drive(args: argparse.Namespace) -> dict:
                     failures.append(f"{shape}:{weights} exited with {code}")
                     print(f"benchmarks/rollout_vllm.py: config {shape}:{weights} failed (exit {code})", flush=True)
                 result = build_result(rows, env, args, failures)
-                atomic_write_text(args.out, json.dumps(result, indent=2))
+                write_json(args.out, result)
     return result
 
 
 def build_result(rows: list[dict], env: dict, args: argparse.Namespace, failures: list[str]) -> dict:
     return {
         "benchmark": "rollout decode ms/step, vLLM baseline",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         **env,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command("benchmarks.rollout_vllm"),
         "setup": {
             "prompt_tokens": PROMPT,
             "new_tokens": args.tokens,
@@ -256,7 +235,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON to write (rewritten after every row)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="7b: 1/8/64, 32b: 1/8")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128], help="7b: 1/8/64/128, 32b: 1/8")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--config", type=parse_config, help="(internal) run one SHAPE:WEIGHTS in this process")

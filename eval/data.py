@@ -1,7 +1,8 @@
 """Benchmark problems from a local file or the Hugging Face hub, validated before any work starts.
 
-Every failure here is a user error (wrong path, wrong field names, offline hub), so it surfaces as a
-one-line ``SystemExit`` naming the flag or file; evaluation never starts on half-valid data.
+Every failure here is a user error (wrong path, wrong field names, offline hub, a file that is not
+text), so it surfaces as a one-line ``UsageError`` naming the flag or file; evaluation never starts on
+half-valid data.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from qerl.cli import UsageError
+from qerl.hub import path_shaped
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -34,29 +38,45 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise SystemExit(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+                raise UsageError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
             rows.append(row)
     return rows
 
 
 def _read_local(path: Path) -> list[dict[str, Any]]:
+    """Rows of a local file; a file that is not what its suffix says (binary, not UTF-8) is one line too."""
+    try:
+        return _read_by_suffix(path)
+    except UnicodeDecodeError:
+        raise UsageError(f"--data {path}: not UTF-8 text (a binary file?); expected a {path.suffix} file") from None
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise UsageError(f"--data {path}: not a readable parquet file ({str(e).strip().splitlines()[0][:200]})") from None
+
+
+def _read_by_suffix(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".jsonl":
         return _read_jsonl(path)
     if path.suffix == ".json":
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise UsageError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise SystemExit(f"{path}: expected a JSON list of objects")
+            raise UsageError(f"{path}: expected a JSON list of objects")
         return rows
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    raise SystemExit(f"--data {path}: unsupported file type {path.suffix!r}; expected one of {', '.join(LOCAL_SUFFIXES)}")
+        return _read_parquet(path)
+    raise UsageError(f"--data {path}: unsupported file type {path.suffix!r}; expected one of {', '.join(LOCAL_SUFFIXES)}")
 
 
 def _read_hub(data: str, config: str | None, split: str) -> list[dict[str, Any]]:
@@ -69,16 +89,10 @@ def _read_hub(data: str, config: str | None, split: str) -> list[dict[str, Any]]
     except Exception as e:  # datasets raises many unrelated types for "cannot get it"
         offline = " (HF_HUB_OFFLINE=1 is set)" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") else ""
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SystemExit(
+        raise UsageError(
             f"--data {data}: not a local file and the hub dataset could not be loaded{offline}: {reason[:200]}; "
             f"pass a local {'/'.join(LOCAL_SUFFIXES)} path"
         ) from None
-
-
-def _looks_local(data: str) -> bool:
-    """A path-shaped ``--data`` (file suffix, explicit directory, more than the one slash of ``owner/name``)
-    must never fall through to the hub: a typo in a path should say "no such file"."""
-    return data.endswith(LOCAL_SUFFIXES) or data.startswith(("/", ".", "~")) or data.count("/") > 1
 
 
 def load_problems(
@@ -100,26 +114,26 @@ def load_problems(
     if path.is_file():
         rows, where = _read_local(path), str(path)
     elif path.is_dir():
-        raise SystemExit(f"--data {data}: is a directory; expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id")
-    elif _looks_local(data):
-        raise SystemExit(f"--data {data}: no such file (expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id)")
+        raise UsageError(f"--data {data}: is a directory; expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id")
+    elif path_shaped(data, LOCAL_SUFFIXES):
+        raise UsageError(f"--data {data}: no such file (expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id)")
     else:
         rows, where = _read_hub(data, config, split), f"{data}[{split}]"
     if not rows:
-        raise SystemExit(f"--data {where}: no records")
+        raise UsageError(f"--data {where}: no records")
     if limit is not None:
         rows = rows[:limit]
     problems = []
     for i, row in enumerate(rows):
         for field in (question_field, answer_field):
             if row.get(field) is None:
-                raise SystemExit(
+                raise UsageError(
                     f"{where}: record {i + 1} has no {field!r} field (expected fields {question_field!r} and "
                     f"{answer_field!r}; see --question-field/--answer-field)"
                 )
         try:
             gold_answer = gold(str(row[answer_field]))
         except ValueError as e:
-            raise SystemExit(f"{where}: record {i + 1}: {e}") from None
+            raise UsageError(f"{where}: record {i + 1}: {e}") from None
         problems.append(Problem(index=i, question=str(row[question_field]), gold=gold_answer))
     return problems

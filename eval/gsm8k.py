@@ -6,11 +6,13 @@ AMC23), applies the adapter, and compares whole numeric answers rather than firs
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from eval.runner import Benchmark, evaluate, make_parser
 from eval.stats import Accuracy
 from qerl.answers import gsm8k_gold
+from qerl.cli import run
 
 GSM8K = Benchmark(
     name="gsm8k",
@@ -31,4 +33,4 @@ def main(argv: Sequence[str] | None = None) -> Accuracy:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

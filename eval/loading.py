@@ -16,6 +16,7 @@ import torch
 from peft import LoraConfig, PeftConfig, PeftModel
 from peft.utils import get_peft_model_state_dict
 
+from qerl.cli import UsageError
 from qerl.lora import load_adapter
 
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -29,7 +30,7 @@ def load_base(model: str, load: str, dtype: torch.dtype | None, device: str | No
         base = load_model(model, dtype=dtype, device=device, load=load)
         tokenizer = load_tokenizer(model)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"--model {model} (--load {load}): {str(e).strip().splitlines()[0]}") from None
+        raise UsageError(f"--model {model} (--load {load}): {str(e).strip().splitlines()[0]}") from None
     base.eval()
     return base, tokenizer
 
@@ -62,7 +63,7 @@ def _read_adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
 
                 return load_file(path)
             return torch.load(path, map_location="cpu", weights_only=True)
-    raise SystemExit(f"--lora {adapter_dir}: no adapter weights (expected one of {', '.join(ADAPTER_WEIGHT_FILES)})")
+    raise UsageError(f"--lora {adapter_dir}: no adapter weights (expected one of {', '.join(ADAPTER_WEIGHT_FILES)})")
 
 
 def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_mismatch: bool = False) -> PeftModel:
@@ -70,19 +71,19 @@ def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_misma
 
     NVFP4 bases need the adapter's LoraConfig registered for ``NVFP4Linear`` first: peft does not save
     custom-module mappings in adapter_config.json, so the config is loaded, registered and passed in.
-    Raises SystemExit when the adapter was made for another base (recorded name or tensor shapes).
+    Raises UsageError when the adapter was made for another base (recorded name or tensor shapes).
     """
     path = Path(adapter_dir).expanduser()
     if not (path / "adapter_config.json").is_file():
-        raise SystemExit(f"--lora {adapter_dir}: no adapter_config.json (expected a peft adapter directory)")
+        raise UsageError(f"--lora {adapter_dir}: no adapter_config.json (expected a peft adapter directory)")
     saved = _read_adapter_tensors(path)
     config = PeftConfig.from_pretrained(str(path))
     if not isinstance(config, LoraConfig):
-        raise SystemExit(f"--lora {adapter_dir}: a {type(config).__name__} adapter; only LoRA adapters are supported")
+        raise UsageError(f"--lora {adapter_dir}: a {type(config).__name__} adapter; only LoRA adapters are supported")
     recorded = config.base_model_name_or_path
     base_names = _names(getattr(model, "name_or_path", None)) | _names(model_arg)
     if recorded and not (_names(recorded) & base_names) and not allow_base_mismatch:
-        raise SystemExit(
+        raise UsageError(
             f"--lora {adapter_dir}: adapter was made for base model {recorded!r}, but --model is {model_arg!r}; "
             "pass --allow-base-mismatch if they are the same weights"
         )
@@ -90,7 +91,7 @@ def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_misma
         wrapped = load_adapter(model, str(path))
     except (RuntimeError, ValueError, KeyError) as e:
         detail = _first_mismatch(str(e)) or " ".join(str(e).split())[:300]
-        raise SystemExit(
+        raise UsageError(
             f"--lora {adapter_dir}: adapter (made for {recorded!r}) does not fit --model {model_arg!r}: {detail}"
         ) from None
     _check_loaded(wrapped, saved, adapter_dir, model_arg)
@@ -114,12 +115,12 @@ def _check_loaded(wrapped: PeftModel, saved: dict[str, torch.Tensor], adapter_di
     live = get_peft_model_state_dict(wrapped)
     missing = sorted(set(saved) - set(live))
     if missing:
-        raise SystemExit(
+        raise UsageError(
             f"--lora {adapter_dir}: {len(missing)} adapter tensors have no place in --model {model_arg!r} "
             f"(first: {missing[0]}); was it made for a different base model?"
         )
     for key, value in saved.items():
         target = live[key]
         if tuple(target.shape) != tuple(value.shape) or not torch.equal(target.cpu(), value.to(target.dtype)):
-            raise SystemExit(f"--lora {adapter_dir}: tensor {key} did not load as saved (shape {tuple(value.shape)} "
+            raise UsageError(f"--lora {adapter_dir}: tensor {key} did not load as saved (shape {tuple(value.shape)} "
                              f"vs {tuple(target.shape)} in --model {model_arg!r})")

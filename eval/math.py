@@ -6,10 +6,12 @@ fallback (in long solutions a stray number is rarely the answer).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from eval.runner import Benchmark, evaluate, make_parser
 from eval.stats import Accuracy
+from qerl.cli import run
 
 
 def _strip(answer: str) -> str:
@@ -33,4 +35,4 @@ def main(argv: Sequence[str] | None = None) -> Accuracy:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

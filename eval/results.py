@@ -2,21 +2,27 @@
 
 One line per (question, sample), appended and flushed after each batch, so an interrupted run
 loses at most the batch in flight; a crash mid-line leaves a truncated last line, which the next
-run drops before appending. A sidecar ``<output>.meta.json`` (written atomically) records the
-settings that determine the samples; resuming with different ones is refused, so one file never
-mixes two models or two temperatures.
+run drops before appending. A sidecar ``<output>.meta.json`` (written atomically) records what
+determines the samples: the generation settings and content digests of the model and adapter weights
+(``qerl.fingerprint``). A run resumes only when all of them match; otherwise (an adapter retrained into
+the same directory, another temperature) it starts afresh and says so, after moving the old results
+and their meta aside (``<name>.stale-<time>.jsonl``), so one file never mixes two models and no
+result is lost.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from qerl.cli import UsageError
 from qerl.fsutil import atomic_write_text
 
 Key = tuple[int, str, int]  # (problem index, question, sample index)
+
 
 def meta_path(output: Path) -> Path:
     return output.with_name(output.name + ".meta.json")
@@ -29,7 +35,8 @@ def record_key(record: dict[str, Any]) -> Key:
 class ResultFile:
     """Records already in ``path`` (by key) plus an appender for new ones.
 
-    Constructing it only reads (and refuses a file made with other settings); ``start`` writes.
+    Constructing it only reads: records of a file made with other settings or weights are not used
+    (``stale`` names what changed); ``start`` writes, moving such a file aside first.
     """
 
     def __init__(self, path: Path, settings: dict[str, Any]) -> None:
@@ -37,27 +44,27 @@ class ResultFile:
         self.settings = dict(settings)
         self.records: dict[Key, dict[str, Any]] = {}
         self._whole_bytes: int | None = None  # where to cut a truncated last line, if any
-        self._check_settings()
-        if path.exists():
+        self.stale = self._changed_settings()
+        if path.exists() and not self.stale:
             self._load()
 
-    def _check_settings(self) -> None:
+    def _changed_settings(self) -> list[str]:
+        """The settings (or weight digests) whose recorded values differ from this run's; refuses a
+        file whose provenance is unknown, which might not be ours to move."""
         meta = meta_path(self.path)
+        if not meta.exists():
+            if self.path.exists() and self.path.stat().st_size > 0:
+                raise UsageError(f"--output {self.path}: exists without {meta.name}, so its settings are unknown; "
+                                 "use a new --output")
+            return []
+        try:
+            previous = json.loads(meta.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UsageError(f"--output {self.path}: {meta} is not valid JSON; use a new --output") from None
+        if not isinstance(previous, dict):
+            raise UsageError(f"--output {self.path}: {meta} is not a settings record; use a new --output")
         wanted = self.settings
-        if meta.exists():
-            try:
-                previous = json.loads(meta.read_text(encoding="utf-8"))
-            except json.JSONDecodeError:
-                raise SystemExit(f"--output {self.path}: {meta} is not valid JSON; use a new --output") from None
-            changed = sorted(k for k in wanted.keys() | previous.keys() if wanted.get(k) != previous.get(k))
-            if changed:
-                k = changed[0]
-                raise SystemExit(
-                    f"--output {self.path}: was written with {k}={previous.get(k)!r}, this run has {k}={wanted.get(k)!r}; "
-                    "use a new --output (or the same settings to resume)"
-                )
-        elif self.path.exists() and self.path.stat().st_size > 0:
-            raise SystemExit(f"--output {self.path}: exists without {meta.name}, so its settings are unknown; use a new --output")
+        return sorted(k for k in wanted.keys() | previous.keys() if wanted.get(k) != previous.get(k))
 
     def _load(self) -> None:
         data = self.path.read_bytes()
@@ -71,20 +78,40 @@ class ResultFile:
                 record = json.loads(line)
                 self.records[record_key(record)] = record
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise SystemExit(f"--output {self.path}:{lineno}: not a result record; use a new --output") from None
+                raise UsageError(f"--output {self.path}:{lineno}: not a result record; use a new --output") from None
         self._whole_bytes = len(body) + len(newline) if tail else None
 
     def start(self) -> None:
-        """Prepare for appending once all inputs are known to be good: create the directory and the meta
-        file (atomically), and cut off a line a crash left unfinished. Nothing is written before this."""
+        """Prepare for appending once all inputs are known to be good: move a stale file aside, create
+        the directory and the meta file (atomically), and cut off a line a crash left unfinished.
+        Nothing is written before this."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        meta = meta_path(self.path)
+        if self.stale:
+            aside = self._move_aside()
+            print(f"note: {self.path} was made with other {', '.join(self.stale)}; starting afresh "
+                  f"(the old results are now {aside})")
+            self.stale = []
         if self._whole_bytes is not None:
             with self.path.open("r+b") as f:
                 f.truncate(self._whole_bytes)
             self._whole_bytes = None
-        meta = meta_path(self.path)
         if not meta.exists():
             atomic_write_text(meta, json.dumps(self.settings, indent=1) + "\n")
+
+    def _move_aside(self) -> Path:
+        """Rename the results and their meta to an unused ``<stem>.stale-<time><suffix>`` beside them."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for n in range(1000):
+            aside = self.path.with_name(f"{self.path.stem}.stale-{stamp}{f'-{n}' if n else ''}{self.path.suffix}")
+            if not aside.exists() and not meta_path(aside).exists():
+                break
+        else:
+            raise UsageError(f"--output {self.path}: too many stale copies beside it; use a new --output")
+        if self.path.exists():
+            os.replace(self.path, aside)
+        os.replace(meta_path(self.path), meta_path(aside))
+        return aside
 
     def append(self, records: list[dict[str, Any]]) -> None:
         """Append whole lines and push them to disk, so a kill loses at most the batch in flight."""

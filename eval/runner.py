@@ -2,7 +2,8 @@
 
 Order of work is chosen so that bad input costs nothing: arguments, data and an existing output
 file are checked first, then the model and adapter are loaded (also validated), and only then is
-anything written. Work already in the output JSONL is never regenerated; when nothing is left to
+anything written. Work already in the output JSONL is never regenerated as long as it was made with
+the same settings and the same model/adapter weights (by content digest); when nothing is left to
 do the model is not even loaded and the run just recounts the file.
 """
 
@@ -20,6 +21,9 @@ from eval.data import Problem, load_problems
 from eval.results import ResultFile
 from eval.stats import Accuracy, accuracy
 from qerl.answers import score
+from qerl.cli import ArgumentParser, UsageError
+from qerl.fingerprint import adapter_sha256, model_sha256
+from qerl.prompts import PROMPT_STYLES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -62,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = No
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--samples", type=int, default=1, help="samples per question; pass@1 is averaged over them")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-style", choices=("tags", "dapo"), default="tags", help="must match training")
+    parser.add_argument("--prompt-style", choices=sorted(PROMPT_STYLES), default="tags",
+                        help="tags (default: the reference's evaluation prompt), plain (the question alone: the "
+                             "reference's and qerl.train's default GSM8K training prompt) or dapo; match training")
     parser.add_argument("--output", default=None, help="results JSONL (default outputs/eval/<benchmark>-<model>.jsonl)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype (auto: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -73,11 +79,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
                 "--samples": args.samples}
     for flag, value in positive.items():
         if value is not None and value < 1:
-            raise SystemExit(f"{flag}: expected a positive integer, got {value}")
+            raise UsageError(f"{flag}: expected a positive integer, got {value}")
     if args.temperature < 0:
-        raise SystemExit(f"--temperature: expected >= 0, got {args.temperature}")
+        raise UsageError(f"--temperature: expected >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
-        raise SystemExit(f"--top-p: expected a value in (0, 1], got {args.top_p}")
+        raise UsageError(f"--top-p: expected a value in (0, 1], got {args.top_p}")
 
 
 def _slug(text: str) -> str:
@@ -90,13 +96,16 @@ def default_output(bench: Benchmark, args: argparse.Namespace) -> Path:
 
 
 def run_settings(bench: Benchmark, args: argparse.Namespace) -> dict[str, Any]:
-    """Everything that decides what a sample is (recorded beside the output and checked on resume).
+    """Everything that decides what a sample is (recorded beside the output and checked on resume),
+    the content of the model and adapter weights included: the same ``--lora`` path after retraining
+    is another adapter.
 
     --samples, --limit, --batch-size and --output are left out on purpose: they choose how much work
     is done, or how fast, so a resumed run may change them."""
     keys = ("model", "load", "lora", "engine", "data", "config", "split", "question_field", "answer_field",
             "max_new_tokens", "temperature", "top_p", "seed", "prompt_style", "dtype")
-    return {"benchmark": bench.name, **{k: getattr(args, k) for k in keys}}
+    digests = {"model_sha256": model_sha256(args.model), "lora_sha256": adapter_sha256(args.lora) if args.lora else None}
+    return {"benchmark": bench.name, **{k: getattr(args, k) for k in keys}, **digests}
 
 
 def _load_engine(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
@@ -116,7 +125,7 @@ def _load_engine(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     try:
         engine = get_engine(model, tokenizer, args.engine)
     except (ImportError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"--engine {args.engine}: {str(e).splitlines()[0]}") from None
+        raise UsageError(f"--engine {args.engine}: {str(e).splitlines()[0]}") from None
     return engine, tokenizer, sorted(t for t in stop if t is not None)
 
 
@@ -204,6 +213,7 @@ def evaluate(args: argparse.Namespace, bench: Benchmark) -> Accuracy:
 
 
 def make_parser(prog: str, description: str, default_data: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    """The shared flags on qerl's strict parser (no flag abbreviations; errors are one line)."""
+    parser = ArgumentParser(prog=prog, description=description)
     add_arguments(parser, default_data=default_data)
     return parser

@@ -1,5 +1,16 @@
-"""Answer extraction and scoring for math, shared by evaluation (``eval``) and the training rewards
-(``qerl.rewards``), so that a model is trained against the same number reading it is judged by.
+"""Answer extraction and scoring for math: the one place that reads an answer out of a completion, used
+by the training rewards (``qerl.rewards``), the held-out accuracy of ``qerl.train`` and evaluation
+(``eval``), so that a model is trained against the same reading it is judged by.
+
+Three readings (``READINGS``), one per kind of gold answer:
+
+* ``numeric`` (GSM8K, arithmetic): the marker spans below, reduced to a number, compared exactly.
+* ``math`` (BigMath, MATH500/AIME/AMC): first what the reference's BigMath reward read, math-verify's
+  LaTeX extraction over the *whole* completion with ``\\boxed`` tried first and no anchor-less
+  matches (qerl_method.md §7); when that finds nothing, the marker spans. The fallback is ours: the
+  BigMath prompt asks for ``<answer>`` tags, and the reference scored a bare ``<answer>3</answer>`` 0.
+* ``dapo`` (DAPO-Math): the reference's ``dapo_score`` reading: the last ``Answer: X`` line in the
+  last 300 characters, normalised as Minerva/DAPO do (``normalize_final_answer``), exact string match.
 
 The reference scored GSM8K by comparing only the *first character* of the extracted answer and
 gold (qerl_method.md §8 bug b), which inflates accuracy and crashes on an empty extraction. Here a
@@ -19,8 +30,12 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from math_verify import LatexExtractionConfig, LatexNormalizationConfig
 from math_verify import parse as mv_parse
 from math_verify import verify as mv_verify
+
+#: The readings ``judge`` knows (see the module docstring).
+READINGS = ("numeric", "math", "dapo")
 
 _TAG_ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
 # GSM8K's "#### 72"; a markdown heading ("#### Step 1: ...") is not an answer marker.
@@ -140,8 +155,14 @@ def extract_answer(completion: str, numeric: bool = True) -> Extraction | None:
     ``numeric=True`` (GSM8K) reduces a span to its last number unless it is symbolic; as a last
     resort it takes the last number anywhere in the completion. ``numeric=False`` (competition maths)
     keeps the cleaned span as LaTeX and has no last-number fallback: there, a stray number is far
-    more likely to be an intermediate result than the answer.
+    more likely to be an intermediate result than the answer, and math-verify's LaTeX reading of the
+    whole completion (the reference's BigMath reward) comes before the marker spans.
     """
+    if not numeric:
+        latex = _latex_answer(completion)
+        if latex is not None:
+            value = to_number(latex) if _SINGLE_NUMBER.fullmatch(latex) else None
+            return Extraction(format_number(value) if value is not None else latex, value, "latex")
     for method, raw in _candidate_spans(completion):
         span = _clean(raw)
         if not span or not re.search(r"[\w\\]", span):
@@ -162,6 +183,27 @@ def extract_answer(completion: str, numeric: bool = True) -> Extraction | None:
     return None
 
 
+#: The reference's BigMath extraction (qerl_method.md §7): LaTeX only, ``\\boxed`` first (every boxed
+#: expression of the completion), no match without an anchor, basic LaTeX and units normalised.
+#: (Its ``equations=True`` is what math-verify >= 0.9 does by itself and has been deprecated there.)
+_REFERENCE_LATEX = [LatexExtractionConfig(
+    normalization_config=LatexNormalizationConfig(basic_latex=True, units=True, malformed_operators=False, nits=False,
+                                                  boxed="all"),
+    boxed_match_priority=0, try_extract_without_anchor=False,
+)]
+
+
+def _latex_answer(completion: str) -> str | None:
+    """The answer math-verify's anchored LaTeX extraction finds in the whole completion (as the text it
+    matched), or None; a completion math-verify cannot handle counts as having none."""
+    try:
+        parsed = mv_parse(completion, extraction_config=_REFERENCE_LATEX, extraction_mode="first_match")
+    except Exception:  # math-verify parses untrusted model text; a failure means "found nothing"
+        return None
+    text = str(parsed[-1]).strip() if parsed else ""
+    return text or None
+
+
 def gsm8k_gold(answer: str) -> str:
     """The gold number of a GSM8K ``answer`` field (the text after ``####``), or ValueError."""
     text = answer.split("####")[-1] if "####" in answer else answer
@@ -169,6 +211,14 @@ def gsm8k_gold(answer: str) -> str:
     if value is None or ("####" not in answer and not _SINGLE_NUMBER.fullmatch(answer)):
         raise ValueError(f"answer has no '#### <number>' gold: {answer[-80:]!r}")
     return format_number(value)
+
+
+def math_gold_parses(gold: str) -> bool:
+    """Whether math-verify can read a competition-maths gold at all (the BigMath reward skips rows it cannot)."""
+    try:
+        return bool(mv_parse(f"\\boxed{{{gold}}}"))
+    except Exception:  # as in _symbolic_equal: a gold math-verify chokes on is one it cannot read
+        return False
 
 
 def _symbolic_equal(gold: str, predicted: str) -> bool:
@@ -195,3 +245,68 @@ def score(completion: str, gold: str, numeric: bool = True) -> tuple[Extraction 
     """Extract the answer from ``completion`` and judge it against ``gold``."""
     extraction = extract_answer(completion, numeric=numeric)
     return extraction, is_correct(extraction, gold)
+
+
+# --- the DAPO reading ---------------------------------------------------------------------------------
+# The reference's DAPO-Math/MiroMind reward (qerl_method.md §7) normalises both sides the way Minerva's
+# MATH evaluation did and compares the strings: these tables and steps give the same strings.
+
+_DAPO_TAIL_CHARS = 300  # only the end of a completion is read
+_DAPO_ANSWER_LINE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
+#: Literal replacements, in order (after them no space is left).
+_MINERVA_REPLACE = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+                    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+#: Units, filler words and LaTeX decoration deleted wherever they occur, in order.
+_MINERVA_DELETE = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+)
+#: Regex rewrites, in order: keep the first $...$ span; unwrap \text/\textbf/\overline/\boxed; spell out
+#: the shorthand \fracab as \frac{a}{b} and \sqrta as \sqrt{a}.
+_MINERVA_REWRITE = (
+    (re.compile(r".*?\$(.*?)\$.*"), r"$\1$"),  # per line, as the reference's pattern
+    (re.compile(r"\\text\{(.*?)\}"), r"\1"),
+    (re.compile(r"\\textbf\{(.*?)\}"), r"\1"),
+    (re.compile(r"\\overline\{(.*?)\}"), r"\1"),
+    (re.compile(r"\\boxed\{(.*)\}"), r"\1"),
+    (re.compile(r"frac([^{])(.)"), r"frac{\1}{\2}"),
+    (re.compile(r"sqrt([^{])"), r"sqrt{\1}"),
+)
+
+
+def normalize_final_answer(answer: str) -> str:
+    """A final answer as the reference's DAPO reward compares it: the part after the last ``=``, units and
+    spaces removed, ``\\text``/``\\boxed`` unwrapped, ``\\fracab`` spelled ``\\frac{a}{b}``, ``$`` dropped,
+    thousands commas removed from integers (``"x = 5"`` -> ``5``, ``"10 dollars"`` -> ``10``)."""
+    s = answer.split("=")[-1]
+    for old, new in _MINERVA_REPLACE:
+        s = s.replace(old, new)
+    for word in _MINERVA_DELETE:
+        s = s.replace(word, "")
+    for pattern, repl in _MINERVA_REWRITE:
+        s = pattern.sub(repl, s)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def dapo_answer(completion: str) -> str | None:
+    """The normalised text of the last ``Answer: X`` line in the completion's last 300 characters, or None."""
+    found = _DAPO_ANSWER_LINE.findall(completion[-_DAPO_TAIL_CHARS:])
+    return normalize_final_answer(found[-1]) if found else None
+
+
+def judge(completion: str, gold: str, reading: str) -> bool:
+    """Whether ``completion`` answers ``gold`` under one of ``READINGS``: what the rewards, the held-out
+    accuracy and evaluation all call. ``numeric`` golds may be a bare number or a GSM8K solution ending in
+    ``#### N``; a gold that is not one raises ValueError."""
+    if reading == "numeric":
+        return score(completion, gsm8k_gold(gold), numeric=True)[1]
+    if reading == "math":
+        return score(completion, gold, numeric=False)[1]
+    if reading == "dapo":
+        return dapo_answer(completion) == normalize_final_answer(gold)
+    raise ValueError(f"unknown answer reading {reading!r}; expected one of {READINGS}")

@@ -4,7 +4,9 @@ The paper folds a noise vector Z ~ N(0, sigma^2) into the RMSNorm scale that fee
 (``input_layernorm``) and gate/up (``post_attention_layernorm``); through the following Linear it
 acts as row-wise multiplicative weight noise, i.e. extra exploration on top of the fixed NVFP4
 rounding error. The reference implementation gets this wrong in ways that silently change the
-experiment (qerl_method.md §5.3), so this module does it deliberately:
+experiment: it looks for transformers' RMSNorm classes in vLLM's model, whose norms are vLLM's own
+class, so most likely it adds no noise at all, and each point below is a way it would differ even
+if it did. This module does it deliberately:
 
 * **Stages over the real run.** ``K`` equal stages over the number of optimizer steps the trainer
   will actually take (``state.max_steps``), not over the planned epoch. Stage 0 is noise-free; stages
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qerl.lora import NORM_MODULES
+from qerl.arch import NORM_MODULES
 
 #: Decay shapes the paper ablated (Fig. 9/15); exponential is its default.
 SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
@@ -52,7 +54,7 @@ class AQNSchedule:
     """sigma as a function of (optimizer step, total optimizer steps)."""
 
     sigma_start: float = 1e-2
-    sigma_end: float = 5e-4
+    sigma_end: float = 1e-4  # the reference's scripts (its ModelConfig and the paper's Table 4 say 5e-4)
     num_stages: int = 10
     schedule: str = "exponential"
 

@@ -7,59 +7,48 @@ so the format lives in one place.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 NVFP4_FORMAT = "nvfp4-pack-quantized"
-QUANTIZED_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
-#: Layers that vLLM fuses and that must therefore share one global scale.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: compressed-tensors' names for a quantized Linear's tensors (after ``{layer}.``): the packed E2M1
+#: codes, the FP8 block scales, the FP32 global scale. ``NVFP4Linear``'s buffers carry the same names.
+PACKED, SCALE, GLOBAL_SCALE = QUANTIZED_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def packed_layers(names: Iterable[str]) -> set[str]:
+    """The layers (name prefixes) among tensor ``names`` that hold an NVFP4 weight."""
+    suffix = f".{PACKED}"
+    return {n.removesuffix(suffix) for n in names if n.endswith(suffix)}
 
 
 def quantization_config(ignore: list[str], version: str | None = None) -> dict:
-    """The ``quantization_config`` block that llm-compressor writes for scheme NVFP4A16."""
-    if version is None:
-        try:
-            import compressed_tensors
+    """The ``quantization_config`` block that llm-compressor writes for scheme NVFP4A16.
 
-            version = compressed_tensors.__version__
-        except ImportError:
-            version = "0.19.0"
-    return {
-        "config_groups": {
-            "group_0": {
-                "format": NVFP4_FORMAT,
-                "input_activations": None,
-                "output_activations": None,
-                "targets": ["Linear"],
-                "weights": {
-                    "actorder": None,
-                    "block_structure": None,
-                    "dynamic": False,
-                    "group_size": 16,
-                    "num_bits": 4,
-                    "observer": "memoryless_minmax",
-                    "observer_kwargs": {},
-                    "scale_dtype": "torch.float8_e4m3fn",
-                    "strategy": "tensor_group",
-                    "symmetric": True,
-                    "type": "float",
-                    "zp_dtype": None,
-                },
-            }
-        },
-        "format": NVFP4_FORMAT,
-        "global_compression_ratio": None,
-        "ignore": list(ignore),
-        "kv_cache_scheme": None,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
-        "sparsity_config": {},
-        "transform_config": {},
-        "version": version,
-    }
+    Built from compressed-tensors' own NVFP4A16 preset and config model, plus what llm-compressor adds
+    when it compresses: the group's compressor format, the observer its recipe ran, and the
+    ``ModelCompressor`` keys beside the quantization config (tests/test_quantize.py compares the whole
+    block with llm-compressor's output).
+    """
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+
+    if version is None:
+        import compressed_tensors
+
+        version = compressed_tensors.__version__
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    scheme.format = NVFP4_FORMAT
+    scheme.weights.observer = "memoryless_minmax"
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=NVFP4_FORMAT,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=list(ignore),
+    ).model_dump(mode="json")
+    return {**config, "sparsity_config": {}, "transform_config": {}, "version": version}
 
 
 def read_config(model_dir: Path) -> dict:

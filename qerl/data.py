@@ -1,9 +1,10 @@
 """Training data: every data set becomes rows of ``prompt`` (chat messages) and ``answer`` (gold).
 
-``prompt`` is built with ``qerl.prompts.chat_messages`` so training and evaluation see the same
-instruction (the tag instruction the reference's GSM8K prompt had lost is back, qerl_method.md §7);
-trl applies the tokenizer's chat template itself. ``answer`` is what the rewards in
-``qerl.rewards`` compare against.
+``prompt`` is built as the reference built it for that data set unless ``--prompt-style`` says
+otherwise (``qerl.prompts``): GSM8K the bare question, BigMath the tag instruction, DAPO-Math the
+row's own ``source_prompt``; trl applies the tokenizer's chat template itself. ``answer`` is what the
+rewards in ``qerl.rewards`` and the held-out accuracy compare against, through the data set's answer
+reading (``qerl.answers``). Each set also carries the completion budget of the reference's scripts.
 
 Sources: a local file (``.jsonl``/``.json``/``.parquet``, or a directory holding ``train.*``) or a
 hub id, for GSM8K, BigMath, DAPO-Math; plus ``arithmetic``, a synthetic set generated from a seed
@@ -22,8 +23,9 @@ from typing import Any
 
 from datasets import Dataset
 
-from qerl.prompts import chat_messages, encode_chat
-from qerl.rewards import gsm8k_gold
+from qerl.answers import gsm8k_gold
+from qerl.hub import path_shaped
+from qerl.prompts import PROMPT_STYLES, SOURCE_STYLE, chat_messages, encode_chat
 
 
 @dataclass(frozen=True)
@@ -32,19 +34,25 @@ class DatasetSpec:
 
     hub_id: str | None
     config: str | None
-    style: str
+    style: str  # the prompt style the reference used for it (qerl.prompts)
     rewards: tuple[str, ...]
+    reading: str  # how its answers are read and judged: one of qerl.answers.READINGS
+    completion_length: int | None = None  # the reference scripts' preset; None: theirs for any other set
     question_fields: tuple[str, ...] = ("question", "problem", "prompt")
     answer_fields: tuple[str, ...] = ("answer", "solution", "final_answer")
 
 
+_BIGMATH = "open-r1/Big-Math-RL-Verified-Processed"
+#: Prompt styles and completion budgets are the reference's (qerl_method.md §6.2, §7); ``arithmetic`` is
+#: ours, with the tag prompt its recipes were calibrated on.
 DATASETS: dict[str, DatasetSpec] = {
-    "gsm8k": DatasetSpec("openai/gsm8k", "main", "tags", ("soft_format", "gsm8k")),
-    "bigmath": DatasetSpec("open-r1/Big-Math-RL-Verified-Processed", "level_3_4_5", "tags", ("soft_format", "math")),
-    "bigmath_hard": DatasetSpec("open-r1/Big-Math-RL-Verified-Processed", "level_4_5", "tags", ("soft_format", "math")),
-    "dapo-math": DatasetSpec("open-r1/DAPO-Math-17k-Processed", "en", "dapo", ("dapo",)),
-    "arithmetic": DatasetSpec(None, None, "tags", ("soft_format", "gsm8k")),
+    "gsm8k": DatasetSpec("openai/gsm8k", "main", "plain", ("soft_format", "gsm8k"), "numeric", 2048),
+    "bigmath": DatasetSpec(_BIGMATH, "level_3_4_5", "tags", ("soft_format", "math"), "math", 4096),
+    "bigmath_hard": DatasetSpec(_BIGMATH, "level_4_5", "tags", ("soft_format", "math"), "math", 4096),
+    "dapo-math": DatasetSpec("open-r1/DAPO-Math-17k-Processed", "en", SOURCE_STYLE, ("dapo",), "dapo"),
+    "arithmetic": DatasetSpec(None, None, "tags", ("soft_format", "gsm8k"), "numeric"),
 }
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 #: The reference's spellings.
 ALIASES = {"dapomath": "dapo-math", "dapo_math": "dapo-math", "bigmath-hard": "bigmath_hard"}
 
@@ -63,11 +71,20 @@ def _read_local(path: Path) -> Dataset:
         if not found:
             raise FileNotFoundError(f"--dataset_path {path}: directory has no train.jsonl, train.json or train.parquet")
         path = found[0]
-    if path.suffix in (".jsonl", ".json"):
-        return Dataset.from_json(str(path))
-    if path.suffix == ".parquet":
-        return Dataset.from_parquet(str(path))
-    raise ValueError(f"--dataset_path {path}: expected a .jsonl, .json or .parquet file")
+    if path.suffix not in LOCAL_SUFFIXES:
+        raise ValueError(f"--dataset_path {path}: expected a .jsonl, .json or .parquet file")
+    try:
+        return Dataset.from_parquet(str(path)) if path.suffix == ".parquet" else Dataset.from_json(str(path))
+    except Exception as e:  # datasets wraps the reader's error (binary file, bad JSON) in its own types
+        raise ValueError(f"--dataset_path {path}: not a readable {path.suffix} file ({_reason(e)})") from e
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of the innermost error (datasets' own message only says that one occurred)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:200]
 
 
 def _read_source(name: str, source: str | None, split: str) -> Dataset:
@@ -78,11 +95,16 @@ def _read_source(name: str, source: str | None, split: str) -> Dataset:
     hub_id = source or s.hub_id
     if hub_id is None:
         raise ValueError(f"--dataset {name}: needs --dataset_path (a local file or a hub id)")
-    if source is not None and source.startswith((".", "/", "~")):
+    if source is not None and path_shaped(source, LOCAL_SUFFIXES):
         raise FileNotFoundError(f"--dataset_path {source}: no such file or directory")
     import datasets
 
-    return datasets.load_dataset(hub_id, s.config if source is None else None, split=split)
+    try:
+        return datasets.load_dataset(hub_id, s.config if source is None else None, split=split)
+    except Exception as e:  # datasets raises many unrelated types for "cannot get it"
+        where = f"--dataset_path {source}: no such local file or directory, and" if source else f"--dataset {name}:"
+        raise FileNotFoundError(f"{where} loading hub data set {hub_id} failed ({_reason(e)}); "
+                                "pass a local .jsonl/.json/.parquet file as --dataset_path") from e
 
 
 def _pick(row: dict[str, Any], fields: tuple[str, ...], what: str, columns: list[str]) -> Any:
@@ -92,16 +114,40 @@ def _pick(row: dict[str, Any], fields: tuple[str, ...], what: str, columns: list
     raise ValueError(f"data set row has no {what} column; expected one of {fields}, found {columns}")
 
 
-def to_rows(raw: Dataset, s: DatasetSpec, gsm8k: bool) -> Dataset:
-    """Normalise a raw data set to ``prompt`` (messages) + ``answer`` (gold string)."""
+def prompt_style(name: str, style: str | None) -> str:
+    """The prompt style a run uses: ``style`` when given (checked), else the data set's own."""
+    if style is None:
+        return spec(name).style
+    if style not in (*PROMPT_STYLES, SOURCE_STYLE):
+        raise ValueError(f"--prompt-style: unknown {style!r}; expected one of {sorted((*PROMPT_STYLES, SOURCE_STYLE))}")
+    return style
+
+
+def _conversation(row: dict[str, Any], columns: list[str]) -> list[dict[str, str]]:
+    """A row's own prompt (``source_prompt``: a list of role/content messages), checked."""
+    messages = row.get("source_prompt")
+    if not (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+        raise ValueError(f"--prompt-style {SOURCE_STYLE}: data set row has no source_prompt conversation (a list of "
+                         f"role/content messages), found columns {columns}; use --prompt-style dapo")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def to_rows(raw: Dataset, s: DatasetSpec, style: str) -> Dataset:
+    """Normalise a raw data set to ``prompt`` (messages in ``style``) + ``answer`` (gold string)."""
     columns = list(raw.column_names)
 
     def convert(row: dict[str, Any]) -> dict[str, Any]:
-        question = _pick(row, s.question_fields, "question", columns)
-        if isinstance(question, list):  # already a conversation: keep its last user turn's text
-            question = question[-1]["content"]
+        if style == SOURCE_STYLE:
+            prompt = _conversation(row, columns)
+        else:
+            question = _pick(row, s.question_fields, "question", columns)
+            if isinstance(question, list):  # already a conversation: keep its last user turn's text
+                question = question[-1]["content"]
+            prompt = chat_messages(str(question), style)
         gold = str(_pick(row, s.answer_fields, "answer", columns))
-        return {"prompt": chat_messages(str(question), s.style), "answer": gsm8k_gold(gold) if gsm8k else gold}
+        return {"prompt": prompt, "answer": gsm8k_gold(gold) if s.reading == "numeric" else gold}
 
     return raw.map(convert, remove_columns=columns)
 
@@ -169,12 +215,15 @@ def load_dataset(
     num_samples: int | None = None,
     seed: int = 0,
     arithmetic_level: str | None = None,
+    style: str | None = None,
 ) -> Dataset:
     """The named data set as ``prompt``/``answer`` rows; ``num_samples`` keeps the first N after a seeded shuffle.
 
-    ``arithmetic_level`` (default ``hard``) applies to the generated ``arithmetic`` set only.
+    ``arithmetic_level`` (default ``hard``) applies to the generated ``arithmetic`` set only; ``style``
+    (default: the set's own, ``prompt_style``) is the prompt style.
     """
     s = spec(name)
+    style = prompt_style(name, style)
     key = ALIASES.get(name, name)
     generated = key == "arithmetic" and source is None
     if arithmetic_level is not None and not generated:
@@ -185,7 +234,7 @@ def load_dataset(
         raw = _read_source(name, source, split)
         if num_samples is not None:
             raw = raw.shuffle(seed=seed).select(range(min(num_samples, len(raw))))
-    return to_rows(raw, s, gsm8k=key in ("gsm8k", "arithmetic"))
+    return to_rows(raw, s, style)
 
 
 def filter_prompt_length(ds: Dataset, tokenizer: Any, max_tokens: int) -> Dataset:

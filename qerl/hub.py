@@ -116,7 +116,12 @@ def local_model_dir(name_or_path: str | os.PathLike[str], what: str = "model pat
     if isinstance(resolved, str):
         from huggingface_hub import snapshot_download
 
-        resolved = Path(snapshot_download(resolved, allow_patterns=HUB_PATTERNS))
+        try:
+            resolved = Path(snapshot_download(resolved, allow_patterns=HUB_PATTERNS))
+        except (OSError, ValueError) as e:  # offline, unknown repo, invalid id: say it is not local either
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
+            raise FileNotFoundError(f"{what} {resolved!r}: no such local directory, and fetching it as a hub model "
+                                    f"id failed ({reason.rstrip('.')})") from e
     if not resolved.is_dir():
         raise NotADirectoryError(f"{what} {resolved} is not a model directory")
     return resolved
@@ -130,6 +135,13 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path | str:
     path = Path(text).expanduser()
     if path.exists():
         return path
-    if text.startswith((".", "/", "~")) or os.sep in text.strip("/").replace("/", "", 1):
+    if path_shaped(text):
         raise FileNotFoundError(f"model path {text!r} does not exist")
     return text
+
+
+def path_shaped(text: str, suffixes: tuple[str, ...] = ()) -> bool:
+    """True for a name that can only be a local path: it starts with ``/``, ``.`` or ``~``, has more
+    slashes than a hub id's one (``owner/name``), or ends with one of ``suffixes`` (a file type). A
+    typo in such a path must say "no such file", never turn into a hub lookup."""
+    return text.startswith(("/", ".", "~")) or text.strip("/").count("/") > 1 or text.endswith(suffixes)

@@ -23,7 +23,7 @@ LoadMode = Literal["auto", "nvfp4", "bf16"]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on accelerators; fp32 on CPU, where bf16 matmuls are emulated and slower (cpu_env.md)."""
+    """bf16 on accelerators; fp32 on CPU, where bf16 matmuls are emulated and slower."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
@@ -96,7 +96,7 @@ def _swap_quantized_linears(model: nn.Module, tensors: checkpoint.TensorIndex, m
     """Every Linear the checkpoint holds packed becomes an empty NVFP4Linear (filled afterwards)."""
 
     def make(name: str, linear: nn.Linear) -> NVFP4Linear | None:
-        if f"{name}.weight_packed" not in tensors:
+        if f"{name}.{checkpoint.PACKED}" not in tensors:
             return None
         if linear.in_features % 16 != 0:
             raise ValueError(f"{model_dir}: {name} has in_features={linear.in_features}, not a multiple of 16")

@@ -2,7 +2,8 @@
 
 peft's own LoRA Linear does the work (A/B init, scaling, dropout, saving, loading); we only tell it
 where the base layer lives and refuse to merge, because a bf16 delta cannot be folded into 4-bit
-codes without re-quantizing. The adapter therefore always stays unmerged, as QeRL's RL loop needs.
+codes without re-quantizing. The adapter therefore always stays unmerged, as QeRL's RL loop needs;
+``qerl.export`` writes a merged checkpoint (bf16, or re-quantized NVFP4) for serving.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
+from qerl import arch
 from qerl.linear import NVFP4Linear
 
-#: The seven projections of a Llama/Qwen2 decoder layer.
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: RMSNorms that feed q/k/v and gate/up: trainable with ``ln=True`` and the targets of AQN.
-NORM_MODULES = ("input_layernorm", "post_attention_layernorm")
+#: LoRA on every decoder Linear (QeRL's setting).
+DEFAULT_TARGETS = arch.LINEAR_TARGETS
 
 
 class NVFP4LoraLinear(PeftLoraLinear):
@@ -30,7 +30,10 @@ class NVFP4LoraLinear(PeftLoraLinear):
         return module.in_features, module.out_features
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise NotImplementedError("LoRA cannot be merged into NVFP4 weights; it stays unmerged by design")
+        raise NotImplementedError(
+            "LoRA cannot be merged into NVFP4 weights in place; it stays unmerged by design. To serve a trained "
+            "adapter, write a merged checkpoint: python -m qerl.export --model NVFP4_DIR --lora ADAPTER --output DIR"
+        )
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         a = self.lora_A[adapter].weight
@@ -57,7 +60,7 @@ def lora_config(
         lora_alpha=alpha if alpha is not None else r,
         lora_dropout=dropout,
         target_modules=list(target_modules),
-        modules_to_save=list(NORM_MODULES) if train_norms else None,
+        modules_to_save=list(arch.NORM_MODULES) if train_norms else None,
         task_type="CAUSAL_LM",
     )
     return register_nvfp4(cfg)

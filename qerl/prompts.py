@@ -1,7 +1,16 @@
-"""Prompt formats, shared by training and evaluation so that a model is scored as it was trained.
+"""Prompt formats, shared by training and evaluation so that a model can be scored as it was trained.
 
-The reference's GSM8K training prompt lost its tag instruction while 2.2 of its reward still
-depended on the tags (qerl_method.md §7); we put the instruction back as a system message.
+Styles (``--prompt-style``): ``plain``, the question alone as the user turn (the chat template adds
+its own default system prompt, if any): the reference's GSM8K training prompt; ``tags``, a system
+instruction to reason in ``<think>`` and answer in ``<answer>`` (the reference's BigMath prompt and
+its GSM8K *evaluation* prompt; the paper's instruction); ``dapo``, the DAPO/MiroMind instruction to end
+with ``Answer: X``. Training also knows ``source``: a row's own conversation (DAPO-Math's
+``source_prompt``), which is what the reference trained DAPO-Math on.
+
+The reference's GSM8K prompt asked for no tags while 2.2 of its reward depended on them
+(qerl_method.md §7). Ours keeps that prompt by default but reads the answer wherever it is stated
+(``qerl.answers``), so only the 0.2 format reward still needs the tags; ``--prompt-style tags`` asks
+for them.
 """
 
 from __future__ import annotations
@@ -20,14 +29,18 @@ DAPO_SYSTEM_PROMPT = (
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem."
 )
 
-PROMPT_STYLES = {"tags": TAG_SYSTEM_PROMPT, "dapo": DAPO_SYSTEM_PROMPT}
+#: Style -> its system instruction (None: no system message of ours).
+PROMPT_STYLES: dict[str, str | None] = {"plain": None, "tags": TAG_SYSTEM_PROMPT, "dapo": DAPO_SYSTEM_PROMPT}
+#: The training-only style that takes each row's own conversation.
+SOURCE_STYLE = "source"
 
 
 def chat_messages(question: str, style: str = "tags") -> list[dict[str, str]]:
-    """The conversation for one question: the style's system instruction, then the question."""
+    """The conversation for one question: the style's system instruction (if any), then the question."""
     if style not in PROMPT_STYLES:
-        raise ValueError(f"unknown prompt style {style!r}; expected one of {sorted(PROMPT_STYLES)}")
-    return [{"role": "system", "content": PROMPT_STYLES[style]}, {"role": "user", "content": question}]
+        raise ValueError(f"--prompt-style: unknown {style!r}; expected one of {sorted(PROMPT_STYLES)}")
+    system = PROMPT_STYLES[style]
+    return ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": question}]
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from qerl import checkpoint, hub, nvfp4
+from qerl import arch, checkpoint, hub, nvfp4
 from qerl.fsutil import atomic_directory
 from qerl.quant import mse, target
 from qerl.quant.calibration import Calibration
@@ -60,7 +60,7 @@ def default_output(model: str, root: str | os.PathLike[str] = "qmodel") -> Path:
 
 def _fused_siblings(name: str) -> tuple[str, ...]:
     parent, _, leaf = name.rpartition(".")
-    for group in checkpoint.FUSED_GROUPS:
+    for group in arch.FUSED_GROUPS:
         if leaf in group:
             return tuple(f"{parent}.{g}" for g in group)
     return (name,)

@@ -12,6 +12,12 @@ whole user-supplied reward functions).
 
 Reward scales follow the reference: format rewards 0.2, GSM8K correctness 2.0, math-verify
 accuracy and the DAPO ``Answer:`` score 1.0.
+
+Answers are read by ``qerl.answers`` only, the same reading evaluation and the held-out accuracy use:
+a correctness reward is positive exactly when ``answers.judge`` (and so ``eval``) counts the answer
+correct. Where this departs from the reference it is on purpose: its GSM8K reward compared the
+``<answer>`` text (or the whole response) with the gold as *strings* ("$1,000" != "1000"), and its
+BigMath reward ignored the ``<answer>`` tags its own prompt asked for (see ``qerl.answers``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from qerl import answers
+from qerl.answers import gsm8k_gold, judge, math_gold_parses, to_number
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +40,6 @@ DAPO_REWARD = 1.0
 
 _SOFT_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
 _STRICT_FORMAT = re.compile(r"^\s*<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>\s*$", re.DOTALL)
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_DAPO_ANSWER = re.compile(r"Answer\s*:\s*(.+)", re.IGNORECASE)
-_DAPO_TAIL_CHARS = 300  # the reference scores the last 300 characters only
 
 
 def completion_text(completion: Any) -> str:
@@ -46,26 +49,6 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
         return str(completion[-1].get("content", ""))
     raise TypeError(f"completion: expected a string or a list of chat messages, got {type(completion).__name__}")
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a response: the last ``<answer>`` block, else the text after the last ``####``."""
-    tags = _ANSWER_TAG.findall(text)
-    if tags:
-        return tags[-1].strip()
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip()
-    return None
-
-
-def parse_number(text: str | None) -> Fraction | None:
-    """The last number in ``text``, read exactly as evaluation reads it (``qerl.answers.to_number``)."""
-    return None if text is None else answers.to_number(text)
-
-
-def gsm8k_gold(answer: str) -> str:
-    """GSM8K's gold answer: the text after ``####`` when the full solution is given."""
-    return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip()
 
 
 def _score_all(
@@ -108,30 +91,33 @@ def _numeric_equal(a: Fraction | None, b: Fraction | None) -> bool:
     return a is not None and b is not None and a == b
 
 
+def _judged(name: str, reading: str, scale: float, completions: Sequence[Any], answer: Sequence[Any] | None) -> list[float | None]:
+    """``scale`` for each completion ``answers.judge`` finds correct under ``reading``, else 0."""
+    golds = _need_answer(name, answer, len(completions))
+    return _score_all(name, lambda text, gold: scale if judge(text, str(gold), reading) else 0.0, completions, golds)
+
+
 def gsm8k_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
-    """2.0 when the response's final answer (``<answer>`` block, else after ``####``) equals the gold number.
+    """2.0 when the response's answer equals the gold number, read as evaluation reads it (``numeric``).
 
-    Compared as numbers, so ``1,000``, ``$1000`` and ``1000.0`` all match ``1000``; a response
-    without an answer block or ``####`` scores 0 (the number must be *stated* as the answer).
+    The answer is the last ``<answer>`` block, else ``####``, ``\\boxed``, "the answer is", else the last
+    number; compared as numbers, so ``1,000``, ``$1000`` and ``1000.0`` all match ``1000``. The gold
+    may be a number or a full GSM8K solution ending in ``#### N``.
     """
-    golds = _need_answer("gsm8k_accuracy", answer, len(completions))
-
-    def score(text: str, gold: Any) -> float:
-        return GSM8K_REWARD if _numeric_equal(parse_number(extract_answer(text)), parse_number(gsm8k_gold(str(gold)))) else 0.0
-
-    return _score_all("gsm8k_accuracy", score, completions, golds)
+    return _judged("gsm8k_accuracy", "numeric", GSM8K_REWARD, completions, answer)
 
 
 def last_number_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
     """1.0 when the *last number* of the response equals the gold, tags or not.
 
     A lenient signal for models too small to follow the tag format yet (SmolLM2-135M on the
-    synthetic arithmetic set); easier to game than ``gsm8k_accuracy``, so not a default anywhere.
+    synthetic arithmetic set): unlike ``gsm8k_accuracy`` a stated answer does not win over a later
+    number, so it is easier to game, and not a default anywhere.
     """
     golds = _need_answer("last_number_accuracy", answer, len(completions))
 
     def score(text: str, gold: Any) -> float:
-        return MATH_REWARD if _numeric_equal(parse_number(text), parse_number(gsm8k_gold(str(gold)))) else 0.0
+        return MATH_REWARD if _numeric_equal(to_number(text), to_number(gsm8k_gold(str(gold)))) else 0.0
 
     return _score_all("last_number_accuracy", score, completions, golds)
 
@@ -149,7 +135,7 @@ def last_number_closeness(
     golds = _need_answer("last_number_closeness", answer, len(completions))
 
     def score(text: str, gold: Any) -> float:
-        pred, ref = parse_number(text), parse_number(gsm8k_gold(str(gold)))
+        pred, ref = to_number(text), to_number(gsm8k_gold(str(gold)))
         if pred is None or ref is None:
             return 0.0
         return float(max(Fraction(0), 1 - abs(pred - ref) / max(abs(ref), Fraction(1))))
@@ -160,58 +146,25 @@ def last_number_closeness(
 def math_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
     """1.0 when math-verify finds the response's answer equivalent to the gold; None if the gold is unparseable.
 
-    The ``<answer>`` block is parsed when present, else the whole response (``\\boxed`` first), as
-    the reference's BigMath reward did.
+    As the reference's BigMath reward, the whole response is read with ``\\boxed`` first (the
+    ``math`` reading of ``qerl.answers``), and a row whose gold math-verify cannot read is left out
+    (None) rather than scored 0; unlike it, a bare ``<answer>`` block counts when nothing else is found.
     """
-    from math_verify import parse, verify
-
     golds = _need_answer("math_accuracy", answer, len(completions))
 
     def score(text: str, gold: Any) -> float | None:
-        gold_text = str(gold)
-        parsed_gold = parse(gold_text if "$" in gold_text or "\\boxed" in gold_text else f"${gold_text}$")
-        if not parsed_gold:
+        if not math_gold_parses(str(gold)):
             return None
-        tagged = _ANSWER_TAG.findall(text)
-        # A tagged answer is usually bare LaTeX ("\\frac{1}{2}", "x = 3"): try it inside $...$ first.
-        candidates = [f"${tagged[-1].strip()}$", tagged[-1]] if tagged else [text]
-        pred = []
-        for candidate in candidates:
-            pred = parse(candidate)  # math-verify's defaults: LaTeX (boxed first), then plain expressions
-            if pred:
-                break
-        return MATH_REWARD if pred and verify(parsed_gold, pred) else 0.0
+        return MATH_REWARD if judge(text, str(gold), "math") else 0.0
 
     return _score_all("math_accuracy", score, completions, golds)
 
 
-def normalize_final_answer(text: str) -> str:
-    """Minerva/DAPO-style normalisation of a short final answer before exact comparison."""
-    s = text.strip()
-    s = re.sub(r"\\boxed\s*\{(.*)\}", r"\1", s)
-    s = re.sub(r"\\text\s*\{(.*?)\}", r"\1", s)
-    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\ ", "$", "^\\circ", "^{\\circ}", "\\%", "%"):
-        s = s.replace(token, "")
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = s.replace(" ", "").rstrip(".")
-    if re.fullmatch(r"-?[\d,]+(\.\d+)?", s):
-        s = s.replace(",", "")
-        if "." in s:
-            s = s.rstrip("0").rstrip(".")
-    return s
-
-
 def dapo_score(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
-    """1.0 when the last ``Answer: X`` in the response's last 300 characters matches the gold after normalisation."""
-    golds = _need_answer("dapo_score", answer, len(completions))
-
-    def score(text: str, gold: Any) -> float:
-        found = _DAPO_ANSWER.findall(text[-_DAPO_TAIL_CHARS:])
-        if not found:
-            return 0.0
-        return DAPO_REWARD if normalize_final_answer(found[-1]) == normalize_final_answer(str(gold)) else 0.0
-
-    return _score_all("dapo_score", score, completions, golds)
+    """1.0 when the last ``Answer: X`` in the response's last 300 characters equals the gold after the
+    reference's normalisation (``answers.normalize_final_answer``); 0 otherwise, as the reference's code
+    returns (its docstring said -1)."""
+    return _judged("dapo_score", "dapo", DAPO_REWARD, completions, answer)
 
 
 def guarded(fn: Callable[..., list[float | None]]) -> Callable[..., list[float | None]]:
@@ -245,9 +198,6 @@ REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "dapo": dapo_score,
 }
 
-
-#: Rewards that judge the answer itself (the rest judge its format).
-CORRECTNESS_REWARDS = ("gsm8k", "math", "dapo", "last_number")
 
 
 def get_rewards(names: Sequence[str]) -> list[Callable[..., list[float | None]]]:

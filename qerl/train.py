@@ -8,31 +8,46 @@ Flags are trl's ``TrlParser`` over ``ScriptArguments`` (model, data, LoRA) and `
 (everything trl's GRPOConfig knows, plus the rollout engine and AQN). Both ``--lora_rank`` and the
 reference's ``--lora-rank`` spellings work. Reference flags that no longer do anything
 (``--max-seq-length``, ``--fast-inference``, ``--random-state``, ``--load-in-4bit``, ...) are accepted
-with a warning so that the reference's scripts still run.
+with a warning so that the reference's scripts still run. What a recipe leaves unset is the reference
+scripts' choice: one epoch, the data set's completion budget (``qerl.data``), AQN for NVFP4 models only
+(``qerl.config``), the data set's prompt (``--prompt-style``). ``--push_to_hub`` uploads only when a
+Hugging Face token is configured; otherwise it logs one note and the run stays local.
 
-A run resumes from its newest complete checkpoint when ``output_dir`` has one (``--auto_resume``),
-writes the final adapter to ``output_dir/adapter`` (temp dir, then rename), logs every step to
-``output_dir/metrics.jsonl`` and draws the curves with ``qerl.plot`` at the end.
+A run into an ``output_dir`` that already holds one continues it from its newest complete checkpoint,
+but only when the recorded settings (``run_config.json``: flags, data and model digests) match; a
+finished run is a no-op, and different settings are refused in one line unless ``--resume force``
+(``qerl.resume``). The run writes the final adapter to ``output_dir/adapter`` (temp dir, then
+rename), logs every step to ``output_dir/metrics.jsonl`` and draws the curves with ``qerl.plot``.
+
+Bad input (an unknown flag or recipe key, an unknown reward, a negative learning rate, a missing
+file) stops before any work with ``error: <one line>`` and exit status 2 (``qerl.cli``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import yaml
 from trl import TrlParser
 
 from qerl import data as qdata
+from qerl import resume as run_record
+from qerl.answers import judge
+from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
+from qerl.fingerprint import model_sha256
 from qerl.fsutil import atomic_directory, atomic_write_text
 from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
 from qerl.prompts import encode_chat
-from qerl.rewards import CORRECTNESS_REWARDS, get_rewards
+from qerl.rewards import get_rewards
 from qerl.rollout import SamplingParams
 from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
 
@@ -55,6 +70,9 @@ class ScriptArguments:
     arithmetic_level: str | None = field(
         default=None, metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(qdata.ARITHMETIC_LEVELS)} (default hard)."}
     )
+    prompt_style: str | None = field(default=None, metadata={"help": "plain | tags | dapo | source (a row's own "
+                                     "conversation); unset: the reference's for the data set (gsm8k plain, bigmath "
+                                     "tags, dapo-math source, arithmetic tags). See qerl/prompts.py."})
     heldout: int = field(default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."})
     heldout_max_tokens: int = field(default=256, metadata={"help": "Completion budget of the held-out evaluation."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Drop prompts longer than this many tokens."})
@@ -64,7 +82,8 @@ class ScriptArguments:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS), metadata={"help": "LoRA targets."})
     ln: bool = field(default=True, metadata={"help": "Also train the input/post-attention RMSNorm weights (all reference scripts)."})
-    auto_resume: bool = field(default=True, metadata={"help": "Resume from output_dir's newest complete checkpoint if any."})
+    resume: str = field(default="auto", metadata={"help": "auto: continue output_dir's run if its settings match "
+                                                  "(a finished one is a no-op), refuse otherwise; force: continue anyway."})
     plot: bool = field(default=True, metadata={"help": "Write reward/entropy/sigma curves at the end."})
     max_seq_length: int | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
     fast_inference: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
@@ -77,8 +96,9 @@ class ScriptArguments:
     activation_offloading: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
 
 
-def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reward: Any, max_new_tokens: int, batch: int = 64) -> float:
-    """Greedy accuracy on held-out rows: the share whose reward is positive, through the rollout engine."""
+def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reading: str, max_new_tokens: int, batch: int = 64) -> float:
+    """Greedy accuracy on held-out rows through the rollout engine, judged as evaluation judges
+    (``qerl.answers.judge`` with the data set's reading), whatever rewards the run trains with."""
     if len(rows) == 0:
         return float("nan")
     tok = trainer.processing_class
@@ -94,11 +114,57 @@ def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reward: Any, max_new_token
             ids = [encode_chat(tok, p) for p in chunk["prompt"]]
             out = engine.generate(ids, params, n=1)
             texts = tok.batch_decode(out.completion_ids, skip_special_tokens=True)
-            scores = reward(completions=texts, answer=chunk["answer"])
-            correct += sum(1 for s in scores if s is not None and s > 0)
+            correct += sum(judge(text, gold, reading) for text, gold in zip(texts, chunk["answer"], strict=True))
     finally:
         policy.train(was_training)
     return correct / len(rows)
+
+
+class _Parser(StrictParsing, TrlParser):
+    """trl's parser (YAML recipes, both flag spellings) without flag abbreviations, one-line errors."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, QeRLConfig]:
+    """(script arguments, trainer config) from the command line and its ``--config`` recipe; any
+    mistake in either is a UsageError naming the flag or the recipe key."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    if argv and argv[-1] == "--config":
+        raise UsageError("--config: expected a YAML recipe path")
+    parser = _Parser((ScriptArguments, QeRLConfig), prog="python -m qerl.train")
+    try:
+        script, config, unknown_keys, unknown_args = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True)
+    except yaml.MarkedYAMLError as e:
+        where = f", line {e.problem_mark.line + 1}" if e.problem_mark else ""
+        raise UsageError(f"--config {recipe}: not valid YAML ({e.problem or e.context}{where})") from None
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"--config {recipe}: {one_line(e)}") from None
+    except (ValueError, TypeError) as e:  # a value the config classes refused; their messages name the flag
+        raise UsageError(one_line(e)) from None
+    if unknown_keys:
+        keys = ", ".join(k.removeprefix("--") for k in unknown_keys[::2])
+        raise UsageError(f"--config {recipe}: unknown key(s) {keys} (see python -m qerl.train --help)")
+    if unknown_args:
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown_args)} (see python -m qerl.train --help)")
+    _check_values(script, config)
+    if config.max_completion_length is None:  # the reference scripts' budget for this data set (None: 8192)
+        with usage_errors(ValueError):
+            config.max_completion_length = qdata.spec(script.dataset).completion_length
+    return script, config
+
+
+def _check_values(script: ScriptArguments, config: QeRLConfig) -> None:
+    """Values no library checks before training starts (a negative learning rate fails deep in torch)."""
+    lr = config.learning_rate
+    if lr is not None and not (math.isfinite(lr) and lr >= 0):
+        raise UsageError(f"--learning_rate: expected a non-negative number, got {lr}")
+    if script.lora_rank < 1:
+        raise UsageError(f"--lora_rank: expected a positive integer, got {script.lora_rank}")
+    if script.heldout < 0:
+        raise UsageError(f"--heldout: expected a count >= 0, got {script.heldout}")
+    if script.num_samples is not None and script.num_samples < 1:
+        raise UsageError(f"--num_samples: expected a positive integer, got {script.num_samples}")
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -112,61 +178,79 @@ def save_adapter(trainer: QeRLTrainer, out_dir: Path) -> Path:
     return out_dir
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    parser = TrlParser((ScriptArguments, QeRLConfig))
-    script, config = parser.parse_args_and_config(argv)
+    script, config = parse_args(argv)
     for name in IGNORED_REFERENCE_FLAGS:
         if getattr(script, name) is not None:
             logger.warning("--%s is a reference leftover and is ignored", name.replace("_", "-"))
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(script.model_name, device=device, load=script.load)
-    tokenizer = load_tokenizer(script.model_name)
-    quantized = is_nvfp4_model(model)
-    logger.info("model %s: %s", script.model_name, "NVFP4 base" if quantized else "dense base")
-
-    rows = qdata.load_dataset(script.dataset, script.dataset_path, num_samples=script.num_samples, seed=config.seed,
-                              arithmetic_level=script.arithmetic_level)
-    if script.max_prompt_length:
-        rows = qdata.filter_prompt_length(rows, tokenizer, script.max_prompt_length)
-    train_rows, heldout_rows = qdata.train_heldout_split(rows, script.heldout, seed=config.seed)
-    reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
-    rewards = get_rewards(reward_names)
-    peft = lora_config(script.lora_rank, script.lora_alpha, script.lora_dropout, script.target_modules, train_norms=script.ln)
-
-    if config.rollout_engine == "vllm":  # vLLM serves the same checkpoint the trainer loaded
-        engine_kwargs = dict(config.rollout_engine_kwargs or {})
-        engine_kwargs.setdefault("checkpoint", str(model.config.name_or_path))
-        engine_kwargs.setdefault("gpu_memory_utilization", config.vllm_gpu_memory_utilization)
-        config.rollout_engine_kwargs = engine_kwargs
-
-    trainer = QeRLTrainer(model, rewards, config, train_dataset=train_rows, processing_class=tokenizer, peft_config=peft)
     out = Path(config.output_dir)
+    # Setup: everything here that fails is the user's input (paths, names, values), reported in one line.
+    try:
+        tokenizer = load_tokenizer(script.model_name)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model_name {script.model_name}: {one_line(e)}") from None
+    with usage_errors(ValueError, OSError):
+        rows = qdata.load_dataset(script.dataset, script.dataset_path, num_samples=script.num_samples,
+                                  seed=config.seed, arithmetic_level=script.arithmetic_level, style=script.prompt_style)
+        if script.max_prompt_length:
+            rows = qdata.filter_prompt_length(rows, tokenizer, script.max_prompt_length)
+        train_rows, heldout_rows = qdata.train_heldout_split(rows, script.heldout, seed=config.seed)
+        reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
+        rewards = get_rewards(reward_names)
+        used = {k: v for k, v in dataclasses.asdict(script).items() if k not in IGNORED_REFERENCE_FLAGS}
+        wanted = run_record.run_config(used, config.to_dict(), rewards=reward_names,
+                                       model_sha256=model_sha256(script.model_name),
+                                       data_sha256=run_record.rows_sha256(train_rows, heldout_rows))
+        todo = run_record.plan(out, wanted, script.resume, config.max_steps)
+        if todo.finished is not None:
+            logger.info("%s: this run finished at step %s; nothing to do (summary.json)", out, todo.finished.get("global_step"))
+            return todo.finished
+        peft = lora_config(script.lora_rank, script.lora_alpha, script.lora_dropout, script.target_modules,
+                           train_norms=script.ln)
+        # This process's device: cuda:LOCAL_RANK under `accelerate launch` (one process per GPU), cuda
+        # alone, else CPU. Loading straight there keeps N processes from all filling the first GPU.
+        model = load_model(script.model_name, device=config.device, load=script.load)
+        quantized = is_nvfp4_model(model)
+        logger.info("model %s: %s", script.model_name, "NVFP4 base" if quantized else "dense base")
+        if config.rollout_engine == "vllm":  # vLLM serves the same checkpoint the trainer loaded
+            engine_kwargs = dict(config.rollout_engine_kwargs or {})
+            engine_kwargs.setdefault("checkpoint", str(model.config.name_or_path))
+            engine_kwargs.setdefault("gpu_memory_utilization", config.vllm_gpu_memory_utilization)
+            config.rollout_engine_kwargs = engine_kwargs
+        trainer = QeRLTrainer(model, rewards, config, train_dataset=train_rows, processing_class=tokenizer,
+                              peft_config=peft)
+
     out.mkdir(parents=True, exist_ok=True)
-    if len(heldout_rows):  # question/answer rows: `python -m eval.gsm8k` (numeric golds) or eval.math can score them
+    main_process = trainer.accelerator.is_main_process  # the one that writes files under data parallelism
+    if len(heldout_rows) and main_process:  # question/answer rows: `python -m eval.gsm8k` (numeric golds) or eval.math can score them
         write_jsonl(out / "heldout.jsonl", [{"question": p[-1]["content"], "answer": a}
                                              for p, a in zip(heldout_rows["prompt"], heldout_rows["answer"], strict=True)])
     summary: dict[str, Any] = {"model": script.model_name, "nvfp4": quantized, "dataset": script.dataset,
                                "train_rows": len(train_rows), "heldout_rows": len(heldout_rows), "rewards": reward_names}
-    judges = [n for n in reward_names if n in CORRECTNESS_REWARDS]
-    if len(heldout_rows) and not judges:
-        raise ValueError(f"--rewards {reward_names}: held-out accuracy needs one of {list(CORRECTNESS_REWARDS)} (or --heldout 0)")
-    accuracy_reward = rewards[reward_names.index(judges[-1])] if judges else None
+    if todo.changed:
+        summary["resumed_with_changes"] = todo.changed
+    reading = qdata.spec(script.dataset).reading
     if len(heldout_rows):
-        summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
+        summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, reading, script.heldout_max_tokens)
         logger.info("held-out accuracy before training: %.4f", summary["heldout_accuracy_before"])
 
-    resume = last_complete_checkpoint(out) if script.auto_resume else None
-    if resume:
-        logger.info("resuming from %s", resume)
-    result = trainer.train(resume_from_checkpoint=resume)
+    if trainer.is_world_process_zero():
+        run_record.save(out, wanted)
+    with trainer.accelerator.main_process_first():  # it may move incomplete checkpoints aside: one at a time
+        checkpoint = last_complete_checkpoint(out)
+    if checkpoint:
+        logger.info("resuming from %s", checkpoint)
+    result = trainer.train(resume_from_checkpoint=checkpoint)
     summary["train_runtime_s"] = result.metrics.get("train_runtime")
     summary["global_step"] = trainer.state.global_step
-    summary["adapter"] = str(save_adapter(trainer, out / "adapter"))
+    summary["adapter"] = str(save_adapter(trainer, out / "adapter") if main_process else out / "adapter")
     if len(heldout_rows):
-        summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, accuracy_reward, script.heldout_max_tokens)
+        summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, reading, script.heldout_max_tokens)
         logger.info("held-out accuracy after training: %.4f", summary["heldout_accuracy_after"])
+    if not main_process:
+        return summary
     if script.plot:
         from qerl.plot import write_plots
 
@@ -178,4 +262,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -12,7 +12,10 @@ What is overridden, and why (tested against trl 1.16; ``TRL_RANGE`` below):
   function, entropy, completion lengths and step time are trl's own).
 * ``_save_checkpoint`` / ``train``: a checkpoint counts only once its completion marker is written
   (atomically, after everything else); resume picks the newest *complete* checkpoint and moves
-  half-written ones aside, because transformers writes straight into ``checkpoint-N``.
+  half-written ones aside, because transformers writes straight into ``checkpoint-N``. Resuming from
+  a checkpoint that already reached ``max_steps`` restores it without training (transformers would
+  run one more step), and ``metrics.jsonl`` drops the rows of steps after the checkpoint, which are
+  about to be trained again, so that no step has two rows.
 
 Everything else is trl's: the loss types (grpo, bnpo, dr_grpo, dapo, ...), advantages, clipping,
 and the per-token log-probs/entropies, which trl 1.16 computes through its fused, chunked LM head
@@ -36,41 +39,31 @@ bias the noise introduces. ``vllm_importance_sampling_correction=False`` reprodu
 
 from __future__ import annotations
 
-import copy
-import importlib.util
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-from trl import GRPOConfig, GRPOTrainer
+from transformers import TrainerCallback, TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
+from trl import GRPOTrainer
 
-from qerl.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule, NormNoise, draw_seed, norm_weights
+from qerl.aqn import NormNoise, draw_seed, norm_weights
+from qerl.config import QeRLConfig, with_model_defaults
 from qerl.fsutil import atomic_write_text
+from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.rewards import guarded
-from qerl.rollout import KINDS, SamplingParams, get_engine
+from qerl.rollout import SamplingParams, get_engine
 
 logger = logging.getLogger(__name__)
 
 #: trl versions this subclass was tested with (its hooks are private and move between releases).
 TRL_RANGE = (">=1.16.0", "<1.17")
-#: Written last into every checkpoint; a checkpoint without it is incomplete.
-CHECKPOINT_MARKER = "qerl_checkpoint.json"
-#: Metrics appended one JSON line per log step (read by ``qerl.plot``; survives crashes).
-METRICS_FILE = "metrics.jsonl"
-_BNB_OPTIMIZERS = ("8bit", "bnb", "lion_32bit", "paged_")
-#: Learning rates of the reference recipes (qerl_method.md §6.2): NVFP4+LoRA, bf16 LoRA.
-LR_NVFP4, LR_BF16 = 1e-5, 5e-6
 
 
 def _check_trl_version() -> None:
@@ -82,87 +75,6 @@ def _check_trl_version() -> None:
         logger.warning(
             "QeRLTrainer was tested with trl %s; found trl %s (private hooks may differ)", " ".join(TRL_RANGE), v
         )
-
-
-@dataclass
-class QeRLConfig(GRPOConfig):
-    """GRPOConfig with the QeRL recipe's defaults, the rollout engine choice and AQN.
-
-    Defaults that differ from trl's are the reference's (qerl_method.md §6): epsilon_high 0.28,
-    beta 0, bnpo (token-level) loss, truncated completions masked, grad clip 0.2, cosine schedule
-    with 10% warmup, AdamW betas (0.9, 0.99), weight decay 0.1. ``learning_rate`` left unset picks
-    1e-5 for NVFP4 models and 5e-6 for bf16 ones.
-    """
-
-    learning_rate: float | None = field(
-        default=None, metadata={"help": "Peak LR; unset: 1e-5 for NVFP4 models, 5e-6 for bf16."}
-    )
-    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip (DAPO clip-higher)."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)."})
-    loss_type: str = field(default="bnpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo (trl's loss types)."})
-    mask_truncated_completions: bool = field(
-        default=True, metadata={"help": "Drop completions without EOS from the loss."}
-    )
-    max_grad_norm: float = field(default=0.2, metadata={"help": "Gradient clipping."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "LR schedule."})
-    warmup_steps: float = field(default=0.1, metadata={"help": "Warmup steps, or a fraction of the run if < 1."})
-    warmup_ratio: float | None = field(
-        default=None, metadata={"help": "Reference spelling of a fractional warmup_steps."}
-    )
-    adam_beta2: float = field(default=0.99, metadata={"help": "AdamW beta2."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay."})
-    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
-    bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; unset: on with CUDA, off on CPU."})
-    vllm_importance_sampling_mode: str = field(
-        default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.trainer docstring)."}
-    )
-    vllm_importance_sampling_clip_max: float | None = field(default=2.0, metadata={"help": "IS cap C."})
-
-    rollout_engine: str = field(default="native", metadata={"help": f"Rollout engine: one of {KINDS}."})
-    rollout_engine_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra engine constructor arguments (JSON)."}
-    )
-
-    aqn: bool = field(
-        default=True, metadata={"help": "Adaptive Quantization Noise on the rollout's q/k/v and gate/up norms."}
-    )
-    sigma_start: float = field(default=1e-2, metadata={"help": "AQN sigma of stage 1."})
-    sigma_end: float = field(default=5e-4, metadata={"help": "AQN sigma of the last stage."})
-    num_stages: int = field(default=10, metadata={"help": "AQN stages over the run (stage 0 is noise-free)."})
-    aqn_schedule: str = field(default="exponential", metadata={"help": f"AQN decay: one of {SCHEDULES}."})
-    aqn_resample: str = field(default="step", metadata={"help": f"AQN draw frequency: one of {RESAMPLE_MODES}."})
-
-    def __post_init__(self) -> None:
-        if self.warmup_ratio is not None:
-            if not 0 <= self.warmup_ratio < 1:
-                raise ValueError(f"--warmup_ratio: expected a fraction in [0, 1), got {self.warmup_ratio}")
-            self.warmup_steps = self.warmup_ratio
-        if self.bf16 is None and not self.fp16:
-            self.bf16 = torch.cuda.is_available()
-        if self.use_vllm:  # the reference's --use-vllm True: our vLLM engine, not trl's (see module docstring)
-            self.rollout_engine, self.use_vllm = "vllm", False
-        if isinstance(self.rollout_engine_kwargs, str):
-            try:
-                self.rollout_engine_kwargs = json.loads(self.rollout_engine_kwargs)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"--rollout_engine_kwargs: expected a JSON object, got {self.rollout_engine_kwargs!r} ({e})"
-                ) from None
-        if self.rollout_engine not in KINDS:
-            raise ValueError(f"--rollout_engine: expected one of {KINDS}, got {self.rollout_engine!r}")
-        if self.aqn_resample not in RESAMPLE_MODES:
-            raise ValueError(f"--aqn_resample: expected one of {RESAMPLE_MODES}, got {self.aqn_resample!r}")
-        if self.aqn:
-            AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule)  # validates
-        if any(tag in str(self.optim) for tag in _BNB_OPTIMIZERS) and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(
-                f"--optim {self.optim}: needs bitsandbytes, which is not installed (pip install bitsandbytes)"
-            )
-        super().__post_init__()
-
-    @property
-    def aqn_plan(self) -> AQNSchedule | None:
-        return AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule) if self.aqn else None
 
 
 def _group_repeats(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
@@ -239,21 +151,6 @@ def keep_trainable_fp32(model: nn.Module) -> list[str]:
     return upcast
 
 
-class _MetricsFile(TrainerCallback):
-    """Appends every log record (with its step) to ``output_dir/metrics.jsonl``, flushed per line."""
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if not state.is_world_process_zero or not logs:
-            return
-        os.makedirs(args.output_dir, exist_ok=True)
-        record = {
-            "step": state.global_step,
-            **{k: v for k, v in logs.items() if isinstance(v, (int, float, str)) or v is None},
-        }
-        with open(os.path.join(args.output_dir, METRICS_FILE), "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 class QeRLTrainer(GRPOTrainer):
     """GRPO/DAPO on NVFP4 (or bf16) models with LoRA, qerl rollouts and AQN."""
 
@@ -278,7 +175,7 @@ class QeRLTrainer(GRPOTrainer):
             raise ValueError(
                 f"QeRLTrainer: --{unsupported[0]} is not supported by qerl's rollout engines; leave it unset"
             )
-        args = copy.copy(args)  # the default learning rate below is filled in on our copy, not the caller's config
+        args = with_model_defaults(args, model)  # LR, AQN, completion budget: on our copy, not the caller's config
         _check_trl_version()
         funcs = reward_funcs if isinstance(reward_funcs, list) else ([] if reward_funcs is None else [reward_funcs])
         funcs = [f if isinstance(f, (str, nn.Module)) else guarded(f) for f in funcs]
@@ -287,20 +184,18 @@ class QeRLTrainer(GRPOTrainer):
         if upcast:
             logger.info("%d trainable bf16/fp16 parameters (e.g. %s) are kept in fp32", len(upcast), upcast[0])
 
-        if args.learning_rate is None:
-            from qerl.loader import is_nvfp4_model
-
-            args.learning_rate = LR_NVFP4 if is_nvfp4_model(self.model) else LR_BF16
         # trl applies its rollout-mismatch IS correction only `if self.use_vllm`: switch that gate on
         # for our engines, which return the sampling log-probs (see the module docstring). trl's
         # vLLM generation object was never created (args.use_vllm is False).
         self.use_vllm = bool(args.vllm_importance_sampling_correction)
+        if args.rollout_engine == "vllm" and self.accelerator.num_processes > 1:
+            raise ValueError("--rollout_engine vllm runs in one process on one GPU; with accelerate launch use native or hf")
         self.aqn = args.aqn_plan
         self._engine: Any = None
         self._noise: NormNoise | None = None
         self._rollout_index = (-1, 0)  # (global step, rollouts drawn at that step): seeds the sampler
         self._resume_marker: dict[str, Any] | None = None
-        self.add_callback(_MetricsFile())
+        self.add_callback(MetricsFile())
 
     # ------------------------------------------------------------------ rollout
 
@@ -346,12 +241,14 @@ class QeRLTrainer(GRPOTrainer):
         return self.aqn.sigma(self.state.global_step, max(1, self.state.max_steps))
 
     def _sampling_seed(self) -> int:
-        """A seed per (run seed, optimizer step, rollout within the step), so rollouts after a resume
-        are the ones the uninterrupted run drew."""
+        """A seed per (run seed, optimizer step, rollout within the step, process), so rollouts after a
+        resume are the ones the uninterrupted run drew, and data-parallel ranks that sample the same
+        prompt (a group split across ranks) draw different completions. One process: (seed, step, count)."""
         step, count = self._rollout_index
         count = count + 1 if step == self.state.global_step else 0
         self._rollout_index = (self.state.global_step, count)
-        return draw_seed(self.args.seed, self.state.global_step, count)
+        draw = count * self.accelerator.num_processes + self.accelerator.process_index
+        return draw_seed(self.args.seed, self.state.global_step, draw)
 
     @contextmanager
     def _aqn_applied(self, sigma: float) -> Iterator[NormNoise | None]:
@@ -428,6 +325,7 @@ class QeRLTrainer(GRPOTrainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are in before the marker
         if not self.args.should_save:
             return
         run_dir = self._get_output_dir(trial=trial)
@@ -469,8 +367,19 @@ class QeRLTrainer(GRPOTrainer):
                     f"--resume_from_checkpoint {path}: incomplete (no {CHECKPOINT_MARKER}); the save was interrupted"
                 )
             self._resume_marker = json.loads((path / CHECKPOINT_MARKER).read_text())
+            if 0 < self.args.max_steps <= self._resume_marker.get("global_step", 0):
+                return self._restore_finished(path)
             self.add_callback(_ResumeCheck(self))
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def _restore_finished(self, checkpoint: Path) -> TrainOutput:
+        """Load a checkpoint that already reached ``max_steps`` (weights and state) and train nothing:
+        transformers' loop runs a step before it checks ``max_steps``, so ``train`` would overshoot."""
+        self._load_from_checkpoint(str(checkpoint))
+        self.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        logger.info("%s is at step %d, max_steps is %d: restored, nothing left to train",
+                    checkpoint, self.state.global_step, self.args.max_steps)
+        return TrainOutput(self.state.global_step, float("nan"), {})
 
 
 class _ResumeCheck(TrainerCallback):
@@ -494,27 +403,6 @@ class _ResumeCheck(TrainerCallback):
                 self.trainer.aqn.stage(state.global_step, max(1, state.max_steps)),
                 self.trainer.current_sigma(),
             )
-
-
-def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
-    """Newest ``checkpoint-N`` holding the completion marker; incomplete ones are renamed aside
-    (``.incomplete-checkpoint-N``) so that neither resume nor rotation ever picks them up."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for d in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
-        suffix = d.name[len(PREFIX_CHECKPOINT_DIR) + 1 :]
-        if not d.is_dir() or not suffix.isdigit():
-            continue
-        if not (d / CHECKPOINT_MARKER).exists():
-            aside = root / f".incomplete-{d.name}-{int(time.time())}"
-            logger.warning("checkpoint %s is incomplete (interrupted save); moving it to %s", d, aside)
-            shutil.move(str(d), str(aside))
-            continue
-        if best is None or int(suffix) > best[0]:
-            best = (int(suffix), d)
-    return None if best is None else str(best[1])
 
 
 __all__ = ["QeRLConfig", "QeRLTrainer", "last_complete_checkpoint", "CHECKPOINT_MARKER", "METRICS_FILE"]

@@ -1,13 +1,11 @@
-"""Shared fixtures. CPU tests run in fp32 on one torch thread: bf16 is emulated on this CPU and a
-second OpenMP thread slows everything down when anything else runs (cpu_env.md §5)."""
+"""Shared fixtures. CPU tests run in fp32 on one torch thread: bf16 is emulated on this CPU, and with a
+second OpenMP thread anything else running makes torch far slower (threads wait on a descheduled
+sibling: a GRPO step went from 5 s to 27-160 s on a 2-vCPU machine)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -31,20 +29,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def load_benchmark() -> Callable[[str], ModuleType]:
-    """``load_benchmark("rollout")``: benchmarks/rollout.py as a module, loaded by path (putting the
-    folder on sys.path would let benchmarks/kernels.py shadow the ``kernels`` package transformers probes)."""
-
-    def load(name: str) -> ModuleType:
-        spec = importlib.util.spec_from_file_location(f"{name}_bench", Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load
-
-
-@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct) as a bf16 safetensors directory."""
     from qerl.hub import embedded_model_dir
@@ -60,24 +44,16 @@ def smollm2_nvfp4_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactor
     return quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("nvfp4") / "smollm2-NVFP4A16", backend="qerl")
 
 
-def make_tiny_llama(out_dir: Path, *, hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 256,
-                    seed: int = 0, **overrides) -> Path:
-    """A random tiny Llama saved as a bf16 safetensors directory (for fast format/loader tests)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+@pytest.fixture(scope="session")
+def tiny_dense_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random dense (non-quantized) tiny Llama with SmolLM2's tokenizer."""
+    from tiny_models import make_tiny_chat_model
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True,
-                      **overrides)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.05)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return make_tiny_chat_model(tmp_path_factory.mktemp("dense") / "tiny", smollm2_dir)
 
 
 @pytest.fixture
 def tiny_llama_dir(tmp_path: Path) -> Path:
+    from tiny_models import make_tiny_llama
+
     return make_tiny_llama(tmp_path / "tiny-llama")

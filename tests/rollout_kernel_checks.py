@@ -1,4 +1,4 @@
-"""Checks of qerl.rollout.triton_ops against the plain-torch ops, shared by two tests:
+"""Checks of qerl.kernels.fused_step against the plain-torch ops, shared by two tests:
 
 * ``test_rollout_kernels.py::test_gpu_rollout_kernels_match_torch`` calls ``check_kernels("cuda", bf16)``;
 * ``test_rollout_kernels.py::test_rollout_kernels_interpreted`` runs this file as a script under
@@ -10,11 +10,10 @@ Every reference is computed in fp32 on CPU from the same (rounded) inputs.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from qerl.rollout import ops, triton_ops
+from qerl.kernels import fused_step
+from qerl.rollout import ops
 from qerl.rollout.layers import Group, Norm, Proj
 
 
@@ -54,7 +53,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         group = _group(ranks, a.float())
         ref_h, ref_x, ref_u = ops.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
         hc = dev(h)
-        h_out, x, flat = triton_ops.rms_norm_shrink(hc, dev(d), dev(w), 1e-6, dev(a), group.lora_bounds)
+        h_out, x, flat = fused_step.rms_norm_shrink(hc, dev(d), dev(w), 1e-6, dev(a), group.lora_bounds)
         assert torch.equal(hc.cpu(), h), "rms_norm_shrink must leave h unchanged"
         _close(h_out, ref_h, tol, "rms_norm_shrink residual")
         _close(x, ref_x, tol, "rms_norm_shrink output")
@@ -63,11 +62,11 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
             if got is not None:
                 assert got.is_contiguous()
                 _close(got, want, 2 * tol, f"rms_norm_shrink u (m={m}, k={k})")
-        same, x2, flat2 = triton_ops.rms_norm_shrink(hc, None, dev(w), 1e-6, dev(a), group.lora_bounds)
+        same, x2, flat2 = fused_step.rms_norm_shrink(hc, None, dev(w), 1e-6, dev(a), group.lora_bounds)
         assert same is hc
         _close(x2, ops.rms_norm(h.float(), Norm(w.float(), 1e-6))[1], tol, "rms_norm_shrink without delta")
         hc = dev(h)
-        x3 = triton_ops.rms_norm(hc, dev(d), dev(w), 1e-6)
+        x3 = fused_step.rms_norm(hc, dev(d), dev(w), 1e-6)
         _close(hc, ref_h, tol, "rms_norm in-place residual")
         _close(x3, ref_x, tol, "rms_norm output")
 
@@ -75,10 +74,10 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     for m, k, r in ((1, 1000, 16), (4, 300, 5)):
         g, u, a = rnd(m, k), rnd(m, k), rnd(r, k, scale=0.1)
         ref_act, ref_u = ops.silu_mul(g.float(), u.float(), _group([r], a.float()))
-        act, flat = triton_ops.silu_mul_shrink(dev(g), dev(u), dev(a))
+        act, flat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
         _close(act, ref_act, tol, "silu_mul_shrink output")
         _close(flat.view(m, r), ref_u[0], 2 * tol, "silu_mul_shrink u")
-        _close(triton_ops.silu_mul(dev(g), dev(u)), ref_act, tol, "silu_mul")
+        _close(fused_step.silu_mul(dev(g), dev(u)), ref_act, tol, "silu_mul")
 
     # RoPE + cache write, then attention (GQA 4:1) with and without the o_proj shrink.
     b, nh, nkv, hd, s = 3, 8, 2, 16, 40
@@ -87,7 +86,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     cos, sin = rnd(s, hd), rnd(s, hd)
     pos = torch.tensor([0, 17, 39])
     kcc, vcc = dev(kc), dev(vc)
-    q_out = triton_ops.rope_and_cache(dev(q), dev(k_), dev(v), dev(cos), dev(sin), dev(pos), kcc, vcc, nh, nkv, hd)
+    q_out = fused_step.rope_and_cache(dev(q), dev(k_), dev(v), dev(cos), dev(sin), dev(pos), kcc, vcc, nh, nkv, hd)
     kr, vr = kc.float().clone(), vc.float().clone()
     q_ref = ops.rope_and_cache(q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv)
     _close(q_out, q_ref, 2 * tol, "rope q")
@@ -96,10 +95,10 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     qa, a = rnd(b, nh, hd), rnd(12, nh * hd, scale=0.1)
     ref_att, ref_u = ops.decode_attention(qa.float(), kcc.cpu().float(), vcc.cpu().float(), pos, hd**-0.5,
                                           _group([12], a.float()))  # fmt: skip
-    att, none = triton_ops.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5)
+    att, none = fused_step.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5)
     assert none is None
     _close(att, ref_att, tol, "decode_attention")
-    att, flat = triton_ops.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5, dev(a))
+    att, flat = fused_step.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5, dev(a))
     _close(att, ref_att, tol, "decode_attention (shrink)")
     _close(flat.view(b, 12), ref_u[0], 2 * tol, "decode_attention u")
 
@@ -122,15 +121,15 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
             group = _group(ranks, a.float())
             _, ref_x, ref_u = ops.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
             args = (h.to(device), d.to(device), w.to(device), 1e-6, a.to(device), group.lora_bounds)
-            _, x, flat = triton_ops.rms_norm_shrink(*args)
-            assert torch.equal(flat, triton_ops.rms_norm_shrink(*args)[2]), "rms_norm_shrink not repeatable"
+            _, x, flat = fused_step.rms_norm_shrink(*args)
+            assert torch.equal(flat, fused_step.rms_norm_shrink(*args)[2]), "rms_norm_shrink not repeatable"
             _close(x, ref_x, tol, "7b rms_norm_shrink output")
             for got, want in zip(ops._segmented(flat, x, group), ref_u, strict=True):
                 _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks})")
         g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)
         ref_act, ref_u = ops.silu_mul(g.float(), u.float(), _group([16], a.float()))
-        act, flat = triton_ops.silu_mul_shrink(g.to(device), u.to(device), a.to(device))
-        assert torch.equal(flat, triton_ops.silu_mul_shrink(g.to(device), u.to(device), a.to(device))[1])
+        act, flat = fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))
+        assert torch.equal(flat, fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))[1])
         _close(act, ref_act, tol, "7b silu_mul_shrink output")
         _close(flat.view(m, 16), ref_u[0], 2 * tol, f"7b silu_mul_shrink u (m={m})")
         s = 600
@@ -138,8 +137,8 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
         pos = torch.randint(0, s, (m,), generator=gen)
         ref_att, ref_u = ops.decode_attention(q.float(), kc.float(), vc.float(), pos, hd**-0.5, _group([16], a.float()))
         args = (q.to(device), kc.to(device), vc.to(device), pos.to(device), hd**-0.5, a.to(device))
-        att, flat = triton_ops.decode_attention(*args)
-        assert torch.equal(flat, triton_ops.decode_attention(*args)[1]), "decode_attention shrink not repeatable"
+        att, flat = fused_step.decode_attention(*args)
+        assert torch.equal(flat, fused_step.decode_attention(*args)[1]), "decode_attention shrink not repeatable"
         _close(att, ref_att, tol, "7b decode_attention")
         _close(flat.view(m, 16), ref_u[0], 2 * tol, f"7b decode_attention u (m={m})")
 
@@ -156,7 +155,7 @@ def check_finish_step(device: str) -> None:
     out_tok, out_lp = torch.zeros(rows + 1, seq, dtype=torch.long), torch.zeros(rows + 1, seq)
     tokens, positions = torch.zeros(b, dtype=torch.long), torch.tensor([4, 5, 6, 7])
     args = [t.to(device) for t in (tok, lp, done, row_id, stop, step, tokens, positions, out_tok, out_lp)]
-    triton_ops.finish_step(*args, pad)
+    fused_step.finish_step(*args, pad)
     d_tok, d_lp, d_done, _, _, d_step, d_tokens, d_pos, d_out_tok, d_out_lp = (t.cpu() for t in args)
     want_tok = torch.tensor([7, 3, pad, 3])
     assert d_done.tolist() == [False, True, True, True]
@@ -168,13 +167,14 @@ def check_finish_step(device: str) -> None:
 
 def check_engine_interpreted() -> None:
     """A tiny NVFP4+LoRA Llama generated through every rollout kernel (CPU tensors, interpreter)."""
-    from qerl.rollout import fused, get_engine
+    from test_rollout_engines import PROMPTS, greedy
+    from tiny_models import nvfp4_lora, tiny_llama
+
+    from qerl.kernels import backend
+    from qerl.rollout import get_engine
     from qerl.rollout.native import NativeEngine
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from test_rollout_engines import PROMPTS, greedy, nvfp4_lora, tiny_llama
-
-    fused.available = lambda x: True  # route CPU tensors to the (interpreted) Triton kernels
+    backend.available = lambda x: True  # route CPU tensors to the (interpreted) Triton kernels (fp32: not the FP4 ones)
     model = nvfp4_lora(tiny_llama(2))
     prompts = PROMPTS[:3]  # the interpreter runs every program in Python: keep the grids small
     ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))

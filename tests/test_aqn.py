@@ -6,17 +6,15 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from tiny_models import tiny_model
 
 from qerl.aqn import SCHEDULES, AQNSchedule, NormNoise, norm_weights
 from qerl.lora import lora_config
 
 
-def tiny_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64)
-    model = AutoModelForCausalLM.from_config(cfg)
+def aqn_model() -> torch.nn.Module:
+    """A tiny Llama (hidden 32) whose norms are not all ones, so noise on them is seen."""
+    model = tiny_model("llama", 0, hidden_size=32, intermediate_size=64, vocab_size=64)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -25,7 +23,7 @@ def tiny_model() -> torch.nn.Module:
 
 
 def test_exponential_matches_reference_table() -> None:
-    # qerl_method.md §5.2: the reference's 10-stage 1e-2 -> 1e-4 schedule, stages 1..9.
+    # The reference code's 10-stage 1e-2 -> 1e-4 schedule, stages 1..9: 1e-2 * (1e-4 / 1e-2)^(i / 8), i = 0..8.
     expected = [1.0e-2, 5.62e-3, 3.16e-3, 1.78e-3, 1.0e-3, 5.62e-4, 3.16e-4, 1.78e-4, 1.0e-4]
     sched = AQNSchedule(1e-2, 1e-4, 10, "exponential")
     got = sched.sigmas()
@@ -69,7 +67,7 @@ def test_bad_schedule_arguments_raise(bad: dict) -> None:
 
 
 def test_targets_are_qkv_and_gate_up_norms_only() -> None:
-    model = tiny_model()
+    model = aqn_model()
     names = [n for n, _ in norm_weights(model)]
     assert names == [f"model.layers.{i}.{k}" for i in range(2) for k in ("input_layernorm", "post_attention_layernorm")]
     assert all("model.norm" != n for n in names)
@@ -78,7 +76,7 @@ def test_targets_are_qkv_and_gate_up_norms_only() -> None:
 def test_targets_follow_peft_trained_norm_copies() -> None:
     from peft import get_peft_model
 
-    model = get_peft_model(tiny_model(), lora_config(r=2, train_norms=True))
+    model = get_peft_model(aqn_model(), lora_config(r=2, train_norms=True))
     targets = dict(norm_weights(model))
     wrapper = model.base_model.model.model.layers[0].input_layernorm
     assert targets["base_model.model.model.layers.0.input_layernorm"] is wrapper.modules_to_save["default"].weight
@@ -90,7 +88,7 @@ def test_norm_weights_raises_when_there_are_none() -> None:
 
 
 def test_noise_is_applied_then_removed_bit_exactly_and_never_accumulates() -> None:
-    model = tiny_model()
+    model = aqn_model()
     weights = norm_weights(model)
     final_before = model.model.norm.weight.detach().clone()
     clean = [w.detach().clone() for _, w in weights]
@@ -107,7 +105,7 @@ def test_noise_is_applied_then_removed_bit_exactly_and_never_accumulates() -> No
 
 
 def test_noise_is_removed_even_when_the_rollout_fails() -> None:
-    weights = norm_weights(tiny_model())
+    weights = norm_weights(aqn_model())
     clean = [w.detach().clone() for _, w in weights]
     noise = NormNoise(weights)
     with pytest.raises(RuntimeError, match="boom"), noise.applied(1e-2, 0):

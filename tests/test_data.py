@@ -16,13 +16,15 @@ from qerl.rewards import gsm8k_accuracy
 SAMPLE = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
 
 
-def test_gsm8k_local_jsonl_gets_tag_instruction_and_numeric_gold() -> None:
+def test_gsm8k_local_jsonl_gets_the_bare_question_and_numeric_gold() -> None:
     ds = load_dataset("gsm8k", str(SAMPLE))
     assert len(ds) == 30 and sorted(ds.column_names) == ["answer", "prompt"]
     row = ds[0]
-    assert row["prompt"][0] == {"role": "system", "content": TAG_SYSTEM_PROMPT}
-    assert row["prompt"][1]["role"] == "user" and row["prompt"][1]["content"].startswith("Natalia sold clips")
+    assert len(row["prompt"]) == 1  # the reference's GSM8K prompt: no system message
+    assert row["prompt"][0]["role"] == "user" and row["prompt"][0]["content"].startswith("Natalia sold clips")
     assert row["answer"] == "72"
+    tagged = load_dataset("gsm8k", str(SAMPLE), style="tags")[0]["prompt"]
+    assert tagged == [{"role": "system", "content": TAG_SYSTEM_PROMPT}, row["prompt"][0]]
 
 
 def test_parquet_and_directory_sources(tmp_path: Path) -> None:
@@ -36,8 +38,12 @@ def test_math_style_sets_keep_the_gold_and_dapo_uses_its_prompt(tmp_path: Path) 
     path.write_text(json.dumps({"problem": "What is $1+1$?", "solution": "long", "answer": "2"}) + "\n")
     big = load_dataset("bigmath", str(path))
     assert big[0]["answer"] == "2" and big[0]["prompt"][0]["content"] == TAG_SYSTEM_PROMPT
-    dapo = load_dataset("dapomath", str(path))  # the reference's spelling
+    with pytest.raises(ValueError, match="--prompt-style source: data set row has no source_prompt"):
+        load_dataset("dapomath", str(path))  # the reference's spelling; DAPO's own prompt is missing here
+    dapo = load_dataset("dapomath", str(path), style="dapo")
     assert dapo[0]["prompt"][0]["content"] == DAPO_SYSTEM_PROMPT
+    with pytest.raises(ValueError, match="--prompt-style: unknown 'fancy'"):
+        load_dataset("gsm8k", str(SAMPLE), style="fancy")
 
 
 def test_num_samples_is_a_seeded_subset() -> None:
@@ -121,7 +127,7 @@ def test_bad_names_and_paths_raise_clear_errors(tmp_path: Path) -> None:
 def test_heldout_split_is_disjoint() -> None:
     train, held = train_heldout_split(load_dataset("gsm8k", str(SAMPLE)), 5, seed=0)
     assert len(train) == 25 and len(held) == 5
-    assert not {r[1]["content"] for r in train["prompt"]} & {r[1]["content"] for r in held["prompt"]}
+    assert not {r[-1]["content"] for r in train["prompt"]} & {r[-1]["content"] for r in held["prompt"]}
     with pytest.raises(ValueError, match="--heldout"):
         train_heldout_split(held, 5)
 

@@ -1,4 +1,4 @@
-"""Bad input to the evaluation CLIs: a one-line SystemExit naming the flag/file, and no output written."""
+"""Bad input to the evaluation CLIs: a one-line UsageError (a SystemExit) naming the flag/file, and no output written."""
 
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def test_adapter_for_another_base(tmp_path: Path, smollm2_dir: Path, tiny_llama_
            "--lora", "adapter_config.json")
 
 
-def test_output_from_other_settings_or_corrupt(tmp_path: Path) -> None:
+def test_output_of_unknown_provenance_is_refused(tmp_path: Path) -> None:
+    """A JSONL without our meta file may not be ours: neither resumed nor moved (other settings: test_eval_resume)."""
     data = str(_write_jsonl(tmp_path / "d.jsonl", [GOOD]))
     out = tmp_path / "out.jsonl"
     record = {"index": 0, "sample": 0, "question": GOOD["question"], "gold": "5", "completion": "#### 5",
@@ -107,10 +108,33 @@ def test_output_from_other_settings_or_corrupt(tmp_path: Path) -> None:
     out.write_text(json.dumps(record) + "\n")
     with pytest.raises(SystemExit, match="exists without"):
         gsm8k.main(["--data", data, "--output", str(out)])
-    meta_path(out).write_text(json.dumps({"benchmark": "gsm8k", "model": "smollm2-135m", "temperature": 1.0}))
-    with pytest.raises(SystemExit, match=r"--output .*was written with"):
+    meta_path(out).write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a settings record"):
         gsm8k.main(["--data", data, "--output", str(out)])
-    assert out.read_text() == json.dumps(record) + "\n"
+    assert out.read_text() == json.dumps(record) + "\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "d.jsonl", "out.jsonl", "out.jsonl.meta.json"]
+
+
+def test_binary_data_file(tmp_path: Path) -> None:
+    blob = bytes(range(256)) * 8
+    for name in ("data.jsonl", "data.json", "data.parquet"):
+        (tmp_path / name).write_bytes(blob)
+        _fails(["--data", str(tmp_path / name)], tmp_path / "out.jsonl", f"--data {tmp_path / name}", "not ")
+
+
+def test_cli_prints_one_error_line_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the entry point (qerl.cli.run): `error: ...` on stderr, status 2, no traceback; flag prefixes
+    are not expanded (``--max-new`` must not silently mean ``--max-new-tokens``)."""
+    from qerl.cli import run
+
+    data = str(_write_jsonl(tmp_path / "d.jsonl", [GOOD]))
+    for argv, needle in ((["--data", data, "--max-new", "4"], "unrecognized arguments: --max-new 4"),
+                         (["--data", data, "--samples", "0"], "--samples: expected a positive integer"),
+                         (["--data", str(tmp_path / "missing.jsonl")], "no such file")):
+        assert run(gsm8k.main, argv + ["--output", str(tmp_path / "out.jsonl")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_corrupt_line_inside_output(tmp_path: Path) -> None:

@@ -15,8 +15,9 @@ import torch
 from peft import get_peft_model
 
 from eval.loading import apply_adapter, load_base
+from qerl.arch import NORM_MODULES
 from qerl.linear import NVFP4Linear
-from qerl.lora import NORM_MODULES, lora_config
+from qerl.lora import lora_config
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from qerl import nvfp4
-from qerl.kernels import nvfp4_decode, nvfp4_linear, ops
+from qerl.kernels import backend, nvfp4_decode, nvfp4_linear, ops
 from qerl.linear import NVFP4Linear
 
 torch.set_num_threads(1)
@@ -87,7 +87,7 @@ def test_nvfp4linear_cpu_uses_reference() -> None:
     assert _rel(nvfp4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale), x @ want.t()) < 1e-5
 
 
-@pytest.mark.skipif(not ops.HAS_TRITON, reason="needs triton")
+@pytest.mark.skipif(not backend.HAS_TRITON, reason="needs triton")
 def test_bad_lora_shapes_raise() -> None:
     from qerl.kernels import fp4_gemm
 
@@ -118,9 +118,26 @@ def test_decode_split_fills_waves() -> None:
     cpu = torch.device("cpu")  # counts as 4 SMs
     assert sch.decode_config(1, 4096, 640, cpu).BK == 128  # BK halves until it divides K
     # Slots: SMs x 4 programs at M <= 16, x 1 at M = 64 (BM=64 fills an SM's shared memory). 4 tiles
-    # of 14 steps: 16 slots take 4 slices in one wave; 4 slots, one slice (2 would need two waves).
+    # of 14 steps: 16 slots take 4 slices in one wave; at M = 64 the 128-row schedule has 2 tiles on
+    # 4 slots: 2 slices of 7 steps fill one wave.
     assert sch.decode_config(1, 256, 3584, cpu).split == sch.decode_split(4, 14, 16) == 4
-    assert sch.decode_config(64, 256, 3584, cpu).split == sch.decode_split(4, 14, 4) == 1
+    assert sch.decode_config(64, 256, 3584, cpu).split == sch.decode_split(2, 14, 4) == 2
+
+
+def test_decode_schedule_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each padded token count gets its measured schedule (8 warps over 128 rows at BM = 64 / 128, with
+    BK = 128 at BM = 128 to fit shared memory); QERL_DECODE_CONFIG overrides every M."""
+    from qerl.kernels import schedule as sch
+
+    cpu = torch.device("cpu")
+    assert sch.default_decode(1) == sch.default_decode(16) == sch.DecodeConfig()
+    assert (sch.default_decode(33).BN, sch.default_decode(64).warps, sch.default_decode(64).BK) == (128, 8, 256)
+    assert (sch.default_decode(65).BK, sch.default_decode(128).BN) == (128, 128)
+    with pytest.raises(KeyError):
+        sch.default_decode(129)  # beyond DECODE_MAX_M the forward dequantizes and calls cuBLAS
+    assert sch.decode_config(100, 3584, 18944, cpu).BK == 128
+    monkeypatch.setattr(sch, "ENV_DECODE", sch.DecodeConfig(BN=64, BK=128))
+    assert sch.decode_config(100, 3584, 18944, cpu).BN == 64 == sch.default_decode(1).BN
 
 
 def test_decode_schedule_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +148,7 @@ def test_decode_schedule_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = sch.DecodeConfig.from_env()
     assert (cfg.BN, cfg.BK, cfg.warps, cfg.stages, cfg.resident) == (64, 128, 4, 6, 5)
     monkeypatch.setenv("QERL_DECODE_CONFIG", "")
-    assert sch.DecodeConfig.from_env() == sch.DecodeConfig()
+    assert sch.DecodeConfig.from_env() is None
     for bad in ("BN=64,foo=1", "BK=big", "x_split=0"):
         monkeypatch.setenv("QERL_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="QERL_DECODE_CONFIG"):

@@ -59,18 +59,16 @@ def _configs(M: int, N: int, K: int):
     if M <= sch.DECODE_MAX_M:  # the decode kernel's other schedules: strided x gathers, fixed split
         yield sch.DecodeConfig(BN=64, BK=128, warps=4, stages=3, split=3, x_split=False)
         yield sch.DecodeConfig(BN=256, BK=128, warps=8, stages=3, split=1)
-    yield sch.Config(BM=16, BN=64, BK=128, warps=4, stages=3, split=5)  # split-K fused wgmma tiles
-    yield sch.Config(BM=64, BN=64, BK=64, warps=4, stages=3, split=1)
-    if M > 64:
-        yield sch.Config(BM=128, BN=128, BK=64, warps=8, stages=3, split=3)  # split-K on wgmma tiles
 
 
 SHAPES = [  # (M, N, K): awkward M, K % 128 != 0, N % 64 != 0
     (1, 200, 1040),
     (3, 4096, 3584),
+    (16, 1000, 2064),
     (17, 1000, 2064),
     (64, 264, 512),
     (65, 200, 1040),
+    (128, 1000, 2064),  # the largest decode batch: BM=128, eight warps
     (300, 1000, 3584),
     (4095, 520, 1040),
 ]
@@ -95,7 +93,7 @@ def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
         assert _rel(y, x.double() @ _w64(q).t()) < TOL
 
 
-@pytest.mark.parametrize("M", [1, 16, 33, 64, 200])
+@pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_lora_epilogue(M: int, rank: int) -> None:
     from qerl.kernels import nvfp4_decode
@@ -156,12 +154,10 @@ def test_autograd_matches_dense(M: int, dtype: torch.dtype) -> None:
 
 
 def _tiny_llama(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_model
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(cfg).cuda()
+    model = tiny_model("llama", seed, vocab_size=512, hidden_size=256, intermediate_size=688, max_position_embeddings=128)
+    return model.cuda()
 
 
 def _swap_to_nvfp4(model) -> None:

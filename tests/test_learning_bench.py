@@ -1,18 +1,19 @@
-"""benchmarks/learning.py's bookkeeping: paired seeds, mean and standard error, the gain ratio, reruns
+"""benchmarks.learning's bookkeeping: paired seeds, mean and standard error, the gain ratio, reruns
 of only the arms a seed lacks (the training itself runs on the GPU; its CPU smoke is in the docstring)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-
-@pytest.fixture
-def learning(load_benchmark):
-    return load_benchmark("learning")
+from benchmarks import learning
 
 
 def _fake_seed(out: Path, seed: int, accs: dict[str, tuple[float, float]], exit_codes: dict[str, int] | None = None,
@@ -28,7 +29,7 @@ def _fake_seed(out: Path, seed: int, accs: dict[str, tuple[float, float]], exit_
     (d / "results.json").write_text(json.dumps(rows))
 
 
-def test_aggregate_paired_seeds(learning, tmp_path: Path):
+def test_aggregate_paired_seeds(tmp_path: Path):
     arms = ["bf16", "rtn", "best"]
     gains = {0: (0.50, 0.10, 0.30), 1: (0.40, 0.20, 0.30), 2: (0.45, 0.00, 0.27)}
     for seed, (g_bf16, g_rtn, g_best) in gains.items():
@@ -59,9 +60,9 @@ def test_aggregate_paired_seeds(learning, tmp_path: Path):
 _FAKE_COMPARE = """#!/usr/bin/env bash
 # stands in for compare_smollm2.sh: one results row per run in $RUNS, and a log of what was asked
 set -euo pipefail
-mkdir -p "$OUT"
-echo "$RUNS | $*" >> "$OUT/../calls.txt"
-python3 - "$OUT" $RUNS <<'PY'
+mkdir -p "$QERL_OUT"
+echo "$RUNS | $*" >> "$QERL_OUT/../calls.txt"
+python3 - "$QERL_OUT" $RUNS <<'PY'
 import json, sys
 out, runs = sys.argv[1], sys.argv[2:]
 json.dump([{"run": r, "exit_code": 1 if r == "best_lora" and "fail" in open(out + "/../mode").read() else 0,
@@ -71,7 +72,7 @@ PY
 """
 
 
-def test_run_seed_reruns_only_missing_arms(learning, tmp_path: Path, monkeypatch):
+def test_run_seed_reruns_only_missing_arms(tmp_path: Path, monkeypatch):
     fake = tmp_path / "compare.sh"
     fake.write_text(_FAKE_COMPARE)
     monkeypatch.setattr(learning, "COMPARE", fake)
@@ -89,3 +90,58 @@ def test_run_seed_reruns_only_missing_arms(learning, tmp_path: Path, monkeypatch
     assert [c["runs"] for c in recorded] == ["bf16_lora best_lora", "best_lora"] and recorded[0]["steps"] == 2
     rows = learning.seed_rows(out / "seed0")
     assert {r: rows[r]["exit_code"] for r in rows} == {"bf16_lora": 0, "best_lora": 0}
+
+
+def test_dequantized_arm_has_the_nvfp4_weights(tiny_llama_dir: Path, tmp_path: Path):
+    from qerl.linear import NVFP4Linear
+    from qerl.loader import load_model
+    from qerl.quantize import quantize_checkpoint
+
+    q = quantize_checkpoint(tiny_llama_dir, tmp_path / "q")
+    d = learning.dequantized_copy(q, tmp_path / "d")
+    assert "quantization_config" not in json.loads((d / "config.json").read_text())
+    dense, quant = load_model(d, device="cpu"), load_model(q, device="cpu")
+    assert not any(isinstance(m, NVFP4Linear) for m in dense.modules())
+    w = dense.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(w, quant.model.layers[1].mlp.down_proj.dequantized_weight(torch.bfloat16).float())
+    ids = torch.tensor([[5, 17, 99, 3, 42]])
+    with torch.no_grad():
+        a, b = dense(ids).logits, quant(ids).logits
+    assert (a - b).abs().max() < 1e-2 * b.abs().max()
+
+
+_RECORDING_PYTHON = """#!/usr/bin/env bash
+# stands in for python: records each qerl.train call's arguments under the name of its --output-dir
+prev=""
+for a in "$@"; do [[ $prev == --output-dir ]] && out=$a; prev=$a; done
+[[ -n ${out:-} ]] && printf "%s\\n" "$@" > "$RECORD/$(basename "$out").argv"
+exit 0
+"""
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1]  # the last occurrence wins, as in argparse
+
+
+def test_compare_script_runs_the_learning_arms(tmp_path: Path):
+    stub, record = tmp_path / "python", tmp_path / "record"
+    stub.write_text(_RECORDING_PYTHON)
+    stub.chmod(0o755)
+    record.mkdir()
+    env = {**os.environ, "PYTHON": str(stub), "RECORD": str(record), "BF16_DIR": "/m/bf16", "NVFP4_DIR": "/m/rtn",
+           "DEQUANT_DIR": "/m/deq", "BEST_DIR": "/m/gptq", "QERL_OUT": str(tmp_path / "out"),
+           "RUNS": "bf16_lora dequant_lora nvfp4_lora best_lora qerl_best_aqn"}
+    subprocess.run(["bash", str(learning.COMPARE), "--seed", "3"], env=env, capture_output=True, text=True)
+    want = {"bf16_lora": ("/m/bf16", "bf16", "False"), "dequant_lora": ("/m/deq", "bf16", "False"),
+            "nvfp4_lora": ("/m/rtn", "nvfp4", "False"), "best_lora": ("/m/gptq", "nvfp4", "False"),
+            "qerl_best_aqn": ("/m/gptq", "nvfp4", "True")}
+    for run, (model, load, aqn) in want.items():
+        argv = (record / f"{run}.argv").read_text().splitlines()
+        assert (_flag(argv, "--model-name"), _flag(argv, "--load"), _flag(argv, "--aqn"), _flag(argv, "--seed")) == \
+            (model, load, aqn, "3"), run
+    # an unknown run or a missing directory stops the script before any run starts
+    for bad in ({"RUNS": "bf16_lora nope"}, {"RUNS": "bf16_lora best_lora", "BEST_DIR": ""}):
+        shutil.rmtree(record)
+        record.mkdir()
+        proc = subprocess.run(["bash", str(learning.COMPARE)], env={**env, **bad}, capture_output=True, text=True)
+        assert proc.returncode != 0 and not list(record.iterdir()), proc.stderr

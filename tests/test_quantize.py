@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
 import torch
 from safetensors.torch import load_file, save_file
 
 from qerl.quantize import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("quantize_nvfp4", ROOT / "llm-compressor" / "quantize_nvfp4.py")
-cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cli)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +96,7 @@ def test_checkpoint_missing_a_tensor(tiny_llama_dir: Path, tmp_path: Path, capsy
 
 
 def test_in_features_not_multiple_of_16(tmp_path: Path, capsys):
-    from conftest import make_tiny_llama
+    from tiny_models import make_tiny_llama
 
     src = make_tiny_llama(tmp_path / "odd", hidden=64, intermediate=120)  # down_proj in_features = 120
     code, err = _run_cli(["--model", str(src), "--output", str(tmp_path / "o"), "--skip_generation"], capsys)

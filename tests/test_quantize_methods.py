@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
 import torch
-from conftest import make_tiny_llama
 from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_llama
 
 from qerl import nvfp4
 from qerl.hub import SIDE_FILES
@@ -19,9 +19,6 @@ from qerl.quant.calibration import Calibration
 from qerl.quantize import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("quantize_nvfp4", ROOT / "llm-compressor" / "quantize_nvfp4.py")
-cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cli)
 
 
 def _block_errors(weight: torch.Tensor, q: nvfp4.NVFP4Tensors) -> torch.Tensor:
@@ -178,22 +175,3 @@ def test_method_errors(tiny_with_tokenizer: Path, tmp_path: Path, capsys, args: 
     assert code == 2 and err.splitlines()[-1].startswith("error:") and expect in err, err
     assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
-
-def test_dequantized_copy_matches_the_nvfp4_model(tiny_llama_dir: Path, tmp_path: Path):
-    from qerl.linear import NVFP4Linear
-    from qerl.loader import load_model
-    from qerl.quant.dequantize import dequantize_checkpoint
-
-    q = quantize_checkpoint(tiny_llama_dir, tmp_path / "q")
-    d = dequantize_checkpoint(q, tmp_path / "d")
-    assert "quantization_config" not in json.loads((d / "config.json").read_text())
-    dense, quant = load_model(d, device="cpu"), load_model(q, device="cpu")
-    assert not any(isinstance(m, NVFP4Linear) for m in dense.modules())
-    w = dense.model.layers[1].mlp.down_proj.weight
-    assert torch.equal(w, quant.model.layers[1].mlp.down_proj.dequantized_weight(torch.bfloat16).float())
-    ids = torch.tensor([[5, 17, 99, 3, 42]])
-    with torch.no_grad():
-        a, b = dense(ids).logits, quant(ids).logits
-    assert (a - b).abs().max() < 1e-2 * b.abs().max()
-    with pytest.raises(ValueError, match="not an NVFP4 checkpoint"):
-        dequantize_checkpoint(tiny_llama_dir, tmp_path / "x")

@@ -5,7 +5,6 @@ behaviour of --ignore / --quantize-lm-head, and a killed run's hidden folders ar
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,14 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
 import torch
-from conftest import make_tiny_llama
 from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("quantize_nvfp4", ROOT / "llm-compressor" / "quantize_nvfp4.py")
-cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cli)
 
 
 def _run(args: list[str], capsys) -> tuple[int, str]:

@@ -1,10 +1,9 @@
-"""benchmarks/rollout.py's merge of rows measured in other device calls (vLLM, transformers + NF4):
-what the README's rollout table and the issue's summary ratios are built from."""
+"""benchmarks/rollout.py's merge of rows measured in other device calls (vLLM, transformers + NF4;
+benchmarks/rollout_report.py): what the README's rollout table and the issue's summary ratios are built from."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -12,8 +11,10 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def rollout(load_benchmark: Callable[[str], ModuleType]) -> ModuleType:
-    return load_benchmark("rollout")
+def rollout() -> ModuleType:
+    from benchmarks import rollout_report
+
+    return rollout_report
 
 
 def _row(engine: str, weights: str, ms: float, **extra: object) -> dict:

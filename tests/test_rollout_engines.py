@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import get_peft_model
+from tiny_models import nvfp4_lora, tiny_llama, tiny_model, tiny_qwen2
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from qerl.linear import NVFP4Linear, replace_linears
 from qerl.lora import lora_config
 from qerl.rollout import SamplingParams, get_engine
 from qerl.rollout.native import NativeEngine
@@ -17,46 +16,6 @@ from qerl.rollout.sampling import processed_logprobs
 torch.set_num_threads(1)
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [1], [40, 41, 42, 43]]
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,  # peaked logits: greedy paths do not collapse into one loop
-)
-
-
-def tiny_llama(seed: int = 0, **kw) -> nn.Module:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**{**TINY, "rope_theta": 500.0, **kw})).eval()
-
-
-def tiny_qwen2(seed: int = 0, **kw) -> nn.Module:
-    """Qwen2: q/k/v biases, tied embeddings, its own rope theta."""
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, "tie_word_embeddings": True, "rope_theta": 20000.0, **kw})).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    return model
-
-
-def nvfp4_lora(model: nn.Module, seed: int = 1) -> nn.Module:
-    """Swap decoder Linears for NVFP4Linear, wrap in peft LoRA r=4 with a nonzero B, perturb the norms."""
-    replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin))
-    peft_model = get_peft_model(model, lora_config(r=4, train_norms=True)).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name or "lora_A" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-            elif "modules_to_save" in name:
-                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-    return peft_model
 
 
 def greedy(n_tokens: int = 64, stop: list[int] | None = None) -> SamplingParams:
@@ -295,13 +254,13 @@ def test_teacher_forced_logits_match_full_forward_cpu() -> None:
 
 def medium_model(nvfp4: bool, seed: int = 12) -> nn.Module:
     """A bf16 Qwen2 with 7B-like head shapes (head_dim 128, GQA 7:1), small enough for a test."""
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=4096, hidden_size=896, intermediate_size=2432, num_hidden_layers=4, num_attention_heads=7,
-        num_key_value_heads=1, head_dim=128, max_position_embeddings=2048, rope_theta=1e6, tie_word_embeddings=True,
+    model = tiny_model(
+        "qwen2", seed, vocab_size=4096, hidden_size=896, intermediate_size=2432, num_hidden_layers=4,
+        num_attention_heads=7, num_key_value_heads=1, head_dim=128, max_position_embeddings=2048, rope_theta=1e6,
+        tie_word_embeddings=True,
     )  # fmt: skip
     # Cast before quantizing: Module.to(dtype) would also cast the fp8 scales and fp32 global scales.
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = model.to(torch.bfloat16).eval()
     if nvfp4:
         peft_model = nvfp4_lora(model)
         with torch.no_grad():  # trained-LoRA magnitudes (|A|,|B| ~ 0.03), not the stress-test 0.3

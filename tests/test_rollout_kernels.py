@@ -1,4 +1,4 @@
-"""The native engine's Triton kernels (qerl.rollout.triton_ops) against the plain-torch ops.
+"""The native engine's Triton kernels (qerl.kernels.fused_step) against the plain-torch ops.
 
 On CPU they run through Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before
 triton is imported); skipped where triton is not installed (CI). On the GPU they run compiled, on

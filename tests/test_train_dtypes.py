@@ -19,11 +19,12 @@ from collections import Counter
 import pytest
 import torch
 from peft import get_peft_model
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_model
 
 import qerl.kernels
 from qerl import nvfp4
 from qerl.kernels import ops
+from qerl.kernels import reference as kernel_reference
 from qerl.linear import NVFP4Linear, replace_linears
 from qerl.lora import lora_config
 from qerl.trainer import keep_trainable_fp32
@@ -36,7 +37,7 @@ LINEARS = 7 * LAYERS
 def calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """Route bf16/fp16 to the 'Triton' ops on any device and count (path, dtype) of every call."""
     seen: Counter = Counter()
-    reference = ops.reference_mm
+    reference = kernel_reference.mm
 
     def matmul(x, packed, scale, gscale, bias=None, lora_u=None, lora_b=None, lora_scale=1.0):
         seen["kernel_fwd", x.dtype] += 1
@@ -60,17 +61,15 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     monkeypatch.setitem(sys.modules, "qerl.kernels.fp4_gemm", fake)
     monkeypatch.setattr(qerl.kernels, "fp4_gemm", fake, raising=False)
     monkeypatch.setattr(ops, "use_triton", lambda x: x.dtype in (torch.bfloat16, torch.float16))
-    monkeypatch.setattr(ops, "reference_mm", reference_mm)
+    monkeypatch.setattr(kernel_reference, "mm", reference_mm)
     monkeypatch.setattr(nvfp4, "dequantize", dequantize)
     return seen
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)  # fmt: skip
-    model = Qwen2ForCausalLM(cfg)
+    model = tiny_model(
+        "qwen2", 0, vocab_size=64, num_hidden_layers=LAYERS, max_position_embeddings=64, tie_word_embeddings=False
+    )
     replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin))
     model = get_peft_model(model.to(torch.bfloat16), lora_config(r=16, train_norms=True))
     assert keep_trainable_fp32(model)  # the trained norms are fp32 from here on

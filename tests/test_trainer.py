@@ -42,7 +42,7 @@ def make_config(out: Path, **overrides: Any) -> QeRLConfig:
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, save_steps=2, report_to=[], seed=0, num_stages=3, sigma_start=1e-2,
         sigma_end=1e-3, warmup_steps=0, learning_rate=1e-3, mask_truncated_completions=False,
-        gradient_checkpointing=False, disable_tqdm=True,
+        gradient_checkpointing=False, disable_tqdm=True, aqn=True,  # AQN on the dense test model too (default: NVFP4 only)
     )
     base.update(overrides)
     return QeRLConfig(**base)
@@ -206,17 +206,6 @@ def test_incomplete_checkpoint_is_refused(run: dict[str, Any], tmp_path: Path) -
     ckpt.mkdir()
     with pytest.raises(ValueError, match="incomplete"):
         run["trainer"].train(resume_from_checkpoint=str(ckpt))
-
-
-@pytest.fixture(scope="module")
-def tiny_dense_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random dense (non-quantized) tiny Llama with SmolLM2's tokenizer."""
-    from conftest import make_tiny_llama
-
-    out = make_tiny_llama(tmp_path_factory.mktemp("dense") / "tiny", vocab=49152, bos_token_id=1, eos_token_id=2)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2_dir / name, out / name)
-    return out
 
 
 def test_aqn_on_a_dense_model_with_per_token_draws(tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import make_tiny_llama
+from tiny_models import make_tiny_llama
 
 from qerl.aqn import norm_weights
 from qerl.data import load_dataset

@@ -57,7 +57,7 @@ def _checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if not (path / "config.json").exists():
             pytest.fail(f"QERL_VLLM_TEST_CKPT={env}: no config.json there; expected an NVFP4A16 checkpoint dir")
         return path
-    from conftest import make_tiny_llama
+    from tiny_models import make_tiny_llama
 
     from qerl.quantize import quantize_checkpoint
 
@@ -146,7 +146,7 @@ def lora_params(model) -> list[torch.Tensor]:
 
 
 def norm_weights(model) -> list[torch.Tensor]:
-    from qerl.lora import NORM_MODULES
+    from qerl.arch import NORM_MODULES
     from qerl.rollout.layers import active_norm, unwrap_causal_lm
 
     lm = unwrap_causal_lm(model)

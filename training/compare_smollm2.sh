@@ -2,14 +2,16 @@
 # Three runs with the same seed and data, side by side on one GPU (SmolLM2-135M is far too small to
 # fill an H200): QeRL (NVFP4 + LoRA + AQN), NVFP4 LoRA without AQN, bf16 LoRA. Each measures greedy
 # held-out accuracy before and after; the curves are overlaid with qerl.plot.
-#   BF16_DIR=... NVFP4_DIR=... OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
-# Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200, --seed 1).
-# RUNS picks the runs (default the three above); benchmarks/learning.py adds dequant_lora (bf16 LoRA on
-# DEQUANT_DIR, NVFP4_DIR's weights dequantized), best_lora and qerl_best_aqn (BEST_DIR: another
-# quantization method's checkpoint, without and with AQN), and runs this script once per seed.
+#   BF16_DIR=... NVFP4_DIR=... QERL_OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
+# NUM_GPUS=N runs each run data-parallel over N GPUs (accelerate launch, training/accelerate/ddp.yaml) with the
+# same per-step batch (16 completions = 2 prompts x 8, 16/N per GPU); RUNS="qerl_nvfp4_aqn ..." picks a subset.
+# RUNS may also name the runs benchmarks/learning.py adds: dequant_lora (bf16 LoRA on DEQUANT_DIR, NVFP4_DIR's
+# weights dequantized), best_lora and qerl_best_aqn (BEST_DIR: another quantization method's checkpoint,
+# without and with AQN); learning.py runs this script once per seed (--seed S among the extra flags).
+# Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200).
 # RUN_TIMEOUT stops a run that outlives it (SIGINT) so that the plots and the table still get written
 # from what it logged; such a run counts as failed. Exit status: nonzero if any run or the plotting failed.
-# Results: OUT/results.json (per run: exit code, steps, held-out accuracy before/after, train runtime),
+# Results (OUT = $QERL_OUT, default runs/compare): OUT/results.json (per run: exit code, steps, held-out accuracy before/after, train runtime),
 # OUT/plots/{reward,entropy,sigma,completion_length}.png + curves.csv, OUT/<run>.log, OUT/<run>/ (metrics.jsonl,
 # summary.json, adapter/).
 # Deliberate deviations from the 7B recipes, the same for all three runs: one LR (LR, default 5e-5) instead
@@ -28,9 +30,13 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+source training/_launch.sh
+gpus=${NUM_GPUS:-1}
+per_device=$(qerl_per_device_batch 16 "$gpus" NUM_GPUS) || exit 2
 : "${BF16_DIR:?set BF16_DIR to the dense SmolLM2 directory}" "${NVFP4_DIR:?set NVFP4_DIR to its NVFP4 checkpoint}"
-OUT=${OUT:-runs/compare}
-PYTHON=${PYTHON:-python}
+OUT=${QERL_OUT:-runs/compare}
+source "$root/training/_python.sh"
+qerl_python "$root"  # PYTHON, else the project's .venv
 export PYTHONUNBUFFERED=1
 limit=()
 if [[ -n "${RUN_TIMEOUT:-}" ]]; then
@@ -38,11 +44,11 @@ if [[ -n "${RUN_TIMEOUT:-}" ]]; then
 fi
 common=(--dataset arithmetic --arithmetic-level easy --num-samples 610 --heldout 200 --heldout-max-tokens 96
         --rewards last_number closeness --lora-rank 16 --learning-rate "${LR:-5e-5}"
-        --max-steps "${STEPS:-200}" --per-device-train-batch-size 16 --num-generations 8 --max-completion-length 96
+        --max-steps "${STEPS:-200}" --per-device-train-batch-size "$per_device" --num-generations 8 --max-completion-length 96
         --mask-truncated-completions False --gradient-checkpointing False --optim adamw_torch
         --save-strategy no --report-to none --disable-tqdm True --seed 0 "$@")
 read -r -a runs <<< "${RUNS:-qerl_nvfp4_aqn nvfp4_lora bf16_lora}"
-own_flags() {  # sets own=(...) for run $1; exits before anything starts on an unknown run or a missing dir
+own_flags() {  # sets own=(...) for run $1; fails in one line, before any run starts, on an unknown run or a missing dir
   case $1 in
     qerl_nvfp4_aqn) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn True) ;;
     nvfp4_lora) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn False) ;;
@@ -50,15 +56,18 @@ own_flags() {  # sets own=(...) for run $1; exits before anything starts on an u
     dequant_lora) own=(--model-name "${DEQUANT_DIR:?set DEQUANT_DIR for dequant_lora}" --load bf16 --aqn False) ;;
     best_lora) own=(--model-name "${BEST_DIR:?set BEST_DIR for best_lora}" --load nvfp4 --aqn False) ;;
     qerl_best_aqn) own=(--model-name "${BEST_DIR:?set BEST_DIR for qerl_best_aqn}" --load nvfp4 --aqn True) ;;
-    *) echo "RUNS: unknown run '$1'" >&2; exit 2 ;;
+    *) echo "error: RUNS: unknown run '$1' (expected qerl_nvfp4_aqn, nvfp4_lora, bf16_lora, dequant_lora, best_lora or qerl_best_aqn)" >&2
+       exit 2 ;;
   esac
 }
 for run in "${runs[@]}"; do own_flags "$run"; done
 mkdir -p "$OUT"
 declare -A pids
+port=29500
 for run in "${runs[@]}"; do
   own_flags "$run"
-  "${limit[@]}" "$PYTHON" -m qerl.train "${own[@]}" --output-dir "$OUT/$run" "${common[@]}" > "$OUT/$run.log" 2>&1 &
+  qerl_launcher "$gpus" $(( port++ )) "$PYTHON"  # concurrent DDP runs each need their own rendezvous port
+  "${limit[@]}" "${launcher[@]}" "${own[@]}" --output-dir "$OUT/$run" "${common[@]}" > "$OUT/$run.log" 2>&1 &
   pids[$run]=$!
 done
 status=0

@@ -2,13 +2,15 @@
 # qerl in a few minutes on a laptop CPU: quantize the embedded default model (SmolLM2-135M-Instruct) to
 # NVFP4, run a short QeRL training (LoRA + trained norms + AQN) on synthetic arithmetic, evaluate the
 # adapter on the held-out questions, and print where the logs and plots are.
-# Environment: PYTHON (default: python), QMODEL (quantized model dir), OUT (run dir).
+# Environment: QERL_OUT (run dir, default runs/quickstart), QMODEL (quantized model dir), PYTHON (default: the
+# project's .venv made by setup_env.sh; see training/_python.sh).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-PYTHON=${PYTHON:-python}
+source "$root/training/_python.sh"
+qerl_python "$root"
 QMODEL=${QMODEL:-qmodel/smollm2-135m-NVFP4A16}
-OUT=${OUT:-runs/quickstart}
+OUT=${QERL_OUT:-runs/quickstart}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ ! -f $QMODEL/config.json ]]; then

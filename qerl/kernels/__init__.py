@@ -4,8 +4,9 @@
 ``x @ W_hat.T + bias`` with gradients to ``x`` and ``bias`` only (the packed weight is frozen).
 
 On CUDA with bf16/fp16 activations it runs the Triton NVFP4 kernels through the custom op
-``torch.ops.qerl.nvfp4_mm`` (``qerl/kernels/ops.py``; split-K Triton kernel for M <= 64, Triton
-dequantize + cuBLAS above, the same split for ``grad_x`` in backward). On CPU, fp32, or without Triton it dequantizes and calls
+``torch.ops.qerl.nvfp4_mm`` (``qerl/kernels/ops.py``; split-K Triton kernel for M <= 128, Triton
+dequantize + cuBLAS above; ``grad_x`` in backward: a fused Triton kernel for M <= 64, dequantize +
+cuBLAS above). On CPU, fp32, or without Triton it dequantizes and calls
 ``F.linear``: the reference path that every fast path is tested against.
 
 ``nvfp4_decode`` is the same op with an optional LoRA expand fused into its epilogue, for the
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.kernels import ops
+from qerl.kernels import ops, reference
 
 
 def nvfp4_linear(
@@ -29,7 +30,7 @@ def nvfp4_linear(
 ) -> torch.Tensor:
     """y = x @ dequant(W).T + bias, through the fastest path available for x's device."""
     if not ops.use_triton(x):
-        return ops.reference_mm(x, weight_packed, weight_scale, weight_global_scale, bias)
+        return reference.mm(x, weight_packed, weight_scale, weight_global_scale, bias)
     return nvfp4_decode(x, weight_packed, weight_scale, weight_global_scale, bias)
 
 

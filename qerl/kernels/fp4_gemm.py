@@ -5,30 +5,29 @@ checkpoint (``weight_packed`` u8 ``[N, K/2]``, ``weight_scale`` fp8 ``[N, K/16]`
 registers and feeds bf16/fp16 ``tl.dot`` (wgmma).
 
 Kernels:
-* ``_decode_kernel`` (M <= 64, the rollout path): y^T = W_hat @ x^T with the weight as the wgmma
-  A operand in registers and the tokens padded to 16..64 as its N dim; the packed row is read as
+* ``_decode_kernel`` (M <= 128, the rollout path): y^T = W_hat @ x^T with the weight as the wgmma
+  A operand in registers and the tokens padded to 16..128 as its N dim; the packed row is read as
   int16 elements of 4 codes, and a 4-instruction PTX snippet (``_nibble_asm``, via
   ``tl.inline_asm_elementwise(pack=2)``) turns nibble i of two elements into one bf16x2 pair
   ``e2m1 * 2^-126``; one packed multiply by the fp8 block scale * 2^118 makes the exact
   ``e2m1 * scale * 2^-8``. Because the decode is a unary elementwise op, Triton hoists the
   dot-operand conversion above it: words go global -> shared (cp.async, pipelined) -> registers
   (ldmatrix) and the decoded weights never touch shared memory. About 4 SASS instructions per
-  weight in the main loop (was 8.8 in the join/reshape design it replaces). Split-K with an
+  weight in the main loop. Split-K with an
   atomic ticket per tile: one launch, CUDA-graph safe; the split count from a model of waves of
   resident programs (``decode_split``).
-* ``_fwd_kernel`` / ``_bwd_kernel``: fused wgmma tiles on int32 words (two codes per 32-bit
-  shift/mask, two half-tile dots); reachable through an explicit ``Config`` (prefill-sized M
-  measured slower than dequantize + cuBLAS); ``_bwd_kernel`` still serves grad_x for M <= 64.
+* ``_bwd_kernel`` (grad_x for M <= 64): fused wgmma tiles on int32 words (two codes per 32-bit
+  shift/mask, two half-tile dots).
 * ``_dequant_kernel``: dense ``W_hat`` in bf16/fp16, 8 codes per thread -> one 16-byte store,
-  bitwise equal to ``nvfp4.dequantize``; M > 64 forward and backward run it + cuBLAS.
+  bitwise equal to ``nvfp4.dequantize``; the forward above M = 128 and grad_x above M = 64 run it
+  + cuBLAS.
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
-(N=3584, K=18944), kernels.json: M=1 20.7 us against a 9.0 us floor (38.2 MB at 4.26 TB/s), 1.79x
-of bf16 cuBLAS (was 37.7 us, 0.97x, two designs ago); M=16 1.84x; M=64 0.68x; dequantize 61 us (2.9
-TB/s of its 174 MB, floor 41 us; was 110 us); M=1024 fwd 0.78x / bwd 0.71x; M=4096 0.94x / 0.96x of bf16.
-That run predates ``decode_split``, which picks split 9 for this shape (~5% slower here) and saves
-3% / 8% summed over the 7B + 32B decode GEMMs at M=1 / 64 (decode_splits.json). Nsight Compute at
-M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles issuing.
+(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01): M=1 21.6 us against a 9.0 us floor
+(38.2 MB at 4.26 TB/s), 1.71x of bf16 cuBLAS; M=16 1.70x; M=64 0.91x; dequantize 64 us (2.7 TB/s of
+its 174 MB, floor 41 us); M=1024 fwd 0.77x / bwd 0.73x; M=4096 0.95x / 0.92x of bf16. Nsight Compute
+at M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles
+issuing.
 """
 
 from __future__ import annotations
@@ -37,12 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .schedule import DECODE_MAX_M, Config, DecodeConfig, bwd_config, decode_config
-
-#: Split-K tickets: one int32 counter per output tile, zero between launches (the last program of a
-#: tile resets its own). Allocated once per device, before any CUDA-graph capture (see `_tickets`).
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_MAX_TILES = 1 << 20
+from . import backend
+from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig, bwd_config, decode_config
 
 
 @triton.jit
@@ -124,84 +119,6 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
     return pid_m, pid_n
-
-
-@triton.jit
-def _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr, stride_bn,
-              R, lora_scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr):
-    """y = acc * 2^8 / g (+ bias) (+ lora_scale * u @ B^T), cast to y's dtype."""
-    out = acc * (256.0 / tl.load(g_ptr))
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        r = tl.arange(0, BR)
-        u = tl.load(u_ptr + offs_m[:, None] * stride_um + r[None, :], mask=mask_m[:, None] & (r[None, :] < R), other=0.0)
-        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0)
-        dt = y_ptr.dtype.element_ty
-        out += lora_scale * tl.dot(u.to(dt), tl.trans(b.to(dt)))
-    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _fwd_kernel(
-    x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, u_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, stride_um, stride_bn, R, lora_scale, steps_per_split,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, MUL_F32: tl.constexpr,
-):
-    """y[M, N] = x[M, K] @ W_hat[N, K]^T; program (tile, s) reduces K slice s of steps_per_split * BK columns."""
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    xcol = _half_cols(BK)
-    wcol = tl.arange(0, BK // 8)
-    scol = tl.arange(0, BK // 16)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_rows = w_ptr + offs_n[:, None] * stride_wn
-    s_rows = s_ptr + offs_n[:, None] * stride_sn
-
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_begin = pid_k * (steps_per_split * BK)
-    # The last slice may run past K: those steps are fully masked (no memory traffic).
-    for step in range(0, steps_per_split):
-        k0 = k_begin + step * BK
-        kx = k0 + xcol
-        x_lo = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
-        x_hi = tl.load(x_rows + (kx + 4)[None, :], mask=mask_m[:, None] & (kx[None, :] + 4 < K), other=0.0)
-        kw = k0 // 8 + wcol
-        words = tl.load(w_rows + kw[None, :], mask=mask_n[:, None] & (kw[None, :] < K // 8), other=0)
-        ks = k0 // 16 + scol
-        scale = tl.load(s_rows + ks[None, :], mask=mask_n[:, None] & (ks[None, :] < K // 16), other=0.0)
-        w_lo, w_hi = _dequant_tile(words, scale, IS_FP16, MUL_F32)
-        acc = tl.dot(x_lo, tl.trans(w_lo), acc)
-        acc = tl.dot(x_hi, tl.trans(w_hi), acc)
-
-    if SPLIT:
-        # Publish this partial, take a ticket; the program that draws the last ticket of the tile
-        # sums all partials (L2 reads, .cg) and writes y. Stream order guarantees the tickets are
-        # back at zero for the next launch.
-        nsplit = tl.num_programs(1)
-        tile_mn = offs_m[:, None] * N + offs_n[None, :]
-        mask_mn = mask_m[:, None] & mask_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + tile_mn, acc, mask=mask_mn)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel")
-        if ticket == nsplit - 1:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, nsplit):
-                acc += tl.load(part_ptr + s * M * N + tile_mn, mask=mask_mn, other=0.0, cache_modifier=".cg")
-            tl.store(ticket_ptr + tl.program_id(0), 0)
-            _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr,
-                      stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
-    else:
-        _epilogue(acc, g_ptr, offs_m, offs_n, M, N, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um, b_ptr,
-                  stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
 
 
 @triton.jit
@@ -292,7 +209,7 @@ def _decode_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
 ):
-    """Decode GEMM (M <= BM <= 64): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
+    """Decode GEMM (M <= BM <= 128): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
 
     Swapped operands: the weight tile is the wgmma A operand (registers, M-dim = BN rows of W) and
     the few tokens are the N-dim (BM >= 16, padded by masking), so the tensor cores do all
@@ -304,8 +221,8 @@ def _decode_kernel(
     ``e2m1 * scale * 2^-8``; ``2^8 / g`` is applied to the fp32 result.
 
     Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
-    (``h_step``) and tile (``h_tile``), so that reordered weights can be tried without a new kernel
-    (a tile-contiguous and a nibble-permuted order were, and gained nothing: benchmarks/NOTES.md).
+    (``h_step``) and tile (``h_tile``), so that another weight order can be tried without a new kernel
+    (benchmarks/NOTES.md, sweeps 2-3, has the orders measured).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -373,8 +290,9 @@ def _decode_kernel(
     tile_nm = offs_m[None, :] * N + offs_n[:, None]
     mask_nm = mask_n[:, None] & mask_m[None, :]
     if SPLIT:
-        # Same ticket protocol as _fwd_kernel: publish the fp32 partial; the last program of the
-        # tile sums all partials (L2, .cg) and runs the epilogue; it resets its ticket.
+        # Publish this fp32 partial, take a ticket; the program that draws the tile's last ticket
+        # sums all partials (L2 reads, .cg), runs the epilogue and resets the ticket, so stream
+        # order guarantees the tickets are back at zero for the next launch.
         nsplit = tl.num_programs(1)
         tl.store(part_ptr + pid_k * M * N + tile_nm, acc, mask=mask_nm)
         tl.debug_barrier()
@@ -470,13 +388,6 @@ def _words(weight_packed: torch.Tensor) -> torch.Tensor:
     return weight_packed.contiguous().view(torch.int32)
 
 
-def _tickets(device: torch.device) -> torch.Tensor:
-    """The per-device split-K tickets. Call once outside CUDA-graph capture (any eager forward does)."""
-    if device not in _TICKETS:
-        _TICKETS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _TICKETS[device]
-
-
 def matmul(
     x: torch.Tensor,
     weight_packed: torch.Tensor,
@@ -487,15 +398,14 @@ def matmul(
     lora_b: torch.Tensor | None = None,
     lora_scale: float = 1.0,
     out: torch.Tensor | None = None,
-    config: Config | DecodeConfig | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
 
     Decode-sized M (<= DECODE_MAX_M) takes ``_decode_kernel`` (one launch, split-K). Larger M
     dequantizes the weight once into a transient bf16/fp16 copy and calls cuBLAS. An explicit
-    ``DecodeConfig`` forces the decode kernel (M <= 64), an explicit ``Config`` the fused wgmma
-    kernel (any M). ``out`` (a contiguous [M, N] tensor of x's dtype) lets tests hand in a
-    poisoned buffer.
+    ``DecodeConfig`` sets the decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
+    contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer.
     """
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
@@ -510,7 +420,9 @@ def matmul(
                              f"{None if lora_u is None else tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}")
         lora_u = lora_u.contiguous()
         lora_b = lora_b.contiguous()
-    if config is None and M > DECODE_MAX_M:
+    if M > DECODE_MAX_M:
+        if config is not None:
+            raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
         # Large M: one dequantize pass + cuBLAS beats the fused kernels measured so far (NOTES.md).
         y = torch.nn.functional.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, x.dtype), bias)
         if has_lora:
@@ -523,42 +435,23 @@ def matmul(
     lora_args = (lora_u if has_lora else y, lora_b if has_lora else y)
     lora_strides = (lora_u.stride(0) if has_lora else 0, lora_b.stride(0) if has_lora else 0)
     br = max(16, triton.next_power_of_2(rank))
-    if config is None or isinstance(config, DecodeConfig):
-        if M > DECODE_MAX_M:
-            raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
-        cfg = decode_config(M, N, K, x.device, config)
-        k_steps = triton.cdiv(K, cfg.BK)
-        steps_per_split = triton.cdiv(k_steps, cfg.split)
-        split = triton.cdiv(k_steps, steps_per_split)
-        tiles = triton.cdiv(N, cfg.BN)
-        part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
-        h = weight_packed.contiguous().view(torch.int16)
-        scale = weight_scale.contiguous()
-        h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))  # (row, K step, tile)
-        s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
-        _decode_kernel[(tiles, split)](
-            x, h, scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
-            M, N, K, x.stride(0), *h_strides, *s_strides, y.stride(0), *lora_strides, rank,
-            float(lora_scale), steps_per_split,
-            BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
-            HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-            X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
-        )
-        return y
-    cfg = config
-    words = _words(weight_packed)
+    cfg = decode_config(M, N, K, x.device, config)
     k_steps = triton.cdiv(K, cfg.BK)
     steps_per_split = triton.cdiv(k_steps, cfg.split)
     split = triton.cdiv(k_steps, steps_per_split)
-    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    tiles = triton.cdiv(N, cfg.BN)
     part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
-    _fwd_kernel[(tiles, split)](
-        x, words, weight_scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
-        M, N, K, x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0), *lora_strides, rank,
+    h = weight_packed.contiguous().view(torch.int16)
+    scale = weight_scale.contiguous()
+    h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))  # (row, K step, tile)
+    s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
+    _decode_kernel[(tiles, split)](
+        x, h, scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
+        M, N, K, x.stride(0), *h_strides, *s_strides, y.stride(0), *lora_strides, rank,
         float(lora_scale), steps_per_split,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, SPLIT=split > 1,
-        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br,
-        IS_FP16=x.dtype == torch.float16, MUL_F32=cfg.mul_f32, num_warps=cfg.warps, num_stages=cfg.stages,
+        BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
+        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
+        X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y
 
@@ -567,9 +460,7 @@ def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device,
     """fp32 partials [split, M, N] and the ticket table for a split-K launch (``dummy`` twice if split == 1)."""
     if split == 1:
         return dummy, dummy
-    if tiles > _MAX_TILES:
-        raise ValueError(f"split-K over {tiles} tiles exceeds the ticket table ({_MAX_TILES})")
-    return torch.empty((split, M, N), dtype=torch.float32, device=device), _tickets(device)
+    return torch.empty((split, M, N), dtype=torch.float32, device=device), backend.tickets(device, tiles)
 
 
 def matmul_t(
@@ -582,8 +473,7 @@ def matmul_t(
 ) -> torch.Tensor:
     """grad_x = grad_y @ W_hat for 2-D bf16/fp16 grad_y [M, N]; returns [M, K].
 
-    Like ``matmul``: the fused kernel for M <= DECODE_MAX_M or an explicit ``config``,
-    dequantize + cuBLAS above.
+    The fused kernel for M <= FUSED_BWD_MAX_M or an explicit ``config``, dequantize + cuBLAS above.
     """
     N, K = _check_weight(weight_packed, weight_scale)
     _check_act(grad_y, "grad_y")
@@ -591,7 +481,7 @@ def matmul_t(
         raise ValueError(f"grad_y must be [M, {N}], got {tuple(grad_y.shape)}")
     M = grad_y.shape[0]
     grad_y = grad_y.contiguous()
-    if config is None and M > DECODE_MAX_M:
+    if config is None and M > FUSED_BWD_MAX_M:
         gx = grad_y @ dequantize(weight_packed, weight_scale, weight_global_scale, grad_y.dtype)
         return gx if out is None else out.copy_(gx)
     gx = torch.empty((M, K), dtype=grad_y.dtype, device=grad_y.device) if out is None else out

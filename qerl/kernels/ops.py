@@ -1,7 +1,7 @@
 """torch.library custom ops over the NVFP4 GEMMs, so torch.compile and CUDA graphs see opaque ops.
 
 * ``qerl::nvfp4_mm(x, packed, scale, gscale, bias?, lora_u?, lora_b?, lora_scale) -> y`` (2-D x):
-  ``x @ W_hat^T + bias + lora_scale * lora_u @ lora_b^T``; the decode path (M <= 64, split-K) and the
+  ``x @ W_hat^T + bias + lora_scale * lora_u @ lora_b^T``; the decode path (M <= 128, split-K) and the
   prefill path are picked inside by M; the LoRA expand rides in the kernel's epilogue.
 * ``qerl::nvfp4_mm_t(grad_y, packed, scale, gscale) -> grad_x`` (``grad_y @ W_hat``).
 
@@ -12,37 +12,14 @@ formula: gradients reach x, bias and the LoRA operands, never the packed weight.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from qerl import nvfp4
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from qerl.kernels import backend, reference
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve this activation (CUDA, bf16/fp16, triton installed)."""
-    return HAS_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-
-
-def reference_mm(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    gscale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    lora_u: torch.Tensor | None = None,
-    lora_b: torch.Tensor | None = None,
-    lora_scale: float = 1.0,
-) -> torch.Tensor:
-    """Dequantize to x's dtype, then plain matmuls: the reference every kernel is tested against.
-    Autograd flows to x, bias and the LoRA operands."""
-    w = nvfp4.dequantize(packed, scale, gscale, dtype=x.dtype)
-    y = torch.nn.functional.linear(x, w, bias)
-    if lora_u is not None:
-        y = y + lora_scale * (lora_u.to(x.dtype) @ lora_b.to(x.dtype).t())
-    return y
+    """Whether the Triton FP4 kernels serve this activation (``backend.available`` and bf16/fp16)."""
+    return backend.available(x) and x.dtype in (torch.bfloat16, torch.float16)
 
 
 @torch.library.custom_op("qerl::nvfp4_mm", mutates_args=())
@@ -60,7 +37,7 @@ def nvfp4_mm(
         from qerl.kernels import fp4_gemm
 
         return fp4_gemm.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
-    return reference_mm(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
+    return reference.mm(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
 
 
 @nvfp4_mm.register_fake
@@ -76,7 +53,7 @@ def nvfp4_mm_t(
         from qerl.kernels import fp4_gemm
 
         return fp4_gemm.matmul_t(grad_y, weight_packed, weight_scale, weight_global_scale)
-    return grad_y @ nvfp4.dequantize(weight_packed, weight_scale, weight_global_scale, dtype=grad_y.dtype)
+    return reference.mm_t(grad_y, weight_packed, weight_scale, weight_global_scale)
 
 
 @nvfp4_mm_t.register_fake

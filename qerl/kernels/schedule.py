@@ -1,7 +1,7 @@
 """Launch schedules of the NVFP4 kernels (``fp4_gemm``): tile shapes, split-K counts, the decode
 schedule's environment override. Pure Python, no Triton, so the choices are tested on any machine.
 
-Why split-K: a decode GEMM (M <= 64 tokens) has few output tiles (7B down_proj: 56 of 64 rows), so
+Why split-K: a decode GEMM (M <= 128 tokens) has few output tiles (7B down_proj: 56 of 64 rows), so
 the K dimension is cut into slices to give every SM work; ``decode_split`` picks how many from a
 model of waves of resident programs (benchmarks/NOTES.md, "Split-K from a wave model").
 """
@@ -24,14 +24,13 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Config:
-    """Tile shape and schedule of one launch; ``split`` = number of K slices (1 = no split-K)."""
+    """Tile shape and schedule of one ``_bwd_kernel`` launch (grad_x, M <= ``FUSED_BWD_MAX_M``)."""
 
     BM: int
     BN: int
     BK: int
     warps: int
     stages: int
-    split: int = 1
     group_m: int = 8
     mul_f32: bool = _INTERPRET
 
@@ -55,13 +54,13 @@ class DecodeConfig:
     resident: int = 4
 
     @classmethod
-    def from_env(cls) -> DecodeConfig:
-        """The default schedule, or the one ``QERL_DECODE_CONFIG`` names (``"BN=64,BK=128,stages=6"``):
-        lets a tuning run (benchmarks/decode_tune.py prints the line) try a schedule on whole models
-        without editing code. Unknown keys or non-integers are a one-line error."""
+    def from_env(cls) -> DecodeConfig | None:
+        """The schedule ``QERL_DECODE_CONFIG`` names (``"BN=64,BK=128,stages=6"``), or None when it is unset:
+        lets a tuning run (benchmarks/decode_tune.py prints the line) try one schedule at every M on whole
+        models without editing code. Unknown keys or non-integers are a one-line error."""
         spec = os.environ.get("QERL_DECODE_CONFIG", "").strip()
         if not spec:
-            return cls()
+            return None
         fields = {f for f in cls.__dataclass_fields__ if f != "x_split"}
         values = {}
         for item in spec.split(","):
@@ -72,10 +71,30 @@ class DecodeConfig:
         return cls(**values)
 
 
-#: The decode schedule used when a call names none (read once, at import).
-DEFAULT_DECODE = DecodeConfig.from_env()
-#: M at or below which the forward takes the split-K decode configuration.
-DECODE_MAX_M = 64
+#: The schedule ``QERL_DECODE_CONFIG`` forces at every M (read once, at import), else None.
+ENV_DECODE = DecodeConfig.from_env()
+#: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
+#: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
+#: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128
+#: weight rows (two warpgroups sharing one x tile, half the x re-reads of BN=64) run M=64 in 161.6 us
+#: (the BM <= 32 schedule: 186.8) and M=128 in 286.9 us (the BM=64 schedule: 365.2; dequantize +
+#: cuBLAS: 340.6). BK=128 at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the
+#: 227 KB an SM has).
+DECODE_BY_BM = {
+    16: DecodeConfig(),
+    32: DecodeConfig(),
+    64: DecodeConfig(BN=128, BK=256, warps=8),
+    128: DecodeConfig(BN=128, BK=128, warps=8),
+}
+
+
+def default_decode(M: int) -> DecodeConfig:
+    """The schedule for M tokens: ``QERL_DECODE_CONFIG`` if set, else the measured one for its BM."""
+    return ENV_DECODE or DECODE_BY_BM[max(16, 1 << (M - 1).bit_length())]
+#: M at or below which the forward takes the split-K decode kernel (BM = 16..128 padded tokens).
+DECODE_MAX_M = 128
+#: M at or below which ``matmul_t`` (grad_x) takes the fused ``_bwd_kernel``; dequantize + cuBLAS above.
+FUSED_BWD_MAX_M = 64
 #: SMs of the device (filled lazily): the slots split-K fills.
 _SM_COUNT: dict[torch.device, int] = {}
 
@@ -86,22 +105,8 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
-def _split_for(tiles: int, k_steps: int, device: torch.device, per_sm: int = 4, min_steps: int = 3) -> int:
-    """Enough K slices for ~per_sm programs per SM, each still running >= min_steps K steps."""
-    want = _cdiv(per_sm * _sm_count(device), tiles)
-    return max(1, min(want, k_steps // min_steps, 64))
-
-
-def fwd_config(M: int, N: int, K: int, device: torch.device) -> Config:
-    """Heuristic config of the fused wgmma forward (reached through an explicit ``config`` or tests)."""
-    if M <= DECODE_MAX_M:
-        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-        return with_split(Config(BM=bm, BN=64, BK=128, warps=4, stages=4), M, N, K, device)
-    return with_split(Config(BM=128, BN=128, BK=64, warps=8, stages=3), M, N, K, device)
-
-
 #: Fixed cost of one decode program (pipeline fill, split-K partial + ticket, epilogue) in K steps:
-#: the one parameter of ``decode_split``'s model, fit on benchmarks/results/decode_splits.json (1-4 pick alike).
+#: the one parameter of ``decode_split``'s model, fit on benchmarks/results/decode_splits_fit.json (1-4 pick alike).
 DECODE_PROGRAM_STEPS = 2
 
 
@@ -112,8 +117,9 @@ def decode_split(tiles: int, k_steps: int, slots: int) -> int:
     ``DECODE_PROGRAM_STEPS``). Minimizing waves x program length avoids both a last wave that is
     mostly empty (7B gate_up at M=1: 592 one-slice programs for 528 slots) and programs too short
     to pay their fixed cost (BM=64, one resident program per SM). Ties go to fewer slices (fewer
-    partials). H200, decode_splits.json, sums over the 7B + 32B GEMMs: M=1 209.6 us vs 215.8 for
-    the previous rule (~3 programs per SM), M=64 529.3 vs 576.6; the best split per shape: 206.7 / 528.3.
+    partials). H200, decode_splits.json (this rule as the default), sums over the 7B + 32B GEMMs:
+    M=1 212.8 us, M=64 541.0; the best split per shape: 210.5 / 538.5 (benchmarks/NOTES.md, "Split-K
+    from a wave model").
     """
     best, best_cost = 1, None
     for split in range(1, min(64, k_steps) + 1):
@@ -127,12 +133,12 @@ def decode_split(tiles: int, k_steps: int, slots: int) -> int:
 
 
 def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfig | None = None) -> DecodeConfig:
-    """``cfg`` (default: ``DecodeConfig.from_env()``) with BK and split resolved for this shape.
+    """``cfg`` (default: ``default_decode(M)``) with BK and split resolved for this shape.
 
     BK halves (down to 64) until it divides K, so the model shapes take the unmasked EVEN_K loop;
     split comes from ``decode_split`` with the SM count x the programs an SM holds at this M.
     """
-    cfg = cfg or DEFAULT_DECODE
+    cfg = cfg or default_decode(M)
     bk = cfg.BK
     while K % bk and bk > 64:
         bk //= 2
@@ -145,22 +151,7 @@ def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfi
                         resident=cfg.resident)
 
 
-def with_split(cfg: Config, M: int, N: int, K: int, device: torch.device) -> Config:
-    """Give ``cfg`` split-K slices when its output tiles alone would leave SMs idle.
-
-    Decode tiles aim for ~4 programs per SM (latency hiding for a pure weight stream); wgmma tiles
-    for ~2, since every extra slice writes and re-reads an fp32 partial of the tile.
-    """
-    tiles = _cdiv(M, cfg.BM) * _cdiv(N, cfg.BN)
-    sms = _sm_count(device)
-    if tiles >= 2 * sms:
-        split = 1
-    else:
-        split = _split_for(tiles, _cdiv(K, cfg.BK), device, per_sm=4 if cfg.BM <= 64 else 2)
-    return Config(**{**cfg.__dict__, "split": split})
-
-
 def bwd_config(M: int, N: int, K: int) -> Config:
-    if M <= DECODE_MAX_M:
+    if M <= FUSED_BWD_MAX_M:
         return Config(BM=16 if M <= 16 else 64, BN=64, BK=128, warps=4, stages=3)
     return Config(BM=128, BN=64, BK=128, warps=8, stages=3)

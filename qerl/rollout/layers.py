@@ -8,7 +8,7 @@ reads the very tensors the optimizer and AQN update in place.
 
 The one exception is LoRA. Projections that share an input (q/k/v; gate/up) get their ``A`` factors
 concatenated into one ``[sum r, K]`` buffer so that the shrink ``u = x @ A.T`` is one reduction per
-group (fused into the kernel that produces x, see ``triton_ops``), and each ``B`` is stored
+group (fused into the kernel that produces x, see ``qerl.kernels.fused_step``), and each ``B`` is stored
 pre-multiplied by its peft scaling, in the compute dtype. These buffers are tiny (r=16 on a 7B
 model: 40M values, under 1% of the weight bytes). They outlive a plan: ``from_model(model,
 previous)`` hands the previous plan's buffers to the new one when their shapes still match, and
@@ -26,9 +26,8 @@ from peft.tuners.lora.layer import LoraLayer
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
+from qerl import arch
 from qerl.linear import NVFP4Linear
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -36,9 +35,9 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     get_base = getattr(model, "get_base_model", None)
     lm = get_base() if callable(get_base) else model
     model_type = getattr(getattr(lm, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(lm, "lm_head"):
+    if model_type not in arch.SUPPORTED_MODEL_TYPES or not hasattr(lm, "lm_head"):
         raise ValueError(
-            f"native rollout engine: expected a Llama/Qwen2 causal LM (model_type in {SUPPORTED_MODEL_TYPES}), "
+            f"native rollout engine: expected a Llama/Qwen2 causal LM (model_type in {arch.SUPPORTED_MODEL_TYPES}), "
             f"got {type(lm).__name__} with model_type={model_type!r}; use kind='hf' instead"
         )
     return lm
@@ -210,10 +209,10 @@ class ModelPlan:
             layers.append(
                 LayerPlan(
                     attn_norm=Norm.of(layer.input_layernorm),
-                    qkv=_group([attn.q_proj, attn.k_proj, attn.v_proj], dtype, None if prev is None else prev.qkv),
+                    qkv=_group([getattr(attn, n) for n in arch.QKV], dtype, None if prev is None else prev.qkv),
                     o=_group([attn.o_proj], dtype, None if prev is None else prev.o),
                     mlp_norm=Norm.of(layer.post_attention_layernorm),
-                    gate_up=_group([mlp.gate_proj, mlp.up_proj], dtype, None if prev is None else prev.gate_up),
+                    gate_up=_group([getattr(mlp, n) for n in arch.GATE_UP], dtype, None if prev is None else prev.gate_up),
                     down=_group([mlp.down_proj], dtype, None if prev is None else prev.down),
                 )
             )

@@ -31,17 +31,29 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from qerl.rollout import fused, ops
+from qerl.kernels import backend, reference
+from qerl.rollout import ops
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.layers import ModelPlan
 from qerl.rollout.sampling import is_filtered, make_generator, sample
 
 #: Stop-id buffer slots baked into a graph; more stop ids grow it (and recapture).
 STOP_SLOTS = 16
+
+
+class StepKey(NamedTuple):
+    """Everything static about one decode step: a captured graph per distinct key."""
+
+    batch: int  # slots in the bucket (a power of two)
+    kv_len: int  # cache prefix attention reads (a multiple of ``kv_block``)
+    greedy: bool
+    filtered: bool  # top-k / top-p active
+    forced: bool  # teacher forcing (``teacher_forced_logits``): feed given tokens, record the logits
 
 
 def _bucket(n: int) -> int:
@@ -151,7 +163,7 @@ class NativeEngine:
         self.prefill_tokens = prefill_tokens
         self._hook: Callable[[], None] | None = None
         self._state: _State | None = None
-        self._graphs: dict[tuple, Callable[[], None]] = {}  # step key -> replay of its captured graph
+        self._graphs: dict[StepKey, Callable[[], None]] = {}  # step key -> replay of its captured graph
         self._pool = None
         self._signature: tuple | None = None
         self._gen: torch.Generator | None = None
@@ -166,7 +178,7 @@ class NativeEngine:
         self._hook = fn
         self._drop_graphs()
 
-    def _drop_graphs(self, which: Callable[[tuple], bool] | None = None) -> None:
+    def _drop_graphs(self, which: Callable[[StepKey], bool] | None = None) -> None:
         """Forget captured graphs (all, or those whose key matches); a fresh memory pool follows
         when none is left, since reusing a pool whose graphs are all gone trips the allocator."""
         self._graphs = {k: g for k, g in self._graphs.items() if which is not None and not which(k)}
@@ -193,7 +205,7 @@ class NativeEngine:
             raise ValueError("completion_ids: expected one non-empty completion per prompt")
         steps = max(len(c) for c in completion_ids)
         self._forced = completion_ids
-        self._drop_graphs(lambda key: key[-1])  # forced graphs read the previous call's buffers
+        self._drop_graphs(lambda key: key.forced)  # forced graphs read the previous call's buffers
         try:
             self._generate(prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=steps), 1, force=True)
             logits = self._forced[1]
@@ -226,8 +238,7 @@ class NativeEngine:
         lens = torch.tensor([len(p) for p in prompt_ids], device=plan.device)
         logits = self._prefill(plan, state, prompt_ids, n)
         if force:
-            self._forced[1][:rows, 0] = logits.float()
-            tok, lp = self._forced[0][:rows, 0], torch.zeros(rows, device=plan.device)
+            tok, lp = self._forced_tokens(logits, torch.arange(rows, device=plan.device), 0)
         else:
             tok, lp = sample(logits[row_prompt], params.temperature, params.top_k, params.top_p, self._gen)
 
@@ -249,7 +260,7 @@ class NativeEngine:
         steps = 1
         for t in range(1, params.max_new_tokens):
             kv_len = min(state.seq, _round_up(max_len + t, self.kv_block))
-            self._run_step(plan, state, (b, kv_len, greedy, filtered, force))
+            self._run_step(plan, state, StepKey(b, kv_len, greedy, filtered, force))
             steps = t + 1
             if t % self.check_every == 0 and t + 1 < params.max_new_tokens:
                 live = (~slots.done).nonzero().flatten()
@@ -326,48 +337,34 @@ class NativeEngine:
         rows = torch.arange(first * n, (first + p) * n, device=dev)
         src = torch.arange(p, device=dev).repeat_interleave(n)
         cos, sin = state.cos[:width][None, :, None, :], state.sin[:width][None, :, None, :]
-        h = plan.embed(tokens)
-        h, x, lora = ops.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
         hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
-        for i, layer in enumerate(plan.layers):
-            q, k, v = ops.group_forward(x, layer.qkv, lora)
-            q = ops.apply_rope(q.view(p, width, nh, hd), cos, sin).transpose(1, 2)
-            k = ops.apply_rope(k.view(p, width, nkv, hd), cos, sin).transpose(1, 2)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, None]:
+            q = reference.apply_rope(q.view(p, width, nh, hd), cos, sin).transpose(1, 2)
+            k = reference.apply_rope(k.view(p, width, nkv, hd), cos, sin).transpose(1, 2)
             v = v.view(p, width, nkv, hd).transpose(1, 2)
             state.k[i, rows, :, :width] = k[src]
             state.v[i, rows, :, :width] = v[src]
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=nkv != nh)
-            (o,) = ops.group_forward(attn.transpose(1, 2).reshape(p, width, nh * hd), layer.o)
-            h, x, lora = ops.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
-            gate, up = ops.group_forward(x, layer.gate_up, lora)
-            act, lora = ops.silu_mul(gate, up, layer.down)
-            (mlp,) = ops.group_forward(act, layer.down, lora)
-            if i + 1 < len(plan.layers):
-                h, x, lora = ops.rms_norm(h, plan.layers[i + 1].attn_norm, mlp, plan.layers[i + 1].qkv)
-        idx = (torch.arange(p, device=dev), lens - 1)
-        last = h[idx] + mlp[idx]  # the last position's residual only: the others are not sampled from
-        return plan.lm_head(ops.rms_norm(last, plan.final_norm)[1])
+            return attn.transpose(1, 2).reshape(p, width, nh * hd), None
 
-    # ------------------------------------------------------------------ decode
+        x = self._layers(plan, plan.embed(tokens), attend)
+        # Only each prompt's last position is sampled from.
+        return plan.lm_head(x[torch.arange(p, device=dev), lens - 1])
 
-    def _decode_step(self, plan: ModelPlan, state: _State, key: tuple) -> None:
-        """One token for every slot of bucket ``b``: static shapes, no host syncs (graph-capturable).
+    @staticmethod
+    def _layers(
+        plan: ModelPlan, h: torch.Tensor, attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple]
+    ) -> torch.Tensor:
+        """The decoder stack on embeddings ``h`` (any leading shape) -> final-normed hidden states.
 
-        ``key = (b, kv_len, greedy, filtered, force)`` holds everything static about the step.
+        Prefill and decode differ only in ``attend(i, q, k, v) -> (attention output, o_proj's LoRA
+        inputs or None)``; every norm feeds the next group's LoRA shrink (see ``ops.rms_norm``).
         """
-        b, kv_len, greedy, filtered, force = key
-        if self._hook is not None:
-            self._hook()
-        slots = state.slots[b]
-        pos = slots.pos
-        hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
-        h = plan.embed(slots.tokens)
         h, x, lora = ops.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
         for i, layer in enumerate(plan.layers):
             q, k, v = ops.group_forward(x, layer.qkv, lora)
-            k_cache, v_cache = state.k[i, :b], state.v[i, :b]
-            q = ops.rope_and_cache(q, k, v, state.cos, state.sin, pos, k_cache, v_cache, nh, nkv)
-            attn, lora = ops.decode_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], pos, hd**-0.5, layer.o)
+            attn, lora = attend(i, q, k, v)
             (o,) = ops.group_forward(attn, layer.o, lora)
             h, x, lora = ops.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
             gate, up = ops.group_forward(x, layer.gate_up, lora)
@@ -376,39 +373,53 @@ class NativeEngine:
             last = i + 1 == len(plan.layers)
             nxt = plan.final_norm if last else plan.layers[i + 1].attn_norm
             h, x, lora = ops.rms_norm(h, nxt, mlp, None if last else plan.layers[i + 1].qkv)
-        logits = plan.lm_head(x)
-        if force:
-            forced_tok, forced_logits = self._forced
-            forced_logits[slots.row_id, state.step] = logits.float()
-            tok, lp = forced_tok[slots.row_id, state.step], torch.zeros(b, device=logits.device)
+        return x
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_step(self, plan: ModelPlan, state: _State, key: StepKey) -> None:
+        """One token for every slot of bucket ``key.batch``: static shapes, no host syncs (graph-capturable)."""
+        if self._hook is not None:
+            self._hook()
+        slots = state.slots[key.batch]
+        hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ops.LoraInputs]:
+            k_cache, v_cache = state.k[i, : key.batch], state.v[i, : key.batch]
+            q = ops.rope_and_cache(q, k, v, state.cos, state.sin, slots.pos, k_cache, v_cache, nh, nkv)
+            kv = key.kv_len
+            return ops.decode_attention(q, k_cache[:, :, :kv], v_cache[:, :, :kv], slots.pos, hd**-0.5, plan.layers[i].o)
+
+        logits = plan.lm_head(self._layers(plan, plan.embed(slots.tokens), attend))
+        if key.forced:
+            tok, lp = self._forced_tokens(logits, slots.row_id, state.step)
         else:
             tok, lp = sample(
-                logits, state.temperature, state.top_k, state.top_p, self._gen, greedy=greedy, filtered=filtered
+                logits, state.temperature, state.top_k, state.top_p, self._gen, greedy=key.greedy, filtered=key.filtered
             )
         self._finish_step(state, slots, tok, lp)
 
+    def _forced_tokens(
+        self, logits: torch.Tensor, row_id: torch.Tensor, step: int | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher forcing: record ``logits`` for the rows at ``step``; the given tokens, log-prob 0."""
+        forced_tok, forced_logits = self._forced
+        forced_logits[row_id, step] = logits.float()
+        return forced_tok[row_id, step], torch.zeros(row_id.shape[0], device=logits.device)
+
     def _finish_step(self, state: _State, slots: _Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
-        if fused.available(tok):
-            fused.kernels_module().finish_step(
-                tok, lp, slots.done, slots.row_id, state.stop, state.step, slots.tokens, slots.pos,
-                state.out_tok, state.out_lp, self.pad_id,
-            )  # fmt: skip
-            return
-        tok = torch.where(slots.done, self.pad_id, tok)
-        lp = torch.where(slots.done, 0.0, lp)
-        state.out_tok[slots.row_id, state.step] = tok
-        state.out_lp[slots.row_id, state.step] = lp
-        slots.done |= self._is_stop(state, tok)
-        slots.tokens.copy_(tok)
-        slots.pos.add_(1)
-        state.step.add_(1)
+        impl = backend.fused_step() if backend.available(tok) else reference
+        impl.finish_step(
+            tok, lp, slots.done, slots.row_id, state.stop, state.step, slots.tokens, slots.pos,
+            state.out_tok, state.out_lp, self.pad_id,
+        )  # fmt: skip
 
     def _graphed(self, plan: ModelPlan) -> bool:
         """Whether decode steps are captured and replayed (else run eagerly)."""
         return self.cuda_graphs and plan.device.type == "cuda"
 
-    def _run_step(self, plan: ModelPlan, state: _State, key: tuple) -> None:
+    def _run_step(self, plan: ModelPlan, state: _State, key: StepKey) -> None:
         if not self._graphed(plan):
             self._decode_step(plan, state, key)
             return
@@ -417,9 +428,9 @@ class NativeEngine:
             replay = self._graphs[key] = self._capture(plan, state, key)
         replay()
 
-    def _capture(self, plan: ModelPlan, state: _State, key: tuple) -> Callable[[], None]:
+    def _capture(self, plan: ModelPlan, state: _State, key: StepKey) -> Callable[[], None]:
         """Warm the step up (its side effects undone), then record it; returns the replay."""
-        slots = state.slots[key[0]]
+        slots = state.slots[key.batch]
         saved = [t.clone() for t in (slots.tokens, slots.pos, slots.done, state.step)]
         # Warm up on a scratch generator: set_state() on the real one would swap the state object
         # that earlier graphs were registered with, and they would stop following manual_seed();

@@ -1,7 +1,8 @@
 """The small ops of the native decoder, each matching transformers' Llama/Qwen2 arithmetic.
 
-Every op has a plain-torch version (CPU tests, fp32) and, where a fused Triton kernel exists in
-``qerl.rollout.fused``, CUDA inputs take that instead: at batch 1 a decode step is ~1.2 ms of
+Each op dispatches: CUDA inputs take the fused Triton kernel of ``qerl.kernels.fused_step`` when
+``qerl.kernels.backend.available``, everything else its plain-torch twin in ``qerl.kernels.reference``
+(CPU tests, fp32, ``QERL_TRITON=0``): at batch 1 a decode step is ~1.2 ms of
 weight streaming, and an unfused RMSNorm (6 launches) or RoPE (10) costs more than the matmuls
 around it once multiplied by the layer count.
 
@@ -23,7 +24,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from qerl.rollout import fused
+from qerl import kernels
+from qerl.kernels import backend, reference
 from qerl.rollout.layers import Group, Norm, Proj
 
 #: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input.
@@ -36,7 +38,7 @@ LoraInputs = list[torch.Tensor | None] | None
 
 def _fuse_lora(x: torch.Tensor, rows: int, group: Group | None) -> bool:
     """Whether the group's shrink over ``rows`` rows is reduced inside the kernel producing x."""
-    return group is not None and group.lora_a is not None and fused.available(x) and rows <= FUSED_LORA_MAX_ROWS
+    return group is not None and group.lora_a is not None and backend.available(x) and rows <= FUSED_LORA_MAX_ROWS
 
 
 def lora_inputs(x: torch.Tensor, group: Group | None) -> LoraInputs:
@@ -65,29 +67,15 @@ def rms_norm(
     The first result is the residual stream to carry on with: ``h`` itself updated in place, or a
     new tensor when a fused shrink needs ``h`` unchanged while it runs.
     """
-    if fused.available(h):
-        kernels = fused.kernels_module()
+    if backend.available(h):
+        fused = backend.fused_step()
         if _fuse_lora(h, h.numel() // h.shape[-1], group):
-            h, x, flat = kernels.rms_norm_shrink(h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds)
+            h, x, flat = fused.rms_norm_shrink(h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds)
             return h, x, _segmented(flat, x, group)
-        x = kernels.rms_norm(h, delta, norm.weight, norm.eps)
-        return h, x, lora_inputs(x, group)
-    if delta is not None:
-        h.add_(delta)
-    hf = h.float()
-    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm.eps)
-    x = (norm.weight * hf.to(h.dtype)).to(h.dtype)
+        x = fused.rms_norm(h, delta, norm.weight, norm.eps)
+    else:
+        x = reference.rms_norm(h, delta, norm.weight, norm.eps)
     return h, x, lora_inputs(x, group)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[..., T, H, D]``, cos/sin broadcastable ``[..., T, 1, D]``."""
-    return x * cos + rotate_half(x) * sin
 
 
 def rope_and_cache(
@@ -106,28 +94,20 @@ def rope_and_cache(
 
     cos/sin are the full ``[S, D]`` tables; caches are ``[B, Hkv, S, D]`` views of this layer.
     """
-    b, d = q.shape[0], cos.shape[-1]
-    if fused.available(q):
-        return fused.kernels_module().rope_and_cache(
-            q, k, v, cos, sin, pos, k_cache, v_cache, num_heads, num_kv_heads, d
-        )
-    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
-    rows = torch.arange(b, device=q.device)
-    k_cache[rows, :, pos] = apply_rope(k.view(b, num_kv_heads, d), c, s)
-    v_cache[rows, :, pos] = v.view(b, num_kv_heads, d)
-    return apply_rope(q.view(b, num_heads, d), c, s)
+    impl = backend.fused_step() if backend.available(q) else reference
+    return impl.rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, num_heads, num_kv_heads, cos.shape[-1])
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, group: Group | None = None) -> tuple[torch.Tensor, LoraInputs]:
     """``(silu(gate) * up, lora inputs of group)``."""
-    if fused.available(gate):
-        kernels = fused.kernels_module()
+    if backend.available(gate):
+        fused = backend.fused_step()
         if _fuse_lora(gate, gate.numel() // gate.shape[-1], group):
-            act, flat = kernels.silu_mul_shrink(gate, up, group.lora_a)
+            act, flat = fused.silu_mul_shrink(gate, up, group.lora_a)
             return act, _segmented(flat, act, group)
-        act = kernels.silu_mul(gate, up)
+        act = fused.silu_mul(gate, up)
     else:
-        act = F.silu(gate) * up
+        act = reference.silu_mul(gate, up)
     return act, lora_inputs(act, group)
 
 
@@ -156,11 +136,10 @@ def project(x: torch.Tensor, proj: Proj, u: torch.Tensor | None) -> torch.Tensor
     """
     if u is None or proj.lora_b is None:
         return base_forward(x, proj)
-    fused_op = fused.nvfp4_lora_op(x) if proj.is_nvfp4 else None
-    if fused_op is not None:
+    if proj.is_nvfp4 and x.is_cuda:
         base = proj.base
         bias = None if base.bias is None else base.bias.to(x.dtype)
-        return fused_op(x, base.weight_packed, base.weight_scale, base.weight_global_scale, bias, u, proj.lora_b)
+        return kernels.nvfp4_decode(x, base.weight_packed, base.weight_scale, base.weight_global_scale, bias, u, proj.lora_b)
     y = base_forward(x, proj)
     flat = y.reshape(-1, y.shape[-1])
     flat = torch.addmm(flat, u.reshape(-1, u.shape[-1]).to(y.dtype), proj.lora_b.t().to(y.dtype))
@@ -187,18 +166,9 @@ def decode_attention(
     q ``[B, H, D]``; caches ``[B, Hkv, S, D]`` (already holding this step's key/value); row ``i``
     attends to slots ``<= pos[i]``. GQA views q as ``[B, Hkv, G, D]`` so each cache byte is read once.
     """
-    if fused.available(q):
+    if backend.available(q):
         fuse = _fuse_lora(q, q.shape[0], group)
-        out, flat = fused.kernels_module().decode_attention(
-            q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None
-        )
+        out, flat = backend.fused_step().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None)
         return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group))
-    valid = torch.arange(k_cache.shape[2], device=q.device)[None, :] <= pos[:, None]
-    b, h, d = q.shape
-    hkv = k_cache.shape[1]
-    qg = q.view(b, hkv, h // hkv, d)
-    scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
-    out = torch.matmul(probs, v_cache).reshape(b, h * d)
+    out = reference.decode_attention(q, k_cache, v_cache, pos, scale)
     return out, lora_inputs(out, group)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qerl.lora import NORM_MODULES
+from qerl.arch import NORM_MODULES
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, trim_completion
 from qerl.rollout.layers import active_norm, unwrap_causal_lm
 

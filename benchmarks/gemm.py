@@ -6,7 +6,7 @@ device-to-device copy bandwidth measured in the same run. Every timing is a CUDA
 that rotate over enough weight copies to overflow the 60 MB L2 (decode reads weights from HBM, as in a
 real model step); the per-call time is the median replay time / R.
 
-    python benchmarks/kernels.py --out benchmarks/results   # writes kernels.json, kernels_speedup.png
+    python -m benchmarks.gemm --out benchmarks/results   # writes kernels.json, kernels_speedup.png
 
 The summary holds the targets of issue 3 for the 7B down_proj shape (N=3584, K=18944).
 """
@@ -14,25 +14,15 @@ The summary holds the targets of issue 3 for the 7B down_proj shape (N=3584, K=1
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qerl import nvfp4  # noqa: E402
-from qerl.fsutil import atomic_file, atomic_write_text  # noqa: E402
-from qerl.kernels import fp4_gemm as fg  # noqa: E402
-from qerl.kernels import ops  # noqa: E402
-from qerl.kernels import schedule as sch  # noqa: E402
+from benchmarks.common import Layer, command, copy_bandwidth, graph_time, save_figure, utc_now, versions, write_json
+from qerl.kernels import backend
+from qerl.kernels import schedule as sch
 
 #: (out_features N, in_features K) per layer: Qwen2.5-7B (hidden 3584, inter 18944, 28 q / 4 kv heads of 128)
 #: and Qwen2.5-32B (hidden 5120, inter 27648, 40 q / 8 kv heads).
@@ -43,103 +33,7 @@ MODELS = {
                     "up": (27648, 5120), "down": (5120, 27648), "qkv": (7168, 5120), "gate_up": (55296, 5120)},
 }
 MS = (1, 4, 16, 32, 64, 256, 1024, 4096)
-ROTATE_BYTES = 256 << 20  # > 4x the H200's L2
 SUMMARY_SHAPE = ("qwen2.5-7b", "down")
-
-
-def graph_time(fns: list, target_s: float = 2e-3, replays: int = 15) -> float:
-    """Median seconds per call of a CUDA graph that runs ``fns`` round-robin (R calls per replay)."""
-    for fn in fns:
-        fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    est = max((time.perf_counter() - t0) / len(fns), 1e-6)
-    reps = max(len(fns), min(256, int(target_s / est)))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(reps):
-                fns[i % len(fns)]()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    del graph
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> dict[str, float]:
-    """Device-to-device copy bandwidth (bytes read + written per second) on 1 GiB, two ways.
-
-    ``copy_`` inside a CUDA graph becomes a memcpy node (copy engines, slower), so the eager
-    ``copy_`` (event-timed median) and an SM copy kernel in a graph (``mul(src, 1)``) are both
-    measured; the larger is the ceiling.
-    """
-    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    nbytes = 2 * src.numel() * 4
-    times = []
-    for i in range(23):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    eager = nbytes / statistics.median(times)
-    kernel = nbytes / graph_time([lambda: torch.mul(src, 1.0, out=dst)], target_s=20e-3)
-    return {"eager_copy": eager, "graph_mul_copy": kernel, "max": max(eager, kernel)}
-
-
-class Layer:
-    """Rotating copies of one quantized weight, its bf16 dequantization and activations."""
-
-    def __init__(self, n: int, k: int) -> None:
-        self.n, self.k = n, k
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        q = nvfp4.quantize(w)
-        self.packed_bytes = nvfp4.packed_nbytes(n, k)
-        copies = max(1, -(-ROTATE_BYTES // self.packed_bytes))
-        self.q = [q] + [nvfp4.NVFP4Tensors(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-                        for _ in range(copies - 1)]
-        wd = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.bfloat16)
-        self.w = [wd] + [wd.clone() for _ in range(max(1, -(-ROTATE_BYTES // (2 * n * k))) - 1)]
-
-    def fwd_fns(self, x, config=None):
-        return [lambda q=q: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config) for q in self.q]
-
-    def bwd_fns(self, gy, config=None):
-        return [lambda q=q: fg.matmul_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config) for q in self.q]
-
-    def dq_fwd_fns(self, x):
-        """Alternative large-M path: dequantize to bf16, then cuBLAS."""
-        return [lambda q=q: F.linear(x, fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale)) for q in self.q]
-
-    def dq_bwd_fns(self, gy):
-        return [lambda q=q: gy @ fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale) for q in self.q]
-
-    def bf16_fwd_fns(self, x):
-        return [lambda w=w: F.linear(x, w) for w in self.w]
-
-    def bf16_bwd_fns(self, gy):
-        return [lambda w=w: gy @ w for w in self.w]
-
-    def free(self) -> None:
-        self.q.clear()
-        self.w.clear()
 
 
 def measure(layer: Layer, m: int, copy_bw: float) -> dict:
@@ -166,16 +60,10 @@ SWEEP = {  # configs tried on the summary shape, to pick the heuristics (see ben
     1: [D(), D(128, 256, 4, 3), D(128, 128, 4, 4), D(64, 256, 4, 4, x_split=False)],
     16: [D(), D(128, 128, 4, 4)],
     64: [D(), D(128, 128, 4, 4)],
-    4096: [sch.Config(128, 128, 64, 8, 3)],  # the fused wgmma kernel, against dequantize + cuBLAS
 }
+#: The fused grad_x kernel at a prefill-sized M, against dequantize + cuBLAS (what ``matmul_t`` runs there).
 BWD_SWEEP = [sch.Config(128, 64, 128, 8, 3)]
 DEQUANT_BLOCKS = ((8, 128, 4), (16, 64, 4))
-
-
-def _resolve(cfg, m: int, layer: Layer, device: torch.device):
-    if isinstance(cfg, sch.DecodeConfig):
-        return sch.decode_config(m, layer.n, layer.k, device, cfg)
-    return sch.with_split(cfg, m, layer.n, layer.k, device)
 
 
 def sweep(layer: Layer) -> list[dict]:
@@ -183,19 +71,15 @@ def sweep(layer: Layer) -> list[dict]:
     for m, cfgs in SWEEP.items():
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         for cfg in cfgs:
-            cfg = _resolve(cfg, m, layer, x.device)
+            cfg = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
             out.append({"M": m, "kind": "fwd", "config": {"kernel": type(cfg).__name__, **cfg.__dict__},
                         "time_us": graph_time(layer.fwd_fns(x, cfg)) * 1e6})
-        if m >= 1024:
-            out.append({"M": m, "kind": "fwd", "config": "dequantize+cuBLAS", "time_us": graph_time(layer.dq_fwd_fns(x)) * 1e6})
     gy = torch.randn(4096, layer.n, device="cuda", dtype=torch.bfloat16)
     for cfg in BWD_SWEEP:
         out.append({"M": 4096, "kind": "bwd", "config": cfg.__dict__, "time_us": graph_time(layer.bwd_fns(gy, cfg)) * 1e6})
     out.append({"M": 4096, "kind": "bwd", "config": "dequantize+cuBLAS", "time_us": graph_time(layer.dq_bwd_fns(gy)) * 1e6})
     for block in DEQUANT_BLOCKS:
-        fns = [lambda q=q, block=block: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block)
-               for q in layer.q]
-        out.append({"M": 0, "kind": "dequantize", "config": list(block), "time_us": graph_time(fns) * 1e6})
+        out.append({"M": 0, "kind": "dequantize", "config": list(block), "time_us": graph_time(layer.dequant_fns(block)) * 1e6})
     return out
 
 
@@ -218,8 +102,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].set_ylabel("speedup (bf16 time / nvfp4 time)")
     axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120)
+    save_figure(fig, path)
 
 
 def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, complete: bool) -> dict:
@@ -238,11 +121,10 @@ def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, c
         "m1024_bwd_ratio": pick[1024]["bwd"]["speedup_vs_bf16"],
     }
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "device": torch.cuda.get_device_name(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "triton": __import__("triton").__version__, "cuda": torch.version.cuda},
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "versions": {**versions("triton"), "cuda": torch.version.cuda},
+        "command": command("benchmarks.gemm"),
         "method": "CUDA graph of R calls rotating over weight copies (>256 MB), median of 15 replays / R; "
                   "baseline: F.linear(x, W_bf16) and grad_y @ W_bf16 on the dequantized weight, same run; "
                   "copy bandwidth = max(eager copy_, in-graph SM copy kernel)",
@@ -251,7 +133,7 @@ def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, c
         "sweep_7b_down": sweep_rows,
         "rows": rows,
     }
-    atomic_write_text(out / "kernels.json", json.dumps(result, indent=1))
+    write_json(out / "kernels.json", result, indent=1)
     plot(rows, out / "kernels_speedup.png")
     return summary
 
@@ -261,8 +143,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results", help="folder for kernels.json and kernels_speedup.png")
     ap.add_argument("--quick", action="store_true", help="only the summary shape (smoke run)")
     args = ap.parse_args()
-    if not torch.cuda.is_available() or not ops.HAS_TRITON:
-        sys.exit("benchmarks/kernels.py: needs a CUDA device and triton")
+    if not torch.cuda.is_available() or not backend.HAS_TRITON:
+        sys.exit("benchmarks/gemm.py: needs a CUDA device and triton")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Triton kernels for the native decode step (imported only where Triton and a GPU exist).
+"""Triton kernels for the native engine's decode step (imported only where Triton and a GPU exist).
 
 Why these kernels: at batch 1 a 7B decode step streams ~4.8 GB of weights in ~1.1-1.5 ms, and an
 unfused RMSNorm, RoPE or attention costs 5-14 tiny launches each, times the layer count. Each kernel
@@ -14,8 +14,8 @@ R = 16-64 summed over the projections sharing x) is reduced by the kernel that *
 Those kernels split the row's K columns over programs (a GEMV over R x K at b=1 would otherwise be
 one SM reading ~340 KB); each program writes an fp32 partial of u, and the program that draws a
 row's last ticket sums the partials in split order (deterministic) and writes u in the activation
-dtype. Tickets are per row, zero between launches (the last program resets its own), allocated
-once per device outside graph capture. ``u`` comes back *segmented*: projection j's ``[M, r_j]``
+dtype. Tickets (``backend.tickets``) are per row, zero between launches (the last program resets its
+own). ``u`` comes back *segmented*: projection j's ``[M, r_j]``
 block is contiguous (``flat[start_j * M : end_j * M]``), so the FP4 kernel's LoRA epilogue reads it
 without a ``.contiguous()`` copy.
 """
@@ -26,20 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.kernels import backend
+
 #: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks.
 _TARGET_PROGRAMS = 264
-#: Rows a split shrink can reduce in one launch (one int32 ticket each).
-MAX_TICKET_ROWS = 4096
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, rows: int) -> torch.Tensor:
-    """The per-device row tickets; first called by an eager step (prefill or graph warm-up)."""
-    if rows > MAX_TICKET_ROWS:
-        raise ValueError(f"fused LoRA shrink over {rows} rows exceeds the ticket table ({MAX_TICKET_ROWS})")
-    if device not in _TICKETS:
-        _TICKETS[device] = torch.zeros(MAX_TICKET_ROWS, dtype=torch.int32, device=device)
-    return _TICKETS[device]
 
 
 def rank_pad(rank: int) -> int:
@@ -217,7 +207,7 @@ def rms_norm_shrink(
     u = torch.empty(m * rank, dtype=h.dtype, device=h.device)
     part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=h.device)
     _rms_norm_shrink_kernel[(m, nsplit)](
-        h, delta if delta is not None else h, weight, h_out, out, lora_a, u, part, _tickets(h.device, m),
+        h, delta if delta is not None else h, weight, h_out, out, lora_a, u, part, backend.tickets(h.device, m),
         m, k, eps, chunk, rank, bounds[0], bounds[1],
         HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, num_warps=warps,
     )  # fmt: skip
@@ -280,7 +270,7 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor) 
     u = torch.empty(m * rank, dtype=gate.dtype, device=gate.device)
     part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=gate.device)
     _silu_mul_shrink_kernel[(m, nsplit)](
-        gate, up, out, lora_a, u, part, _tickets(gate.device, m), m, k, chunk, rank, BK=bk, RP=rp, num_warps=4
+        gate, up, out, lora_a, u, part, backend.tickets(gate.device, m), m, k, chunk, rank, BK=bk, RP=rp, num_warps=4
     )
     return out, u
 
@@ -461,7 +451,7 @@ def decode_attention(
     if lora_a is not None:
         u = torch.empty(b * rank, dtype=q.dtype, device=q.device)
         part = torch.empty(b * h * rp, dtype=torch.float32, device=q.device)
-        tickets = _tickets(q.device, b)
+        tickets = backend.tickets(q.device, b)
     _attn_combine_kernel[(b * h,)](
         m, lsum, acc, out, lora_a if lora_a is not None else out, u if u is not None else out,
         part if part is not None else m, tickets if tickets is not None else m, nsplit, b, h, rank,

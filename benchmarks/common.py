@@ -1,0 +1,262 @@
+"""What the benchmark scripts share: CUDA-graph timing over rotating weight copies, the copy
+bandwidth it is compared with, random models of the real Qwen2.5 shapes, and the environment
+block, command line and atomic JSON write of every result file.
+
+Importable without a GPU or Triton (the CPU tests import the scripts): the Triton kernels are
+imported where a GPU path first needs them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl import nvfp4
+from qerl.fsutil import atomic_file, atomic_write_text
+
+#: Decoder shapes of Qwen2.5-7B (hidden 3584, intermediate 18944, 28 q / 4 kv heads of 128) and -32B.
+SHAPES = {
+    "7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
+    ),
+    "32b": dict(
+        hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8
+    ),
+}
+#: Qwen2.5's vocabulary (7B and up; untied LM head).
+VOCAB = 152064
+#: Prompt tokens of every rollout benchmark row (benchmarks/rollout.py, rollout_vllm.py).
+PROMPT = 256
+#: Bytes of weight copies a timing rotates over: > 4x the H200's 60 MB L2, so every call reads HBM.
+ROTATE_BYTES = 256 << 20
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def graph_time(fns: list[Callable[[], Any]], target_s: float = 2e-3, replays: int = 15) -> float:
+    """Median seconds per call of a CUDA graph that runs ``fns`` round-robin (R calls per replay)."""
+    for fn in fns:
+        fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    est = max((time.perf_counter() - t0) / len(fns), 1e-6)
+    reps = max(len(fns), min(256, int(target_s / est)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(reps):
+                fns[i % len(fns)]()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> dict[str, float]:
+    """Device-to-device copy bandwidth (bytes read + written per second) on 1 GiB, two ways.
+
+    ``copy_`` inside a CUDA graph becomes a memcpy node (copy engines, slower), so the eager
+    ``copy_`` (event-timed median) and an SM copy kernel in a graph (``mul(src, 1)``) are both
+    measured; the larger (``max``) is the ceiling.
+    """
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    nbytes = 2 * src.numel() * 4
+    times = []
+    for i in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    eager = nbytes / statistics.median(times)
+    kernel = nbytes / graph_time([lambda: torch.mul(src, 1.0, out=dst)], target_s=20e-3)
+    return {"eager_copy": eager, "graph_mul_copy": kernel, "max": max(eager, kernel)}
+
+
+class Layer:
+    """Rotating copies of one quantized weight, its bf16 dequantization and activations: each
+    ``*_fns`` list holds one call per copy, for ``graph_time``."""
+
+    def __init__(self, n: int, k: int) -> None:
+        self.n, self.k = n, k
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q = nvfp4.quantize(w)
+        self.packed_bytes = nvfp4.packed_nbytes(n, k)
+        copies = max(1, -(-ROTATE_BYTES // self.packed_bytes))
+        self.q = [q] + [nvfp4.NVFP4Tensors(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
+                        for _ in range(copies - 1)]  # fmt: skip
+        wd = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.bfloat16)
+        self.w = [wd] + [wd.clone() for _ in range(max(1, -(-ROTATE_BYTES // (2 * n * k))) - 1)]
+
+    def fwd_fns(self, x: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
+        from qerl.kernels import fp4_gemm as fg
+
+        return [lambda q=q: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config) for q in self.q]
+
+    def bwd_fns(self, gy: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
+        from qerl.kernels import fp4_gemm as fg
+
+        return [lambda q=q: fg.matmul_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config) for q in self.q]
+
+    def dq_fwd_fns(self, x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+        """The large-M path: dequantize to bf16, then cuBLAS."""
+        from qerl.kernels import fp4_gemm as fg
+
+        return [lambda q=q: F.linear(x, fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale)) for q in self.q]
+
+    def dq_bwd_fns(self, gy: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+        from qerl.kernels import fp4_gemm as fg
+
+        return [lambda q=q: gy @ fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale) for q in self.q]
+
+    def dequant_fns(self, block: tuple[int, int, int]) -> list[Callable[[], torch.Tensor]]:
+        """The dequantize kernel alone, with program ``block`` (rows, int32 words, warps)."""
+        from qerl.kernels import fp4_gemm as fg
+
+        return [lambda q=q: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block) for q in self.q]
+
+    def bf16_fwd_fns(self, x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+        return [lambda w=w: F.linear(x, w) for w in self.w]
+
+    def bf16_bwd_fns(self, gy: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+        return [lambda w=w: gy @ w for w in self.w]
+
+    def free(self) -> None:
+        self.q.clear()
+        self.w.clear()
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def random_model(
+    shape: dict[str, int],
+    vocab: int,
+    nvfp4: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    arch: str = "qwen2",
+    seed: int = 0,
+    **config: Any,
+) -> nn.Module:
+    """A random Qwen2 (or Llama, ``arch="llama"``) causal LM of ``shape`` built by ``random_causal_lm``:
+    4096 positions, rope theta 1e6, untied LM head, ``config`` on top (e.g. token ids)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config_cls(
+        vocab_size=vocab, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False, **shape, **config
+    )
+    return random_causal_lm(model_cls, cfg, nvfp4, device, dtype, seed)
+
+
+def random_causal_lm(
+    model_cls: type, cfg: object, nvfp4: bool, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> nn.Module:
+    """``model_cls(cfg)`` built straight on ``device`` (no dense copy of an NVFP4 model ever exists),
+    decoder Linears as ``NVFP4Linear`` when ``nvfp4`` (lm_head stays ``dtype``, as in a real checkpoint),
+    filled at random: FP4 codes uniform (never time on zeros), block scales in [0.25, 1.75), global
+    scale 150 (weights of rms ~0.02), norms 1, everything else N(0, 0.02)."""
+    from qerl.linear import NVFP4Linear, replace_linears
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_cls(cfg)
+            if nvfp4:
+                replace_linears(
+                    model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.empty_like(lin, dtype)
+                )
+    finally:
+        torch.set_default_dtype(default)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.dtype == torch.uint8:
+                t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.uint8))
+            elif t.dtype == torch.float8_e4m3fn:
+                t.copy_((torch.rand(t.shape, generator=gen, device=device) * 1.5 + 0.25).to(t.dtype))
+            elif name.endswith("weight_global_scale"):
+                t.fill_(150.0)  # E2M1 rms 2.9 x scale ~1 / 150 -> weight rms ~0.02
+            elif "norm" in name:
+                t.fill_(1.0)
+            elif "rotary" not in name:
+                t.normal_(0.0, 0.02, generator=gen)
+    with torch.device(device):  # to_empty left its inv_freq uninitialized
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+def versions(*packages: str) -> dict[str, str]:
+    """Python's, torch's and each importable one of ``packages``' version."""
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in packages:
+        try:
+            found[name] = importlib.import_module(name).__version__
+        except ImportError:
+            pass
+    return found
+
+
+def device_name(device: torch.device | None = None) -> str:
+    """The CUDA device's name, or for a CPU its core count and torch's thread count."""
+    if device is not None and device.type == "cpu":
+        return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return torch.cuda.get_device_name(device)
+
+
+def utc_now() -> str:
+    """The result's ``date``: UTC, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def command(module: str, argv: list[str] | None = None) -> str:
+    """The command line that reruns this result: ``python -m benchmarks.NAME ARGS``."""
+    return " ".join([Path(sys.executable).name, "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_json(path: Path, doc: object, indent: int = 2) -> None:
+    """``doc`` as JSON at ``path``, complete or not at all (temp file, then rename)."""
+    atomic_write_text(path, json.dumps(doc, indent=indent))
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """A matplotlib figure as a PNG at ``path``, complete or not at all."""
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120)

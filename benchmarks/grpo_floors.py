@@ -1,0 +1,121 @@
+"""The analytic side of benchmarks/grpo_step.py: shape counts, time floors and a peak-memory estimate
+of one GRPO step, with no device and no model (``python -m benchmarks.grpo_step --floors`` prints them).
+
+The memory estimate adds what a step holds at its peak (the training pass: forward + backward under
+gradient checkpointing), in the order the step allocates it:
+
+* ``weights``: decoder Linears packed (9/16 B per weight: 4-bit codes + one fp8 scale per 16) or bf16,
+  plus the bf16 embeddings and LM head;
+* ``trainable_states``: LoRA and norm parameters in fp32 with their gradient and AdamW's two moments
+  (16 B each);
+* ``engine_lora``: the native engine's bf16 copies of the LoRA weights;
+* ``kv_cache``: the engine's cache for the step's completions (it stays allocated between rollouts);
+* ``checkpointed``: one bf16 hidden state per layer and token of a micro-batch (gradient checkpointing);
+* ``layer_recompute``: one decoder layer's activations recomputed in the backward (the MLP's three
+  intermediate-sized tensors, four hidden-sized ones) and, for NVFP4, two bf16 copies of its largest
+  dequantized weight;
+* ``head_and_grads``: the rest of the training pass, modelled as ``HEAD_ACTIVATIONS`` hidden-sized bf16
+  tensors per token of a micro-batch (the chunked LM head's log-probs and the activation gradients).
+
+``HEAD_ACTIVATIONS`` is the one fitted constant: the H200 rows of benchmarks/results/grpo_step.json
+(7B and 32B NVFP4, n=8, 2048 new tokens, micro-batch 2) leave 1.13 and 1.75 GB of their training
+pass's peak unexplained by the other terms, 34 and 37 hidden-sized tensors per token; 36 makes the
+estimate 10.7 GB for the 7B (measured 10.9) and 34.2 GB for the 32B (measured 34.1 above what the
+previous configuration left allocated). Anything else (a bigger model) is an extrapolation.
+"""
+
+from __future__ import annotations
+
+#: Device-to-device copy bandwidth measured on the H200 (benchmarks/results/rollout_lora_b1*.json).
+COPY_BW = 4.24e12
+#: Dense bf16 matmul rate used as the training floor (H200, benchmarks/NOTES.md kernels floors).
+MATMUL_FLOPS = 790e12
+#: AdamW + clipping bytes per fp32 trainable parameter: read p, g, m, v and write p, m, v (28 B),
+#: the clip's norm read of g and its in-place scale (12 B).
+OPTIMIZER_BYTES_PER_PARAM = 40
+#: Qwen2.5-72B(-Instruct) config.json: hidden 8192, intermediate 29568, 80 layers, 64 heads, 8 KV heads
+#: (vocabulary 152064 as the 7B / 32B, untied LM head).
+QWEN2_5_72B = dict(
+    hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8
+)
+#: Hidden-sized bf16 tensors per token of a micro-batch that the training pass holds beyond the modelled
+#: terms (fitted on the 7B and 32B H200 rows; see the module docstring).
+HEAD_ACTIVATIONS = 36
+
+
+def shape_counts(shape: dict[str, int], vocab: int, lora_r: int) -> dict[str, int]:
+    """Parameter and byte counts of a Llama/Qwen2 shape that the floors need."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    head_dim = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * head_dim
+    in_out = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
+    return {
+        "layers": layers,
+        "hidden": h,
+        "linear_params": layers * sum(a * b for a, b in in_out),
+        "lm_head_params": h * vocab,
+        "lora_params": layers * lora_r * sum(a + b for a, b in in_out),
+        "norm_params": layers * 2 * h,
+        "kv_bytes_per_position": layers * 2 * kv * 2,  # K and V, bf16
+    }
+
+
+def floors(
+    shape: dict[str, int],
+    vocab: int,
+    nvfp4: bool,
+    n: int,
+    prompt: int,
+    tokens: int,
+    lora_r: int,
+    micro: int | None = None,
+) -> dict[str, float]:
+    """Lower bounds (seconds) of each phase; the derivation is in the module docstring and NOTES.md.
+    ``micro`` (default n) completions per training pass: NVFP4 dequantizes every weight once per pass."""
+    c = shape_counts(shape, vocab, lora_r)
+    passes = n // (micro or n)
+    weight_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2) + c["lm_head_params"] * 2
+    kv_mean = n * c["kv_bytes_per_position"] * (prompt + tokens / 2)
+    step_bytes = weight_bytes + c["lora_params"] * 2 + kv_mean
+    seq = prompt + tokens
+    # Forward flops: every token through the decoder Linears, only completion tokens through the LM
+    # head (trl scores those only), causal attention QK^T + PV = 2 * layers * hidden * seq^2 per row.
+    linear = 2 * c["linear_params"] * n * seq + 2 * c["lm_head_params"] * n * tokens
+    attention = 2 * c["layers"] * c["hidden"] * seq * seq * n
+    dequant = passes * c["linear_params"] * (9 / 16 + 2) / COPY_BW if nvfp4 else 0.0  # read FP4, write bf16, per pass
+    phases = {
+        "rollout_s": (tokens - 1) * step_bytes / COPY_BW,
+        "logprobs_s": (linear + attention) / MATMUL_FLOPS + dequant,
+        # forward + checkpoint recompute + input-gradient backward (3x the Linears; flash attention's
+        # backward is ~2x its forward, so 4x); LoRA weight gradients are < 1% and left out.
+        "fwd_bwd_s": (3 * linear + 4 * attention) / MATMUL_FLOPS + 3 * dequant,
+        "optimizer_s": (c["lora_params"] + c["norm_params"]) * OPTIMIZER_BYTES_PER_PARAM / COPY_BW,
+    }
+    return {
+        "decode_step_ms": step_bytes / COPY_BW * 1e3,
+        **phases,
+        "step_s": sum(phases.values()),
+        "weight_gb": weight_bytes / 1e9,
+        "step_flops_tflop": (4 * linear + 5 * attention) / 1e12,
+    }
+
+
+def memory_estimate(
+    shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, tokens: int, lora_r: int, micro: int
+) -> dict[str, float]:
+    """Peak memory (GB) of one GRPO step on one device: the terms of the module docstring, their sum
+    (``peak_gb``) and the part held at the step's start (``start_gb``). ``n``: completions on this device."""
+    c = shape_counts(shape, vocab, lora_r)
+    hidden, inter, seq = shape["hidden_size"], shape["intermediate_size"], prompt + tokens
+    linear_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2)
+    terms = {
+        "weights": linear_bytes + 2 * c["lm_head_params"] * 2,  # + embeddings, the same size as the head
+        "trainable_states": (c["lora_params"] + c["norm_params"]) * 16,
+        "engine_lora": c["lora_params"] * 2,
+        "kv_cache": c["kv_bytes_per_position"] * n * seq,
+        "checkpointed": c["layers"] * micro * seq * hidden * 2,
+        "layer_recompute": micro * seq * (3 * inter + 4 * hidden) * 2 + (2 * hidden * inter * 2 if nvfp4 else 0),
+        "head_and_grads": HEAD_ACTIVATIONS * micro * seq * hidden * 2,
+    }
+    start = sum(terms[k] for k in ("weights", "trainable_states", "engine_lora", "kv_cache"))
+    return {**{f"{k}_gb": v / 1e9 for k, v in terms.items()}, "start_gb": start / 1e9, "peak_gb": sum(terms.values()) / 1e9}

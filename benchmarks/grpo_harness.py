@@ -1,0 +1,328 @@
+"""The trainer side of benchmarks/grpo_step.py: a real QeRLTrainer on a random model, one GRPO step
+driven as transformers' inner loop drives it, and the instruments that split that step into phases.
+
+How the phases are driven (no ``trainer.train()``): a real QeRLTrainer is built (real QeRLConfig,
+trl's peft wrapping with ``qerl.lora.lora_config(16, train_norms=True)``, trl's fused LM head), then
+prepared as ``Trainer.train`` prepares it (``gradient_checkpointing_enable``, then transformers'
+``_prepare_for_training``: the trainer's own AdamW, ``accelerator.prepare`` of model and optimizer,
+the cosine schedule), then one step is run the way transformers' inner training loop runs it:
+``trainer.training_step(model, generation_batch)`` once per micro-step (GRPO's override: at the first,
+rollout + scoring + old log-probs of all 8 completions in ``_prepare_inputs``; at each, the loss +
+backward of its slice), then clip / step / schedule / zero_grad / global_step. Only those ~10 lines
+of the loop are reproduced here (``Trainer.train`` fuses the step into its epoch loop, where the
+phases cannot be split). The phase split comes from instance-level wrappers around the trainer's own
+methods (and accelerate's ``backward``, to count the passes); nothing in trl/transformers is patched.
+Each row records the passes' sizes (``micro_batch_rows``), the rollouts per step (1), the AdamW step
+count after warm-up + timed steps (1 + ``--steps``) and whether a LoRA weight moved before the optimizer phase (never).
+
+A tokenizer is built in memory (word-level, one word per model token id, so decoding for the reward
+works on random ids) whose EOS id lies *outside* the model's vocabulary: the sampler can never emit
+it, which forces every completion to the full length while the trainer still passes a real stop id.
+Truncated completions are kept in the loss (``mask_truncated_completions=False``): masking them, the
+recipe default, would drop every forced-length completion and skip the work being measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.common import random_model
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+
+def build_model(shape: dict[str, int], vocab: int, nvfp4: bool, device: torch.device, dtype: torch.dtype, arch: str) -> nn.Module:
+    """A random Qwen2/Llama (``arch``) causal LM of ``shape`` on ``device``, decoder Linears as ``NVFP4Linear``
+    when ``nvfp4``; not peft-wrapped. The weights of benchmarks/rollout.py's models (``common.random_model``,
+    seed 0), with no BOS, EOS or pad id in the config."""
+    model = random_model(shape, vocab, nvfp4, device, dtype, arch, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model.generation_config.eos_token_id = None  # the only stop id is the tokenizer's (never sampled)
+    return model
+
+
+def build_tokenizer(vocab: int) -> Any:
+    """Word-level tokenizer over words ``t0 .. t{vocab-1}`` (= model ids), pad ``t0``, EOS = id ``vocab``:
+    outside the model's vocabulary, so no rollout can stop early (forced length)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    words["<eos>"] = vocab
+    tok = Tokenizer(WordLevel(words, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="t0")
+
+
+def spread_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """Cheap reward with spread across a group (decoded lengths of random ids differ), so the
+    advantages, hence the gradients, are non-zero."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def make_trainer(
+    model: nn.Module, tokenizer: Any, prompt: dict[str, str], args: argparse.Namespace, out_dir: str
+) -> Any:
+    """A QeRLTrainer as ``qerl.train`` builds one, with the benchmark's batch and lengths (trl insists
+    on a train_dataset: the one prompt; the step is driven without its dataloader)."""
+    from datasets import Dataset
+
+    from qerl.lora import lora_config
+    from qerl.trainer import QeRLConfig, QeRLTrainer
+
+    accumulation = args.local_n // args.micro_batch  # per process: its share of the group, in micro-batches
+    config = QeRLConfig(
+        output_dir=out_dir, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_generations=args.n,
+        max_completion_length=args.tokens, max_steps=10, num_stages=10, save_strategy="no", report_to=[],
+        logging_steps=1, disable_tqdm=True, seed=0, gradient_checkpointing=True, mask_truncated_completions=False,
+    )  # fmt: skip
+    peft = lora_config(r=args.lora_r, train_norms=True)
+    trainer = QeRLTrainer(
+        model,
+        [spread_reward],
+        config,
+        train_dataset=Dataset.from_list([prompt]),
+        processing_class=tokenizer,
+        peft_config=peft,
+    )
+    # What Trainer.train does before its loop (transformers 5.17, `_inner_training_loop`): gradient
+    # checkpointing, then `_prepare_for_training`: AdamW, `accelerator.prepare(model, optimizer)` (with
+    # bf16 on CUDA this wraps the forward in bf16 autocast, as in every real run) and the cosine schedule.
+    gc_kwargs = dict(config.gradient_checkpointing_kwargs or {})
+    every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
+    trainer.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=gc_kwargs or None, every_n_layers=every_n_layers, offload=offload
+    )
+    trainer._prepare_for_training(config.max_steps, trainer.get_train_dataloader(), None)
+    # The warm-up runs as step 0 (AQN stage 0: noise-free), the timed steps as steps 1.. (noisy stages).
+    trainer.state.max_steps = config.max_steps
+    return trainer
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+class PhaseClock:
+    """Splits a step into contiguous segments and records wall time and peak allocated memory of each.
+
+    ``switch(name)`` synchronizes the device, charges the time and the peak since the previous switch
+    to the segment being left, resets the peak counter and enters ``name``. The segments cover the
+    step without gaps, so the step's peak is the largest segment peak.
+    """
+
+    def __init__(self, device: torch.device, profile: str | None = None) -> None:
+        self.cuda = device.type == "cuda"
+        self.stage = "build"  # coarse label for error reports: build, warm-up, step
+        self.current: str | None = None
+        self.seconds: dict[str, float] = {}
+        self.peak: dict[str, int] = {}
+        self.peak_reserved = 0  # the caching allocator's peak over the span: what a card must really hold
+        self._t = 0.0
+        self.profile_phase = profile  # this phase of the timed step runs under torch.profiler
+        self.profiled: tuple[Any, float] | None = None  # (finished profiler, its phase's seconds), once taken
+        self._profiler: Any = None
+
+    def switch(self, name: str | None) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.current is not None:
+            self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self._t
+            if self.cuda:
+                self.peak[self.current] = max(self.peak.get(self.current, 0), torch.cuda.max_memory_allocated())
+                self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved())
+        if self._profiler is not None and name != self.current:
+            self._profiler.__exit__(None, None, None)  # the device is synchronized: every kernel is in
+            self.profiled = (self._profiler, self.seconds[self.current])
+            self._profiler = None
+        elif (
+            name is not None  # switch(None) ends a span; without --profile, profile_phase is None too
+            and self.stage == "step"
+            and name == self.profile_phase
+            and name != self.current
+            and self.profiled is None
+        ):
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        # Profiler start/stop is charged to no phase.
+        self.current, self._t = name, time.perf_counter()
+
+    @contextmanager
+    def run(self) -> Iterator[PhaseClock]:
+        """One measured span: starts in ``other``, clears earlier segments."""
+        self.seconds, self.peak, self.current, self.peak_reserved = {}, {}, None, 0
+        self.switch("other")
+        try:
+            yield self
+        finally:
+            self.switch(None)
+
+
+class Probe:
+    """Instance-level wrappers on the trainer's own methods that mark the phase boundaries."""
+
+    def __init__(self, trainer: Any, switch: Callable[[str], None]) -> None:
+        self.completion_lengths: list[int] = []
+        self.decode_steps: float | None = None
+        self.rollouts = 0  # calls of the engine per step
+        self.micro_rows: list[int] = []  # completions in each backward pass of the step
+        self.weights_moved_in_accumulation = False  # a LoRA weight changed before the optimizer step
+        generate = trainer._generate_single_turn
+        logps = trainer._get_per_token_logps_and_entropies
+        prepare = trainer._prepare_inputs
+        backward = trainer.accelerator.backward
+        self.watched = next(p for n, p in trainer.model.named_parameters() if "lora_B" in n)
+        self.start_value = self.watched.detach().clone()
+
+        def rollout(*a: Any, **k: Any) -> Any:
+            switch("rollout")
+            try:
+                ids, lps = generate(*a, **k)
+            finally:
+                switch("other")
+            self.rollouts += 1
+            self.completion_lengths = [len(c) for c in ids]
+            self.decode_steps = trainer.rollout_engine().last_stats.get("decode_steps")
+            return ids, lps
+
+        def old_logprobs(*a: Any, **k: Any) -> Any:
+            if torch.is_grad_enabled():  # the loss's own forward: part of fwd_bwd
+                return logps(*a, **k)
+            switch("logprobs")
+            try:
+                return logps(*a, **k)
+            finally:
+                switch("other")
+
+        def prepared(*a: Any, **k: Any) -> Any:
+            out = prepare(*a, **k)
+            switch("fwd_bwd")
+            self.micro_rows.append(int(out["completion_ids"].shape[0]))
+            return out
+
+        def backward_pass(loss: torch.Tensor, **k: Any) -> None:
+            backward(loss, **k)
+            # Gradients accumulate; the weights may only move in the optimizer phase (a tiny compare).
+            self.weights_moved_in_accumulation |= not torch.equal(self.start_value, self.watched.detach())
+
+        trainer._generate_single_turn = rollout
+        trainer._get_per_token_logps_and_entropies = old_logprobs
+        trainer._prepare_inputs = prepared
+        trainer.accelerator.backward = backward_pass
+
+    def start_step(self) -> None:
+        """Forget the previous step's counts; the watched LoRA weight's value becomes the reference."""
+        self.rollouts, self.micro_rows, self.weights_moved_in_accumulation = 0, [], False
+        self.start_value = self.watched.detach().clone()
+
+
+def run_step(trainer: Any, prompts: list[dict[str, str]], switch: Callable[[str], None]) -> tuple[float, float]:
+    """One optimizer step as transformers' inner loop runs it with gradient accumulation: the loop hands
+    ``training_step`` the generation batch (trl's sampler repeats it ``steps_per_generation`` times) once
+    per micro-step; GRPO's ``_prepare_inputs`` generates, scores and computes the old log-probs of all n
+    completions at the first (``trainer._step % steps_per_generation == 0``), buffers them split into
+    micro-batches and returns the next slice at each later one; each micro-step's loss is divided by
+    ``current_gradient_accumulation_steps`` inside trl's loss and its backward adds into the gradients.
+    Then clip, optimizer and scheduler step, zero_grad, once (``switch`` marks the optimizer phase). Returns (loss summed over the micro-steps,
+    as the loop's ``tr_loss`` sums them; pre-clip grad norm)."""
+    model = trainer.model_wrapped
+    accumulation = trainer.args.gradient_accumulation_steps
+    trainer.current_gradient_accumulation_steps = accumulation  # set per optimizer step by the loop
+    losses = []
+    for i in range(accumulation):
+        # The loop's prefetch sets this by hand: gradients "sync" (and trl logs per-step metrics) on the last.
+        last = i == accumulation - 1
+        trainer.accelerator.gradient_state._set_sync_gradients(last)
+        # As the loop: under DDP the gradients are all-reduced in the last micro-step's backward only.
+        with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model):
+            losses.append(trainer.training_step(model, prompts, None))
+    switch("optimizer")
+    grad_norm = trainer._clip_grad_norm(model)
+    trainer.optimizer.step()
+    trainer.lr_scheduler.step()
+    model.zero_grad()
+    trainer.state.global_step += 1
+    return float(torch.stack(losses).sum()), float(grad_norm)
+
+
+def profile_table(prof: Any, wall_s: float, top: int = 12) -> dict[str, Any]:
+    """The profiled phase in a few lines: device-busy time against its wall time (a busy share far
+    below 1 means the GPU waited on the host), the top kernels by device time, and the top host ops
+    by self CPU time (where a per-call host cost of the qerl ops would show). Also printed."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.key_averages())
+    kernels = sorted((e for e in events if e.device_type != DeviceType.CPU and e.self_device_time_total > 0),
+                     key=lambda e: e.self_device_time_total, reverse=True)  # fmt: skip
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    host = sorted(
+        (e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total, reverse=True
+    )
+
+    def row(e: Any, us: float) -> dict[str, Any]:
+        return {"name": e.key[:90], "calls": e.count, "ms": round(us / 1e3, 2), "share": sig(us / max(busy_us, 1), 3)}
+
+    qerl_ops = {e.key: {"calls": e.count, "cpu_ms_total": round(e.cpu_time_total / 1e3, 2),
+                        "device_ms_total": round(e.device_time_total / 1e3, 2)}
+                for e in events if e.key.startswith("qerl::") or "qerl_nvfp4" in e.key}  # fmt: skip
+    table = {
+        "wall_s": sig(wall_s),
+        "device_busy_s": sig(busy_us / 1e6),
+        "device_busy_share": sig(busy_us / 1e6 / wall_s, 3) if wall_s > 0 else None,
+        "kernels": [row(e, e.self_device_time_total) for e in kernels[:top]],
+        "host_ops": [
+            {"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+            for e in host[:top]
+        ],
+        "qerl_ops": qerl_ops,
+    }
+    print(f"profile: wall {table['wall_s']} s, device busy {table['device_busy_s']} s ({table['device_busy_share']})")
+    for k in table["kernels"]:
+        print(f"  {k['ms']:10.2f} ms {k['share']:6.3f} {k['calls']:7d}x  {k['name']}")
+    for name, v in qerl_ops.items():
+        print(f"  {name}: {v}")
+    return table
+
+
+def round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def capture_decode_graphs(trainer: Any, args: argparse.Namespace, gen: torch.Generator, vocab: int) -> None:
+    """Capture every (batch, KV-length) decode graph the timed rollout replays: 8-token rollouts
+    through the trainer whose long prompts land in each KV bucket, largest first (sizes the cache once)."""
+    kv_block = trainer.rollout_engine().kv_block
+    saved = trainer.max_completion_length
+    trainer.max_completion_length = 8
+    try:
+        for end in range(round_up(args.prompt + args.tokens, kv_block), args.prompt, -kv_block):
+            ids = torch.randint(1, vocab, (end - 9,), generator=gen).tolist()
+            trainer._generate_single_turn([ids] * args.local_n, None, None, args.n)
+    finally:
+        trainer.max_completion_length = saved
+
+
+def gb(n: float | None) -> float | None:
+    return None if n is None else round(n / 1e9, 3)
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (tiny-mode floors are microseconds)."""
+    return float(f"{x:.{digits}g}")
+
+

@@ -1,0 +1,113 @@
+"""One way for every qerl command-line tool to report a user's mistake: ``error: <one line>`` on
+stderr and exit status 2, never a traceback.
+
+    from qerl.cli import ArgumentParser, UsageError, run
+
+    def main(argv: list[str] | None = None) -> ...:
+        args = ArgumentParser(prog="python -m tool").parse_args(argv)   # its errors: one line too
+        if args.steps < 1:
+            raise UsageError(f"--steps: expected a positive integer, got {args.steps}")
+
+    if __name__ == "__main__":
+        sys.exit(run(main))
+
+``UsageError`` is a ``SystemExit``, so a ``main`` called as a library function (or in a test) still
+stops with the message, and code written with the older ``raise SystemExit("message")`` is reported
+the same way by :func:`run`. Exceptions that mean bad input but come from libraries (a
+``FileNotFoundError`` for a missing path, say) are passed to :func:`run` as ``user_errors``; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+#: Exit status of a run stopped by a user error (argparse's own convention).
+USAGE_EXIT = 2
+#: Exit status of a run stopped by Ctrl-C (128 + SIGINT, what shells report).
+INTERRUPTED_EXIT = 130
+
+
+class UsageError(SystemExit):
+    """Bad input (a flag, a file, a setting), reported by :func:`run` as one line without a traceback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
+
+
+def one_line(message: object) -> str:
+    """The first non-blank line of ``message`` (a KeyError's key unquoted), stripped of an ``error:`` prefix."""
+    if isinstance(message, KeyError) and message.args:
+        message = message.args[0]
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    text = lines[0] if lines else type(message).__name__
+    return text.removeprefix("error:").strip()
+
+
+@contextmanager
+def usage_errors(*types: type[BaseException]) -> Iterator[None]:
+    """Within the block, exceptions of ``types`` are bad input reported by a library (a missing file,
+    a value a config class refused) and become :class:`UsageError`. Meant for a command's setup phase
+    only, so that the same exception types raised later, by a bug, keep their traceback."""
+    try:
+        yield
+    except types as e:
+        raise UsageError(one_line(e)) from e
+
+
+class StrictParsing:
+    """Mixin for ``argparse.ArgumentParser`` subclasses (trl's ``TrlParser`` included): no prefix
+    matching of long flags (``--learning_rat`` must not silently mean ``--learning_rate``) and parse
+    errors raised as :class:`UsageError` instead of argparse's usage dump."""
+
+    prog: str
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+class ArgumentParser(StrictParsing, argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with :class:`StrictParsing`."""
+
+
+def run(
+    main: Callable[[Sequence[str] | None], Any],
+    argv: Sequence[str] | None = None,
+    *,
+    user_errors: tuple[type[BaseException], ...] = (),
+) -> int:
+    """Call ``main(argv)`` and turn its outcome into an exit status for ``sys.exit``.
+
+    0 when it returns; 2 with ``error: <one line>`` on stderr for a :class:`UsageError`, a
+    ``SystemExit`` carrying a message, or one of ``user_errors``; 130 with ``interrupted`` on Ctrl-C.
+    A ``SystemExit`` with a numeric code (``--help``) passes through unchanged.
+    """
+    try:
+        main(argv)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            raise
+        return _fail(e.code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    except user_errors as e:
+        return _fail(e)
+    return 0
+
+
+def _fail(message: object) -> int:
+    print(f"error: {one_line(message)}", file=sys.stderr)
+    return USAGE_EXIT
+
+
+__all__ = ["ArgumentParser", "StrictParsing", "UsageError", "run", "usage_errors", "one_line", "USAGE_EXIT",
+           "INTERRUPTED_EXIT"]

@@ -1,0 +1,297 @@
+"""``python -m qerl.export``: fold a trained LoRA adapter (and its trained norms) into a normal checkpoint.
+
+    python -m qerl.export --model qmodel/Qwen2.5-7B-Instruct-NVFP4A16 --lora runs/7b/adapter --output export/7b
+    python -m qerl.export --model NVFP4_DIR --lora ADAPTER --output DIR --format nvfp4 [--method rtn]
+
+Training never merges the adapter (a bf16 delta cannot be folded into 4-bit codes in place), so a
+trained policy is the pair (NVFP4 checkpoint, peft adapter). A server wants one checkpoint. Here
+every Linear is dequantized to fp32, ``scaling * B @ A`` is added in fp32, and the sum is rounded to
+bf16 once; the adapter's ``modules_to_save`` tensors (the RMSNorms trained with ``--ln``) replace the
+checkpoint's. ``--format bf16`` (the default) writes that dense checkpoint; ``--format nvfp4``
+re-quantizes it with qerl's streaming quantizer (``--method`` as the quantize CLI) into an NVFP4A16
+checkpoint that vLLM serves like any other.
+
+Re-quantizing is lossy in a way that matters for RL adapters: a LoRA update smaller than half an FP4
+step rounds back to the base code. The export therefore measures, over all merged layers, the share
+of the LoRA delta the new codes keep (``<Q(W + d) - Q(W), d> / |d|^2``: 1 kept, 0 lost) and records it
+in ``qerl_export.json``; below one half it warns and suggests ``--format bf16``.
+
+Tensors stream one at a time (peak memory: one output shard plus a few fp32 copies of the largest
+Linear), the output appears atomically (temp dir, then rename), and an existing output is replaced
+only with ``--overwrite`` and only if this tool wrote it (its ``qerl_export.json`` marker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from qerl import checkpoint, hub, nvfp4, quantize
+from qerl.fsutil import atomic_directory
+
+logger = logging.getLogger("qerl.export")
+
+FORMATS = ("bf16", "nvfp4")
+#: Re-quantization methods qerl's quantizer offers (``--method`` of the quantize CLI).
+QUANT_METHODS = ("rtn",)
+#: Written into every export; an existing output without it is never replaced.
+MARKER = "qerl_export.json"
+_PEFT_PREFIX = "base_model.model."
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+#: Below this share of the LoRA delta kept by re-quantization, the NVFP4 export warns.
+RETAINED_WARNING = 0.5
+
+
+@dataclass
+class Adapter:
+    """A peft LoRA adapter read from disk: per target layer (A, B, scaling) and the dense overrides."""
+
+    path: Path
+    deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+    overrides: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def delta(self, layer: str) -> torch.Tensor:
+        """``scaling * B @ A`` in fp32."""
+        a, b, scaling = self.deltas[layer]
+        return (b.float() @ a.float()) * scaling
+
+
+def read_adapter(path: Path) -> Adapter:
+    """Read ``adapter_config.json`` and ``adapter_model.safetensors``; refuse what a merge cannot express."""
+    from peft import LoraConfig
+    from peft.utils.other import get_pattern_key
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"--lora {path}: not a directory; expected a peft adapter directory")
+    if not (path / "adapter_config.json").exists():
+        raise FileNotFoundError(f"--lora {path}: no adapter_config.json; expected a peft adapter directory")
+    weights = path / "adapter_model.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(f"--lora {path}: no adapter_model.safetensors (only safetensors adapters are read)")
+    try:
+        config = LoraConfig.from_pretrained(str(path))
+    except Exception as e:  # peft raises TypeError/ValueError/JSONDecodeError for foreign configs
+        raise ValueError(f"--lora {path}/adapter_config.json: not a LoRA config ({str(e).splitlines()[0]})") from None
+    refused = [name for name, on in (("use_dora", config.use_dora), ("lora_bias", config.lora_bias),
+                                     ("fan_in_fan_out", config.fan_in_fan_out), ("bias", config.bias != "none"))
+               if on]  # fmt: skip
+    if refused:
+        raise ValueError(f"--lora {path}: {refused[0]} is set; only plain LoRA (bias none) can be merged here")
+    try:
+        with safe_open(weights, framework="pt") as st:
+            state = {k: st.get_tensor(k) for k in st.keys()}
+    except Exception as e:
+        raise ValueError(f"{weights}: unreadable safetensors file ({e})") from None
+    adapter = Adapter(path)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        name = key.removeprefix(_PEFT_PREFIX)
+        suffix = next((s for s in _LORA_SUFFIXES if name.endswith(s)), None)
+        if suffix is not None:
+            pairs.setdefault(name[: -len(suffix)], {})[suffix[1:7]] = value
+        elif name.endswith(".weight") and any(name[: -len(".weight")].split(".")[-1] == m for m in config.modules_to_save or ()):
+            adapter.overrides[name] = value
+        else:
+            raise ValueError(f"{weights}: tensor {key!r} is neither a LoRA A/B weight nor a modules_to_save weight")
+    for layer, ab in sorted(pairs.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(f"{weights}: layer {layer!r} has {sorted(ab)} but needs both lora_A and lora_B")
+        a, b = ab["lora_A"], ab["lora_B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"{weights}: layer {layer!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; ranks differ")
+        # The scaling peft gives this layer (LoraModel._create_and_replace, LoraLayer.update_layer).
+        r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), layer), config.r)
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), layer), config.lora_alpha)
+        if r != a.shape[0]:
+            raise ValueError(f"{weights}: layer {layer!r} has rank {a.shape[0]} but adapter_config.json says {r}")
+        adapter.deltas[layer] = (a, b, alpha / math.sqrt(r) if config.use_rslora else alpha / r)
+    if not adapter.deltas and not adapter.overrides:
+        raise ValueError(f"{weights}: holds no LoRA or modules_to_save tensors")
+    return adapter
+
+
+@dataclass
+class MergeStats:
+    """Sums over the merged layers, for the record and the re-quantization check."""
+
+    layers: int = 0
+    overrides: int = 0
+    delta_sq: float = 0.0
+    weight_sq: float = 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"merged_layers": self.layers, "replaced_tensors": self.overrides,
+                "delta_rel_fro": math.sqrt(self.delta_sq / max(self.weight_sq, 1e-30))}  # fmt: skip
+
+
+def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_bytes: int | None = None) -> MergeStats:
+    """Write ``model_dir`` with ``adapter`` folded in as a dense bf16 safetensors checkpoint into ``out_dir``."""
+    config = checkpoint.read_config(model_dir)
+    tensors = checkpoint.TensorIndex(model_dir)
+    packed = checkpoint.packed_layers(tensors.names())
+    for layer in adapter.deltas:
+        if layer not in packed and f"{layer}.weight" not in tensors:
+            raise ValueError(f"--lora {adapter.path}: targets {layer!r}, which {model_dir} does not have; wrong base model?")
+    for name in adapter.overrides:
+        if name not in tensors and name.removesuffix(".weight") not in packed:
+            raise ValueError(f"--lora {adapter.path}: replaces {name!r}, which {model_dir} does not have; wrong base model?")
+    stats = MergeStats()
+    writer = quantize._ShardWriter(out_dir, max_shard_bytes)
+    for name in tensors.names():
+        layer, _, suffix = name.rpartition(".")
+        if layer in packed:
+            if suffix != checkpoint.PACKED:
+                continue  # the scales are read with their packed weight
+            base = _dequantized(tensors, layer)
+            name, dtype = f"{layer}.weight", torch.bfloat16
+        else:
+            base = tensors.get(name)
+            dtype = base.dtype  # a dense base keeps its own dtype
+        if name in adapter.overrides:
+            base = _checked(adapter.overrides[name], base, name, adapter.path)
+            stats.overrides += 1
+        if name == f"{layer}.weight" and layer in adapter.deltas:
+            delta = _checked(adapter.delta(layer), base, f"{layer} (B @ A)", adapter.path)
+            base = base.float() + delta
+            stats.layers += 1
+            stats.delta_sq += float(delta.square().sum())
+            stats.weight_sq += float(base.square().sum())
+        writer.add(name, base.to(dtype))
+    writer.finish()
+    if config.pop("quantization_config", None) is not None:  # the dequantized Linears are bf16 now
+        for key in ("dtype", "torch_dtype"):
+            if key in config:
+                config[key] = "bfloat16"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    quantize._copy_side_files(model_dir, out_dir)
+    return stats
+
+
+def _checked(value: torch.Tensor, target: torch.Tensor, name: str, adapter: Path) -> torch.Tensor:
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"--lora {adapter}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}")
+    return value
+
+
+def requantize(dense_dir: Path, out_dir: Path, ignore: tuple[str, ...], method: str) -> None:
+    """The dense merge -> NVFP4A16 through qerl's streaming quantizer (the quantize CLI's backend).
+
+    ``method`` is the quantize CLI's ``--method``; qerl's quantizer knows round-to-nearest only,
+    which it applies without being told, so only ``rtn`` reaches here (``QUANT_METHODS``)."""
+    if method not in QUANT_METHODS:
+        raise ValueError(f"--method: expected one of {QUANT_METHODS}, got {method!r}")
+    quantize.quantize_streaming(quantize.Source.open(dense_dir, ignore, quantize_lm_head=False), out_dir)
+
+
+def retained_share(model_dir: Path, dense_dir: Path, out_dir: Path, layers: list[str]) -> float | None:
+    """Share of the LoRA delta that the re-quantized weights keep, over all merged quantized layers:
+    ``<Q(W') - W_hat, W' - W_hat> / |W' - W_hat|^2`` with W_hat the original NVFP4 weight, W' the bf16
+    merge and Q(W') its re-quantization. None when no quantized layer was merged."""
+    original, dense, requantized = (checkpoint.TensorIndex(d) for d in (model_dir, dense_dir, out_dir))
+    dot = norm = 0.0
+    for layer in layers:
+        if f"{layer}.{checkpoint.PACKED}" not in original or f"{layer}.{checkpoint.PACKED}" not in requantized:
+            continue
+        w_hat = _dequantized(original, layer)
+        delta = dense.get(f"{layer}.weight").float() - w_hat
+        dot += float(((_dequantized(requantized, layer) - w_hat) * delta).sum())
+        norm += float(delta.square().sum())
+    return None if norm == 0 else dot / norm
+
+
+def _dequantized(tensors: checkpoint.TensorIndex, layer: str) -> torch.Tensor:
+    return nvfp4.dequantize(*(tensors.get(f"{layer}.{s}") for s in checkpoint.QUANTIZED_SUFFIXES), torch.float32)
+
+
+def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> None:
+    """Refuse an output that is one of the inputs, or exists and was not written by this tool, or
+    exists without ``--overwrite``."""
+    if any(out.resolve() == p.resolve() for p in inputs):
+        raise ValueError(f"--output {out}: is one of the inputs; choose a new directory")
+    if not out.exists():
+        return
+    if not (out / MARKER).is_file():
+        raise FileExistsError(f"--output {out}: exists and was not written by qerl.export (no {MARKER}); refusing to replace it")
+    if not overwrite:
+        raise FileExistsError(f"--output {out}: exists (an earlier export); pass --overwrite to replace it")
+
+
+def export(
+    model: str | Path,
+    lora: str | Path,
+    output: str | Path,
+    *,
+    fmt: str = "bf16",
+    method: str = "rtn",
+    overwrite: bool = False,
+    max_shard_bytes: int | None = None,
+) -> dict:
+    """Merge ``lora`` into ``model`` and write ``output`` (format ``bf16`` or ``nvfp4``); returns the
+    record also written to ``output/qerl_export.json``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format: expected one of {FORMATS}, got {fmt!r}")
+    if fmt == "nvfp4" and method not in QUANT_METHODS:
+        raise ValueError(f"--method: expected one of {QUANT_METHODS}, got {method!r}")
+    model_dir = hub.local_model_dir(model, what="--model")
+    source_config = checkpoint.read_config(model_dir)
+    adapter_dir, out = Path(lora), Path(output)
+    check_output(out, overwrite, (model_dir, adapter_dir))
+    adapter = read_adapter(adapter_dir)
+    record: dict = {"tool": "qerl.export", "model": str(model), "lora": str(adapter_dir), "format": fmt,
+                    "quantized_source": checkpoint.is_nvfp4_config(source_config)}  # fmt: skip
+    with atomic_directory(out) as tmp:
+        if fmt == "bf16":
+            stats = merge_to_dense(model_dir, adapter, tmp, max_shard_bytes)
+        else:
+            ignore = tuple((source_config.get("quantization_config") or {}).get("ignore") or quantize.DEFAULT_IGNORE)
+            with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.bf16-") as scratch:
+                dense = Path(scratch)
+                stats = merge_to_dense(model_dir, adapter, dense, max_shard_bytes)
+                requantize(dense, tmp, ignore, method)
+                record["method"] = method
+                record["lora_delta_retained"] = retained_share(model_dir, dense, tmp, list(adapter.deltas))
+        record.update(stats.as_dict())
+        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+    kept = record.get("lora_delta_retained")
+    if kept is not None and kept < RETAINED_WARNING:
+        logger.warning("re-quantization kept only %.0f%% of the LoRA update (smaller than the FP4 steps); "
+                       "--format bf16 keeps all of it", 100 * kept)  # fmt: skip
+    return record
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--model", required=True, help="the checkpoint the adapter was trained on (NVFP4 or dense dir, hub id)")
+    p.add_argument("--lora", required=True, help="peft adapter directory (e.g. RUN/adapter or RUN/checkpoint-N)")
+    p.add_argument("--output", required=True, help="output directory (written atomically)")
+    p.add_argument("--format", default="bf16", choices=FORMATS, help="bf16: dense merge; nvfp4: re-quantized merge")
+    p.add_argument("--method", default="rtn", choices=QUANT_METHODS, help="re-quantization method (--format nvfp4)")
+    p.add_argument("--max-shard-gb", type=float, default=4.0, help="output shard size")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        record = export(args.model, args.lora, args.output, fmt=args.format, method=args.method,
+                        overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))  # fmt: skip
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, KeyError) as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: {json.dumps(record)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Content digests of model, checkpoint and adapter directories, so that resuming keys on what the
+weights *are*, not on the path they were found at (a run retrained into the same directory, or a
+model re-quantized in place, must not be taken for the old one).
+
+Hashing a 32B checkpoint reads ~20 GB, so each file's digest is remembered in
+``$QERL_CACHE/file-digests.json`` under its resolved path together with its size, inode and
+modification/change times (ns); any write, rename onto it or ``touch`` changes one of those and the
+file is read again (the blind spot, a same-size rewrite in place within one tick of the kernel's
+file clock, a few ms, does not happen between a training run and its evaluation). Entries of files
+that no longer exist are dropped; losing the cache (or a concurrent writer's entry) only costs a re-read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from qerl.fsutil import atomic_write_text
+
+_CACHE_NAME = "file-digests.json"
+_BLOCK = 1 << 20
+
+
+def _cache_path() -> Path:
+    from qerl.hub import cache_dir
+
+    return cache_dir() / _CACHE_NAME
+
+
+def _load_cache() -> dict[str, list]:
+    try:
+        cache = json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _file_sha256(path: Path, cache: dict[str, list]) -> str:
+    key = str(path.resolve())
+    stamp = _stamp(path.stat())
+    known = cache.get(key)
+    if isinstance(known, list) and known[:-1] == stamp:
+        return known[-1]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_BLOCK), b""):
+            h.update(block)
+    cache[key] = [*stamp, h.hexdigest()]
+    return h.hexdigest()
+
+
+def tree_sha256(path: str | os.PathLike[str]) -> str | None:
+    """sha256 over every regular file below ``path`` (relative name and content; symlinks followed, as
+    in hub snapshots), or of the file itself; None when ``path`` does not exist."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        return None
+    cache = _load_cache()
+    before = dict(cache)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(root) if f != root else f.name}\0{_file_sha256(f, cache)}\n".encode())
+    if cache != before:
+        try:
+            live = {k: v for k, v in cache.items() if os.path.exists(k)}
+            atomic_write_text(_cache_path(), json.dumps(live))
+        except OSError:  # a read-only cache only costs speed
+            pass
+    return h.hexdigest()
+
+
+def model_sha256(name_or_path: str | os.PathLike[str]) -> str | None:
+    """Digest of the model behind a ``--model`` argument: its local directory (the embedded default
+    included) or file; None for a hub id, or for a path that is no model (missing, or a directory
+    without config.json, which is not read: loading it will fail with the reason)."""
+    from qerl.hub import resolve_model
+
+    try:
+        resolved = resolve_model(name_or_path)
+    except FileNotFoundError:
+        return None
+    if isinstance(resolved, str) or (resolved.is_dir() and not (resolved / "config.json").is_file()):
+        return None
+    return tree_sha256(resolved)
+
+
+def adapter_sha256(path: str | os.PathLike[str]) -> str | None:
+    """Digest of a peft adapter directory; None unless it holds adapter_config.json (then it is no adapter,
+    and nothing below it, which might be a whole home directory, is read)."""
+    root = Path(path).expanduser()
+    return tree_sha256(root) if (root / "adapter_config.json").is_file() else None
+
+
+__all__ = ["adapter_sha256", "model_sha256", "tree_sha256"]

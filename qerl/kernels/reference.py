@@ -1,0 +1,106 @@
+"""Plain-torch versions of every kernel in ``qerl.kernels``: what runs where Triton does not (CPU,
+fp32, ``QERL_TRITON=0``), and what each kernel is tested against. Same signatures as the kernels,
+less their fused LoRA shrinks (``qerl.rollout.ops`` computes those inputs separately here).
+
+Rounding follows transformers' modules (fp32 norm math cast back to the activation dtype, softmax in
+fp32), so the native engine on this path matches a transformers forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qerl import nvfp4
+
+
+def mm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    gscale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_u: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+) -> torch.Tensor:
+    """``x @ W_hat^T + bias + lora_scale * lora_u @ lora_b^T``: dequantize to x's dtype, then plain
+    matmuls (``fp4_gemm.matmul``'s reference). Autograd flows to x, bias and the LoRA operands."""
+    w = nvfp4.dequantize(packed, scale, gscale, dtype=x.dtype)
+    y = F.linear(x, w, bias)
+    if lora_u is not None:
+        y = y + lora_scale * (lora_u.to(x.dtype) @ lora_b.to(x.dtype).t())
+    return y
+
+
+def mm_t(grad_y: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+    """``grad_y @ W_hat`` (``fp4_gemm.matmul_t``'s reference)."""
+    return grad_y @ nvfp4.dequantize(packed, scale, gscale, dtype=grad_y.dtype)
+
+
+def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += delta`` in place (the residual stream), then RMSNorm of it in h's dtype."""
+    if delta is not None:
+        h.add_(delta)
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * hf.to(h.dtype)).to(h.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[..., T, H, D]``, cos/sin broadcastable ``[..., T, 1, D]``."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_and_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, d: int,
+) -> torch.Tensor:  # fmt: skip
+    """RoPE one token per row (q ``[B, H*D]`` -> ``[B, H, D]``) and write its k/v at slot ``pos``."""
+    b = q.shape[0]
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    rows = torch.arange(b, device=q.device)
+    k_cache[rows, :, pos] = apply_rope(k.view(b, num_kv_heads, d), c, s)
+    v_cache[rows, :, pos] = v.view(b, num_kv_heads, d)
+    return apply_rope(q.view(b, num_heads, d), c, s)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query token per row against a static cache -> ``[B, H*D]``; row ``i`` attends to slots
+    ``<= pos[i]``. GQA views q as ``[B, Hkv, G, D]`` so each cache byte is read once."""
+    valid = torch.arange(k_cache.shape[2], device=q.device)[None, :] <= pos[:, None]
+    b, h, d = q.shape
+    hkv = k_cache.shape[1]
+    qg = q.view(b, hkv, h // hkv, d)
+    scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
+    return torch.matmul(probs, v_cache).reshape(b, h * d)
+
+
+def finish_step(
+    tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, row_id: torch.Tensor, stop: torch.Tensor,
+    step: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, out_tok: torch.Tensor, out_lp: torch.Tensor,
+    pad_id: int,
+) -> None:  # fmt: skip
+    """Record this step's tokens/log-probs (pad and 0 for finished rows), mark stop tokens done, feed
+    the tokens back, advance positions and the step counter."""
+    tok = torch.where(done, pad_id, tok)
+    lp = torch.where(done, 0.0, lp)
+    out_tok[row_id, step] = tok
+    out_lp[row_id, step] = lp
+    done |= (tok[:, None] == stop[None, :]).any(-1)
+    tokens.copy_(tok)
+    pos.add_(1)
+    step.add_(1)

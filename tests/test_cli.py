@@ -1,0 +1,67 @@
+"""qerl.cli: user errors become one ``error: ...`` line and exit 2; bugs keep their traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from qerl.cli import ArgumentParser, UsageError, run
+
+
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="tool")
+    parser.add_argument("--learning_rate", type=float, default=1.0)
+    return parser
+
+
+def test_usage_error_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    def main(argv: list[str] | None) -> None:
+        raise UsageError("--steps: expected a positive integer, got 0\n(details)")
+
+    assert run(main, []) == 2
+    assert capsys.readouterr().err == "error: --steps: expected a positive integer, got 0\n"
+
+
+def test_plain_string_system_exit_and_user_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    def old_style(argv: list[str] | None) -> None:
+        raise SystemExit("--data x.jsonl: no such file")
+
+    def missing(argv: list[str] | None) -> None:
+        raise FileNotFoundError("model path 'a/b' does not exist")
+
+    assert run(old_style) == 2
+    assert capsys.readouterr().err == "error: --data x.jsonl: no such file\n"
+    assert run(missing, user_errors=(FileNotFoundError,)) == 2
+    assert capsys.readouterr().err == "error: model path 'a/b' does not exist\n"
+    with pytest.raises(FileNotFoundError):  # not declared a user error: a bug, with its traceback
+        run(missing)
+
+
+def test_success_help_and_interrupt(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(lambda argv: None) == 0
+    with pytest.raises(SystemExit) as info:
+        run(lambda argv: _parser().parse_args(["--help"]))
+    assert info.value.code == 0
+
+    def interrupted(argv: list[str] | None) -> None:
+        raise KeyboardInterrupt
+
+    assert run(interrupted) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_parser_no_prefix_matching_and_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _parser().parse_args(["--learning_rate", "2"]).learning_rate == 2.0
+    with pytest.raises(UsageError, match=r"unrecognized arguments: --learning_rat 2 \(see tool --help\)"):
+        _parser().parse_args(["--learning_rat", "2"])
+    assert run(lambda argv: _parser().parse_args(argv), ["--learning_rate", "fast"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --learning_rate: invalid float value: 'fast'") and err.count("\n") == 1
+
+
+def test_usage_errors_only_inside_the_block() -> None:
+    from qerl.cli import usage_errors
+
+    with pytest.raises(UsageError, match=r"^--rewards: unknown \['x'\]$"), usage_errors(ValueError):
+        raise ValueError("--rewards: unknown ['x']\nmore")
+    with pytest.raises(KeyError), usage_errors(ValueError):
+        raise KeyError("a bug, not bad input")

@@ -1,0 +1,95 @@
+"""The tiny random Llama / Qwen2 models the tests build, in one place.
+
+Every builder seeds torch's global generator first, so a test that names a seed gets the same
+weights on every run and machine. ``tiny_model`` is the one constructor; the others add what a
+group of tests needs: the rollout-engine variants (``tiny_llama``, ``tiny_qwen2``, ``nvfp4_lora``)
+and checkpoints on disk (``make_tiny_llama``, ``make_tiny_chat_model``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import get_peft_model
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+from qerl.linear import NVFP4Linear, replace_linears
+from qerl.lora import lora_config
+
+#: The tiny decoder: 2 layers, hidden 64, intermediate 128, 4 heads over 2 KV heads, 256 tokens.
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2,
+)  # fmt: skip
+#: The rollout-engine tests' additions: 512 positions, and peaked logits (initializer range 0.2) so
+#: that greedy paths do not collapse into one loop.
+ENGINE = dict(max_position_embeddings=512, initializer_range=0.2)
+_ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **config: Any) -> PreTrainedModel:
+    """A random ``arch`` ("llama" or "qwen2") causal LM of ``TINY`` updated by ``config``, in fp32,
+    its weights drawn after ``torch.manual_seed(seed)``."""
+    config_cls, model_cls = _ARCHS[arch]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**{**TINY, **config}))
+
+
+def tiny_llama(seed: int = 0, **config: Any) -> nn.Module:
+    """The rollout-engine tests' Llama (``ENGINE``, rope theta 500), in eval mode."""
+    return tiny_model("llama", seed, **{**ENGINE, "rope_theta": 500.0, **config}).eval()
+
+
+def tiny_qwen2(seed: int = 0, **config: Any) -> nn.Module:
+    """The rollout-engine tests' Qwen2: q/k/v biases N(0, 0.5), tied embeddings, rope theta 20000, eval mode."""
+    model = tiny_model("qwen2", seed, **{**ENGINE, "tie_word_embeddings": True, "rope_theta": 20000.0, **config}).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+def nvfp4_lora(model: nn.Module, seed: int = 1) -> nn.Module:
+    """Swap decoder Linears for NVFP4Linear, wrap in peft LoRA r=4 with a nonzero B, perturb the norms."""
+    replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin))
+    peft_model = get_peft_model(model, lora_config(r=4, train_norms=True)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name or "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif "modules_to_save" in name:
+                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    return peft_model
+
+
+def make_tiny_llama(
+    out_dir: Path, *, hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 256, seed: int = 0,
+    **overrides: Any,
+) -> Path:  # fmt: skip
+    """A random tiny Llama (tied embeddings, matrices N(0, 0.05)) saved as a bf16 safetensors directory
+    (for fast format/loader tests)."""
+    model = tiny_model(
+        "llama", seed, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, vocab_size=vocab,
+        tie_word_embeddings=True, **overrides,
+    ).to(torch.bfloat16)  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.05)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random tiny Llama that speaks SmolLM2's vocabulary (its tokenizer and chat template copied in):
+    a model the trainer and the evaluation CLIs load and run end to end in about a second."""
+    out = make_tiny_llama(out_dir, vocab=49152, bos_token_id=1, eos_token_id=2, seed=seed)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
