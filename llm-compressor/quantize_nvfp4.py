@@ -3,9 +3,12 @@
     python llm-compressor/quantize_nvfp4.py --model smollm2-135m
     python llm-compressor/quantize_nvfp4.py --model Qwen/Qwen2.5-7B-Instruct --output qmodel/qwen7b
     python llm-compressor/quantize_nvfp4.py --model DIR --gguf-file model.gguf --backend qerl
+    python llm-compressor/quantize_nvfp4.py --model smollm2-135m --method gptq --calibration-samples 128
 
-Same flags as the QeRL reference script. The default backend streams tensor by tensor (bounded
-memory); ``--backend llmcompressor`` runs llm-compressor's own oneshot and writes the same bytes.
+Same flags as the QeRL reference script, plus ``--method``. The default backend streams tensor by
+tensor (bounded memory); ``--backend llmcompressor`` runs llm-compressor's own oneshot and writes the
+same bytes. ``--method mse`` searches block scales without data (streaming); ``--method gptq`` runs
+llm-compressor's GPTQ on calibration text (default: GSM8K rows bundled with qerl).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from qerl.quantize import default_output, quantize_checkpoint  # noqa: E402
+from qerl.quant.calibration import DEFAULT_MAX_TOKENS, DEFAULT_SAMPLES, Calibration  # noqa: E402
+from qerl.quantize import METHOD_BACKENDS, default_output, quantize_checkpoint  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,7 +28,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model directory, hub id, or 'smollm2-135m' (embedded default)")
     p.add_argument("--gguf-file", default=None, help="a GGUF file (path, or name inside --model's directory)")
     p.add_argument("--output", default=None, help="output directory (default ./qmodel/<name>-NVFP4A16)")
-    p.add_argument("--backend", default="auto", choices=["auto", "qerl", "llmcompressor"])
+    p.add_argument("--backend", default="auto", choices=["auto", "qerl", "llmcompressor"],
+                   help="auto: qerl (streaming) for rtn and mse, llmcompressor for gptq")
+    p.add_argument("--method", default="rtn", choices=list(METHOD_BACKENDS),
+                   help="rtn: round-to-nearest (llm-compressor's bytes); mse: data-free block-scale search; "
+                        "gptq: GPTQ on calibration text (needs the quantize extra)")
+    p.add_argument("--calibration-data", type=Path, default=None,
+                   help="gptq: .jsonl/.json/.parquet with a 'text' or 'question'+'answer' columns "
+                        "(default: the bundled GSM8K training rows)")
+    p.add_argument("--calibration-samples", type=int, default=None,
+                   help=f"gptq: how many rows to calibrate on (default {DEFAULT_SAMPLES})")
+    p.add_argument("--calibration-max-tokens", type=int, default=None,
+                   help=f"gptq: tokens kept per row (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--ignore", nargs="+", default=[],
                    help="Linear modules to keep in bf16 besides lm_head: full or last-part names (down_proj) "
                         "or re:REGEX patterns matched against full names, for both backends")
@@ -54,8 +69,17 @@ def sample_generation(out_dir: Path, prompt: str = "What is 12 * 7? Answer brief
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     output = args.output or default_output(args.gguf_file or args.model)
+    given = (args.calibration_data, args.calibration_samples, args.calibration_max_tokens)
+    calibration = None
+    if any(v is not None for v in given) or args.method == "gptq":
+        calibration = Calibration(
+            args.calibration_data,
+            DEFAULT_SAMPLES if args.calibration_samples is None else args.calibration_samples,
+            DEFAULT_MAX_TOKENS if args.calibration_max_tokens is None else args.calibration_max_tokens,
+        )
     try:
         out_dir = quantize_checkpoint(args.model, output, gguf_file=args.gguf_file, backend=args.backend,
+                                     method=args.method, calibration=calibration,
                                      overwrite=args.overwrite, ignore=tuple(args.ignore),
                                      quantize_lm_head=args.quantize_lm_head,
                                      max_shard_bytes=int(args.max_shard_gb * (1 << 30)))

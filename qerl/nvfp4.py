@@ -122,36 +122,43 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
 
 
-def block_scales(weight: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
-    """FP8 block scales fp8(g * amax_block / 6), zeros replaced by 0.125.
+def block_scales(weight: torch.Tensor, gscale: torch.Tensor, target: float = FP4_MAX) -> torch.Tensor:
+    """FP8 block scales fp8(g * amax_block / target), zeros replaced by 0.125.
 
-    amax_block / 6 is computed in the weight's own dtype before the fp32 multiply by g,
-    because that is where compressed-tensors' observer rounds it.
+    ``target`` is the E2M1 magnitude a block's largest value maps to: 6 (the min/max scale every
+    other tool uses) or less, which :mod:`qerl.quant.mse` tries. amax_block / target is computed in
+    the weight's own dtype before the fp32 multiply by g, because that is where compressed-tensors'
+    observer rounds it.
     """
     n, k = weight.shape
     amax = weight.detach().reshape(n, k // GROUP_SIZE, GROUP_SIZE).abs().amax(dim=-1)
-    local = amax / torch.tensor(FP4_MAX, dtype=amax.dtype)
+    local = amax / torch.tensor(target, dtype=amax.dtype)
     scaled = gscale.float() * local
     fp8 = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     fp8 = torch.where(fp8.float() == 0, torch.tensor(ZERO_SCALE_REPLACEMENT).to(torch.float8_e4m3fn), fp8)
     return fp8
 
 
-def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None) -> NVFP4Tensors:
-    """Quantize a ``[N, K]`` weight to NVFP4 with round-to-nearest min/max scales.
+def round_blocks(weight: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes ``[N, K]`` of ``weight`` under block scales ``scale`` and global scale ``gscale``."""
+    step = scale.float() / gscale.float()  # the quantization step of each block, fp32 as compressed-tensors
+    n, k = weight.shape
+    x = weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE) / step.unsqueeze(-1)
+    return round_to_e2m1(x.clamp(-FP4_MAX, FP4_MAX)).reshape(n, k)
+
+
+def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> NVFP4Tensors:
+    """Quantize a ``[N, K]`` weight to NVFP4 by rounding to nearest.
 
     ``gscale`` lets fused layers (q/k/v, gate/up) share one global scale; by default the
-    weight's own is used.
+    weight's own is used. ``scale`` gives the FP8 block scales (``[N, K/16]``, a search's result);
+    by default they are the min/max ones, as llm-compressor's.
     """
     check_quantizable(weight.shape)
     weight = weight.detach()
     g = global_scale(weight) if gscale is None else gscale.float().reshape(1)
-    scale = block_scales(weight, g)
-    step = scale.float() / g  # the quantization step of each block, fp32 as compressed-tensors
-    n, k = weight.shape
-    x = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE) / step.unsqueeze(-1)
-    codes = round_to_e2m1(x.clamp(-FP4_MAX, FP4_MAX)).reshape(n, k)
-    return NVFP4Tensors(pack_fp4(codes), scale, g.to(torch.float32))
+    scale = block_scales(weight, g) if scale is None else scale
+    return NVFP4Tensors(pack_fp4(round_blocks(weight, scale, g)), scale, g.to(torch.float32))
 
 
 def dequantize(

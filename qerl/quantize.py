@@ -1,14 +1,21 @@
 """Turn a Hugging Face checkpoint into an NVFP4A16 compressed-tensors checkpoint.
 
-Two backends write byte-identical files:
+Two backends; for the default method they write byte-identical files:
 
 * ``qerl`` streams tensor by tensor from the safetensors shards: peak RAM is about one tensor plus
   one output shard, whatever the model size (a 32B model quantizes on a 24 GB machine);
 * ``llmcompressor`` runs llm-compressor's ``oneshot`` with ``QuantizationModifier(scheme="NVFP4A16")``
   where that package is installed (it loads the whole model).
 
-Round-to-nearest with min/max scales, no calibration data: exactly what the QeRL reference script
-does (qerl_method.md §2.3), and the only variant that is deterministic and reproducible by vLLM users.
+Three methods, one format (``qerl.nvfp4``), which vLLM and ``qerl.loader`` read unchanged:
+
+* ``rtn`` (default): round-to-nearest with min/max scales, no calibration data: exactly what the
+  QeRL reference script does (qerl_method.md §2.3), deterministic and reproducible by vLLM users;
+* ``mse``: the same, with each block's FP8 scale chosen by reconstruction error (``qerl.quant.mse``),
+  still data-free and streaming;
+* ``gptq``: llm-compressor's GPTQ on calibration text (``qerl.quant.calibration``); it needs the
+  whole model and the ``quantize`` extra, and it closes most of rtn's quality gap
+  (benchmarks/results/quality_cpu.json).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -30,10 +37,15 @@ from tqdm import tqdm
 
 from qerl import arch, checkpoint, hub, nvfp4
 from qerl.fsutil import atomic_directory
-from qerl.quant import target
+from qerl.quant import mse, target
+from qerl.quant.calibration import Calibration
 from qerl.quant.source import SourceModel, check_finite
 
 Backend = Literal["auto", "qerl", "llmcompressor"]
+Method = Literal["rtn", "mse", "gptq"]
+#: The backends that implement each method, the first one being what ``auto`` picks.
+METHOD_BACKENDS: dict[str, tuple[str, ...]] = {"rtn": ("qerl", "llmcompressor"), "mse": ("qerl",),
+                                               "gptq": ("llmcompressor",)}
 #: Output shard size: the streaming backend's peak memory is about one shard plus one tensor.
 _SHARD_BYTES = 4 << 30
 
@@ -145,9 +157,14 @@ class Source:
         return cls(src, model, tensors, names, ignored)
 
 
-def quantize_streaming(source: Source, out_dir: Path, max_shard_bytes: int | None = None) -> None:
-    """The qerl backend: two passes over the shards, one tensor in memory at a time."""
+def quantize_streaming(source: Source, out_dir: Path, method: Method = "rtn", max_shard_bytes: int | None = None) -> None:
+    """The qerl backend: two passes over the shards, one tensor in memory at a time.
+
+    ``rtn`` rounds with min/max block scales (llm-compressor's bytes); ``mse`` searches each
+    block's scale (:mod:`qerl.quant.mse`). Both write the same format with the same global scales.
+    """
     src, tensors, names = source.path, source.tensors, source.names
+    quantize_weight = mse.quantize if method == "mse" else nvfp4.quantize
     scales = global_scales(tensors, names)
     quantized = {f"{n}.weight": n for n in names}
     writer = _ShardWriter(out_dir, max_shard_bytes)
@@ -155,7 +172,7 @@ def quantize_streaming(source: Source, out_dir: Path, max_shard_bytes: int | Non
         tensor = tensors.get(name)
         if name in quantized:
             layer = quantized[name]
-            for key, value in nvfp4.quantize(tensor, scales[layer]).as_dict(f"{layer}.").items():
+            for key, value in quantize_weight(tensor, scales[layer]).as_dict(f"{layer}.").items():
                 writer.add(key, value)
         else:
             writer.add(name, tensor)
@@ -166,23 +183,36 @@ def quantize_streaming(source: Source, out_dir: Path, max_shard_bytes: int | Non
     _copy_side_files(src, out_dir)
 
 
-def quantize_llmcompressor(source: Source, out_dir: Path) -> None:
-    """The llmcompressor backend: llm-compressor's own data-free NVFP4A16 oneshot.
+def quantize_llmcompressor(source: Source, out_dir: Path, method: Method = "rtn",
+                           calibration: Calibration | None = None) -> None:
+    """The llmcompressor backend: load the whole source and run llm-compressor's ``oneshot``.
 
-    It is given the resolved list of ignored module names, so ``--ignore`` means the same as for
-    the streaming backend whatever form (bare name or ``re:``) the user wrote.
+    ``rtn`` is its data-free ``QuantizationModifier`` (scheme NVFP4A16); ``gptq`` its
+    ``GPTQModifier`` with the same scheme: Hessians from the calibration activations, layer by
+    layer, column-wise rounding with error feedback. GPTQ keeps llm-compressor's min/max block and
+    global scales, so only the E2M1 codes differ from rtn and the tensors keep their format (the
+    config differs only in ``actorder``). The modifier gets the resolved list of ignored module
+    names, so ``--ignore`` means the same as for the streaming backend whatever form the user wrote.
     """
     try:
         from llmcompressor import oneshot
+        from llmcompressor.modifiers.gptq import GPTQModifier
         from llmcompressor.modifiers.quantization import QuantizationModifier
     except ImportError:
-        raise RuntimeError("--backend llmcompressor needs llmcompressor: pip install 'qerl[quantize]'") from None
-    from transformers import AutoModelForCausalLM
+        raise RuntimeError("--backend llmcompressor and --method gptq need llmcompressor: "
+                           "pip install 'qerl[quantize]'") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    kwargs: dict[str, Any] = {}
+    if method == "gptq":
+        calibration = calibration or Calibration()
+        data = calibration.dataset(AutoTokenizer.from_pretrained(source.path))
+        kwargs = {"dataset": data, "num_calibration_samples": len(data), "max_seq_length": calibration.max_tokens}
+    modifier = GPTQModifier if method == "gptq" else QuantizationModifier
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype="auto")
     for name, tensor in model.state_dict().items():
         check_finite(name, tensor, source.path)
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=source.ignored))
+    oneshot(model=model, recipe=modifier(targets="Linear", scheme="NVFP4A16", ignore=source.ignored), **kwargs)
     model.save_pretrained(out_dir, save_compressed=True)
     _copy_side_files(source.path, out_dir)
 
@@ -193,6 +223,8 @@ def quantize_checkpoint(
     *,
     gguf_file: str | None = None,
     backend: Backend = "auto",
+    method: Method = "rtn",
+    calibration: Calibration | None = None,
     overwrite: bool = False,
     ignore: tuple[str, ...] = (),
     quantize_lm_head: bool = False,
@@ -200,21 +232,25 @@ def quantize_checkpoint(
 ) -> Path:
     """Quantize ``model`` (dir, hub id, ``smollm2-135m``, or a dir + ``gguf_file``) into ``output``.
 
-    ``ignore`` lists Linear modules kept in bf16 in addition to ``lm_head`` (which is quantized
-    only with ``quantize_lm_head``). The result appears atomically: everything is written to a
-    temporary sibling directory that is renamed into place only when complete; an existing
-    ``output`` is replaced only under the rules of :func:`qerl.quant.target.check_target`.
-    ``auto`` prefers the streaming backend, which needs no extra package and bounded memory.
+    ``method`` is ``rtn`` (round-to-nearest, min/max scales: llm-compressor's bytes), ``mse``
+    (data-free block-scale search, streaming) or ``gptq`` (llm-compressor's GPTQ on
+    ``calibration``, default the bundled GSM8K rows); all three write the same format.
+    ``auto`` picks the first backend of :data:`METHOD_BACKENDS` (streaming for rtn and mse: bounded
+    memory, no extra package). ``ignore`` lists Linear modules kept in bf16 in addition to
+    ``lm_head`` (which is quantized only with ``quantize_lm_head``). The result appears atomically:
+    everything is written to a temporary sibling directory that is renamed into place only when
+    complete; an existing ``output`` is replaced only under the rules of
+    :func:`qerl.quant.target.check_target`.
     """
-    if backend not in ("auto", "qerl", "llmcompressor"):
-        raise ValueError(f"--backend must be auto, qerl or llmcompressor, got {backend!r}")
+    backend = _resolve_backend(method, backend)
+    if calibration is not None and method != "gptq":
+        raise ValueError(f"--calibration-data / --calibration-samples apply to --method gptq, not {method}")
     out_dir = Path(output) if output is not None else default_output(gguf_file or str(model))
     gguf, model_dir = _source_paths(model, gguf_file)
     target.check_target(out_dir, [p for p in (model_dir, gguf) if p is not None], overwrite)
-    # auto -> the streaming backend: same bytes, bounded memory, no extra package.
     run: Callable[[Source, Path], None] = (
-        quantize_llmcompressor if backend == "llmcompressor"
-        else partial(quantize_streaming, max_shard_bytes=max_shard_bytes)
+        partial(quantize_llmcompressor, method=method, calibration=calibration) if backend == "llmcompressor"
+        else partial(quantize_streaming, method=method, max_shard_bytes=max_shard_bytes)
     )
     with target.target_lock(out_dir):
         target.remove_stale_scratch(out_dir)
@@ -224,6 +260,21 @@ def quantize_checkpoint(
             with atomic_directory(out_dir) as tmp:
                 run(source, tmp)
     return out_dir
+
+
+def _resolve_backend(method: str, backend: str) -> str:
+    """The backend that runs ``method``: ``auto`` -> the first that implements it; a backend that does
+    not implement it is a one-line error."""
+    if method not in METHOD_BACKENDS:
+        raise ValueError(f"--method must be one of {', '.join(METHOD_BACKENDS)}, got {method!r}")
+    if backend not in ("auto", "qerl", "llmcompressor"):
+        raise ValueError(f"--backend must be auto, qerl or llmcompressor, got {backend!r}")
+    allowed = METHOD_BACKENDS[method]
+    if backend == "auto":
+        return allowed[0]
+    if backend not in allowed:
+        raise ValueError(f"--method {method} runs on --backend {' or '.join(allowed)}, not {backend}")
+    return backend
 
 
 def _source_paths(model: str | os.PathLike[str], gguf_file: str | None) -> tuple[Path | None, Path | None]:

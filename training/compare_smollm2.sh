@@ -5,6 +5,9 @@
 #   BF16_DIR=... NVFP4_DIR=... QERL_OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
 # NUM_GPUS=N runs each run data-parallel over N GPUs (accelerate launch, training/accelerate/ddp.yaml) with the
 # same per-step batch (16 completions = 2 prompts x 8, 16/N per GPU); RUNS="qerl_nvfp4_aqn ..." picks a subset.
+# RUNS may also name the runs benchmarks/learning.py adds: dequant_lora (bf16 LoRA on DEQUANT_DIR, NVFP4_DIR's
+# weights dequantized), best_lora and qerl_best_aqn (BEST_DIR: another quantization method's checkpoint,
+# without and with AQN); learning.py runs this script once per seed (--seed S among the extra flags).
 # Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200).
 # RUN_TIMEOUT stops a run that outlives it (SIGINT) so that the plots and the table still get written
 # from what it logged; such a run counts as failed. Exit status: nonzero if any run or the plotting failed.
@@ -45,16 +48,24 @@ common=(--dataset arithmetic --arithmetic-level easy --num-samples 610 --heldout
         --mask-truncated-completions False --gradient-checkpointing False --optim adamw_torch
         --save-strategy no --report-to none --disable-tqdm True --seed 0 "$@")
 read -r -a runs <<< "${RUNS:-qerl_nvfp4_aqn nvfp4_lora bf16_lora}"
+own_flags() {  # sets own=(...) for run $1; fails in one line, before any run starts, on an unknown run or a missing dir
+  case $1 in
+    qerl_nvfp4_aqn) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn True) ;;
+    nvfp4_lora) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn False) ;;
+    bf16_lora) own=(--model-name "$BF16_DIR" --load bf16 --aqn False) ;;
+    dequant_lora) own=(--model-name "${DEQUANT_DIR:?set DEQUANT_DIR for dequant_lora}" --load bf16 --aqn False) ;;
+    best_lora) own=(--model-name "${BEST_DIR:?set BEST_DIR for best_lora}" --load nvfp4 --aqn False) ;;
+    qerl_best_aqn) own=(--model-name "${BEST_DIR:?set BEST_DIR for qerl_best_aqn}" --load nvfp4 --aqn True) ;;
+    *) echo "error: RUNS: unknown run '$1' (expected qerl_nvfp4_aqn, nvfp4_lora, bf16_lora, dequant_lora, best_lora or qerl_best_aqn)" >&2
+       exit 2 ;;
+  esac
+}
+for run in "${runs[@]}"; do own_flags "$run"; done
 mkdir -p "$OUT"
 declare -A pids
 port=29500
 for run in "${runs[@]}"; do
-  case $run in
-    qerl_nvfp4_aqn) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn True) ;;
-    nvfp4_lora) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn False) ;;
-    bf16_lora) own=(--model-name "$BF16_DIR" --load bf16 --aqn False) ;;
-    *) echo "error: RUNS: unknown run '$run' (expected qerl_nvfp4_aqn, nvfp4_lora or bf16_lora)" >&2; exit 2 ;;
-  esac
+  own_flags "$run"
   qerl_launcher "$gpus" $(( port++ )) "$PYTHON"  # concurrent DDP runs each need their own rendezvous port
   "${limit[@]}" "${launcher[@]}" "${own[@]}" --output-dir "$OUT/$run" "${common[@]}" > "$OUT/$run.log" 2>&1 &
   pids[$run]=$!
