@@ -19,15 +19,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from qerl.cli import ArgumentParser, UsageError, run  # noqa: E402
 from qerl.quant.calibration import DEFAULT_MAX_TOKENS, DEFAULT_SAMPLES, Calibration  # noqa: E402
 from qerl.quantize import METHOD_BACKENDS, default_output, quantize_checkpoint  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The reference script's flags plus ours; no abbreviations, parse errors are one ``error:`` line."""
+    p = ArgumentParser(prog="llm-compressor/quantize_nvfp4.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model directory, hub id, or 'smollm2-135m' (embedded default)")
     p.add_argument("--gguf-file", default=None, help="a GGUF file (path, or name inside --model's directory)")
-    p.add_argument("--output", default=None, help="output directory (default ./qmodel/<name>-NVFP4A16)")
+    p.add_argument("--output", default=None,
+                   help="output directory (default ./qmodel/<name>-NVFP4A16; the reference wrote <name>-NVFP4A16-GPTQ "
+                        "for the same round-to-nearest result)")
     p.add_argument("--backend", default="auto", choices=["auto", "qerl", "llmcompressor"],
                    help="auto: qerl (streaming) for rtn and mse, llmcompressor for gptq")
     p.add_argument("--method", default="rtn", choices=list(METHOD_BACKENDS),
@@ -67,6 +71,11 @@ def sample_generation(out_dir: Path, prompt: str = "What is 12 * 7? Answer brief
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI: 0, or 2 with ``error: <one line>`` for bad input (flags included), as every qerl command."""
+    return run(_quantize, argv)
+
+
+def _quantize(argv: list[str] | None) -> None:
     args = parse_args(argv)
     output = args.output or default_output(args.gguf_file or args.model)
     given = (args.calibration_data, args.calibration_samples, args.calibration_max_tokens)
@@ -84,12 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                                      quantize_lm_head=args.quantize_lm_head,
                                      max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
     except (OSError, ValueError, RuntimeError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     print(f"wrote {out_dir}")
     if not args.skip_generation:
         print("sample:", sample_generation(out_dir))
-    return 0
 
 
 if __name__ == "__main__":

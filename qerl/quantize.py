@@ -10,7 +10,7 @@ Two backends; for the default method they write byte-identical files:
 Three methods, one format (``qerl.nvfp4``), which vLLM and ``qerl.loader`` read unchanged:
 
 * ``rtn`` (default): round-to-nearest with min/max scales, no calibration data: exactly what the
-  QeRL reference script does (qerl_method.md §2.3), deterministic and reproducible by vLLM users;
+  QeRL reference script does, deterministic and reproducible by vLLM users;
 * ``mse``: the same, with each block's FP8 scale chosen by reconstruction error (``qerl.quant.mse``),
   still data-free and streaming;
 * ``gptq``: llm-compressor's GPTQ on calibration text (``qerl.quant.calibration``); it needs the
@@ -51,7 +51,9 @@ _SHARD_BYTES = 4 << 30
 
 
 def default_output(model: str, root: str | os.PathLike[str] = "qmodel") -> Path:
-    """``./qmodel/<name>-NVFP4A16`` as in the reference script."""
+    """``./qmodel/<name>-NVFP4A16``. The reference script wrote ``<name>-NVFP4A16-GPTQ``, although it ran
+    round-to-nearest (no calibration data); ours names what it holds (a ``--method gptq`` run is still
+    ``-NVFP4A16``: the method is recorded in the checkpoint's quantization config)."""
     name = Path(str(model).rstrip("/")).name
     if name.endswith(".gguf"):
         name = name[: -len(".gguf")]

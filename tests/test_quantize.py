@@ -77,6 +77,15 @@ def test_missing_model_path(tmp_path: Path, capsys):
     assert not (tmp_path / "o").exists() and not _leftovers(tmp_path)
 
 
+def test_flag_errors_are_one_line_and_never_abbreviated(tmp_path: Path, capsys):
+    """Like every qerl command (issue 16 item 6): argparse's usage block becomes one ``error:`` line, exit 2,
+    and a prefix of a flag is not taken for the flag (``--mod`` is not ``--model``)."""
+    for args in (["--mod", str(tmp_path)], ["--model", str(tmp_path), "--method", "awq"], []):
+        code, err = _run_cli(args, capsys)
+        assert code == 2 and err.count("\n") == 0 and err.startswith("error:"), (args, err)
+    assert not _leftovers(tmp_path)
+
+
 def test_truncated_safetensors(tiny_llama_dir: Path, tmp_path: Path, capsys):
     f = tiny_llama_dir / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
