@@ -21,7 +21,7 @@ bandwidth measured in the same run.
 ``--lora-sweep`` measures only the LoRA cost on the 7B NVFP4 model, at b = 1/8/64: ms/step and GPU
 launches per decode step (kernels + memcpy/memset of an eager step, i.e. the nodes its CUDA graph
 holds) for LoRA with shrinks fused into the producing kernels, LoRA with one cuBLAS shrink per group
-(``ops.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
+(``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
     python -m benchmarks.rollout --out $OUT/rollout.json            # on the GPU
     python -m benchmarks.rollout --lora-sweep --tokens 256 --out $OUT/rollout_lora.json
@@ -210,21 +210,21 @@ def launches_per_step(model: nn.Module, prompts: list[list[int]], steps: int = 4
 
 def lora_sweep(args: argparse.Namespace) -> dict:
     """7B NVFP4 at b=1/8/64: LoRA fused / LoRA via cuBLAS shrinks / LoRA disabled, in one process."""
-    from qerl.rollout import ops
+    from qerl.rollout import decoder
     from qerl.rollout.native import NativeEngine
 
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     model = build_model("7b", nvfp4=True)
     wbytes, lbytes = weight_bytes(model)
-    fused_rows = ops.FUSED_LORA_MAX_ROWS
+    fused_rows = decoder.FUSED_LORA_MAX_ROWS
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         kv = kv_bytes_per_step("7b", b, args.tokens)
         for variant in ("lora_fused", "lora_cublas", "nolora"):
-            ops.FUSED_LORA_MAX_ROWS = 0 if variant == "lora_cublas" else fused_rows
+            decoder.FUSED_LORA_MAX_ROWS = 0 if variant == "lora_cublas" else fused_rows
             try:
                 with model.disable_adapter() if variant == "nolora" else contextlib.nullcontext():
                     engine = NativeEngine(model, 0)  # fresh graphs: the shrink placement is baked in
@@ -232,7 +232,7 @@ def lora_sweep(args: argparse.Namespace) -> dict:
                     del engine
                     launches = launches_per_step(model, prompts)
             finally:
-                ops.FUSED_LORA_MAX_ROWS = fused_rows
+                decoder.FUSED_LORA_MAX_ROWS = fused_rows
             gc.collect()
             torch.cuda.empty_cache()
             floor = (wbytes + (0 if variant == "nolora" else lbytes) + kv) / bw * 1e3

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qerl.checkpoint import QUANTIZED_SUFFIXES
+
 GROUP_SIZE = 16
 FP4_MAX = 6.0
 FP8_MAX = 448.0
@@ -41,11 +43,9 @@ class NVFP4Tensors:
     weight_global_scale: torch.Tensor
 
     def as_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
-        return {
-            f"{prefix}weight_packed": self.weight_packed,
-            f"{prefix}weight_scale": self.weight_scale,
-            f"{prefix}weight_global_scale": self.weight_global_scale,
-        }
+        """The checkpoint's ``{prefix}weight_packed`` / ``weight_scale`` / ``weight_global_scale`` tensors
+        (the fields carry compressed-tensors' names, ``checkpoint.QUANTIZED_SUFFIXES``)."""
+        return {f"{prefix}{name}": getattr(self, name) for name in QUANTIZED_SUFFIXES}
 
 
 def check_quantizable(shape: torch.Size | tuple[int, ...], name: str = "weight") -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from qerl.kernels import fused_step
-from qerl.rollout import ops
+from qerl.rollout import decoder
 from qerl.rollout.layers import Group, Norm, Proj
 
 
@@ -51,20 +51,20 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         h, d, w = rnd(m, k), rnd(m, k), rnd(k, scale=0.3) + 1
         a = rnd(sum(ranks), k, scale=0.2)
         group = _group(ranks, a.float())
-        ref_h, ref_x, ref_u = ops.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
+        ref_h, ref_x, ref_u = decoder.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
         hc = dev(h)
         h_out, x, flat = fused_step.rms_norm_shrink(hc, dev(d), dev(w), 1e-6, dev(a), group.lora_bounds)
         assert torch.equal(hc.cpu(), h), "rms_norm_shrink must leave h unchanged"
         _close(h_out, ref_h, tol, "rms_norm_shrink residual")
         _close(x, ref_x, tol, "rms_norm_shrink output")
-        for got, want in zip(ops._segmented(flat, x, group), ref_u, strict=True):
+        for got, want in zip(decoder._segmented(flat, x, group), ref_u, strict=True):
             assert (got is None) == (want is None)
             if got is not None:
                 assert got.is_contiguous()
                 _close(got, want, 2 * tol, f"rms_norm_shrink u (m={m}, k={k})")
         same, x2, flat2 = fused_step.rms_norm_shrink(hc, None, dev(w), 1e-6, dev(a), group.lora_bounds)
         assert same is hc
-        _close(x2, ops.rms_norm(h.float(), Norm(w.float(), 1e-6))[1], tol, "rms_norm_shrink without delta")
+        _close(x2, decoder.rms_norm(h.float(), Norm(w.float(), 1e-6))[1], tol, "rms_norm_shrink without delta")
         hc = dev(h)
         x3 = fused_step.rms_norm(hc, dev(d), dev(w), 1e-6)
         _close(hc, ref_h, tol, "rms_norm in-place residual")
@@ -73,7 +73,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     # SiLU gating, with and without the down_proj shrink.
     for m, k, r in ((1, 1000, 16), (4, 300, 5)):
         g, u, a = rnd(m, k), rnd(m, k), rnd(r, k, scale=0.1)
-        ref_act, ref_u = ops.silu_mul(g.float(), u.float(), _group([r], a.float()))
+        ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([r], a.float()))
         act, flat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
         _close(act, ref_act, tol, "silu_mul_shrink output")
         _close(flat.view(m, r), ref_u[0], 2 * tol, "silu_mul_shrink u")
@@ -88,12 +88,12 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     kcc, vcc = dev(kc), dev(vc)
     q_out = fused_step.rope_and_cache(dev(q), dev(k_), dev(v), dev(cos), dev(sin), dev(pos), kcc, vcc, nh, nkv, hd)
     kr, vr = kc.float().clone(), vc.float().clone()
-    q_ref = ops.rope_and_cache(q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv)
+    q_ref = decoder.rope_and_cache(q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv)
     _close(q_out, q_ref, 2 * tol, "rope q")
     _close(kcc, kr, 2 * tol, "rope k cache")
     assert torch.equal(vcc.cpu().float(), vr), "v cache"
     qa, a = rnd(b, nh, hd), rnd(12, nh * hd, scale=0.1)
-    ref_att, ref_u = ops.decode_attention(qa.float(), kcc.cpu().float(), vcc.cpu().float(), pos, hd**-0.5,
+    ref_att, ref_u = decoder.decode_attention(qa.float(), kcc.cpu().float(), vcc.cpu().float(), pos, hd**-0.5,
                                           _group([12], a.float()))  # fmt: skip
     att, none = fused_step.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5)
     assert none is None
@@ -119,15 +119,15 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
         for ranks in ([16, 16, 16], [16, 16]):
             a = rnd(sum(ranks), hidden, scale=0.05)
             group = _group(ranks, a.float())
-            _, ref_x, ref_u = ops.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
+            _, ref_x, ref_u = decoder.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
             args = (h.to(device), d.to(device), w.to(device), 1e-6, a.to(device), group.lora_bounds)
             _, x, flat = fused_step.rms_norm_shrink(*args)
             assert torch.equal(flat, fused_step.rms_norm_shrink(*args)[2]), "rms_norm_shrink not repeatable"
             _close(x, ref_x, tol, "7b rms_norm_shrink output")
-            for got, want in zip(ops._segmented(flat, x, group), ref_u, strict=True):
+            for got, want in zip(decoder._segmented(flat, x, group), ref_u, strict=True):
                 _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks})")
         g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)
-        ref_act, ref_u = ops.silu_mul(g.float(), u.float(), _group([16], a.float()))
+        ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([16], a.float()))
         act, flat = fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))
         assert torch.equal(flat, fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))[1])
         _close(act, ref_act, tol, "7b silu_mul_shrink output")
@@ -135,7 +135,7 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
         s = 600
         kc, vc, q, a = rnd(m, nkv, s, hd), rnd(m, nkv, s, hd), rnd(m, nh, hd), rnd(16, nh * hd, scale=0.05)
         pos = torch.randint(0, s, (m,), generator=gen)
-        ref_att, ref_u = ops.decode_attention(q.float(), kc.float(), vc.float(), pos, hd**-0.5, _group([16], a.float()))
+        ref_att, ref_u = decoder.decode_attention(q.float(), kc.float(), vc.float(), pos, hd**-0.5, _group([16], a.float()))
         args = (q.to(device), kc.to(device), vc.to(device), pos.to(device), hd**-0.5, a.to(device))
         att, flat = fused_step.decode_attention(*args)
         assert torch.equal(flat, fused_step.decode_attention(*args)[1]), "decode_attention shrink not repeatable"

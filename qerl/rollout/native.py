@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.kernels import backend, reference
-from qerl.rollout import ops
+from qerl.rollout import decoder
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.layers import ModelPlan
 from qerl.rollout.sampling import is_filtered, make_generator, sample
@@ -359,20 +359,20 @@ class NativeEngine:
         """The decoder stack on embeddings ``h`` (any leading shape) -> final-normed hidden states.
 
         Prefill and decode differ only in ``attend(i, q, k, v) -> (attention output, o_proj's LoRA
-        inputs or None)``; every norm feeds the next group's LoRA shrink (see ``ops.rms_norm``).
+        inputs or None)``; every norm feeds the next group's LoRA shrink (see ``decoder.rms_norm``).
         """
-        h, x, lora = ops.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
+        h, x, lora = decoder.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
         for i, layer in enumerate(plan.layers):
-            q, k, v = ops.group_forward(x, layer.qkv, lora)
+            q, k, v = decoder.group_forward(x, layer.qkv, lora)
             attn, lora = attend(i, q, k, v)
-            (o,) = ops.group_forward(attn, layer.o, lora)
-            h, x, lora = ops.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
-            gate, up = ops.group_forward(x, layer.gate_up, lora)
-            act, lora = ops.silu_mul(gate, up, layer.down)
-            (mlp,) = ops.group_forward(act, layer.down, lora)
+            (o,) = decoder.group_forward(attn, layer.o, lora)
+            h, x, lora = decoder.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
+            gate, up = decoder.group_forward(x, layer.gate_up, lora)
+            act, lora = decoder.silu_mul(gate, up, layer.down)
+            (mlp,) = decoder.group_forward(act, layer.down, lora)
             last = i + 1 == len(plan.layers)
             nxt = plan.final_norm if last else plan.layers[i + 1].attn_norm
-            h, x, lora = ops.rms_norm(h, nxt, mlp, None if last else plan.layers[i + 1].qkv)
+            h, x, lora = decoder.rms_norm(h, nxt, mlp, None if last else plan.layers[i + 1].qkv)
         return x
 
     # ------------------------------------------------------------------ decode
@@ -384,11 +384,11 @@ class NativeEngine:
         slots = state.slots[key.batch]
         hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ops.LoraInputs]:
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, decoder.LoraInputs]:
             k_cache, v_cache = state.k[i, : key.batch], state.v[i, : key.batch]
-            q = ops.rope_and_cache(q, k, v, state.cos, state.sin, slots.pos, k_cache, v_cache, nh, nkv)
+            q = decoder.rope_and_cache(q, k, v, state.cos, state.sin, slots.pos, k_cache, v_cache, nh, nkv)
             kv = key.kv_len
-            return ops.decode_attention(q, k_cache[:, :, :kv], v_cache[:, :, :kv], slots.pos, hd**-0.5, plan.layers[i].o)
+            return decoder.decode_attention(q, k_cache[:, :, :kv], v_cache[:, :, :kv], slots.pos, hd**-0.5, plan.layers[i].o)
 
         logits = plan.lm_head(self._layers(plan, plan.embed(slots.tokens), attend))
         if key.forced:
