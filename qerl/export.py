@@ -1,7 +1,7 @@
 """``python -m qerl.export``: fold a trained LoRA adapter (and its trained norms) into a normal checkpoint.
 
     python -m qerl.export --model qmodel/Qwen2.5-7B-Instruct-NVFP4A16 --lora runs/7b/adapter --output export/7b
-    python -m qerl.export --model NVFP4_DIR --lora ADAPTER --output DIR --format nvfp4 [--method rtn]
+    python -m qerl.export --model NVFP4_DIR --lora ADAPTER --output DIR --format nvfp4 [--method rtn|mse]
 
 Training never merges the adapter (a bf16 delta cannot be folded into 4-bit codes in place), so a
 trained policy is the pair (NVFP4 checkpoint, peft adapter). A server wants one checkpoint. Here
@@ -42,7 +42,8 @@ logger = logging.getLogger("qerl.export")
 
 FORMATS = ("bf16", "nvfp4")
 #: Re-quantization methods qerl's quantizer offers (``--method`` of the quantize CLI).
-QUANT_METHODS = ("rtn",)
+#: The quantize CLI's data-free methods (streamed like the export itself); gptq needs calibration data.
+QUANT_METHODS = ("rtn", "mse")
 #: Written into every export; an existing output without it is never replaced.
 MARKER = "qerl_export.json"
 _PEFT_PREFIX = "base_model.model."
@@ -185,11 +186,10 @@ def _checked(value: torch.Tensor, target: torch.Tensor, name: str, adapter: Path
 def requantize(dense_dir: Path, out_dir: Path, ignore: tuple[str, ...], method: str) -> None:
     """The dense merge -> NVFP4A16 through qerl's streaming quantizer (the quantize CLI's backend).
 
-    ``method`` is the quantize CLI's ``--method``; qerl's quantizer knows round-to-nearest only,
-    which it applies without being told, so only ``rtn`` reaches here (``QUANT_METHODS``)."""
+    ``method`` is the quantize CLI's ``--method``, one of its data-free ones (``QUANT_METHODS``)."""
     if method not in QUANT_METHODS:
         raise ValueError(f"--method: expected one of {QUANT_METHODS}, got {method!r}")
-    quantize.quantize_streaming(quantize.Source.open(dense_dir, ignore, quantize_lm_head=False), out_dir)
+    quantize.quantize_streaming(quantize.Source.open(dense_dir, ignore, quantize_lm_head=False), out_dir, method)
 
 
 def retained_share(model_dir: Path, dense_dir: Path, out_dir: Path, layers: list[str]) -> float | None:

@@ -149,6 +149,25 @@ def test_nvfp4_export_within_the_requantization_error(dirs, adapter, exports) ->
     assert torch.equal(packed[f"{p}k_proj.weight_global_scale"], want.weight_global_scale)
 
 
+def test_nvfp4_export_with_the_mse_method(dirs, adapter, exports) -> None:
+    """``--method mse`` (the quantize CLI's data-free block-scale search) re-quantizes the same merge:
+    same tensors and global scales as rtn, codes chosen to reconstruct the merged weights no worse."""
+    path = dirs["root"] / "export-nvfp4-mse"
+    record = export(dirs["nvfp4"], adapter, path, fmt="nvfp4", method="mse")
+    assert record["method"] == "mse" and record["lora_delta_retained"] > 0.9
+    mse, rtn = load_file(path / "model.safetensors"), load_file(exports["nvfp4"][0] / "model.safetensors")
+    merged = load_file(exports["bf16"][0] / "model.safetensors")
+    assert set(mse) == set(rtn)
+    name = "model.layers.1.mlp.down_proj"
+    assert torch.equal(mse[f"{name}.weight_global_scale"], rtn[f"{name}.weight_global_scale"])
+
+    def error(t: dict) -> float:
+        w = nvfp4.dequantize(t[f"{name}.weight_packed"], t[f"{name}.weight_scale"], t[f"{name}.weight_global_scale"])
+        return (w.float() - merged[f"{name}.weight"].float()).square().sum().item()
+
+    assert error(mse) <= error(rtn)
+
+
 def test_small_update_lost_to_requantization_is_reported(dirs, tmp_path: Path, caplog) -> None:
     ad = make_adapter(dirs["nvfp4"], tmp_path / "ad", lora_scale=0.002)
     record = export(dirs["nvfp4"], ad, tmp_path / "out", fmt="nvfp4")
