@@ -89,6 +89,11 @@ def decode_attention(
     return torch.matmul(probs, v_cache).reshape(b, h * d)
 
 
+def is_stop(tok: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """Per row: whether ``tok`` is one of the ``stop`` ids (-1 pads never match a token)."""
+    return (tok[:, None] == stop[None, :]).any(-1)
+
+
 def finish_step(
     tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, row_id: torch.Tensor, stop: torch.Tensor,
     step: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, out_tok: torch.Tensor, out_lp: torch.Tensor,
@@ -100,7 +105,7 @@ def finish_step(
     lp = torch.where(done, 0.0, lp)
     out_tok[row_id, step] = tok
     out_lp[row_id, step] = lp
-    done |= (tok[:, None] == stop[None, :]).any(-1)
+    done |= is_stop(tok, stop)
     tokens.copy_(tok)
     pos.add_(1)
     step.add_(1)

@@ -76,9 +76,9 @@ ENV_DECODE = DecodeConfig.from_env()
 #: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
 #: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
 #: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128
-#: weight rows (two warpgroups sharing one x tile, half the x re-reads of BN=64) run M=64 in 161.6 us
-#: (the BM <= 32 schedule: 186.8) and M=128 in 286.9 us (the BM=64 schedule: 365.2; dequantize +
-#: cuBLAS: 340.6). BK=128 at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the
+#: weight rows (two warpgroups sharing one x tile, half the x re-reads of BN=64) run M=64 in 161.0 us
+#: (the BM <= 32 schedule: 186.7) and M=128 in 286.3 us (the BM=64 schedule: 367.4; dequantize +
+#: cuBLAS: 339.7). BK=128 at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the
 #: 227 KB an SM has).
 DECODE_BY_BM = {
     16: DecodeConfig(),

@@ -250,7 +250,7 @@ class NativeEngine:
         slots.row_id.fill_(state.trash)
         slots.tokens[:rows] = tok
         slots.pos[:rows] = lens[row_prompt]
-        slots.done[:rows] = self._is_stop(state, tok)
+        slots.done[:rows] = reference.is_stop(tok, state.stop)
         slots.row_id[:rows] = torch.arange(rows, device=plan.device)
         state.out_tok[:rows, 0] = tok
         state.out_lp[:rows, 0] = lp
@@ -306,10 +306,6 @@ class NativeEngine:
         else:
             self._gen.manual_seed(int(params.seed))
         return state
-
-    @staticmethod
-    def _is_stop(state: _State, tok: torch.Tensor) -> torch.Tensor:
-        return (tok[:, None] == state.stop[None, :]).any(-1)
 
     # ------------------------------------------------------------------ prefill
 
