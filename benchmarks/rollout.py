@@ -161,28 +161,45 @@ def ms_per_step(engine, prompts: list[list[int]], tokens: int) -> tuple[float, f
     return (t_full - t_one) / (tokens - 1) * 1e3, t_one
 
 
-def profile(args: argparse.Namespace) -> None:
-    """Kernel-level GPU time of eager decode steps (7B NVFP4+LoRA, b=1 and b=8): where a step goes."""
+def profile(args: argparse.Namespace) -> dict:
+    """GPU time of one eager 7B NVFP4+LoRA decode step, per kernel, at each of ``--batches``.
+
+    Context: prompts of ``PROMPT + tokens / 2`` positions, the mean KV length of the timed runs, so the
+    attention share matches theirs. Per kernel: (time in a generate of 1 + S tokens - time in a
+    1-token generate) / S, i.e. decode steps only, prefill and the first sampled token cancelled.
+    Eager launches leave gaps between kernels, but each kernel's own time is what a graph replays.
+    """
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from qerl.rollout import SamplingParams
     from qerl.rollout.native import NativeEngine
 
+    steps, context = 16, PROMPT + args.tokens // 2
     model = build_model("7b", nvfp4=True)
     engine = NativeEngine(model, 0, cuda_graphs=False)
     gen = torch.Generator().manual_seed(1)
-    for b in (1, 8):
-        prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
-        params = SamplingParams(temperature=1.0, max_new_tokens=9, seed=0)
-        engine.generate(prompts, params)
+    result: dict = {"steps": steps, "context": context, "batches": {}}
+
+    def kernel_us(prompts: list[list[int]], tokens: int) -> dict[str, float]:
+        params = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=0)
+        engine.generate(prompts, params)  # compiles and sizes the cache outside the profile
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, params)
-        print(f"--- 7b nvfp4+lora b={b}: GPU time of prefill + 8 eager decode steps", flush=True)
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
-    del engine, model
-    gc.collect()
-    torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+        return {e.key: e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0}
+
+    for b in args.batches:
+        prompts = [torch.randint(0, VOCAB, (context,), generator=gen).tolist() for _ in range(b)]
+        one, many = kernel_us(prompts, 1), kernel_us(prompts, 1 + steps)
+        per_step = {k: (v - one.get(k, 0.0)) / steps for k, v in many.items()}
+        per_step = dict(sorted(((k, round(v, 2)) for k, v in per_step.items() if v > 0.5), key=lambda kv: -kv[1]))
+        result["batches"][str(b)] = {"total_us": round(sum(per_step.values()), 1), "kernels_us": per_step}
+        print(f"--- 7b nvfp4+lora b={b}, context {context}: GPU us per eager decode step", flush=True)
+        for k, v in list(per_step.items())[:16]:
+            print(f"{v:10.1f}  {k[:100]}")
+        print(f"{sum(per_step.values()):10.1f}  total", flush=True)
+    return result
 
 
 def launches_per_step(model: nn.Module, prompts: list[list[int]], steps: int = 4) -> float:
@@ -367,9 +384,10 @@ def main() -> None:
     parser.add_argument("--hf-tokens", type=int, default=32)
     parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print a kernel profile of eager decode first")
+    parser.add_argument("--profile", action="store_true",
+                        help="only a per-kernel GPU-time profile of one 7B NVFP4+LoRA decode step at --batches")
     parser.add_argument("--lora-sweep", action="store_true", help="only the 7B NVFP4 LoRA cost sweep (see above)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="with --lora-sweep")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="with --lora-sweep or --profile")
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
     parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
     parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
@@ -394,7 +412,8 @@ def main() -> None:
     if args.out is None:
         sys.exit("benchmarks/rollout.py: --out PATH is required for a run")
     if args.profile:
-        profile(args)
+        write_json(args.out, {**environment(), "command": common.command("benchmarks.rollout"), "profile": profile(args)})
+        return
     result = lora_sweep(args) if args.lora_sweep else run(args)
     write_json(args.out, result)
     print(json.dumps(result["summary"], indent=2))
