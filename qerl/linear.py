@@ -105,3 +105,54 @@ def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module
                 new = make(f"{parent_name}.{child_name}" if parent_name else child_name, child)
                 if new is not None:
                     setattr(parent, child_name, new)
+
+
+def _stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Row-wise concatenation (fp8 through its bytes: ``cat`` has no float8 kernel on every build)."""
+    if tensors[0].dtype == torch.float8_e4m3fn:
+        return torch.cat([t.view(torch.uint8) for t in tensors]).view(torch.float8_e4m3fn)
+    return torch.cat(tensors)
+
+
+@torch.no_grad()
+def stack_fused_groups(model: nn.Module) -> int:
+    """Store each q/k/v and gate/up group's packed weights (and biases) as one row-stacked tensor.
+
+    Every member keeps its own ``weight_packed`` / ``weight_scale`` / ``bias``, now row views of the
+    group's stacked tensors, and the members share one global-scale tensor. Nothing is duplicated
+    (each group is rebuilt in turn, so the transient extra memory is one group), the training forward
+    is unchanged, and the rollout engine sees that the group is contiguous and runs it as one FP4
+    launch (``qerl.kernels.nvfp4_group_decode``). A group is left as it is where its members differ
+    in input size, device or bias presence, or where their global scales differ (llm-compressor and
+    ``qerl.quantize`` give fused groups one global scale, as vLLM needs; that check reads the scales
+    once, at load). Returns the number of groups stacked.
+    """
+    from qerl import arch
+
+    stacked = 0
+    for module in model.modules():
+        for names in arch.FUSED_GROUPS:
+            # A peft wrapper's base layer is the one that holds the weights.
+            members = [getattr(m, "get_base_layer", lambda m=m: m)() for m in (getattr(module, n, None) for n in names)]
+            if not all(isinstance(m, NVFP4Linear) for m in members):
+                continue
+            first = members[0]
+            if any(m.in_features != first.in_features or m.weight_packed.device != first.weight_packed.device
+                   or (m.bias is None) != (first.bias is None) for m in members):
+                continue
+            scales = torch.cat([m.weight_global_scale.reshape(1) for m in members])
+            if not bool((scales == scales[0]).all()):
+                continue
+            packed = _stack_rows([m.weight_packed for m in members])
+            scale = _stack_rows([m.weight_scale for m in members])
+            bias = None if first.bias is None else torch.cat([m.bias.data for m in members])
+            start = 0
+            for m in members:
+                rows = slice(start, start + m.out_features)
+                m.weight_packed, m.weight_scale = packed[rows], scale[rows]
+                m.weight_global_scale = first.weight_global_scale
+                if bias is not None:
+                    m.bias = nn.Parameter(bias[rows], requires_grad=m.bias.requires_grad)
+                start += m.out_features
+            stacked += 1
+    return stacked

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from qerl import checkpoint, hub
-from qerl.linear import NVFP4Linear, replace_linears
+from qerl.linear import NVFP4Linear, replace_linears, stack_fused_groups
 
 LoadMode = Literal["auto", "nvfp4", "bf16"]
 
@@ -87,6 +87,7 @@ def _load_nvfp4(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Pr
         if module._non_persistent_buffers_set:
             model._init_weights(module)
     model.tie_weights()
+    stack_fused_groups(model)
     model.config.name_or_path = str(model_dir)
     model.eval()
     return model

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from qerl.kernels import fused_step
+from qerl.linear import stack_fused_groups
 from qerl.rollout import decoder
 from qerl.rollout.layers import Group, Norm, Proj
 
@@ -57,7 +58,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         assert torch.equal(hc.cpu(), h), "rms_norm_shrink must leave h unchanged"
         _close(h_out, ref_h, tol, "rms_norm_shrink residual")
         _close(x, ref_x, tol, "rms_norm_shrink output")
-        for got, want in zip(decoder._segmented(flat, x, group), ref_u, strict=True):
+        for got, want in zip(decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True):
             assert (got is None) == (want is None)
             if got is not None:
                 assert got.is_contiguous()
@@ -76,7 +77,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([r], a.float()))
         act, flat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
         _close(act, ref_act, tol, "silu_mul_shrink output")
-        _close(flat.view(m, r), ref_u[0], 2 * tol, "silu_mul_shrink u")
+        _close(flat.view(m, r), ref_u.u, 2 * tol, "silu_mul_shrink u")
         _close(fused_step.silu_mul(dev(g), dev(u)), ref_act, tol, "silu_mul")
 
     # RoPE + cache write, then attention (GQA 4:1) with and without the o_proj shrink.
@@ -100,7 +101,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     _close(att, ref_att, tol, "decode_attention")
     att, flat = fused_step.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5, dev(a))
     _close(att, ref_att, tol, "decode_attention (shrink)")
-    _close(flat.view(b, 12), ref_u[0], 2 * tol, "decode_attention u")
+    _close(flat.view(b, 12), ref_u.u, 2 * tol, "decode_attention u")
 
     check_finish_step(device)
 
@@ -124,14 +125,14 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
             _, x, flat = fused_step.rms_norm_shrink(*args)
             assert torch.equal(flat, fused_step.rms_norm_shrink(*args)[2]), "rms_norm_shrink not repeatable"
             _close(x, ref_x, tol, "7b rms_norm_shrink output")
-            for got, want in zip(decoder._segmented(flat, x, group), ref_u, strict=True):
+            for got, want in zip(decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True):
                 _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks})")
         g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)
         ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([16], a.float()))
         act, flat = fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))
         assert torch.equal(flat, fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))[1])
         _close(act, ref_act, tol, "7b silu_mul_shrink output")
-        _close(flat.view(m, 16), ref_u[0], 2 * tol, f"7b silu_mul_shrink u (m={m})")
+        _close(flat.view(m, 16), ref_u.u, 2 * tol, f"7b silu_mul_shrink u (m={m})")
         s = 600
         kc, vc, q, a = rnd(m, nkv, s, hd), rnd(m, nkv, s, hd), rnd(m, nh, hd), rnd(16, nh * hd, scale=0.05)
         pos = torch.randint(0, s, (m,), generator=gen)
@@ -140,7 +141,45 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
         att, flat = fused_step.decode_attention(*args)
         assert torch.equal(flat, fused_step.decode_attention(*args)[1]), "decode_attention shrink not repeatable"
         _close(att, ref_att, tol, "7b decode_attention")
-        _close(flat.view(m, 16), ref_u[0], 2 * tol, f"7b decode_attention u (m={m})")
+        _close(flat.view(m, 16), ref_u.u, 2 * tol, f"7b decode_attention u (m={m})")
+
+
+def check_stacked_decode(device: str, dtype: torch.dtype, tol: float, ms: tuple[int, ...] = (1, 5, 16)) -> None:
+    """``kernels.nvfp4_group_decode`` (one launch over row-stacked weights, segmented outputs, the
+    block-diagonal LoRA expand; u row-major or segmented) vs each projection on its own in fp32."""
+    from qerl import kernels, nvfp4
+    from qerl.kernels import reference
+
+    gen = torch.Generator().manual_seed(3)
+    for splits, ranks, k, bias in (((96, 32, 32), (4, 0, 6), 256, True), ((64, 96), (8, 8), 128, False)):
+        n, rank = sum(splits), sum(ranks)
+        w = torch.randn(n, k, generator=gen) * 0.05
+        q = nvfp4.quantize(w)
+        b = torch.randn(n, generator=gen) * 0.1 if bias else None
+        block = torch.zeros(n, rank)
+        row = col = 0
+        for rows, r in zip(splits, ranks, strict=True):
+            block[row : row + rows, col : col + r] = torch.randn(rows, r, generator=gen) * 0.1
+            row, col = row + rows, col + r
+        ends = [sum(ranks[: j + 1]) for j in range(len(ranks))]
+        bounds = (ends[0], ends[1] if len(ends) > 2 else rank)
+        for m in ms:
+            x = torch.randn(m, k, generator=gen)
+            u = torch.randn(m, rank, generator=gen) * 0.5
+            want = reference.mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, b, u, block)
+            dev = [t.to(device) for t in (q.weight_packed, q.weight_scale, q.weight_global_scale)]
+            xd, bd, blk = x.to(device, dtype), None if b is None else b.to(device, dtype), block.to(device, dtype)
+            for layout, ud, ub in (("row-major", u.to(device, dtype), None),
+                                   ("segmented", reference.segment(u, bounds).to(device, dtype), bounds)):
+                outs = kernels.nvfp4_group_decode(xd, *dev, bd, splits, ud, ub, blk)
+                start = 0
+                for j, (got, rows) in enumerate(zip(outs, splits, strict=True)):
+                    assert got.is_contiguous() and got.shape == (m, rows)
+                    _close(got, want[:, start : start + rows], tol, f"stacked decode {splits} m={m} {layout} part {j}")
+                    start += rows
+            plain = kernels.nvfp4_group_decode(xd, *dev, bd, splits)
+            base = reference.mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, b)
+            _close(torch.cat(plain, dim=1), base, tol, f"stacked decode without LoRA {splits} m={m}")
 
 
 def check_finish_step(device: str) -> None:
@@ -175,7 +214,8 @@ def check_engine_interpreted() -> None:
     from qerl.rollout.native import NativeEngine
 
     backend.available = lambda x: True  # route CPU tensors to the (interpreted) Triton kernels (fp32: not the FP4 ones)
-    model = nvfp4_lora(tiny_llama(2))
+    model = nvfp4_lora(tiny_llama(2), group_scales=True)
+    assert stack_fused_groups(model) == 4, "q/k/v and gate/up of both layers"  # the stacked group path too
     prompts = PROMPTS[:3]  # the interpreter runs every program in Python: keep the grids small
     ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))
     engine = NativeEngine(model, 0, kv_block=32)
@@ -191,5 +231,6 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     check_kernels("cpu", torch.float32, 1e-5)
     check_kernels("cpu", torch.float16, 2e-3)
+    check_stacked_decode("cpu", torch.float16, 4e-3, ms=(1, 5))
     check_engine_interpreted()
     print("rollout kernels: interpreted checks passed")

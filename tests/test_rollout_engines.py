@@ -8,6 +8,7 @@ from peft import get_peft_model
 from tiny_models import nvfp4_lora, tiny_llama, tiny_model, tiny_qwen2
 from torch import nn
 
+from qerl.linear import stack_fused_groups
 from qerl.lora import lora_config
 from qerl.rollout import SamplingParams, get_engine
 from qerl.rollout.native import NativeEngine
@@ -252,8 +253,9 @@ def test_teacher_forced_logits_match_full_forward_cpu() -> None:
         assert (logits - ref).abs().max().item() < 1e-4
 
 
-def medium_model(nvfp4: bool, seed: int = 12) -> nn.Module:
-    """A bf16 Qwen2 with 7B-like head shapes (head_dim 128, GQA 7:1), small enough for a test."""
+def medium_model(nvfp4: bool, seed: int = 12, stacked: bool = False) -> nn.Module:
+    """A bf16 Qwen2 with 7B-like head shapes (head_dim 128, GQA 7:1), small enough for a test;
+    ``stacked``: one global scale per q/k/v and gate/up group, stacked on the device as the loader does."""
     model = tiny_model(
         "qwen2", seed, vocab_size=4096, hidden_size=896, intermediate_size=2432, num_hidden_layers=4,
         num_attention_heads=7, num_key_value_heads=1, head_dim=128, max_position_embeddings=2048, rope_theta=1e6,
@@ -262,12 +264,15 @@ def medium_model(nvfp4: bool, seed: int = 12) -> nn.Module:
     # Cast before quantizing: Module.to(dtype) would also cast the fp8 scales and fp32 global scales.
     model = model.to(torch.bfloat16).eval()
     if nvfp4:
-        peft_model = nvfp4_lora(model)
+        peft_model = nvfp4_lora(model, group_scales=stacked)
         with torch.no_grad():  # trained-LoRA magnitudes (|A|,|B| ~ 0.03), not the stress-test 0.3
             for name, p in peft_model.named_parameters():
                 if "lora_" in name:
                     p.mul_(0.1)
-        return peft_model.to("cuda" if torch.cuda.is_available() else "cpu")
+        peft_model = peft_model.to("cuda" if torch.cuda.is_available() else "cpu")
+        if stacked:
+            assert stack_fused_groups(peft_model) == 8
+        return peft_model
     peft_model = get_peft_model(model, lora_config(r=16)).eval()
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -279,15 +284,17 @@ def medium_model(nvfp4: bool, seed: int = 12) -> nn.Module:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize(
-    "nvfp4,fp32_norms", [(False, False), (True, False), (True, True)], ids=["bf16_lora", "nvfp4_lora", "fp32_norms"]
+    "nvfp4,fp32_norms,stacked", [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
+    ids=["bf16_lora", "nvfp4_lora", "fp32_norms", "nvfp4_lora_stacked"],
 )
-def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool) -> None:
+def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: bool) -> None:
     """Bound: max |native - HF forward| over every completion position <= 5% of max |logit|.
 
     bf16 rounding of different (but each reasonable) op orders: fused kernels vs HF's SDPA path.
     ``fp32_norms``: the trained norm copies stored in fp32 as QeRLTrainer keeps them on a bf16 model.
+    ``stacked``: q/k/v and gate/up as one FP4 launch each (``decoder.stacked_forward``).
     """
-    model = medium_model(nvfp4)
+    model = medium_model(nvfp4, stacked=stacked)
     if fp32_norms:
         from qerl.trainer import keep_trainable_fp32
 
@@ -298,6 +305,8 @@ def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool) -> None:
     engine = NativeEngine(model, 0)
     got = engine.teacher_forced_logits(prompts, completions)
     assert engine.last_stats["graphs"] >= 1
+    if stacked:
+        assert all(g.stacked is not None for layer in engine._plan.layers for g in (layer.qkv, layer.gate_up))
     worst, scale = 0.0, 0.0
     for prompt, comp, logits in zip(prompts, completions, got, strict=True):
         with torch.no_grad():

@@ -45,3 +45,4 @@ def test_gpu_rollout_kernels_match_torch() -> None:
     checks.check_kernels("cuda", torch.float32, 1e-4)
     checks.check_kernels("cuda", torch.bfloat16, 0.02)
     checks.check_7b_shapes("cuda", torch.bfloat16, 0.02)
+    checks.check_stacked_decode("cuda", torch.bfloat16, 0.02, ms=(1, 16, 64, 128))

@@ -17,6 +17,7 @@ from peft import get_peft_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+from qerl import arch, nvfp4
 from qerl.linear import NVFP4Linear, replace_linears
 from qerl.lora import lora_config
 
@@ -54,9 +55,19 @@ def tiny_qwen2(seed: int = 0, **config: Any) -> nn.Module:
     return model
 
 
-def nvfp4_lora(model: nn.Module, seed: int = 1) -> nn.Module:
-    """Swap decoder Linears for NVFP4Linear, wrap in peft LoRA r=4 with a nonzero B, perturb the norms."""
-    replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin))
+def nvfp4_lora(model: nn.Module, seed: int = 1, group_scales: bool = False) -> nn.Module:
+    """Swap decoder Linears for NVFP4Linear, wrap in peft LoRA r=4 with a nonzero B, perturb the norms.
+
+    ``group_scales``: q/k/v and gate/up share one global scale (their minimum), as in a checkpoint
+    of ``qerl.quantize`` or llm-compressor, so ``stack_fused_groups`` can stack them."""
+    shared: dict[str, torch.Tensor] = {}
+    if group_scales:
+        for module in model.modules():
+            for names in arch.FUSED_GROUPS:
+                if all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+                    g = min(nvfp4.global_scale(getattr(module, n).weight) for n in names)
+                    shared.update({id(getattr(module, n)): g for n in names})
+    replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin, shared.get(id(lin))))
     peft_model = get_peft_model(model, lora_config(r=4, train_norms=True)).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -32,12 +32,26 @@ issuing.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from . import backend
+from . import backend, reference
 from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig, bwd_config, decode_config
+
+
+@triton.jit
+def segmented(col, row, rows, S1, S2, TOTAL):
+    """Offset of element (row, col) of a ``[rows, TOTAL]`` matrix kept *segmented*: columns [0, S1),
+    [S1, S2) and [S2, TOTAL) each stored as their own contiguous ``[rows, len]`` block, one after the
+    other. With S1 = S2 = TOTAL this is plain row-major ``row * TOTAL + col``. The rollout engine's
+    LoRA shrinks (``u``, split per projection) and the grouped decode's outputs (q/k/v, gate/up, each
+    a contiguous tensor for the op that reads it) use this layout."""
+    lo = tl.where(col < S1, 0, tl.where(col < S2, S1, S2))
+    hi = tl.where(col < S1, S1, tl.where(col < S2, S2, TOTAL))
+    return lo * rows + row * (hi - lo) + (col - lo)
 
 
 @triton.jit
@@ -171,6 +185,30 @@ _NIB_BF16_0, _NIB_BF16_1, _NIB_BF16_2, _NIB_BF16_3 = (tl.constexpr(_nibble_asm(i
 _NIB_FP16_0, _NIB_FP16_1, _NIB_FP16_2, _NIB_FP16_3 = (tl.constexpr(_nibble_asm(i, True)) for i in range(4))
 
 
+#: Under Triton's interpreter (CPU tests) ``_nibble`` computes the same bits with plain integer ops:
+#: the interpreter cannot run inline PTX.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _nibble_plain(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
+    """``_nibble_asm``'s bits with integer ops on the int16 elements (sign to bit 15, magnitude under it)."""
+    sign = (h << (12 - 4 * NIB)) & -0x8000
+    if IS_FP16:
+        MAG: tl.constexpr = 9 - 4 * NIB
+        MASK: tl.constexpr = 0x0E00
+        DT: tl.constexpr = tl.float16
+    else:
+        MAG: tl.constexpr = 6 - 4 * NIB
+        MASK: tl.constexpr = 0x01C0
+        DT: tl.constexpr = tl.bfloat16
+    if MAG >= 0:
+        mag = (h << MAG) & MASK
+    else:
+        mag = (h >> -MAG) & MASK
+    return (sign | mag).to(tl.int16).to(DT, bitcast=True)
+
+
 @triton.jit
 def _nibble(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
     """int16 tensor of packed codes (4 per element) -> its code ``NIB``, scaled down (_nibble_asm).
@@ -179,6 +217,8 @@ def _nibble(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
     words go global -> shared (cp.async) -> registers in the wgmma A-operand layout, and the decoded
     bf16 pairs never touch shared memory.
     """
+    if _INTERPRETED:
+        return _nibble_plain(h, NIB, IS_FP16)
     if IS_FP16:
         if NIB == 0:
             asm: tl.constexpr = _NIB_FP16_0
@@ -204,7 +244,7 @@ def _nibble(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
 @triton.jit
 def _decode_kernel(
     x_ptr, h_ptr, s_ptr, g_ptr, bias_ptr, u_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, stride_xm, stride_hr, h_step, h_tile, stride_sr, s_step, s_tile, stride_ym, stride_um, stride_bn, R,
+    M, N, K, stride_xm, stride_hr, h_step, h_tile, stride_sr, s_step, s_tile, Y1, Y2, S1, S2, stride_bn, R,
     lora_scale, steps_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
@@ -219,6 +259,10 @@ def _decode_kernel(
     with no reshape/join between the decode and the dot. The fp8 block scale (one per 4 elements)
     times 2^118 (2^6 for fp16) is exact in the act dtype, so ``W_i`` is the exact
     ``e2m1 * scale * 2^-8``; ``2^8 / g`` is applied to the fp32 result.
+
+    ``y`` and the LoRA input ``u`` are in the :func:`segmented` layout (output columns split at Y1/Y2,
+    rank columns at S1/S2; plain row-major when the bounds equal N and R): one launch over row-stacked
+    q/k/v (or gate/up) weights hands each projection its own contiguous output.
 
     Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
     (``h_step``) and tile (``h_tile``), so that another weight order can be tried without a new kernel
@@ -302,27 +346,29 @@ def _decode_kernel(
             for s_ in range(0, nsplit):
                 acc += tl.load(part_ptr + s_ * M * N + tile_nm, mask=mask_nm, other=0.0, cache_modifier=".cg")
             tl.store(ticket_ptr + pid_n, 0)
-            _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um,
+            _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, M, N, y_ptr, Y1, Y2, bias_ptr, u_ptr, S1, S2,
                              b_ptr, stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
     else:
-        _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um,
+        _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, M, N, y_ptr, Y1, Y2, bias_ptr, u_ptr, S1, S2,
                          b_ptr, stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
 
 
 @triton.jit
-def _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, y_ptr, stride_ym, bias_ptr, u_ptr, stride_um,
+def _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, M, N, y_ptr, Y1, Y2, bias_ptr, u_ptr, S1, S2,
                      b_ptr, stride_bn, R, lora_scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr):
-    """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * B[n] . u[m]), for the transposed tile."""
+    """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * B[n] . u[m]), for the transposed tile;
+    y and u segmented (:func:`segmented`)."""
     out = acc * (256.0 / tl.load(g_ptr))
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     if HAS_LORA:
         r = tl.arange(0, BR)
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0)
-        ut = tl.load(u_ptr + offs_m[None, :] * stride_um + r[:, None], mask=mask_m[None, :] & (r[:, None] < R), other=0.0)
+        ut = tl.load(u_ptr + segmented(r[:, None], offs_m[None, :], M, S1, S2, R),
+                     mask=mask_m[None, :] & (r[:, None] < R), other=0.0)
         dt = y_ptr.dtype.element_ty
         out += lora_scale * tl.dot(b.to(dt), ut.to(dt))
-    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + segmented(offs_n[:, None], offs_m[None, :], M, Y1, Y2, N), out.to(y_ptr.dtype.element_ty),
              mask=mask_n[:, None] & mask_m[None, :])
 
 
@@ -399,6 +445,8 @@ def matmul(
     lora_scale: float = 1.0,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    out_bounds: tuple[int, int] | None = None,
+    lora_bounds: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
 
@@ -406,6 +454,10 @@ def matmul(
     dequantizes the weight once into a transient bf16/fp16 copy and calls cuBLAS. An explicit
     ``DecodeConfig`` sets the decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
     contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer.
+
+    ``out_bounds`` returns y as a flat ``[M * N]`` buffer in the segmented layout (``segmented``:
+    output columns split at the two bounds, each block a contiguous ``[M, len]``); ``lora_bounds``
+    says ``lora_u`` is such a flat ``[M * r]`` buffer (as the rollout's fused shrinks write it).
     """
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
@@ -415,9 +467,11 @@ def matmul(
     x = x.contiguous()
     has_lora = lora_u is not None
     if has_lora:
-        if lora_b is None or lora_u.shape[0] != M or lora_b.shape[0] != N or lora_u.shape[1] != lora_b.shape[1]:
-            raise ValueError(f"LoRA epilogue needs lora_u [M={M}, r] and lora_B [N={N}, r], got "
-                             f"{None if lora_u is None else tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}")
+        rank = lora_b.shape[1] if lora_b is not None else -1
+        u_shape = (M * rank,) if lora_bounds is not None else (M, rank)
+        if lora_b is None or lora_b.shape[0] != N or tuple(lora_u.shape) != u_shape:
+            raise ValueError(f"LoRA epilogue needs lora_u {'[M*r]' if lora_bounds else '[M, r]'} (M={M}) and lora_B [N={N}, r], "
+                             f"got {tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}")
         lora_u = lora_u.contiguous()
         lora_b = lora_b.contiguous()
     if M > DECODE_MAX_M:
@@ -426,14 +480,19 @@ def matmul(
         # Large M: one dequantize pass + cuBLAS beats the fused kernels measured so far (NOTES.md).
         y = torch.nn.functional.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, x.dtype), bias)
         if has_lora:
-            y = y + lora_scale * (lora_u.to(x.dtype) @ lora_b.to(x.dtype).t())
+            u = lora_u if lora_bounds is None else reference.unsegment(lora_u, M, lora_bounds, rank)
+            y = y + lora_scale * (u.to(x.dtype) @ lora_b.to(x.dtype).t())
+        if out_bounds is not None:
+            return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    shape = (M, N) if out_bounds is None else (M * N,)
+    y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:
         return y
-    rank = lora_u.shape[1] if has_lora else 0
+    rank = lora_b.shape[1] if has_lora else 0
     lora_args = (lora_u if has_lora else y, lora_b if has_lora else y)
-    lora_strides = (lora_u.stride(0) if has_lora else 0, lora_b.stride(0) if has_lora else 0)
+    y1, y2 = out_bounds or (N, N)
+    s1, s2 = lora_bounds or (rank, rank)
     br = max(16, triton.next_power_of_2(rank))
     cfg = decode_config(M, N, K, x.device, config)
     k_steps = triton.cdiv(K, cfg.BK)
@@ -447,7 +506,7 @@ def matmul(
     s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
     _decode_kernel[(tiles, split)](
         x, h, scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
-        M, N, K, x.stride(0), *h_strides, *s_strides, y.stride(0), *lora_strides, rank,
+        M, N, K, x.stride(0), *h_strides, *s_strides, y1, y2, s1, s2, lora_b.stride(0) if has_lora else 0, rank,
         float(lora_scale), steps_per_split,
         BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
         HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,

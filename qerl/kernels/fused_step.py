@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from qerl.kernels import backend
+from qerl.kernels.fp4_gemm import segmented
 
 #: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks.
 _TARGET_PROGRAMS = 264
@@ -56,9 +57,7 @@ def _shrink_split(rows: int, k: int, rp: int, warps: int) -> tuple[int, int, int
 @triton.jit
 def _store_u(u_ptr, acc, row, r, M, R, S1, S2):
     """u[row, r] into the segmented layout: segments [0, S1), [S1, S2), [S2, R), each ``[M, len]``."""
-    lo = tl.where(r < S1, 0, tl.where(r < S2, S1, S2))
-    hi = tl.where(r < S1, S1, tl.where(r < S2, S2, R))
-    tl.store(u_ptr + lo * M + row * (hi - lo) + (r - lo), acc.to(u_ptr.dtype.element_ty), mask=r < R)
+    tl.store(u_ptr + segmented(r, row, M, S1, S2, R), acc.to(u_ptr.dtype.element_ty), mask=r < R)
 
 
 @triton.jit

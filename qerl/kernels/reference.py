@@ -33,6 +33,43 @@ def mm(
     return y
 
 
+Bounds = tuple[int, int]
+
+
+def _segments(bounds: Bounds, total: int) -> list[tuple[int, int]]:
+    """Column ranges [0, S1), [S1, S2), [S2, total) of a segmented layout (empty ones included)."""
+    s1, s2 = bounds
+    return [(0, s1), (s1, s2), (s2, total)]
+
+
+def unsegment(flat: torch.Tensor, rows: int, bounds: Bounds, total: int) -> torch.Tensor:
+    """The ``[rows, total]`` matrix held in ``flat`` in the segmented layout (``fp4_gemm.segmented``)."""
+    return torch.cat([flat[lo * rows : hi * rows].view(rows, hi - lo) for lo, hi in _segments(bounds, total)], dim=1)
+
+
+def segment(mat: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+    """``mat`` ``[rows, total]`` as a flat buffer in the segmented layout (``unsegment``'s inverse)."""
+    return torch.cat([mat[:, lo:hi].reshape(-1) for lo, hi in _segments(bounds, mat.shape[1])])
+
+
+def group_mm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    gscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_bounds: Bounds,
+    lora_u: torch.Tensor | None = None,
+    lora_bounds: Bounds | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+) -> torch.Tensor:
+    """``mm`` with the output (and a 1-D ``lora_u``) segmented: ``fp4_gemm.matmul(out_bounds=...)``'s reference."""
+    if lora_u is not None and lora_bounds is not None:
+        lora_u = unsegment(lora_u, x.shape[0], lora_bounds, lora_b.shape[1])
+    return segment(mm(x, packed, scale, gscale, bias, lora_u, lora_b, lora_scale), out_bounds)
+
+
 def mm_t(grad_y: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
     """``grad_y @ W_hat`` (``fp4_gemm.matmul_t``'s reference)."""
     return grad_y @ nvfp4.dequantize(packed, scale, gscale, dtype=grad_y.dtype)

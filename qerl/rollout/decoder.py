@@ -8,10 +8,11 @@ around it once multiplied by the layer count.
 
 LoRA inputs: the ops that produce a projection group's input (``rms_norm`` for q/k/v and gate/up,
 ``decode_attention`` for o, ``silu_mul`` for down) take that group and also return ``lora``, the
-per-projection shrinks ``u_j = x @ A_j.T`` (``None`` where a projection has no adapter, or ``None``
-altogether). On CUDA with at most ``FUSED_LORA_MAX_ROWS`` rows the shrink is reduced inside the
-producing kernel (no launch of its own); otherwise it is one matmul per group. ``group_forward``
-then folds each ``u_j`` into its projection (the FP4 kernel's epilogue, or an ``addmm``).
+group's shrinks ``u_j = x @ A_j.T`` in one buffer (:class:`LoraU`; ``None`` without adapters). On
+CUDA with at most ``FUSED_LORA_MAX_ROWS`` rows the shrink is reduced inside the producing kernel (no
+launch of its own); otherwise it is one matmul per group. ``group_forward`` then folds each ``u_j``
+into its projection (the FP4 kernel's epilogue, or an ``addmm``); a group whose NVFP4 weights are
+row-stacked (``layers.Stacked``) runs as one FP4 launch with every expand in its epilogue.
 
 Rounding follows transformers: RMSNorm normalises in fp32, casts to the activation dtype, then
 multiplies by the weight; residual adds and SiLU-gating round to the activation dtype.
@@ -19,7 +20,9 @@ multiplies by the weight; residual adds and SiLU-gating round to the activation 
 
 from __future__ import annotations
 
+import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,30 @@ from qerl.rollout.layers import Group, Norm, Proj
 #: matmul per group is the cheaper way.
 FUSED_LORA_MAX_ROWS = 64
 
-LoraInputs = list[torch.Tensor | None] | None
+
+
+@dataclass
+class LoraU:
+    """A group's LoRA shrinks ``u = x @ A.T`` (every projection's ranks side by side) in one buffer:
+    ``[..., R]`` row-major (``bounds`` None: one matmul made it), or the flat segmented buffer a fused
+    shrink kernel writes (``bounds`` = the group's ``lora_bounds``; projection j's ``[rows, r_j]``
+    block contiguous, as ``qerl.kernels.fp4_gemm.segmented`` lays it out)."""
+
+    u: torch.Tensor
+    bounds: tuple[int, int] | None
+    lead: torch.Size  # x's leading dims
+
+    def per_projection(self, group: Group) -> list[torch.Tensor | None]:
+        """``u_j`` ``[..., r_j]`` for every projection (None where it has no adapter)."""
+        slices = [p.lora_slice for p in group.projs]
+        if self.bounds is None:
+            return [None if s is None else self.u[..., s] for s in slices]
+        rows = math.prod(self.lead)
+        return [None if s is None else self.u[s.start * rows : s.stop * rows].view(*self.lead, s.stop - s.start)
+                for s in slices]
+
+
+LoraInputs = LoraU | None
 
 
 def _fuse_lora(x: torch.Tensor, rows: int, group: Group | None) -> bool:
@@ -45,18 +71,12 @@ def lora_inputs(x: torch.Tensor, group: Group | None) -> LoraInputs:
     """``u_j = x @ A_j.T`` for every LoRA-wrapped projection of the group: one matmul (None without LoRA)."""
     if group is None or group.lora_a is None:
         return None
-    u = x @ group.lora_a.t()
-    return [None if p.lora_slice is None else u[..., p.lora_slice] for p in group.projs]
+    return LoraU(x @ group.lora_a.t(), None, x.shape[:-1])
 
 
 def _segmented(flat: torch.Tensor, like: torch.Tensor, group: Group) -> LoraInputs:
-    """Views of a kernel's segmented u buffer: projection j's ``[..., r_j]`` block is contiguous."""
-    lead = like.shape[:-1]
-    rows = like.numel() // like.shape[-1]
-    return [
-        None if s is None else flat[s.start * rows : s.stop * rows].view(*lead, s.stop - s.start)
-        for s in (p.lora_slice for p in group.projs)
-    ]
+    """A fused shrink kernel's segmented u buffer for the group producing ``like``."""
+    return LoraU(flat, group.lora_bounds, like.shape[:-1])
 
 
 def rms_norm(
@@ -147,10 +167,28 @@ def project(x: torch.Tensor, proj: Proj, u: torch.Tensor | None) -> torch.Tensor
 
 
 def group_forward(x: torch.Tensor, group: Group, lora: LoraInputs = None) -> list[torch.Tensor]:
-    """Every projection of the group on x; ``lora`` from the op that produced x (computed here if None)."""
+    """Every projection of the group on x; ``lora`` from the op that produced x (computed here if None).
+
+    Where the kernels run (``backend.available``) a row-stacked group is one FP4 launch
+    (``stacked_forward``). Elsewhere each projection runs on its own: on CPU the per-module dense
+    copies of ``base_forward`` are far faster than dequantizing the stacked weight at every step.
+    """
     if lora is None:
-        lora = lora_inputs(x, group) or [None] * len(group.projs)
-    return [project(x, p, u) for p, u in zip(group.projs, lora, strict=True)]
+        lora = lora_inputs(x, group)
+    if group.stacked is not None and backend.available(x):
+        return stacked_forward(x, group, lora)
+    us = lora.per_projection(group) if lora is not None else [None] * len(group.projs)
+    return [project(x, p, u) for p, u in zip(group.projs, us, strict=True)]
+
+
+def stacked_forward(x: torch.Tensor, group: Group, lora: LoraInputs) -> list[torch.Tensor]:
+    """A row-stacked group in one ``kernels.nvfp4_group_decode`` call: each output its own contiguous
+    tensor, the LoRA expands through the group's block-diagonal ``lora_b`` in the same epilogue."""
+    st = group.stacked
+    bias = None if st.bias is None else st.bias.to(x.dtype)
+    if lora is None:
+        return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits)
+    return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits, lora.u, lora.bounds, group.lora_b)
 
 
 def decode_attention(

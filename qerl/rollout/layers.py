@@ -92,11 +92,61 @@ class Proj:
 
 
 @dataclass
+class Stacked:
+    """A group's NVFP4 weights as one row-stacked tensor (``qerl.linear.stack_fused_groups``): views
+    over the members' own storage, so the group runs as one FP4 launch with nothing copied."""
+
+    packed: torch.Tensor  # [sum N, K/2] u8
+    scale: torch.Tensor  # [sum N, K/16] fp8
+    gscale: torch.Tensor  # the members' one global scale
+    bias: torch.Tensor | None  # [sum N]
+    splits: tuple[int, ...]  # each member's rows
+
+
+def _rows_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One ``[sum rows, ...]`` view if the tensors lie back to back, row-contiguous, in one storage."""
+    first = tensors[0]
+    row = first.stride(0) if first.dim() > 1 else 1
+    offset = first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset or t.shape[1:] != first.shape[1:]):
+            return None
+        offset += t.shape[0] * row
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
+
+
+def _stacked(projs: list[Proj]) -> Stacked | None:
+    """The group's weights as one launch's operands, when ``stack_fused_groups`` laid them out so."""
+    if len(projs) < 2 or not all(p.is_nvfp4 for p in projs):
+        return None
+    bases = [p.base for p in projs]
+    packed = _rows_view([b.weight_packed for b in bases])
+    scale = _rows_view([b.weight_scale for b in bases])
+    if packed is None or scale is None or len({b.weight_global_scale.data_ptr() for b in bases}) != 1:
+        return None
+    bias = None
+    if bases[0].bias is not None:
+        if any(b.bias is None for b in bases) or (bias := _rows_view([b.bias for b in bases])) is None:
+            return None
+    elif any(b.bias is not None for b in bases):
+        return None
+    return Stacked(packed, scale, bases[0].weight_global_scale, bias, tuple(b.out_features for b in bases))
+
+
+@dataclass
 class Group:
-    """Projections that read the same input; their LoRA shrinks are done as one reduction."""
+    """Projections that read the same input; their LoRA shrinks are done as one reduction.
+
+    With ``stacked`` weights the group's LoRA expands are one block-diagonal ``lora_b`` ``[sum N,
+    sum r]`` (projection j's rows are nonzero only in its own rank columns), so the one FP4 launch
+    applies them all in its epilogue; each projection's ``lora_b`` is then a view of its block.
+    """
 
     projs: list[Proj]
     lora_a: torch.Tensor | None = None  # [sum r, K], compute dtype
+    stacked: Stacked | None = None
+    lora_b: torch.Tensor | None = None  # [sum N, sum r] block-diagonal, with ``stacked`` only
 
     @property
     def lora_bounds(self) -> tuple[int, int]:
@@ -143,24 +193,32 @@ def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, ol
 def _group(modules: list[nn.Module], dtype: torch.dtype, previous: Group | None) -> Group:
     """The group's projections and LoRA buffers (``previous``'s buffers reused where they fit)."""
     projs = [_proj(m) for m in modules]
+    stacked = _stacked(projs)
     ranks = [sum(a.shape[0] for a, _, _ in p.lora_sources) for p in projs]
     if sum(ranks) == 0:
-        return Group(projs)
+        return Group(projs, stacked=stacked)
     if sum(r > 0 for r in ranks) > 3:
         raise ValueError("native rollout engine: at most 3 LoRA-wrapped projections may share an input")
     first = next(p for p in projs if p.lora_sources)
     device = first.lora_sources[0][0].device
     in_features = first.lora_sources[0][0].shape[1]
     old_a = previous.lora_a if previous is not None else None
-    group = Group(projs, _buffer((sum(ranks), in_features), dtype, device, old_a))
+    group = Group(projs, _buffer((sum(ranks), in_features), dtype, device, old_a), stacked)
+    if stacked is not None:
+        old = previous.lora_b if previous is not None else None
+        group.lora_b = _buffer((sum(stacked.splits), sum(ranks)), dtype, device, old)
     old_b = [p.lora_b for p in previous.projs] if previous is not None else [None] * len(projs)
-    start = 0
+    start = row = 0
     for proj, rank, old in zip(projs, ranks, old_b, strict=True):
+        out_features = proj.base.out_features
         if rank:
-            out_features = proj.lora_sources[0][1].shape[0]
-            proj.lora_b = _buffer((out_features, rank), dtype, device, old)
             proj.lora_slice = slice(start, start + rank)
+            if group.lora_b is not None:
+                proj.lora_b = group.lora_b[row : row + out_features, proj.lora_slice]
+            else:
+                proj.lora_b = _buffer((out_features, rank), dtype, device, old)
             start += rank
+        row += out_features
     return group
 
 
@@ -169,6 +227,8 @@ def refresh_lora(group: Group) -> None:
     """Copy the current LoRA factors into the group's compute-dtype buffers (in place)."""
     if group.lora_a is None:
         return
+    if group.lora_b is not None:
+        group.lora_b.zero_()  # the off-diagonal blocks; the projections' own blocks are copied below
     for proj in group.projs:
         if proj.lora_b is None:
             continue
@@ -251,7 +311,7 @@ class ModelPlan:
         for layer in self.layers:
             ptrs += [ptr(layer.attn_norm.weight), ptr(layer.mlp_norm.weight)]
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                ptrs.append(ptr(group.lora_a))
+                ptrs.append((ptr(group.lora_a), ptr(group.lora_b), group.stacked is not None))
                 ptrs += [
                     (
                         p.weight_ptr,
