@@ -20,8 +20,12 @@ bandwidth measured in the same run.
 
 ``--lora-sweep`` measures only the LoRA cost on the 7B NVFP4 model, at b = 1/8/64: ms/step and GPU
 launches per decode step (kernels + memcpy/memset of an eager step, i.e. the nodes its CUDA graph
-holds) for LoRA with shrinks fused into the producing kernels, LoRA with one cuBLAS shrink per group
-(``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
+holds) for LoRA with shrinks fused into the producing kernels, the same with one FP4 launch per
+projection instead of per stacked q/k/v and gate/up group (``decoder.STACK_GROUPS = False``), LoRA
+with one cuBLAS shrink per group (``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
+
+``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``,
+stacked groups beside one launch per projection.
 
     python -m benchmarks.rollout --out $OUT/rollout.json            # on the GPU
     python -m benchmarks.rollout --lora-sweep --tokens 256 --out $OUT/rollout_lora.json
@@ -162,7 +166,8 @@ def ms_per_step(engine, prompts: list[list[int]], tokens: int) -> tuple[float, f
 
 
 def profile(args: argparse.Namespace) -> dict:
-    """GPU time of one eager 7B NVFP4+LoRA decode step, per kernel, at each of ``--batches``.
+    """GPU time of one eager 7B NVFP4+LoRA decode step, per kernel, at each of ``--batches``, with the
+    q/k/v and gate/up groups as one launch each (``stacked``) and as one launch per projection.
 
     Context: prompts of ``PROMPT + tokens / 2`` positions, the mean KV length of the timed runs, so the
     attention share matches theirs. Per kernel: (time in a generate of 1 + S tokens - time in a
@@ -172,16 +177,15 @@ def profile(args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from qerl.rollout import SamplingParams
+    from qerl.rollout import SamplingParams, decoder
     from qerl.rollout.native import NativeEngine
 
     steps, context = 16, PROMPT + args.tokens // 2
     model = build_model("7b", nvfp4=True)
-    engine = NativeEngine(model, 0, cuda_graphs=False)
     gen = torch.Generator().manual_seed(1)
     result: dict = {"steps": steps, "context": context, "batches": {}}
 
-    def kernel_us(prompts: list[list[int]], tokens: int) -> dict[str, float]:
+    def kernel_us(engine: NativeEngine, prompts: list[list[int]], tokens: int) -> dict[str, float]:
         params = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=0)
         engine.generate(prompts, params)  # compiles and sizes the cache outside the profile
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -191,14 +195,21 @@ def profile(args: argparse.Namespace) -> dict:
 
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (context,), generator=gen).tolist() for _ in range(b)]
-        one, many = kernel_us(prompts, 1), kernel_us(prompts, 1 + steps)
-        per_step = {k: (v - one.get(k, 0.0)) / steps for k, v in many.items()}
-        per_step = dict(sorted(((k, round(v, 2)) for k, v in per_step.items() if v > 0.5), key=lambda kv: -kv[1]))
-        result["batches"][str(b)] = {"total_us": round(sum(per_step.values()), 1), "kernels_us": per_step}
-        print(f"--- 7b nvfp4+lora b={b}, context {context}: GPU us per eager decode step", flush=True)
-        for k, v in list(per_step.items())[:16]:
-            print(f"{v:10.1f}  {k[:100]}")
-        print(f"{sum(per_step.values()):10.1f}  total", flush=True)
+        result["batches"][str(b)] = {}
+        for variant, stacked in (("stacked", True), ("per_projection", False)):
+            decoder.STACK_GROUPS = stacked
+            try:
+                engine = NativeEngine(model, 0, cuda_graphs=False)
+                one, many = kernel_us(engine, prompts, 1), kernel_us(engine, prompts, 1 + steps)
+            finally:
+                decoder.STACK_GROUPS = True
+            per_step = {k: (v - one.get(k, 0.0)) / steps for k, v in many.items()}
+            per_step = dict(sorted(((k, round(v, 2)) for k, v in per_step.items() if v > 0.5), key=lambda kv: -kv[1]))
+            result["batches"][str(b)][variant] = {"total_us": round(sum(per_step.values()), 1), "kernels_us": per_step}
+            print(f"--- 7b nvfp4+lora b={b}, context {context}, {variant}: GPU us per eager decode step", flush=True)
+            for k, v in list(per_step.items())[:16]:
+                print(f"{v:10.1f}  {k[:100]}")
+            print(f"{sum(per_step.values()):10.1f}  total", flush=True)
     return result
 
 
@@ -240,8 +251,9 @@ def lora_sweep(args: argparse.Namespace) -> dict:
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         kv = kv_bytes_per_step("7b", b, args.tokens)
-        for variant in ("lora_fused", "lora_cublas", "nolora"):
+        for variant in ("lora_fused", "lora_per_projection", "lora_cublas", "nolora"):
             decoder.FUSED_LORA_MAX_ROWS = 0 if variant == "lora_cublas" else fused_rows
+            decoder.STACK_GROUPS = variant != "lora_per_projection"
             try:
                 with model.disable_adapter() if variant == "nolora" else contextlib.nullcontext():
                     engine = NativeEngine(model, 0)  # fresh graphs: the shrink placement is baked in
@@ -250,6 +262,7 @@ def lora_sweep(args: argparse.Namespace) -> dict:
                     launches = launches_per_step(model, prompts)
             finally:
                 decoder.FUSED_LORA_MAX_ROWS = fused_rows
+                decoder.STACK_GROUPS = True
             gc.collect()
             torch.cuda.empty_cache()
             floor = (wbytes + (0 if variant == "nolora" else lbytes) + kv) / bw * 1e3
@@ -263,7 +276,7 @@ def lora_sweep(args: argparse.Namespace) -> dict:
     summary = {}
     for b in args.batches:
         off = by.get(("nolora", b))
-        for variant in ("lora_fused", "lora_cublas"):
+        for variant in ("lora_fused", "lora_per_projection", "lora_cublas"):
             on = by.get((variant, b))
             summary[f"{variant}_overhead_ms_b{b}"] = None if on is None or off is None else round(on - off, 4)
             summary[f"{variant}_share_b{b}"] = None if on is None or off is None else round((on - off) / on, 4)

@@ -61,6 +61,10 @@ class LoraU:
 
 LoraInputs = LoraU | None
 
+#: Whether a row-stacked group (``layers.Stacked``) runs as one FP4 launch; benchmarks/rollout.py
+#: turns it off, with a fresh engine (graphs bake the choice in), for a same-run A/B.
+STACK_GROUPS = True
+
 
 def _fuse_lora(x: torch.Tensor, rows: int, group: Group | None) -> bool:
     """Whether the group's shrink over ``rows`` rows is reduced inside the kernel producing x."""
@@ -175,7 +179,7 @@ def group_forward(x: torch.Tensor, group: Group, lora: LoraInputs = None) -> lis
     """
     if lora is None:
         lora = lora_inputs(x, group)
-    if group.stacked is not None and backend.available(x):
+    if STACK_GROUPS and group.stacked is not None and backend.available(x):
         return stacked_forward(x, group, lora)
     us = lora.per_projection(group) if lora is not None else [None] * len(group.projs)
     return [project(x, p, u) for p, u in zip(group.projs, us, strict=True)]
