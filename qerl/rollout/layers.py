@@ -106,7 +106,7 @@ class Stacked:
 def _rows_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """One ``[sum rows, ...]`` view if the tensors lie back to back, row-contiguous, in one storage."""
     first = tensors[0]
-    row = first.stride(0) if first.dim() > 1 else 1
+    row = first.stride(0)  # elements per row (1 for a bias)
     offset = first.storage_offset()
     for t in tensors:
         if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
