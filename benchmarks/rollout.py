@@ -24,8 +24,8 @@ holds) for LoRA with shrinks fused into the producing kernels, the same with one
 projection instead of per stacked q/k/v and gate/up group (``decoder.STACK_GROUPS = False``), LoRA
 with one cuBLAS shrink per group (``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
-``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``,
-stacked groups beside one launch per projection.
+``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``:
+stacked groups, one launch per projection, and stacked with a 4x finer attention split.
 
     python -m benchmarks.rollout --out $OUT/rollout.json            # on the GPU
     python -m benchmarks.rollout --lora-sweep --tokens 256 --out $OUT/rollout_lora.json
@@ -167,7 +167,8 @@ def ms_per_step(engine, prompts: list[list[int]], tokens: int) -> tuple[float, f
 
 def profile(args: argparse.Namespace) -> dict:
     """GPU time of one eager 7B NVFP4+LoRA decode step, per kernel, at each of ``--batches``, with the
-    q/k/v and gate/up groups as one launch each (``stacked``) and as one launch per projection.
+    q/k/v and gate/up groups as one launch each (``stacked``), as one launch per projection, and
+    stacked with the attention split aimed at 4x the programs (``fused_step.ATTN_PROGRAMS``).
 
     Context: prompts of ``PROMPT + tokens / 2`` positions, the mean KV length of the timed runs, so the
     attention share matches theirs. Per kernel: (time in a generate of 1 + S tokens - time in a
@@ -177,10 +178,14 @@ def profile(args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from qerl.kernels import fused_step
     from qerl.rollout import SamplingParams, decoder
     from qerl.rollout.native import NativeEngine
 
     steps, context = 16, PROMPT + args.tokens // 2
+    attn_default = fused_step.ATTN_PROGRAMS
+    variants = (("stacked", True, attn_default), ("per_projection", False, attn_default),
+                ("stacked_attn_x4", True, 4 * attn_default))
     model = build_model("7b", nvfp4=True)
     gen = torch.Generator().manual_seed(1)
     result: dict = {"steps": steps, "context": context, "batches": {}}
@@ -196,13 +201,13 @@ def profile(args: argparse.Namespace) -> dict:
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (context,), generator=gen).tolist() for _ in range(b)]
         result["batches"][str(b)] = {}
-        for variant, stacked in (("stacked", True), ("per_projection", False)):
-            decoder.STACK_GROUPS = stacked
+        for variant, stacked, attn_programs in variants:
+            decoder.STACK_GROUPS, fused_step.ATTN_PROGRAMS = stacked, attn_programs
             try:
                 engine = NativeEngine(model, 0, cuda_graphs=False)
                 one, many = kernel_us(engine, prompts, 1), kernel_us(engine, prompts, 1 + steps)
             finally:
-                decoder.STACK_GROUPS = True
+                decoder.STACK_GROUPS, fused_step.ATTN_PROGRAMS = True, attn_default
             per_step = {k: (v - one.get(k, 0.0)) / steps for k, v in many.items()}
             per_step = dict(sorted(((k, round(v, 2)) for k, v in per_step.items() if v > 0.5), key=lambda kv: -kv[1]))
             result["batches"][str(b)][variant] = {"total_us": round(sum(per_step.values()), 1), "kernels_us": per_step}
