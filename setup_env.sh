@@ -5,7 +5,8 @@
 # running it again only checks what is there. Never touches site-packages by hand.
 #   QERL_VENV=path   use another venv location
 #   QERL_EXTRAS=...  extras to install (default: quantize,dev, plus gpu (bitsandbytes, for the recipes'
-#                    8-bit AdamW) on a CUDA machine; add vllm there for the vLLM rollout engine)
+#                    8-bit AdamW) on a CUDA machine, interpret (Triton's CPU interpreter, so the tests
+#                    run the kernels) on a CPU one; add vllm on a CUDA machine for the vLLM rollout engine)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV=${QERL_VENV:-.venv}
@@ -24,7 +25,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   EXTRAS=${QERL_EXTRAS:-quantize,dev,gpu}
 else
   TORCH_SPEC=${QERL_TORCH:-"torch==2.13.0"}
-  EXTRAS=${QERL_EXTRAS:-quantize,dev}
+  EXTRAS=${QERL_EXTRAS:-quantize,dev,interpret}
 fi
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q "$TORCH_SPEC"

@@ -2,7 +2,8 @@
 
 * ``test_rollout_kernels.py::test_gpu_rollout_kernels_match_torch`` calls ``check_kernels("cuda", bf16)``;
 * ``test_rollout_kernels.py::test_rollout_kernels_interpreted`` runs this file as a script under
-  ``TRITON_INTERPRET=1`` on CPU (fp32 and fp16; the interpreter rounds bf16 products wrongly), then
+  ``TRITON_INTERPRET=1`` on CPU (fp32 and fp16; the interpreter rounds bf16 products wrongly): the
+  fused step kernels, the FP4 decode kernel (``check_decode_kernel``) and its stacked-group form, then
   ``check_engine_interpreted``: a whole NativeEngine generation through the kernels.
 
 Every reference is computed in fp32 on CPU from the same (rounded) inputs.
@@ -182,6 +183,28 @@ def check_stacked_decode(device: str, dtype: torch.dtype, tol: float, ms: tuple[
             _close(torch.cat(plain, dim=1), base, tol, f"stacked decode without LoRA {splits} m={m}")
 
 
+def check_decode_kernel(dtype: torch.dtype, tol: float) -> None:
+    """The FP4 decode kernel itself (interpreter: a plain-integer nibble decode stands in for its PTX)
+    vs the dequantize-then-matmul reference: split-K with tickets, K not a multiple of BK, N not a
+    multiple of BN, bias and the LoRA epilogue."""
+    from qerl import nvfp4
+    from qerl.kernels import fp4_gemm, reference
+    from qerl.kernels.schedule import DecodeConfig
+
+    gen = torch.Generator().manual_seed(5)
+    n, k, r = 80, 288, 6
+    q = nvfp4.quantize(torch.randn(n, k, generator=gen) * 0.05)
+    bias, lora_b = torch.randn(n, generator=gen) * 0.1, torch.randn(n, r, generator=gen) * 0.1
+    for m in (1, 5):
+        x, u = torch.randn(m, k, generator=gen), torch.randn(m, r, generator=gen)
+        for split in (1, 2):
+            cfg = DecodeConfig(BN=32, BK=64, warps=4, stages=1, split=split)
+            got = fp4_gemm.matmul(x.to(dtype), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.to(dtype),
+                                  u.to(dtype), lora_b.to(dtype), 0.5, config=cfg)
+            want = reference.mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b, 0.5)
+            _close(got, want, tol, f"decode kernel m={m} split={split}")
+
+
 def check_finish_step(device: str) -> None:
     """The one-launch step bookkeeping vs the torch ops it replaces (exact)."""
     b, rows, seq, pad = 4, 6, 5, 99
@@ -213,7 +236,7 @@ def check_engine_interpreted() -> None:
     from qerl.rollout import get_engine
     from qerl.rollout.native import NativeEngine
 
-    backend.available = lambda x: True  # route CPU tensors to the (interpreted) Triton kernels (fp32: not the FP4 ones)
+    assert backend.available(torch.zeros(1)), "run after routing CPU tensors to the kernels (see __main__)"
     model = nvfp4_lora(tiny_llama(2), group_scales=True)
     assert stack_fused_groups(model) == 4, "q/k/v and gate/up of both layers"  # the stacked group path too
     prompts = PROMPTS[:3]  # the interpreter runs every program in Python: keep the grids small
@@ -231,6 +254,10 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     check_kernels("cpu", torch.float32, 1e-5)
     check_kernels("cpu", torch.float16, 2e-3)
+    check_decode_kernel(torch.float16, 4e-3)
+    from qerl.kernels import backend
+
+    backend.available = lambda x: True  # CPU tensors to the (interpreted) Triton kernels from here on
     check_stacked_decode("cpu", torch.float16, 4e-3, ms=(1, 5))
     check_engine_interpreted()
     print("rollout kernels: interpreted checks passed")
