@@ -11,8 +11,9 @@ Three methods, one format (``qerl.nvfp4``), which vLLM and ``qerl.loader`` read 
 
 * ``rtn`` (default): round-to-nearest with min/max scales, no calibration data: exactly what the
   QeRL reference script does, deterministic and reproducible by vLLM users;
-* ``mse``: the same, with each block's FP8 scale chosen by reconstruction error (``qerl.quant.mse``),
-  still data-free and streaming;
+* ``mse``: the same, with each block's FP8 scale chosen by reconstruction error weighted by input
+  moments estimated from the weights (``qerl.quant.mse``, ``qerl.quant.importance``), still
+  data-free and streaming;
 * ``gptq``: llm-compressor's GPTQ on calibration text (``qerl.quant.calibration``); it needs the
   whole model and the ``quantize`` extra, and it closes most of rtn's quality gap
   (benchmarks/results/quality_cpu.json).
