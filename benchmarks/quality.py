@@ -13,7 +13,8 @@ rtn's perplexity gap to bf16 that a method removes.
 
 ``--layers`` adds the weight reconstruction error of rtn and mse on random Gaussian weights of the
 Qwen2.5-7B layer shapes (no data: gptq, which minimises output error on calibration activations,
-has nothing to work with there), with each layer's quantize time.
+has nothing to work with there; no model either, so mse weighs all input columns alike), with each
+layer's quantize time.
 """
 
 from __future__ import annotations

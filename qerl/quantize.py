@@ -11,8 +11,9 @@ Three methods, one format (``qerl.nvfp4``), which vLLM and ``qerl.loader`` read 
 
 * ``rtn`` (default): round-to-nearest with min/max scales, no calibration data: exactly what the
   QeRL reference script does, deterministic and reproducible by vLLM users;
-* ``mse``: the same, with each block's FP8 scale chosen by reconstruction error (``qerl.quant.mse``),
-  still data-free and streaming;
+* ``mse``: the same, with each block's FP8 scale chosen by reconstruction error weighted by input
+  moments estimated from the weights (``qerl.quant.mse``, ``qerl.quant.importance``), still
+  data-free and streaming;
 * ``gptq``: llm-compressor's GPTQ on calibration text (``qerl.quant.calibration``); it needs the
   whole model and the ``quantize`` extra, and it closes most of rtn's quality gap
   (benchmarks/results/quality_cpu.json).
@@ -37,7 +38,7 @@ from tqdm import tqdm
 
 from qerl import arch, checkpoint, hub, nvfp4
 from qerl.fsutil import atomic_directory
-from qerl.quant import mse, target
+from qerl.quant import importance, mse, target
 from qerl.quant.calibration import Calibration
 from qerl.quant.source import SourceModel, check_finite
 
@@ -163,18 +164,21 @@ def quantize_streaming(source: Source, out_dir: Path, method: Method = "rtn", ma
     """The qerl backend: two passes over the shards, one tensor in memory at a time.
 
     ``rtn`` rounds with min/max block scales (llm-compressor's bytes); ``mse`` searches each
-    block's scale (:mod:`qerl.quant.mse`). Both write the same format with the same global scales.
+    block's scale (:mod:`qerl.quant.mse`), weighing input columns by their estimated activation
+    moments (:mod:`qerl.quant.importance`, one more pass over the weights, one tensor at a time).
+    Both write the same format with the same global scales.
     """
     src, tensors, names = source.path, source.tensors, source.names
-    quantize_weight = mse.quantize if method == "mse" else nvfp4.quantize
     scales = global_scales(tensors, names)
+    moments = importance.input_moments(tensors, source.model.config, names) if method == "mse" else {}
     quantized = {f"{n}.weight": n for n in names}
     writer = _ShardWriter(out_dir, max_shard_bytes)
     for name in tqdm(tensors.names(), desc="quantize", unit="tensor"):
         tensor = tensors.get(name)
         if name in quantized:
             layer = quantized[name]
-            for key, value in quantize_weight(tensor, scales[layer]).as_dict(f"{layer}.").items():
+            q = mse.quantize(tensor, scales[layer], moments.get(layer)) if method == "mse" else nvfp4.quantize(tensor, scales[layer])
+            for key, value in q.as_dict(f"{layer}.").items():
                 writer.add(key, value)
         else:
             writer.add(name, tensor)
