@@ -37,7 +37,6 @@ from qerl.rollout.layers import Group, Norm, Proj
 FUSED_LORA_MAX_ROWS = 64
 
 
-
 @dataclass
 class LoraU:
     """A group's LoRA shrinks ``u = x @ A.T`` (every projection's ranks side by side) in one buffer:
@@ -190,9 +189,8 @@ def stacked_forward(x: torch.Tensor, group: Group, lora: LoraInputs) -> list[tor
     tensor, the LoRA expands through the group's block-diagonal ``lora_b`` in the same epilogue."""
     st = group.stacked
     bias = None if st.bias is None else st.bias.to(x.dtype)
-    if lora is None:
-        return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits)
-    return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits, lora.u, lora.bounds, group.lora_b)
+    u, bounds, lora_b = (None, None, None) if lora is None else (lora.u, lora.bounds, group.lora_b)
+    return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits, u, bounds, lora_b)
 
 
 def decode_attention(

@@ -125,12 +125,10 @@ def _stacked(projs: list[Proj]) -> Stacked | None:
     scale = _rows_view([b.weight_scale for b in bases])
     if packed is None or scale is None or len({b.weight_global_scale.data_ptr() for b in bases}) != 1:
         return None
+    biases = [b.bias for b in bases]
     bias = None
-    if bases[0].bias is not None:
-        if any(b.bias is None for b in bases) or (bias := _rows_view([b.bias for b in bases])) is None:
-            return None
-    elif any(b.bias is not None for b in bases):
-        return None
+    if any(b is not None for b in biases) and (any(b is None for b in biases) or (bias := _rows_view(biases)) is None):
+        return None  # some members without a bias, or biases that do not lie back to back
     return Stacked(packed, scale, bases[0].weight_global_scale, bias, tuple(b.out_features for b in bases))
 
 
