@@ -430,7 +430,8 @@ def main() -> None:
     if args.out is None:
         sys.exit("benchmarks/rollout.py: --out PATH is required for a run")
     if args.profile:
-        write_json(args.out, {**environment(), "command": common.command("benchmarks.rollout"), "profile": profile(args)})
+        write_json(args.out, {"date": utc_now(), **environment(), "command": common.command("benchmarks.rollout"),
+                              "profile": profile(args)})
         return
     result = lora_sweep(args) if args.lora_sweep else run(args)
     write_json(args.out, result)

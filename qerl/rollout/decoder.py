@@ -32,9 +32,10 @@ from qerl.kernels import backend, reference
 from qerl.rollout.layers import Group, Norm, Proj
 
 #: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input.
-#: Each row re-reads A from L2 (344 KB for q/k/v at r=16 on 7B), so past ~64 rows one cuBLAS
-#: matmul per group is the cheaper way.
-FUSED_LORA_MAX_ROWS = 64
+#: Each row re-reads A from L2 (344 KB for q/k/v at r=16 on 7B), so from ~48 rows one cuBLAS matmul
+#: per group is the cheaper way: 7B step 3.78 vs 4.21 ms at b=16, 4.73 vs 5.00 at b=32, but 7.10 vs
+#: 6.98 at b=48 and 7.14 vs 6.96 at b=64 (H200; benchmarks/NOTES.md, "the LoRA shrink threshold").
+FUSED_LORA_MAX_ROWS = 32
 
 
 @dataclass
