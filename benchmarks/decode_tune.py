@@ -16,6 +16,12 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
     python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
     python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
+    python -m benchmarks.decode_tune --interleaved --out $OUT  # the bit-interleaved weight layout, A/B
+
+``--interleaved`` times each 7B decode GEMM at M = 1 / 16 / 64 / 128 with every M's default schedule
+on the checkpoint-order weight and on the same weight in ``nvfp4.interleave_codes`` order (the
+kernel's cheaper nibble decode, 11 instead of 15 instructions per 8 weights), both checked against
+float64, side by side in one run (decode_interleaved.json).
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -25,6 +31,7 @@ float64 like the rest: the data for choosing split from the shape (wave quantiza
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -77,6 +84,12 @@ LARGE_CANDIDATES = {
     "n256k128w8s3": D(256, 128, 8, 3),
 }
 LARGE_MS = (16, 64, 128)
+#: ``--interleaved``: every M's default schedule, on checkpoint-order and on interleaved weights.
+INTERLEAVED_CANDIDATES = {
+    "default": sch.default_decode,
+    "default_interleaved": lambda m: dataclasses.replace(sch.default_decode(m), interleaved=True),
+}
+INTERLEAVED_MS = (1, 16, 64, 128)
 LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
@@ -93,8 +106,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict = CANDIDATES) -> list[dict]:
     """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed (and, at M > 64,
-    the dequantize + cuBLAS path beside them)."""
+    the dequantize + cuBLAS path beside them). A candidate is a ``DecodeConfig`` or a function of M
+    returning one; an ``interleaved`` one runs on ``nvfp4.interleave_codes`` copies of the weights."""
     q0 = layer.q[0]
+    interleaved = [nvfp4.NVFP4Tensors(nvfp4.interleave_codes(q.weight_packed), q.weight_scale, q.weight_global_scale)
+                   for q in layer.q] if any(callable(c) or c.interleaved for c in candidates.values()) else None
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
     for m in ms:
@@ -105,11 +121,12 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
             t = graph_time(layer.dq_fwd_fns(x)) * 1e6
             rows.append({"shape": shape, "M": m, "cand": "dequantize+cuBLAS", "bf16_us": base, "us": t, "speedup": base / t})
             print(f"{shape:8s} M={m:3d} dequantize+cuBLAS {t:8.1f} us  x{base / t:.2f}", flush=True)
-        for name, cfg in candidates.items():
+        for name, cand in candidates.items():
+            cfg = cand(m) if callable(cand) else cand
             resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
-                qs = layer.q
+                qs = interleaved if cfg.interleaved else layer.q
                 y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 fg.matmul(x, qs[0].weight_packed, qs[0].weight_scale, qs[0].weight_global_scale, out=y, config=cfg)
                 torch.cuda.synchronize()
@@ -191,6 +208,8 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
     ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="only the interleaved-layout A/B on the 7B GEMMs (decode_interleaved.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
@@ -211,17 +230,19 @@ def main() -> None:
             torch.cuda.empty_cache()
             write_json(out / "decode_splits.json", result, indent=1)
         return
-    if args.large:
+    if args.large or args.interleaved:
+        cands, ms, name = ((INTERLEAVED_CANDIDATES, INTERLEAVED_MS, "decode_interleaved.json") if args.interleaved
+                           else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])
-            result["decode"] += decode_rows(layer, shape, LARGE_MS, LARGE_CANDIDATES)
+            result["decode"] += decode_rows(layer, shape, ms, cands)
             layer.free()
             torch.cuda.empty_cache()
-            write_json(out / "decode_tune_large.json", result, indent=1)
-        for m in LARGE_MS:
-            mine = {name: [r.get("us", float("inf")) for r in result["decode"] if r["cand"] == name and r["M"] == m]
-                    for name in LARGE_CANDIDATES}
-            total = {name: sum(us) for name, us in mine.items()}  # inf where a candidate failed anywhere
+            write_json(out / name, result, indent=1)
+        for m in ms:
+            mine = {cand: [r.get("us", float("inf")) for r in result["decode"] if r["cand"] == cand and r["M"] == m]
+                    for cand in cands}
+            total = {cand: sum(us) for cand, us in mine.items()}  # inf where a candidate failed anywhere
             print(f"M={m}: summed over {LARGE_SHAPES}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items(), key=lambda kv: kv[1])))
         return
     for shape, (n, k) in SHAPES.items():

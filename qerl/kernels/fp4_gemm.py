@@ -184,6 +184,17 @@ def _nibble_asm(i: int, fp16: bool) -> str:
 _NIB_BF16_0, _NIB_BF16_1, _NIB_BF16_2, _NIB_BF16_3 = (tl.constexpr(_nibble_asm(i, False)) for i in range(4))
 _NIB_FP16_0, _NIB_FP16_1, _NIB_FP16_2, _NIB_FP16_3 = (tl.constexpr(_nibble_asm(i, True)) for i in range(4))
 
+#: The same for the bit-interleaved layout (``nvfp4.interleave_codes``; bf16 only): codes 0-2 are one
+#: shift + one AND, code 3 three shifts + three logic ops (11 instead of 15 per 8 weights).
+_NIB_IL_0, _NIB_IL_1, _NIB_IL_2 = (
+    tl.constexpr("{\n.reg .b32 t;\n" + (f"shl.b32 t, $1, {3 * i};" if i else "mov.b32 t, $1;") + "\nand.b32 $0, t, 0x81C081C0;\n}")
+    for i in range(3)
+)
+_NIB_IL_3 = tl.constexpr(
+    "{\n.reg .b32 a, b, c;\nshl.b32 a, $1, 1;\nshr.u32 b, $1, 5;\nshr.u32 c, $1, 4;\nand.b32 a, a, 0x80008000;\n"
+    "and.b32 b, b, 0x01000100;\nand.b32 c, c, 0x00C000C0;\nor.b32 a, a, b;\nor.b32 $0, a, c;\n}"
+)
+
 
 #: Under Triton's interpreter (CPU tests) ``_nibble`` computes the same bits with plain integer ops:
 #: the interpreter cannot run inline PTX.
@@ -210,13 +221,23 @@ def _nibble_plain(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
 
 
 @triton.jit
-def _nibble(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
+def _nibble(h, NIB: tl.constexpr, IS_FP16: tl.constexpr, INTERLEAVED: tl.constexpr = False):
     """int16 tensor of packed codes (4 per element) -> its code ``NIB``, scaled down (_nibble_asm).
 
     A unary elementwise op, so Triton hoists the dot-operand layout conversion above it: the int16
     words go global -> shared (cp.async) -> registers in the wgmma A-operand layout, and the decoded
     bf16 pairs never touch shared memory.
     """
+    if INTERLEAVED:  # GPU only: its formulas are checked in plain torch (tests/test_nvfp4_format.py)
+        if NIB == 0:
+            il_asm: tl.constexpr = _NIB_IL_0
+        elif NIB == 1:
+            il_asm: tl.constexpr = _NIB_IL_1
+        elif NIB == 2:
+            il_asm: tl.constexpr = _NIB_IL_2
+        else:
+            il_asm: tl.constexpr = _NIB_IL_3
+        return tl.inline_asm_elementwise(il_asm, "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
     if _INTERPRETED:
         return _nibble_plain(h, NIB, IS_FP16)
     if IS_FP16:
@@ -248,6 +269,7 @@ def _decode_kernel(
     lora_scale, steps_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     """Decode GEMM (M <= BM <= 128): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
 
@@ -318,10 +340,10 @@ def _decode_kernel(
             x02, x13 = tl.split(tl.reshape(xs, (BM, HW, 2, 2)))
             x0, x2 = tl.split(x02)
             x1, x3 = tl.split(x13)
-            acc = tl.dot(_nibble(h, 0, IS_FP16) * sb, tl.trans(x0), acc)
-            acc = tl.dot(_nibble(h, 1, IS_FP16) * sb, tl.trans(x1), acc)
-            acc = tl.dot(_nibble(h, 2, IS_FP16) * sb, tl.trans(x2), acc)
-            acc = tl.dot(_nibble(h, 3, IS_FP16) * sb, tl.trans(x3), acc)
+            acc = tl.dot(_nibble(h, 0, IS_FP16, INTERLEAVED) * sb, tl.trans(x0), acc)
+            acc = tl.dot(_nibble(h, 1, IS_FP16, INTERLEAVED) * sb, tl.trans(x1), acc)
+            acc = tl.dot(_nibble(h, 2, IS_FP16, INTERLEAVED) * sb, tl.trans(x2), acc)
+            acc = tl.dot(_nibble(h, 3, IS_FP16, INTERLEAVED) * sb, tl.trans(x3), acc)
         else:
             for i in tl.static_range(4):
                 kx = k0 + 4 * hcol + i
@@ -329,7 +351,7 @@ def _decode_kernel(
                     xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :], other=0.0)
                 else:
                     xt = tl.load(x_cols + kx[:, None], mask=mask_m[None, :] & (kx[:, None] < K), other=0.0)
-                acc = tl.dot(_nibble(h, i, IS_FP16) * sb, xt, acc)
+                acc = tl.dot(_nibble(h, i, IS_FP16, INTERLEAVED) * sb, xt, acc)
 
     tile_nm = offs_m[None, :] * N + offs_n[:, None]
     mask_nm = mask_n[:, None] & mask_m[None, :]
@@ -495,6 +517,8 @@ def matmul(
     s1, s2 = lora_bounds or (rank, rank)
     br = max(16, triton.next_power_of_2(rank))
     cfg = decode_config(M, N, K, x.device, config)
+    if cfg.interleaved and x.dtype != torch.bfloat16:
+        raise ValueError("the interleaved weight layout decodes to bf16 only; got fp16 activations")
     k_steps = triton.cdiv(K, cfg.BK)
     steps_per_split = triton.cdiv(k_steps, cfg.split)
     split = triton.cdiv(k_steps, steps_per_split)
@@ -510,7 +534,7 @@ def matmul(
         float(lora_scale), steps_per_split,
         BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
         HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-        X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
+        X_SPLIT=cfg.x_split, INTERLEAVED=cfg.interleaved, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y
 

@@ -52,6 +52,9 @@ class DecodeConfig:
     split: int = 0
     x_split: bool = True
     resident: int = 4
+    #: The weight is in ``nvfp4.interleave_codes`` order (bf16 only): a cheaper nibble decode, measured
+    #: as a tuning candidate (benchmarks/decode_tune.py), not yet the load-time format.
+    interleaved: bool = False
 
     @classmethod
     def from_env(cls) -> DecodeConfig | None:
@@ -61,7 +64,7 @@ class DecodeConfig:
         spec = os.environ.get("QERL_DECODE_CONFIG", "").strip()
         if not spec:
             return None
-        fields = {f for f in cls.__dataclass_fields__ if f != "x_split"}
+        fields = {f for f in cls.__dataclass_fields__ if f not in ("x_split", "interleaved")}
         values = {}
         for item in spec.split(","):
             key, _, value = item.partition("=")
@@ -148,7 +151,7 @@ def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfi
         slots = _sm_count(device) * max(1, cfg.resident * 16 // bm)
         split = decode_split(_cdiv(N, cfg.BN), _cdiv(K, bk), slots)
     return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
-                        resident=cfg.resident)
+                        resident=cfg.resident, interleaved=cfg.interleaved)
 
 
 def bwd_config(M: int, N: int, K: int) -> Config:
