@@ -16,12 +16,11 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
     python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
     python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
-    python -m benchmarks.decode_tune --interleaved --out $OUT  # the bit-interleaved weight layout, A/B
+    python -m benchmarks.decode_tune --tma-ws --out $OUT   # TMA + warp-specialized K loop, A/B
 
-``--interleaved`` times each 7B decode GEMM at M = 1 / 16 / 64 / 128 with every M's default schedule
-on the checkpoint-order weight and on the same weight in ``nvfp4.interleave_codes`` order (the
-kernel's cheaper nibble decode, 11 instead of 15 instructions per 8 weights), both checked against
-float64, side by side in one run (decode_interleaved.json).
+``--tma-ws`` times each 7B decode GEMM at M = 1 / 16 / 64 / 128 with every M's default schedule as it
+is and with ``tma_ws`` (TMA loads into an mbarrier ring filled by a producer warp, no CTA-wide
+barrier per K step), both checked against float64, side by side in one run (decode_tma_ws.json).
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -31,7 +30,6 @@ float64 like the rest: the data for choosing split from the shape (wave quantiza
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -84,12 +82,12 @@ LARGE_CANDIDATES = {
     "n256k128w8s3": D(256, 128, 8, 3),
 }
 LARGE_MS = (16, 64, 128)
-#: ``--interleaved``: every M's default schedule, on checkpoint-order and on interleaved weights.
-INTERLEAVED_CANDIDATES = {
+#: ``--tma-ws``: every M's default schedule, as it is and with TMA loads in a warp-specialized loop.
+TMA_WS_CANDIDATES = {
     "default": sch.default_decode,
-    "default_interleaved": lambda m: dataclasses.replace(sch.default_decode(m), interleaved=True),
+    "default_tma_ws": sch.tma_ws_decode,
 }
-INTERLEAVED_MS = (1, 16, 64, 128)
+TMA_WS_MS = (1, 16, 64, 128)
 LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
@@ -107,10 +105,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict = CANDIDATES) -> list[dict]:
     """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed (and, at M > 64,
     the dequantize + cuBLAS path beside them). A candidate is a ``DecodeConfig`` or a function of M
-    returning one; an ``interleaved`` one runs on ``nvfp4.interleave_codes`` copies of the weights."""
+    returning one."""
     q0 = layer.q[0]
-    interleaved = [nvfp4.NVFP4Tensors(nvfp4.interleave_codes(q.weight_packed), q.weight_scale, q.weight_global_scale)
-                   for q in layer.q] if any(callable(c) or c.interleaved for c in candidates.values()) else None
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
     for m in ms:
@@ -126,7 +122,7 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
             resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
-                qs = interleaved if cfg.interleaved else layer.q
+                qs = layer.q
                 y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 fg.matmul(x, qs[0].weight_packed, qs[0].weight_scale, qs[0].weight_global_scale, out=y, config=cfg)
                 torch.cuda.synchronize()
@@ -208,8 +204,8 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
     ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
-    ap.add_argument("--interleaved", action="store_true",
-                    help="only the interleaved-layout A/B on the 7B GEMMs (decode_interleaved.json)")
+    ap.add_argument("--tma-ws", action="store_true",
+                    help="only the TMA + warp-specialization A/B on the 7B GEMMs (decode_tma_ws.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
@@ -230,8 +226,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             write_json(out / "decode_splits.json", result, indent=1)
         return
-    if args.large or args.interleaved:
-        cands, ms, name = ((INTERLEAVED_CANDIDATES, INTERLEAVED_MS, "decode_interleaved.json") if args.interleaved
+    if args.large or args.tma_ws:
+        cands, ms, name = ((TMA_WS_CANDIDATES, TMA_WS_MS, "decode_tma_ws.json") if args.tma_ws
                            else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])

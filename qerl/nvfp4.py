@@ -122,40 +122,6 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
 
 
-_INTERLEAVE_LUTS: dict[tuple[torch.device, bool], torch.Tensor] = {}
-
-
-def _interleave_lut(device: torch.device, inverse: bool) -> torch.Tensor:
-    """int16 element (4 codes, column 4j + i in bits 4i..4i+3) -> the same codes bit-interleaved.
-
-    Code i = (sign s, magnitude e1 e0 m). Codes 0-2 sit where one AND with 0x81C0 after a left
-    shift of 0 / 3 / 6 leaves a bf16 ``e2m1 * 2^-126``: s at bit 15 - 3i, e1 e0 m at bits 8 - 3i .. 6 - 3i.
-    Code 3 takes the four bits left over (s at 14, e1 at 13, e0 m at 11..10) and costs 3 shifts + 3
-    logic ops. So 11 instead of 15 instructions per 8 weights (``fp4_gemm._nibble``).
-    """
-    key = (device, inverse)
-    if key not in _INTERLEAVE_LUTS:
-        v = torch.arange(1 << 16, dtype=torch.int32)
-        c = [(v >> (4 * i)) & 0xF for i in range(4)]
-        out = torch.zeros_like(v)
-        for i in range(3):
-            out |= ((c[i] >> 3) << (15 - 3 * i)) | ((c[i] & 7) << (6 - 3 * i))
-        out |= ((c[3] >> 3) << 14) | (((c[3] >> 2) & 1) << 13) | ((c[3] & 3) << 10)
-        lut = torch.empty_like(out).scatter_(0, out, v) if inverse else out
-        _INTERLEAVE_LUTS[key] = lut.to(torch.int16).to(device)
-    return _INTERLEAVE_LUTS[key]
-
-
-def interleave_codes(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """``weight_packed`` ``[N, K/2]`` (checkpoint order) -> the same codes bit-interleaved within
-    each 16-bit element (the layout the FP4 decode kernel's ``interleaved`` schedule reads); with
-    ``inverse`` the way back. Same shape and bytes per weight; a permutation of the 65536 element values."""
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % 2:
-        raise ValueError(f"interleave_codes takes u8 [N, K/2] with K % 4 == 0, got {packed.dtype} {tuple(packed.shape)}")
-    h = packed.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    return _interleave_lut(packed.device, inverse)[h].view(torch.uint8)
-
-
 def block_scales(weight: torch.Tensor, gscale: torch.Tensor, target: float = FP4_MAX) -> torch.Tensor:
     """FP8 block scales fp8(g * amax_block / target), zeros replaced by 0.125.
 

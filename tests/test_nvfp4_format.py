@@ -28,23 +28,6 @@ def test_pack_unpack_round_trip_and_nibble_order():
 
 
 
-def test_interleaved_codes_round_trip_and_decode():
-    # Every 16-bit element value: the permutation is a bijection, its inverse undoes it, and the
-    # shift-and-mask decode the kernel runs on the interleaved bits gives each code's e2m1 * 2^-126.
-    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(-1, 2)
-    il = nvfp4.interleave_codes(every)
-    assert torch.equal(nvfp4.interleave_codes(il, inverse=True), every)
-    assert len(torch.unique(il.view(torch.int16))) == 1 << 16
-    v = il.view(torch.int16).to(torch.int32).view(-1) & 0xFFFF
-    decoded = [(v << (3 * i)) & 0x81C0 for i in range(3)]
-    decoded.append(((v << 1) & 0x8000) | ((v >> 5) & 0x0100) | ((v >> 4) & 0x00C0))
-    codes = nvfp4.unpack_fp4(every).view(-1, 4)  # column 4j + i = code i of element j
-    for i, bits in enumerate(decoded):
-        got = bits.to(torch.int16).view(torch.bfloat16).float() * 2.0**126
-        assert torch.equal(got, nvfp4.e2m1_to_float(codes[:, i])), f"code {i}"
-    with pytest.raises(ValueError, match="u8 \\[N, K/2\\]"):
-        nvfp4.interleave_codes(torch.zeros(3, 5, dtype=torch.uint8))
-
 def test_quantize_dequantize_error_and_scales():
     torch.manual_seed(0)
     w = (torch.randn(64, 128) * 0.05).to(torch.bfloat16)
