@@ -13,9 +13,13 @@ average).
 Bounds. Both sides run bf16 with different kernels (vLLM: Marlin FP4 GEMM, punica LoRA in bf16,
 FlashAttention; ours: dequantize + cuBLAS, fp32 adapters, SDPA). A logit of magnitude 16-32 carries a
 bf16 rounding step of 0.125, so two correct implementations can differ by ~0.1 nat at single
-positions while agreeing to a few hundredths on average: mean |diff| <= 0.08 nat + 10% of the state's
+positions while agreeing to a few hundredths on average: mean |diff| <= 0.15 nat + 10% of the state's
 own effect (mean |log-prob change| from S0 in our forward), and max |diff| <= max(0.6, 3% of the
-largest |logit|). The effect term is there because vLLM runs the adapter in bf16 (punica kernels;
+largest |logit|). The 0.15 is measured, not guessed: one bf16 forward of ours sits 0.062 +- 0.012
+(rtn) and 0.068 +- 0.018 (gptq) nats from the fp32 one on sequences made as here, single sequences up
+to 0.108 (`python -m benchmarks.bf16_noise`, benchmarks/results/bf16_noise_cpu.json), so two bf16
+paths can differ by up to about twice that; the bound was 0.08 until a gptq checkpoint landed at
+0.0808 (H200, 2026-12-01), inside that noise. The effect term is there because vLLM runs the adapter in bf16 (punica kernels;
 there is no fp32 LoRA there) while peft keeps it in fp32, so the LoRA's contribution carries bf16
 rounding in proportion to its size; the stress-sized adapters here move log-probs by >= 1 nat, far
 more than an RL adapter does. First H200 run (2026-11-29, SmolLM2-135M NVFP4, bounds then a flat
@@ -41,7 +45,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-MEAN_TOL = 0.08
+MEAN_TOL = 0.15  # twice one bf16 path's mean distance from fp32 on this model (see above)
 EFFECT_REL = 0.1  # share of a state's own log-prob effect allowed on top of MEAN_TOL (bf16 LoRA in vLLM)
 MAX_TOL = 0.6
 MAX_TOL_REL = 0.03
@@ -131,14 +135,21 @@ def vllm_prompt_logprobs(engine, seq: list[int]) -> torch.Tensor:
     return torch.tensor([entries[t][seq[t]].logprob for t in range(1, len(seq))])
 
 
-def compare(name: str, got: torch.Tensor, ref: torch.Tensor, logit_scale: float, effect: float = 0.0) -> None:
-    """``effect``: mean |change| of our log-probs between this state and S0 (0 for S0 itself)."""
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, logit_scale: float, effect: float = 0.0,
+            failures: list[str] | None = None) -> None:
+    """``effect``: mean |change| of our log-probs between this state and S0 (0 for S0 itself).
+    With ``failures`` a miss is recorded there (the caller asserts once every state has printed)."""
     diff = (got - ref).abs()
     mean_tol = MEAN_TOL + EFFECT_REL * effect
     max_tol = max(MAX_TOL, MAX_TOL_REL * logit_scale)
-    print(f"{name}: |vLLM - ours| mean {diff.mean():.4f} max {diff.max():.4f} nats over {len(diff)} tokens "
-          f"(bounds {mean_tol:.3f} / {max_tol:.3f}; effect {effect:.3f}; max |logit| {logit_scale:.1f})")  # fmt: skip
-    assert diff.mean().item() <= mean_tol and diff.max().item() <= max_tol
+    line = (f"{name}: |vLLM - ours| mean {diff.mean():.4f} max {diff.max():.4f} nats over {len(diff)} tokens "
+            f"(bounds {mean_tol:.3f} / {max_tol:.3f}; effect {effect:.3f}; max |logit| {logit_scale:.1f})")  # fmt: skip
+    print(line)
+    ok = diff.mean().item() <= mean_tol and diff.max().item() <= max_tol
+    if failures is None:
+        assert ok, line
+    elif not ok:
+        failures.append(line)
 
 
 def lora_params(model) -> list[torch.Tensor]:
@@ -168,15 +179,15 @@ def calibrate(model, seq: list[int], set_scale, target: float) -> float:
     pytest.fail(f"could not make the perturbation move log-probs by {target} nats (last {moved:.3f})")
 
 
-def push_and_compare(name: str, engine, model, seq, set_scale, target: float, prev, base) -> tuple:
+def push_and_compare(name: str, engine, model, seq, set_scale, target: float, prev, base, failures: list[str]) -> tuple:
     """Scale a perturbation until our log-probs move by >= ``target`` nats, push it, compare vLLM with
-    ours in the new state, and check that vLLM moved from ``prev`` (v, r) as ours did (within the two
-    states' own gaps + 10% of the move).
+    ours in the new state (a miss goes to ``failures``), and check that vLLM moved from ``prev`` (v, r)
+    as ours did (within the two states' own gaps + 10% of the move).
     ``base`` is S0's (v, r), for the state's own effect. Returns the new (v, r)."""
     moved = calibrate(model, seq, set_scale, target)
     r, scale = ours(model, seq)
     v = vllm_prompt_logprobs(engine, seq)
-    compare(name, v, r, scale, effect=(r - base[1]).abs().mean().item())
+    compare(name, v, r, scale, effect=(r - base[1]).abs().mean().item(), failures=failures)
     delta = ((v - prev[0]) - (r - prev[1])).abs().mean().item()
     # The two sides' moves can differ by at most the two states' own gaps (triangle inequality); on
     # top of those, 10% of the move. A dropped push gives delta ~ moved, far above this.
@@ -194,7 +205,8 @@ def test_teacher_forced_lora_and_norm_pushes(setup) -> None:
     # S0: B = 0 (peft's init), norms as loaded.
     r0, scale = ours(model, seq)
     v0 = vllm_prompt_logprobs(engine, seq)
-    compare("S0 (B=0)", v0, r0, scale)
+    failures: list[str] = []  # every state is compared and printed before the test fails on any
+    compare("S0 (B=0)", v0, r0, scale, failures=failures)
 
     # S1: random B, scaled until the adapter matters (b: the LoRA push changes vLLM's outputs as ours).
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -204,7 +216,7 @@ def test_teacher_forced_lora_and_norm_pushes(setup) -> None:
         for p, noise in zip(lora_params(model), b_noise, strict=True):
             p.copy_(noise * s)
 
-    s1 = push_and_compare("S1 (LoRA)", engine, model, seq, set_b, LORA_EFFECT, (v0, r0), (v0, r0))
+    s1 = push_and_compare("S1 (LoRA)", engine, model, seq, set_b, LORA_EFFECT, (v0, r0), (v0, r0), failures)
 
     # S2: perturbed norms on top (c: the norm push changes vLLM's outputs as ours).
     norms = norm_weights(model)
@@ -215,7 +227,8 @@ def test_teacher_forced_lora_and_norm_pushes(setup) -> None:
         for w, orig, noise in zip(norms, originals, n_noise, strict=True):
             w.copy_(orig.float() * (1 + s * noise))
 
-    push_and_compare("S2 (LoRA + norms)", engine, model, seq, set_norms, NORM_EFFECT, s1, (v0, r0))
+    push_and_compare("S2 (LoRA + norms)", engine, model, seq, set_norms, NORM_EFFECT, s1, (v0, r0), failures)
+    assert not failures, "; ".join(failures)
 
 
 def test_generate_logprobs_match_our_forward(setup) -> None:
