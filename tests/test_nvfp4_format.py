@@ -27,7 +27,6 @@ def test_pack_unpack_round_trip_and_nibble_order():
     assert torch.equal(nvfp4.unpack_fp4(packed), codes)
 
 
-
 def test_quantize_dequantize_error_and_scales():
     torch.manual_seed(0)
     w = (torch.randn(64, 128) * 0.05).to(torch.bfloat16)
