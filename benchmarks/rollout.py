@@ -167,8 +167,7 @@ def ms_per_step(engine, prompts: list[list[int]], tokens: int) -> tuple[float, f
 
 def profile(args: argparse.Namespace) -> dict:
     """GPU time of one eager 7B NVFP4+LoRA decode step, per kernel, at each of ``--batches``, with the
-    q/k/v and gate/up groups as one launch each (``stacked``), as one launch per projection, and
-    stacked with the attention split aimed at 4x the programs (``fused_step.ATTN_PROGRAMS``).
+    q/k/v and gate/up groups as one launch each (``stacked``) and as one launch per projection.
 
     Context: prompts of ``PROMPT + tokens / 2`` positions, the mean KV length of the timed runs, so the
     attention share matches theirs. Per kernel: (time in a generate of 1 + S tokens - time in a
@@ -178,14 +177,11 @@ def profile(args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from qerl.kernels import fused_step
     from qerl.rollout import SamplingParams, decoder
     from qerl.rollout.native import NativeEngine
 
     steps, context = 16, PROMPT + args.tokens // 2
-    attn_default = fused_step.ATTN_PROGRAMS
-    variants = (("stacked", True, attn_default), ("per_projection", False, attn_default),
-                ("stacked_attn_x4", True, 4 * attn_default))
+    variants = (("stacked", True), ("per_projection", False))
     model = build_model("7b", nvfp4=True)
     gen = torch.Generator().manual_seed(1)
     result: dict = {"steps": steps, "context": context, "batches": {}}
@@ -201,13 +197,13 @@ def profile(args: argparse.Namespace) -> dict:
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (context,), generator=gen).tolist() for _ in range(b)]
         result["batches"][str(b)] = {}
-        for variant, stacked, attn_programs in variants:
-            decoder.STACK_GROUPS, fused_step.ATTN_PROGRAMS = stacked, attn_programs
+        for variant, stacked in variants:
+            decoder.STACK_GROUPS = stacked
             try:
                 engine = NativeEngine(model, 0, cuda_graphs=False)
                 one, many = kernel_us(engine, prompts, 1), kernel_us(engine, prompts, 1 + steps)
             finally:
-                decoder.STACK_GROUPS, fused_step.ATTN_PROGRAMS = True, attn_default
+                decoder.STACK_GROUPS = True
             per_step = {k: (v - one.get(k, 0.0)) / steps for k, v in many.items()}
             per_step = dict(sorted(((k, round(v, 2)) for k, v in per_step.items() if v > 0.5), key=lambda kv: -kv[1]))
             result["batches"][str(b)][variant] = {"total_us": round(sum(per_step.values()), 1), "kernels_us": per_step}

@@ -29,12 +29,10 @@ import triton.language as tl
 from qerl.kernels import backend
 from qerl.kernels.fp4_gemm import segmented
 
-#: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks.
+#: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks. From
+#: b=64 up (64 rows x 4 kv-heads) the attention split stops splitting and each program walks a whole
+#: row; aiming at 4x the programs there measured 11-18% slower (benchmarks/NOTES.md, seventh session).
 _TARGET_PROGRAMS = 264
-#: Programs the attention split aims at: from b=64 up (64 rows x 4 kv-heads) this rule stops splitting
-#: and each program walks a whole row (NOTES, "Where a b=64/128 step goes"); benchmarks/rollout.py
-#: --profile measures a higher target beside it.
-ATTN_PROGRAMS = _TARGET_PROGRAMS
 
 
 def rank_pad(rank: int) -> int:
@@ -434,7 +432,7 @@ def decode_attention(
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
     block_n = 64 if d <= 64 else 32
-    nsplit = max(1, min(triton.cdiv(s, block_n), ATTN_PROGRAMS // max(1, b * hkv)))
+    nsplit = max(1, min(triton.cdiv(s, block_n), _TARGET_PROGRAMS // max(1, b * hkv)))
     chunk = triton.cdiv(triton.cdiv(s, nsplit), block_n) * block_n
     nsplit = triton.cdiv(s, chunk)
     m = torch.empty(b * h * nsplit, dtype=torch.float32, device=q.device)
