@@ -19,10 +19,10 @@ largest |logit|). The 0.15 is measured, not guessed: one bf16 forward of ours si
 (rtn) and 0.068 +- 0.018 (gptq) nats from the fp32 one on sequences made as here, single sequences up
 to 0.108 (`python -m benchmarks.bf16_noise`, benchmarks/results/bf16_noise_cpu.json), so two bf16
 paths can differ by up to about twice that; the bound was 0.08 until a gptq checkpoint landed at
-0.0808 (H200, 2026-12-01), inside that noise. The effect term is there because vLLM runs the adapter in bf16 (punica kernels;
-there is no fp32 LoRA there) while peft keeps it in fp32, so the LoRA's contribution carries bf16
-rounding in proportion to its size; the stress-sized adapters here move log-probs by >= 1 nat, far
-more than an RL adapter does. First H200 run (2026-11-29, SmolLM2-135M NVFP4, bounds then a flat
+0.0808 (H200, 2026-12-01), inside that noise. The effect term is there because vLLM runs the adapter
+in bf16 (punica kernels; there is no fp32 LoRA there) while peft keeps it in fp32, so the LoRA's
+contribution carries bf16 rounding in proportion to its size; the stress-sized adapters here move
+log-probs by >= 1 nat, far more than an RL adapter does. First H200 run (2026-11-29, SmolLM2-135M NVFP4, bounds then a flat
 0.08): S0 mean 0.066 / max 0.31, S1 0.139 / 0.58, generate (in S2) 0.117 / 0.63 nats. Second run
 (bounds as now, except the push check, then 20% of the move): S1 0.091 / 0.43, S2 0.086 / 0.36,
 generate 0.072 / 0.34; the LoRA push moved ours 2.124 and vLLM 2.112 nats (mismatch 0.127), the norm

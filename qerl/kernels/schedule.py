@@ -160,8 +160,7 @@ def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfi
         bm = max(16, 1 << (M - 1).bit_length())
         slots = _sm_count(device) * max(1, cfg.resident * 16 // bm)
         split = decode_split(_cdiv(N, cfg.BN), _cdiv(K, bk), slots)
-    return DecodeConfig(BN=cfg.BN, BK=bk, warps=cfg.warps, stages=cfg.stages, split=split, x_split=cfg.x_split,
-                        resident=cfg.resident, tma_ws=cfg.tma_ws)
+    return replace(cfg, BK=bk, split=split)
 
 
 def bwd_config(M: int, N: int, K: int) -> Config:
