@@ -16,11 +16,6 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
     python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
     python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
-    python -m benchmarks.decode_tune --tma-ws --out $OUT   # TMA + warp-specialized K loop, A/B
-
-``--tma-ws`` times each 7B decode GEMM at M = 1 / 16 / 64 / 128 with every M's default schedule as it
-is and with ``tma_ws`` (TMA loads into an mbarrier ring filled by a producer warp, no CTA-wide
-barrier per K step), both checked against float64, side by side in one run (decode_tma_ws.json).
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -82,18 +77,22 @@ LARGE_CANDIDATES = {
     "n256k128w8s3": D(256, 128, 8, 3),
 }
 LARGE_MS = (16, 64, 128)
-#: ``--tma-ws``: every M's default schedule, as it is and with TMA loads in a warp-specialized loop.
-TMA_WS_CANDIDATES = {
-    "default": sch.default_decode,
-    "default_tma_ws": sch.tma_ws_decode,
-}
-TMA_WS_MS = (1, 16, 64, 128)
 LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
 
 
 DEQUANT_BLOCKS = ((16, 64, 4), (32, 32, 4), (8, 128, 4))
+
+
+#: Relative error against float64 above which a candidate's time does not count (NaN never counts).
+MAX_REL_ERR = 1e-2
+
+
+def usable_us(row: dict) -> float:
+    """A checked row's time, or inf where the candidate failed or missed ``MAX_REL_ERR``: a candidate
+    that computes the wrong thing (or breaks the launches after it) cannot win a sweep."""
+    return row["us"] if "us" in row and row.get("rel_err", float("nan")) < MAX_REL_ERR else float("inf")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -104,8 +103,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict = CANDIDATES) -> list[dict]:
     """Every candidate at every M: checked against float64 (NaN-poisoned output), then timed (and, at M > 64,
-    the dequantize + cuBLAS path beside them). A candidate is a ``DecodeConfig`` or a function of M
-    returning one."""
+    the dequantize + cuBLAS path beside them)."""
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
@@ -117,18 +115,16 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
             t = graph_time(layer.dq_fwd_fns(x)) * 1e6
             rows.append({"shape": shape, "M": m, "cand": "dequantize+cuBLAS", "bf16_us": base, "us": t, "speedup": base / t})
             print(f"{shape:8s} M={m:3d} dequantize+cuBLAS {t:8.1f} us  x{base / t:.2f}", flush=True)
-        for name, cand in candidates.items():
-            cfg = cand(m) if callable(cand) else cand
+        for name, cfg in candidates.items():
             resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
-                qs = layer.q
                 y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                fg.matmul(x, qs[0].weight_packed, qs[0].weight_scale, qs[0].weight_global_scale, out=y, config=cfg)
+                fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, out=y, config=cfg)
                 torch.cuda.synchronize()
                 row["rel_err"] = rel(y, ref)
                 fns = [lambda q=q, cfg=cfg, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
-                       for q in qs]
+                       for q in layer.q]
                 t = graph_time(fns) * 1e6
                 row.update(us=t, speedup=base / t, wbw_TBps=layer.packed_bytes / t / 1e6)
             except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
@@ -204,8 +200,6 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
     ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
-    ap.add_argument("--tma-ws", action="store_true",
-                    help="only the TMA + warp-specialization A/B on the 7B GEMMs (decode_tma_ws.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
@@ -226,9 +220,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             write_json(out / "decode_splits.json", result, indent=1)
         return
-    if args.large or args.tma_ws:
-        cands, ms, name = ((TMA_WS_CANDIDATES, TMA_WS_MS, "decode_tma_ws.json") if args.tma_ws
-                           else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
+    if args.large:
+        cands, ms, name = LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])
             result["decode"] += decode_rows(layer, shape, ms, cands)
@@ -236,9 +229,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             write_json(out / name, result, indent=1)
         for m in ms:
-            mine = {cand: [r.get("us", float("inf")) for r in result["decode"] if r["cand"] == cand and r["M"] == m]
-                    for cand in cands}
-            total = {cand: sum(us) for cand, us in mine.items()}  # inf where a candidate failed anywhere
+            mine = {cand: [usable_us(r) for r in result["decode"] if r["cand"] == cand and r["M"] == m] for cand in cands}
+            total = {cand: sum(us) for cand, us in mine.items()}  # inf where a candidate failed or was wrong anywhere
             print(f"M={m}: summed over {LARGE_SHAPES}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items(), key=lambda kv: kv[1])))
         return
     for shape, (n, k) in SHAPES.items():
@@ -251,7 +243,7 @@ def main() -> None:
         write_json(out / "decode_tune.json", result, indent=1)
     best = {}
     for r in result["decode"]:
-        if "us" in r and r["rel_err"] < 1e-2:
+        if usable_us(r) < float("inf"):
             key = (r["shape"], r["M"])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
@@ -263,8 +255,8 @@ def main() -> None:
     keys = {(r["shape"], r["M"]) for r in result["decode"]}
     total: dict[str, float] = {}
     for name in CANDIDATES:
-        us = [r["us"] for r in result["decode"] if r["cand"] == name and "us" in r and r["rel_err"] < 1e-2]
-        if len(us) == len(keys):
+        us = [usable_us(r) for r in result["decode"] if r["cand"] == name]
+        if len(us) == len(keys) and max(us) < float("inf"):
             total[name] = sum(us)
     if total:
         name = min(total, key=total.get)

@@ -153,3 +153,14 @@ def test_decode_schedule_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("QERL_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="QERL_DECODE_CONFIG"):
             sch.DecodeConfig.from_env()
+
+
+def test_decode_tune_counts_only_accurate_rows() -> None:
+    """A tuning candidate whose check failed (NaN, over the error bound, or an exception) cannot win a
+    sweep: the eighth session's TMA candidate broke the launches after it, which showed only as NaN errors."""
+    from benchmarks.decode_tune import MAX_REL_ERR, usable_us
+
+    assert usable_us({"us": 5.0, "rel_err": 1e-3}) == 5.0
+    for row in ({"us": 5.0, "rel_err": float("nan")}, {"us": 5.0, "rel_err": MAX_REL_ERR}, {"error": "x", "rel_err": 0.0},
+                {"us": 5.0}):
+        assert usable_us(row) == float("inf")

@@ -93,25 +93,6 @@ def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
         assert _rel(y, x.double() @ _w64(q).t()) < TOL
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 200, 1024), (16, 1000, 2048), (64, 264, 512), (100, 200, 3584), (128, 1000, 2048)])
-def test_tma_ws_decode(M: int, N: int, K: int) -> None:
-    """The decode kernel's TMA + warp-specialized loop (every BM's default schedule, split-K,
-    N % BN != 0) against float64; a shape whose rows break TMA's 16-byte rule is a one-line error."""
-    from qerl.kernels import fp4_gemm as fg
-    from qerl.kernels import schedule as sch
-
-    q = _weight(N, K)
-    cfg = sch.tma_ws_decode(M)
-    x = _rand(M, K, dtype=torch.bfloat16)
-    _poison_allocator()
-    y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, out=_nan((M, N), torch.bfloat16), config=cfg)
-    assert _rel(y, x.double() @ _w64(q).t()) < TOL
-    odd = _weight(N, 1040)  # 65-byte scale rows
-    with pytest.raises(ValueError, match="16-byte aligned rows"):
-        fg.matmul(_rand(M, 1040, dtype=torch.bfloat16), odd.weight_packed, odd.weight_scale, odd.weight_global_scale,
-                  config=cfg)
-
-
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_lora_epilogue(M: int, rank: int) -> None:

@@ -248,7 +248,6 @@ def _decode_kernel(
     lora_scale, steps_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
-    TMA_WS: tl.constexpr,
 ):
     """Decode GEMM (M <= BM <= 128): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
 
@@ -268,11 +267,6 @@ def _decode_kernel(
     Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
     (``h_step``) and tile (``h_tile``), so that another weight order can be tried without a new kernel
     (benchmarks/NOTES.md, sweeps 2-3, has the orders measured).
-
-    ``TMA_WS`` (a tuning candidate, row-major weights only): weights, scales and x come through TMA
-    tensor descriptors (out-of-range rows and columns read as zero) in a warp-specialized loop, so a
-    producer warp fills an mbarrier ring and the decoding warps do not meet at a CTA-wide barrier
-    every K step (the stall Nsight Compute found largest at M >= 64).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -299,19 +293,12 @@ def _decode_kernel(
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     k_steps = tl.cdiv(K, BK)
     first = pid_k * steps_per_split
-    if TMA_WS:
-        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[N, K // 4], strides=[stride_hr, 1], block_shape=[BN, HW])
-        s_desc = tl.make_tensor_descriptor(s_ptr, shape=[N, K // 16], strides=[stride_sr, 1], block_shape=[BN, G])
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BM, BK])
-    for step in tl.range(0, tl.minimum(steps_per_split, k_steps - first), warp_specialize=TMA_WS):
+    for step in range(0, tl.minimum(steps_per_split, k_steps - first)):
         kt = first + step
         k0 = kt * BK
         h_ptrs = h_rows + kt * h_step + hcol[None, :]
         s_ptrs = s_rows + kt * s_step + gcol[None, :]
-        if TMA_WS:
-            h = h_desc.load([pid_n * BN, kt * HW])
-            sc = s_desc.load([pid_n * BN, kt * G])
-        elif EVEN_K:
+        if EVEN_K:
             h = tl.load(h_ptrs, mask=mask_n[:, None], other=0)
             sc = tl.load(s_ptrs, mask=mask_n[:, None], other=0.0)
         else:
@@ -324,9 +311,7 @@ def _decode_kernel(
         if X_SPLIT:
             # One contiguous [BM, BK] load, split in registers into the four strided slices.
             kx = k0 + tl.arange(0, BK)
-            if TMA_WS:
-                xs = x_desc.load([0, k0])
-            elif EVEN_K:
+            if EVEN_K:
                 xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None], other=0.0)
             else:
                 xs = tl.load(x_rows + kx[None, :], mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
@@ -510,8 +495,6 @@ def matmul(
     s1, s2 = lora_bounds or (rank, rank)
     br = max(16, triton.next_power_of_2(rank))
     cfg = decode_config(M, N, K, x.device, config)
-    if cfg.tma_ws:
-        _check_tma(x, weight_packed, weight_scale, cfg)
     k_steps = triton.cdiv(K, cfg.BK)
     steps_per_split = triton.cdiv(k_steps, cfg.split)
     split = triton.cdiv(k_steps, steps_per_split)
@@ -527,26 +510,9 @@ def matmul(
         float(lora_scale), steps_per_split,
         BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
         HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-        X_SPLIT=cfg.x_split, TMA_WS=cfg.tma_ws, num_warps=cfg.warps, num_stages=cfg.stages,
+        X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y
-
-
-def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch for the TMA descriptors a kernel builds on the device (``triton.set_allocator``;
-    host memory under Triton's interpreter)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _check_tma(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, cfg: DecodeConfig) -> None:
-    """A ``tma_ws`` schedule needs row-major, x-strided tensors whose rows start on 16-byte boundaries
-    (TMA's rule) and its own descriptor scratch; anything else is a one-line error."""
-    rows = (x.stride(0) * x.element_size(), weight_packed.stride(0), weight_scale.stride(0))
-    ptrs = (x.data_ptr(), weight_packed.data_ptr(), weight_scale.data_ptr())
-    if not cfg.x_split or cfg.BK < 256 or any(r % 16 for r in rows) or any(p % 16 for p in ptrs) or weight_packed.stride(1) != 1:
-        raise ValueError(f"tma_ws decode needs x_split, BK >= 256 and 16-byte aligned rows (x, packed, scale row bytes "
-                         f"{rows}; BK {cfg.BK})")
-    triton.set_allocator(_tma_scratch)
 
 
 def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device, dummy: torch.Tensor):

@@ -52,9 +52,6 @@ class DecodeConfig:
     split: int = 0
     x_split: bool = True
     resident: int = 4
-    #: TMA loads in a warp-specialized K loop (Triton's ``warp_specialize``): a tuning candidate, not
-    #: yet measured on a GPU (benchmarks/decode_tune.py --tma-ws); needs 16-byte aligned rows.
-    tma_ws: bool = False
 
     @classmethod
     def from_env(cls) -> DecodeConfig | None:
@@ -64,7 +61,7 @@ class DecodeConfig:
         spec = os.environ.get("QERL_DECODE_CONFIG", "").strip()
         if not spec:
             return None
-        fields = {f for f in cls.__dataclass_fields__ if f not in ("x_split", "tma_ws")}
+        fields = {f for f in cls.__dataclass_fields__ if f != "x_split"}
         values = {}
         for item in spec.split(","):
             key, _, value = item.partition("=")
@@ -89,16 +86,6 @@ DECODE_BY_BM = {
     64: DecodeConfig(BN=128, BK=256, warps=8),
     128: DecodeConfig(BN=128, BK=128, warps=8),
 }
-
-
-def tma_ws_decode(M: int) -> DecodeConfig:
-    """The ``tma_ws`` candidate for M tokens: M's default schedule with TMA loads in a warp-specialized
-    loop; BK at least 256, since a TMA box row must hold 16 bytes (BK/16 scale bytes), with 2 stages
-    where that doubles BK (BM=128: 3 stages of a 128 x 256 x tile would not fit in shared memory)."""
-    cfg = default_decode(M)
-    if cfg.BK >= 256:
-        return replace(cfg, tma_ws=True)
-    return replace(cfg, BK=256, stages=2, tma_ws=True)
 
 
 def default_decode(M: int) -> DecodeConfig:
