@@ -362,9 +362,10 @@ def _attn_partial_kernel(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    # The trip count ignores the row's length (masked past `end`): masked loads cost no memory traffic,
-    # chunk and nsplit stay runtime arguments, so one compile serves every batch and KV bucket.
-    for n0 in range(0, chunk, BLOCK_N):
+    # The loop stops at the row's own length (``pos`` is read on the device, so one compile and one
+    # CUDA graph serve every batch and KV bucket): a bucket holds up to 255 slots past a row's end, and
+    # walking them masked cost 14% of this kernel at b = 64 / 128 (H200, 7B shapes, NOTES.md).
+    for n0 in range(0, tl.maximum(tl.minimum(chunk, end - start), 0), BLOCK_N):
         offs_n = start + n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         k = tl.load(

@@ -15,7 +15,8 @@ How a ``generate`` call runs:
    Every ``check_every`` steps the host looks at the done flags: when all rows are done it stops,
    and when the live rows fit a smaller power-of-two bucket it compacts them (and their cache rows)
    to the front so that finished rows stop costing work. The KV-length bucket (``kv_block``) bounds
-   attention to the cache prefix that can hold live tokens.
+   attention to the cache prefix that can hold live tokens; inside it, each row's attention loop
+   stops at that row's own length.
 
 CPU runs the same step eagerly (fp32 for tests). Floors and measured speeds: benchmarks/NOTES.md.
 
