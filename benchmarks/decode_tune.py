@@ -16,6 +16,12 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
     python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
     python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
+    python -m benchmarks.decode_tune --gluon --out $OUT    # the Gluon candidate vs the Triton kernel -> decode_gluon.json
+
+``--gluon`` times each 7B decode GEMM at M = 1 / 16 / 64 / 128 with the Triton decode kernel (its default
+schedule), the Gluon candidate (``qerl.kernels.fp4_gluon``: TMA producer warp, wgmma consumer warpgroup)
+with x permuted inside the call, and the same on an x already in that order (what a producer kernel could
+write), each checked against float64, side by side in one run.
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -77,6 +83,8 @@ LARGE_CANDIDATES = {
     "n256k128w8s3": D(256, 128, 8, 3),
 }
 LARGE_MS = (16, 64, 128)
+#: ``--gluon``: the token counts of the A/B (BM = 16 / 16 / 64 / 128).
+GLUON_MS = (1, 16, 64, 128)
 LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
@@ -134,6 +142,39 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
                   + (f"ERR {row['error'][:120]}" if "error" in row else
                      f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}  (bf16 {base:.1f})"),
                   flush=True)
+    return rows
+
+
+def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
+    """``--gluon``: the Triton decode kernel and the Gluon candidate (x permuted in the call / beforehand)."""
+    from qerl.kernels import fp4_gluon
+
+    q0 = layer.q[0]
+    w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
+    rows = []
+    for m in ms:
+        x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
+        xp = fp4_gluon.permute_x(x)
+        ref = x.double() @ w64.t()
+        base = graph_time(layer.bf16_fwd_fns(x)) * 1e6
+        calls = {
+            "triton": lambda q, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale),
+            "gluon": lambda q, x=x: fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale),
+            "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale,
+                                                                   permuted=True),
+        }  # fmt: skip
+        for name, call in calls.items():
+            row = {"shape": shape, "M": m, "cand": name, "bf16_us": base}
+            try:
+                row["rel_err"] = rel(call(q0), ref)
+                t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
+                row.update(us=t, speedup=base / t, wbw_TBps=layer.packed_bytes / t / 1e6)
+            except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(f"{shape:10s} M={m:3d} {name:18s} " + (f"ERR {row['error'][:160]}" if "error" in row else
+                  f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}"),
+                  flush=True)  # fmt: skip
     return rows
 
 
@@ -200,6 +241,7 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
     ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
+    ap.add_argument("--gluon", action="store_true", help="only the Gluon candidate vs the Triton kernel (decode_gluon.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
@@ -220,11 +262,12 @@ def main() -> None:
             torch.cuda.empty_cache()
             write_json(out / "decode_splits.json", result, indent=1)
         return
-    if args.large:
-        cands, ms, name = LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"
+    if args.large or args.gluon:
+        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted"), GLUON_MS, "decode_gluon.json") if args.gluon
+                           else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])
-            result["decode"] += decode_rows(layer, shape, ms, cands)
+            result["decode"] += gluon_rows(layer, shape, ms) if args.gluon else decode_rows(layer, shape, ms, cands)
             layer.free()
             torch.cuda.empty_cache()
             write_json(out / name, result, indent=1)

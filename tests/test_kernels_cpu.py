@@ -164,3 +164,41 @@ def test_decode_tune_counts_only_accurate_rows() -> None:
     for row in ({"us": 5.0, "rel_err": float("nan")}, {"us": 5.0, "rel_err": MAX_REL_ERR}, {"error": "x", "rel_err": 0.0},
                 {"us": 5.0}):
         assert usable_us(row) == float("inf")
+
+
+@pytest.mark.parametrize("bm", [16, 128])
+def test_gluon_decode_compiles_for_sm90(bm: int) -> None:
+    """The Gluon decode candidate compiles for sm_90 on any machine (Triton's bundled ptxas) with the
+    structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, a
+    producer warp, and no register spills at its per-BM register cap."""
+    import re
+
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from qerl.kernels import fp4_gluon as fgl
+
+    def desc(dtype: str, shape: list[int], ty) -> str:
+        return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, ty)!r}>"
+
+    stages, maxnreg, _ = fgl.SCHEDULE[bm]
+    kernel = fgl._decode_gluon_kernel
+    signature = {
+        "x_desc": desc("bf16", [bm, fgl.BK], gl.bfloat16), "h_desc": desc("i16", [fgl.BN, fgl.BK // 4], gl.int16),
+        "s_desc": desc("fp8e4nv", [fgl.BN, fgl.BK // 16], gl.float8e4nv), "g_ptr": "*fp32", "y_ptr": "*bf16",
+        "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "steps_per_split": "i32",
+        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "num_warps"], "constexpr"),
+    }  # fmt: skip
+    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "num_warps": 4}
+    aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
+    options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
+    compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+                              target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+    sass = compiled.asm["sass"]
+    assert len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass)) == 16  # 4 nibbles x 4 k16 chunks, A in registers
+    assert not re.findall(r"HGMMA\.\S+ R\d+, gdesc", sass)  # no shared-memory A operand
+    assert "UTMALDG" in sass and "SYNCS" in sass  # TMA loads completing on mbarriers
+    assert not re.findall(r"\b(?:LDL|STL)\b", sass), "register spills"

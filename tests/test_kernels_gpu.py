@@ -93,6 +93,30 @@ def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
         assert _rel(y, x.double() @ _w64(q).t()) < TOL
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+@pytest.mark.parametrize("M", [1, 16, 40, 64, 100, 128])
+@pytest.mark.parametrize("N,K", [(200, 1024), (1000, 3584)])
+def test_gluon_decode(M: int, N: int, K: int) -> None:
+    """The Gluon decode candidate against float64: split-K (its own ticket reduction), N not a multiple
+    of its 64-row tile, x permuted in the call and beforehand; then the Triton kernel, which shares the
+    ticket table, is still exact (a candidate once left it inconsistent for the launches after it)."""
+    from qerl.kernels import fp4_gemm, fp4_gluon
+
+    q = _weight(N, K)
+    x = _rand(M, K)
+    ref = x.double() @ _w64(q).t()
+    _poison_allocator()
+    for split in (0, 1, 3):
+        y = fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
+        assert _rel(y, ref) < TOL, (split, _rel(y, ref))
+    y = fp4_gluon.matmul(fp4_gluon.permute_x(x), q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)
+    assert _rel(y, ref) < TOL
+    assert _rel(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
+    odd = _weight(N, K + 16)  # K not a whole number of 256-code steps
+    with pytest.raises(ValueError, match="Gluon decode kernel"):
+        fp4_gluon.matmul(_rand(M, K + 16), odd.weight_packed, odd.weight_scale, odd.weight_global_scale)
+
+
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_lora_epilogue(M: int, rank: int) -> None:

@@ -1,0 +1,222 @@
+"""A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect): a tuning
+candidate beside ``fp4_gemm._decode_kernel``, for Hopper (sm_90) only.
+
+Why another kernel: Nsight Compute put the Triton decode kernel's time at M >= 64 in the CTA-wide
+barrier every K step (its shared-memory ring is read by every warp), global loads of scales and x into
+registers, and the decode's fixed-latency chains, never in the tensor cores (benchmarks/NOTES.md,
+"Decode at the batches GRPO decodes"). Triton 3.6 cannot express the fix for a register A operand; Gluon
+can. Here:
+
+* a one-warp producer partition streams the K steps through TMA into a ``STAGES``-deep ring (x, the
+  packed weight as int16 words of 4 codes, the fp8 scales), with ready/empty mbarriers: no CTA barrier;
+* a four-warp consumer warpgroup loads each int16 weight tile from shared memory straight into the
+  wgmma A-operand register layout, decodes nibble ``i`` with the same bit placement as the Triton
+  kernel (``fp4_gemm._nibble_asm``), multiplies by the block scale and issues ``wgmma`` asynchronously
+  against x in shared memory, so the decode of nibble ``i + 1`` overlaps the MMA of nibble ``i``;
+* x is permuted once per call (``permute_x``) so each nibble's x slice is a contiguous
+  ``[BM, BK/4]`` block of the TMA tile: the wgmma B operand comes from shared memory as loaded, with
+  no register split of x;
+* each scale is converted once per (row, group) and broadcast to its 4 int16 elements by a layout that
+  is the A operand's with the group bits dropped (checked trivial at compile time), not per weight.
+
+y[M, N] = x[M, K] @ W_hat[N, K]^T, M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension);
+split-K with the same ticket reduction as the Triton kernel. Bias, LoRA and segmented outputs are not
+here yet: this candidate is measured as a bare GEMM first (``benchmarks/decode_tune.py --gluon``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import backend
+from .fp4_gemm import _check_act, _check_weight, _nibble_asm
+from .schedule import _cdiv, _sm_count, decode_split
+
+#: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
+#: (one consumer warpgroup: wgmma M = 64).
+BK = 256
+BN = 64
+#: Per padded token count BM: (ring stages, register cap, CTAs an SM holds). From offline sm_90 compiles
+#: (triton 3.6, no spills at these caps): BM=16 80 registers x 256 threads (4 consumer + 1 producer warps,
+#: padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 128 registers, 75 KB -> 2; BM=64 2 stages,
+#: 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168 registers, uncapped).
+SCHEDULE = {16: (3, 80, 3), 32: (3, 128, 2), 64: (2, 128, 2), 128: (2, None, 1)}
+_NIB0, _NIB1, _NIB2, _NIB3 = (gl.constexpr(_nibble_asm(i, False)) for i in range(4))
+
+
+@gluon.constexpr_function
+def _scale_layout(a_linear):
+    """The [BN, G, 4] layout whose reshape to [BN, BK/4] is the A operand's (``a_linear``, its linear
+    layout): a column basis c becomes (c // 4, c % 4), so a scale loaded in its dim-2 slice and broadcast
+    along dim 2 lands in the A layout with no data movement."""
+
+    def split(basis):
+        r, c = basis
+        return [r, c // 4, c % 4]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=[split(b) for b in a_linear.reg_bases],
+        lane_bases=[split(b) for b in a_linear.lane_bases],
+        warp_bases=[split(b) for b in a_linear.warp_bases],
+        block_bases=[split(b) for b in a_linear.block_bases],
+        shape=[a_linear.shape[0], a_linear.shape[1] // 4, 4],
+    )
+
+
+@gluon.jit
+def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps,
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One warp: TMA loads of K step ``first + i`` into slot ``i % STAGES`` once the consumer freed it."""
+    row = gl.program_id(0) * BN
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + h_desc.block_type.nbytes + s_desc.block_type.nbytes
+    for i in range(steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        mbarrier.expect(ready.index(slot), nbytes)
+        kt = first + i
+        tma.async_copy_global_to_shared(x_desc, [0, kt * BK], ready.index(slot), x_s.index(slot))
+        tma.async_copy_global_to_shared(h_desc, [row, kt * (BK // 4)], ready.index(slot), h_s.index(slot))
+        tma.async_copy_global_to_shared(s_desc, [row, kt * (BK // 16)], ready.index(slot), s_s.index(slot))
+
+
+@gluon.jit
+def _consumer(x_s, h_s, s_s, ready, empty, steps,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T."""
+    HW: gl.constexpr = BK // 4
+    G: gl.constexpr = BK // 16
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    s3_layout: gl.constexpr = _scale_layout(gl.to_linear_layout(a_layout, [BN, HW]))
+    # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 = e2m1 * scale * 2^-8, exact in bf16.
+    FACTOR: gl.constexpr = 3.3230699894622896e35
+    acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    for i in range(steps):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        h = h_s.index(slot).load(a_layout)
+        sc = s_s.index(slot).load(gl.SliceLayout(2, s3_layout))
+        sc = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
+        sb = gl.reshape(gl.expand_dims(sc, 2).broadcast_to(BN, G, 4), [BN, HW])
+        sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
+        xs = x_s.index(slot)
+        w = gl.inline_asm_elementwise(_NIB0, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2) * sb
+        acc = warpgroup_mma(w, xs.slice(0, HW, dim=1).permute((1, 0)), acc, is_async=True)
+        w = gl.inline_asm_elementwise(_NIB1, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2) * sb
+        acc = warpgroup_mma(w, xs.slice(HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
+        w = gl.inline_asm_elementwise(_NIB2, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2) * sb
+        acc = warpgroup_mma(w, xs.slice(2 * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
+        w = gl.inline_asm_elementwise(_NIB3, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2) * sb
+        acc = warpgroup_mma(w, xs.slice(3 * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, xs])
+        mbarrier.arrive(empty.index(slot))
+    return (acc,)
+
+
+@gluon.jit
+def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, steps_per_split,
+                         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                         SPLIT: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue."""
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    k_steps = K // BK
+    first = pid_k * steps_per_split
+    steps = gl.minimum(steps_per_split, k_steps - first)
+    x_s = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    h_s = gl.allocate_shared_memory(h_desc.dtype, [STAGES, BN, BK // 4], h_desc.layout)
+    s_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BN, BK // 16], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    (acc,) = gl.warp_specialize(
+        [(_consumer, (x_s, h_s, s_s, ready, empty, steps, BM, BN, BK, STAGES)),
+         (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps, BN, BK, STAGES))],
+        [1], [24],
+    )  # fmt: skip
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    tile = gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
+    mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
+    if SPLIT:
+        # Publish the fp32 partial, take a ticket; the last program of the tile sums all partials in
+        # slice order, stores y and resets the ticket for the next launch (as fp4_gemm._decode_kernel).
+        nsplit = gl.num_programs(1)
+        gl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
+        gl.thread_barrier()
+        ticket = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == nsplit - 1:
+            acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+            for s in range(0, nsplit):
+                acc += gl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.store(ticket_ptr + pid_n, 0)
+            gl.store(y_ptr + tile, (acc * (256.0 / gl.load(g_ptr))).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        gl.store(y_ptr + tile, (acc * (256.0 / gl.load(g_ptr))).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def permute_x(x: torch.Tensor, bk: int = BK) -> torch.Tensor:
+    """x[m, t*bk + 4j + i] -> [m, t*bk + i*bk/4 + j]: each nibble's x slice contiguous within its K step."""
+    m, k = x.shape
+    return x.reshape(m, k // bk, bk // 4, 4).transpose(2, 3).reshape(m, k).contiguous()
+
+
+def supports(x: torch.Tensor, weight_packed: torch.Tensor) -> bool:
+    """Hopper, bf16 activations, M <= 128 and whole K steps: what this kernel covers."""
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and x.dtype == torch.bfloat16
+            and x.shape[0] <= 128 and (2 * weight_packed.shape[1]) % BK == 0)  # fmt: skip
+
+
+def matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
+           split: int = 0, permuted: bool = False) -> torch.Tensor:  # fmt: skip
+    """y = x @ W_hat^T (bf16 [M, N]) through the Gluon kernel; see ``supports`` for what it takes.
+    ``permuted``: x is already in ``permute_x`` order (what a producer kernel could write directly)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _check_act(x)
+    N, K = _check_weight(weight_packed, weight_scale)
+    M = x.shape[0]
+    if not supports(x, weight_packed) or x.shape[1] != K:
+        raise ValueError(f"the Gluon decode kernel takes bf16 x [M <= 128, {K}] on sm_90 with K % {BK} == 0, "
+                         f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
+    bm = max(16, triton.next_power_of_2(M))
+    stages, maxnreg, resident = SCHEDULE[bm]
+    k_steps = K // BK
+    tiles = _cdiv(N, BN)
+    if split <= 0:
+        split = decode_split(tiles, k_steps, _sm_count(x.device) * resident)
+    steps_per_split = _cdiv(k_steps, split)
+    split = _cdiv(k_steps, steps_per_split)
+    xp = x.contiguous() if permuted else permute_x(x)
+    h = weight_packed.contiguous().view(torch.int16)
+    s = weight_scale.contiguous()
+    x_desc = TensorDescriptor.from_tensor(xp, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
+    h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
+    s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
+                                          gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else y
+    tickets = backend.tickets(x.device, tiles) if split > 1 else y
+    _decode_gluon_kernel[(tiles, split)](
+        x_desc, h_desc, s_desc, weight_global_scale, y, part, tickets, M, N, K, steps_per_split,
+        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )  # fmt: skip
+    return y
