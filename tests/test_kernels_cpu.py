@@ -200,5 +200,6 @@ def test_gluon_decode_compiles_for_sm90(bm: int) -> None:
     sass = compiled.asm["sass"]
     assert len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass)) == 16  # 4 nibbles x 4 k16 chunks, A in registers
     assert not re.findall(r"HGMMA\.\S+ R\d+, gdesc", sass)  # no shared-memory A operand
+    assert sass.count("WARPGROUP.DEPBAR") == 1  # one wait per K step: ptxas did not serialise the wgmma
     assert "UTMALDG" in sass and "SYNCS" in sass  # TMA loads completing on mbarriers
     assert not re.findall(r"\b(?:LDL|STL)\b", sass), "register spills"

@@ -74,6 +74,20 @@ def _scale_layout(a_linear):
 
 
 @gluon.jit
+def _nibble(h, NIB: gl.constexpr):
+    """Code ``NIB`` of each int16 word of 4 codes as a bf16 e2m1 * 2^-126 (``fp4_gemm._nibble_asm``)."""
+    if NIB == 0:
+        asm: gl.constexpr = _NIB0
+    elif NIB == 1:
+        asm: gl.constexpr = _NIB1
+    elif NIB == 2:
+        asm: gl.constexpr = _NIB2
+    else:
+        asm: gl.constexpr = _NIB3
+    return gl.inline_asm_elementwise(asm, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit
 def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warp: TMA loads of K step ``first + i`` into slot ``i % STAGES`` once the consumer freed it."""
@@ -110,14 +124,12 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
         sb = gl.reshape(gl.expand_dims(sc, 2).broadcast_to(BN, G, 4), [BN, HW])
         sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
         xs = x_s.index(slot)
-        w = gl.inline_asm_elementwise(_NIB0, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2) * sb
-        acc = warpgroup_mma(w, xs.slice(0, HW, dim=1).permute((1, 0)), acc, is_async=True)
-        w = gl.inline_asm_elementwise(_NIB1, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2) * sb
-        acc = warpgroup_mma(w, xs.slice(HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
-        w = gl.inline_asm_elementwise(_NIB2, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2) * sb
-        acc = warpgroup_mma(w, xs.slice(2 * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
-        w = gl.inline_asm_elementwise(_NIB3, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2) * sb
-        acc = warpgroup_mma(w, xs.slice(3 * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
+        for n in gl.static_range(4):
+            w = _nibble(h, n) * sb
+            acc = warpgroup_mma(w, xs.slice(n * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
+        # All four in flight while the next nibble decodes; waiting here rather than one step later
+        # keeps them that way: deferring the wait makes ptxas serialise every wgmma (offline SASS: one
+        # WARPGROUP.DEPBAR per HGMMA), since the decoded A registers would live across the loop edge.
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, xs])
         mbarrier.arrive(empty.index(slot))
     return (acc,)
