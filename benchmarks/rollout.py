@@ -24,6 +24,11 @@ holds) for LoRA with shrinks fused into the producing kernels, the same with one
 projection instead of per stacked q/k/v and gate/up group (``decoder.STACK_GROUPS = False``), LoRA
 with one cuBLAS shrink per group (``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
+``--gluon-ab`` times only the 7B NVFP4+LoRA engine at ``--batches`` with its decode GEMMs on the Triton
+kernel, on the Gluon candidate (``QERL_DECODE_GLUON``, ``qerl/kernels/fp4_gluon.py``) and on Triton again,
+fresh graphs each, in one process; each Gluon engine is first checked against the Triton one on the same
+prompts (greedy tokens of a short generate).
+
 ``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``:
 stacked groups, one launch per projection, and stacked with a 4x finer attention split.
 
@@ -301,6 +306,40 @@ def lora_sweep(args: argparse.Namespace) -> dict:
     }
 
 
+def gluon_ab(args: argparse.Namespace) -> dict:
+    """``--gluon-ab``: ms/step with the Triton decode kernel / the Gluon candidate / Triton, same process."""
+    from qerl.kernels import schedule
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.native import NativeEngine
+
+    model = build_model("7b", nvfp4=True)
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
+    for b in args.batches:
+        prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+        reference_tokens = None
+        for variant in ("triton", "gluon", "triton"):
+            schedule.GLUON_DECODE = variant == "gluon"
+            try:
+                engine = NativeEngine(model, 0)
+                tokens = engine.generate(prompts, greedy).completion_ids
+                ms, t_one = ms_per_step(engine, prompts, args.tokens)
+            finally:
+                schedule.GLUON_DECODE = False
+            reference_tokens = reference_tokens or tokens
+            same = sum(t == r for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+            rows.append(dict(batch=b, variant=variant, tokens=args.tokens, ms_per_step=round(ms, 4),
+                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_triton=same))  # fmt: skip
+            print(f"7b nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to triton's {same:.2f}",
+                  flush=True)  # fmt: skip
+    return {"benchmark": "rollout decode, Triton vs Gluon decode GEMMs (ms/step)", "date": utc_now(), **environment(),
+            "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     from qerl.rollout import get_engine
 
@@ -401,7 +440,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="only a per-kernel GPU-time profile of one 7B NVFP4+LoRA decode step at --batches")
     parser.add_argument("--lora-sweep", action="store_true", help="only the 7B NVFP4 LoRA cost sweep (see above)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="with --lora-sweep or --profile")
+    parser.add_argument("--gluon-ab", action="store_true", help="only the Triton vs Gluon decode-GEMM A/B (see above)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
+                        help="with --lora-sweep, --gluon-ab or --profile")
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
     parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
     parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
@@ -428,6 +469,9 @@ def main() -> None:
     if args.profile:
         write_json(args.out, {"date": utc_now(), **environment(), "command": common.command("benchmarks.rollout"),
                               "profile": profile(args)})
+        return
+    if args.gluon_ab:
+        write_json(args.out, gluon_ab(args))
         return
     result = lora_sweep(args) if args.lora_sweep else run(args)
     write_json(args.out, result)

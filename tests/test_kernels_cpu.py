@@ -166,11 +166,11 @@ def test_decode_tune_counts_only_accurate_rows() -> None:
         assert usable_us(row) == float("inf")
 
 
-@pytest.mark.parametrize("bm", [16, 128])
-def test_gluon_decode_compiles_for_sm90(bm: int) -> None:
+@pytest.mark.parametrize("bm,epilogue", [(16, False), (128, True)])
+def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     """The Gluon decode candidate compiles for sm_90 on any machine (Triton's bundled ptxas) with the
-    structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, a
-    producer warp, and no register spills at its per-BM register cap."""
+    structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, one
+    wgmma wait per K step, and no register spills in the K loop at its per-BM register cap."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")
@@ -189,10 +189,13 @@ def test_gluon_decode_compiles_for_sm90(bm: int) -> None:
     signature = {
         "x_desc": desc("bf16", [bm, fgl.BK], gl.bfloat16), "h_desc": desc("i16", [fgl.BN, fgl.BK // 4], gl.int16),
         "s_desc": desc("fp8e4nv", [fgl.BN, fgl.BK // 16], gl.float8e4nv), "g_ptr": "*fp32", "y_ptr": "*bf16",
-        "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "steps_per_split": "i32",
-        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "num_warps"], "constexpr"),
+        "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
+        **dict.fromkeys(["M", "N", "K", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
+        "lora_scale": "fp32",
+        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "num_warps"], "constexpr"),
     }  # fmt: skip
-    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "num_warps": 4}
+    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "HAS_BIAS": epilogue,
+                 "HAS_LORA": epilogue, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
@@ -202,4 +205,11 @@ def test_gluon_decode_compiles_for_sm90(bm: int) -> None:
     assert not re.findall(r"HGMMA\.\S+ R\d+, gdesc", sass)  # no shared-memory A operand
     assert sass.count("WARPGROUP.DEPBAR") == 1  # one wait per K step: ptxas did not serialise the wgmma
     assert "UTMALDG" in sass and "SYNCS" in sass  # TMA loads completing on mbarriers
-    assert not re.findall(r"\b(?:LDL|STL)\b", sass), "register spills"
+    # No spills in the K loop (from the label before the first wgmma to the branch after its wait). The
+    # BM=128 epilogue with LoRA does spill (~30 local accesses once per output tile, NOTES.md).
+    lines = sass.splitlines()
+    first = next(i for i, line in enumerate(lines) if "HGMMA" in line)
+    start = max(i for i in range(first) if lines[i].rstrip().endswith(":"))
+    wait = next(i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR" in line)
+    end = next(i for i in range(wait, len(lines)) if "BRA" in lines[i])
+    assert not [line for line in lines[start:end] if re.search(r"\b(?:LDL|STL)\b", line)], "register spills in the K loop"

@@ -117,6 +117,38 @@ def test_gluon_decode(M: int, N: int, K: int) -> None:
         fp4_gluon.matmul(_rand(M, K + 16), odd.weight_packed, odd.weight_scale, odd.weight_global_scale)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+@pytest.mark.parametrize("M", [1, 16, 64, 128])
+def test_gluon_decode_epilogue(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon candidate behind ``fp4_gemm.matmul`` (``QERL_DECODE_GLUON``) with what the rollout engine
+    hands the decode GEMMs: bias, the LoRA expand from a segmented u, segmented q/k/v-style outputs,
+    against the float64 reference; an fp16 x (unsupported) still takes the Triton kernel."""
+    from qerl.kernels import fp4_gemm, reference
+    from qerl.kernels import schedule as sch
+
+    monkeypatch.setattr(sch, "GLUON_DECODE", True)
+    N, K, r = 1000, 2048, 16
+    out_bounds, lora_bounds = (600, 800), (6, 11)
+    q = _weight(N, K)
+    x, bias = _rand(M, K), _rand(N) * 0.1
+    lora_b = torch.zeros(N, r, device="cuda", dtype=torch.bfloat16)  # block-diagonal, as the engine's
+    for (lo, hi), (rlo, rhi) in zip(((0, 600), (600, 800), (800, N)), ((0, 6), (6, 11), (11, r)), strict=True):
+        lora_b[lo:hi, rlo:rhi] = _rand(hi - lo, rhi - rlo) * 0.1
+    u = _rand(M * r)
+    args = (x.double(), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.double(), out_bounds, u.double(),
+            lora_bounds, lora_b.double())  # fmt: skip
+    ref = reference.group_mm(*args)
+    _poison_allocator()
+    y = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b,
+                        out_bounds=out_bounds, lora_bounds=lora_bounds)  # fmt: skip
+    assert _rel(y, ref) < TOL
+    y = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u.view(M, r), lora_b, 0.5)
+    assert _rel(y, reference.mm(x.double(), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.double(),
+                                u.view(M, r).double(), lora_b.double(), 0.5)) < TOL  # fmt: skip
+    y = fp4_gemm.matmul(x.half(), q.weight_packed, q.weight_scale, q.weight_global_scale)
+    assert _rel(y, x.double() @ _w64(q).t()) < TOL
+
+
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_lora_epilogue(M: int, rank: int) -> None:

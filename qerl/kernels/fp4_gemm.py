@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import backend, reference
+from . import backend, reference, schedule
 from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig, bwd_config, decode_config
 
 
@@ -485,6 +485,12 @@ def matmul(
         if out_bounds is not None:
             return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
+    if config is None and M > 0 and schedule.GLUON_DECODE:
+        from . import fp4_gluon  # imports this module: loaded on first use only
+
+        if fp4_gluon.supports(x, weight_packed):
+            return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
+                                    out, out_bounds, lora_bounds)  # fmt: skip
     shape = (M, N) if out_bounds is None else (M * N,)
     y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:

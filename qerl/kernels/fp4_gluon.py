@@ -19,9 +19,11 @@ can. Here:
 * each scale is converted once per (row, group) and broadcast to its 4 int16 elements by a layout that
   is the A operand's with the group bits dropped (checked trivial at compile time), not per weight.
 
-y[M, N] = x[M, K] @ W_hat[N, K]^T, M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension);
-split-K with the same ticket reduction as the Triton kernel. Bias, LoRA and segmented outputs are not
-here yet: this candidate is measured as a bare GEMM first (``benchmarks/decode_tune.py --gluon``).
+y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs: ``fp4_gemm.matmul``'s
+decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
+ticket reduction as the Triton kernel. Off by default: ``QERL_DECODE_GLUON=1`` routes the decode GEMMs
+it supports here. Not yet run on a GPU; the offline compile, the prediction and the commands that will
+measure it (``decode_tune --gluon``, ``rollout --gluon-ab``) are in benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -136,9 +138,37 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
 
 
 @gluon.jit
-def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, steps_per_split,
+def _segmented(col, row, rows, S1, S2, TOTAL):
+    """``fp4_gemm.segmented``: offset of (row, col) in a ``[rows, TOTAL]`` matrix stored as the three
+    contiguous column blocks [0, S1), [S1, S2), [S2, TOTAL) (plain row-major when S1 = S2 = TOTAL)."""
+    lo = gl.where(col < S1, 0, gl.where(col < S2, S1, S2))
+    hi = gl.where(col < S1, S1, gl.where(col < S2, S2, TOTAL))
+    return lo * rows + row * (hi - lo) + (col - lo)
+
+
+@gluon.jit
+def _epilogue(acc, g_ptr, offs_n, offs_m, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+              lora_scale, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
+    """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * sum_r B[n, r] u[m, r]) at the tile's
+    (segmented) offsets ``offs``; u segmented at S1/S2. The LoRA expand is R rank-1 updates in fp32 (a
+    16-64 step loop once per output tile)."""
+    out = acc * (256.0 / gl.load(g_ptr))
+    if HAS_BIAS:
+        out += gl.expand_dims(gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32), 1)
+    if HAS_LORA:
+        for r in range(R):
+            b = gl.load(lb_ptr + offs_n * stride_lb + r, mask=offs_n < N, other=0.0).to(gl.float32)
+            u = gl.load(u_ptr + _segmented(r, offs_m, M, S1, S2, R), mask=offs_m < M, other=0.0).to(gl.float32)
+            out += lora_scale * gl.expand_dims(b, 1) * gl.expand_dims(u, 0)
+    gl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr, u_ptr, lb_ptr,
+                         M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                         SPLIT: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                         SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
+                         num_warps: gl.constexpr):  # fmt: skip
     """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue."""
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -166,23 +196,27 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    tile = gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
+    # One offset tensor serves y and the fp32 partials (which take y's segmented order; they are private
+    # to the launch): a second [BN, BM] offset tensor made BM=128 spill (offline compile).
+    offs = _segmented(gl.expand_dims(offs_n, 1), gl.expand_dims(offs_m, 0), M, Y1, Y2, N)
     mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
     if SPLIT:
         # Publish the fp32 partial, take a ticket; the last program of the tile sums all partials in
-        # slice order, stores y and resets the ticket for the next launch (as fp4_gemm._decode_kernel).
+        # slice order, runs the epilogue and resets the ticket for the next launch (as fp4_gemm does).
         nsplit = gl.num_programs(1)
-        gl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
+        gl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
         gl.thread_barrier()
         ticket = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
         if ticket == nsplit - 1:
             acc = gl.zeros([BN, BM], gl.float32, layout=mma)
             for s in range(0, nsplit):
-                acc += gl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                acc += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
             gl.store(ticket_ptr + pid_n, 0)
-            gl.store(y_ptr + tile, (acc * (256.0 / gl.load(g_ptr))).to(y_ptr.dtype.element_ty), mask=mask)
+            _epilogue(acc, g_ptr, offs_n, offs_m, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb,
+                      R, lora_scale, HAS_BIAS, HAS_LORA)
     else:
-        gl.store(y_ptr + tile, (acc * (256.0 / gl.load(g_ptr))).to(y_ptr.dtype.element_ty), mask=mask)
+        _epilogue(acc, g_ptr, offs_n, offs_m, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+                  lora_scale, HAS_BIAS, HAS_LORA)
 
 
 def permute_x(x: torch.Tensor, bk: int = BK) -> torch.Tensor:
@@ -197,9 +231,23 @@ def supports(x: torch.Tensor, weight_packed: torch.Tensor) -> bool:
             and x.shape[0] <= 128 and (2 * weight_packed.shape[1]) % BK == 0)  # fmt: skip
 
 
-def matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
-           split: int = 0, permuted: bool = False) -> torch.Tensor:  # fmt: skip
-    """y = x @ W_hat^T (bf16 [M, N]) through the Gluon kernel; see ``supports`` for what it takes.
+def matmul(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_u: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    out_bounds: tuple[int, int] | None = None,
+    lora_bounds: tuple[int, int] | None = None,
+    split: int = 0,
+    permuted: bool = False,
+) -> torch.Tensor:
+    """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
+    there when it dispatches here) through the Gluon kernel; see ``supports`` for what it takes.
     ``permuted``: x is already in ``permute_x`` order (what a producer kernel could write directly)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -224,11 +272,20 @@ def matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Ten
     h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
     s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    tickets = backend.tickets(x.device, tiles) if split > 1 else y
+    if out is None:
+        out = torch.empty((M, N) if out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
+    lb = None if lora_b is None else lora_b.contiguous()
+    rank = 0 if lb is None else lb.shape[1]
+    y1, y2 = out_bounds or (N, N)
+    s1, s2 = lora_bounds or (rank, rank)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    tickets = backend.tickets(x.device, tiles) if split > 1 else out
     _decode_gluon_kernel[(tiles, split)](
-        x_desc, h_desc, s_desc, weight_global_scale, y, part, tickets, M, N, K, steps_per_split,
-        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        x_desc, h_desc, s_desc, weight_global_scale, out, part, tickets,
+        out if bias is None else bias, out if lora_u is None else lora_u.contiguous(),
+        out if lb is None else lb,
+        M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale),
+        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
+        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
-    return y
+    return out

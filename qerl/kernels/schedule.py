@@ -73,6 +73,9 @@ class DecodeConfig:
 
 #: The schedule ``QERL_DECODE_CONFIG`` forces at every M (read once, at import), else None.
 ENV_DECODE = DecodeConfig.from_env()
+#: ``QERL_DECODE_GLUON=1`` sends every decode GEMM the Gluon candidate supports (``fp4_gluon.supports``:
+#: sm_90, bf16, K % 256 == 0) to it instead of ``_decode_kernel``: a whole-model A/B switch until it is measured.
+GLUON_DECODE = os.environ.get("QERL_DECODE_GLUON", "0") == "1"
 #: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
 #: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
 #: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128
