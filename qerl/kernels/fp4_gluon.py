@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import backend
-from .fp4_gemm import _check_act, _check_weight, _nibble_asm
+from .fp4_gemm import _NIB_BF16_0, _NIB_BF16_1, _NIB_BF16_2, _NIB_BF16_3, _check_act, _check_weight
 from .schedule import _cdiv, _sm_count, decode_split
 
 #: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
@@ -53,7 +53,6 @@ BN = 64
 #: padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 128 registers, 75 KB -> 2; BM=64 2 stages,
 #: 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168 registers, uncapped).
 SCHEDULE = {16: (3, 80, 3), 32: (3, 128, 2), 64: (2, 128, 2), 128: (2, None, 1)}
-_NIB0, _NIB1, _NIB2, _NIB3 = (gl.constexpr(_nibble_asm(i, False)) for i in range(4))
 
 
 @gluon.constexpr_function
@@ -79,13 +78,13 @@ def _scale_layout(a_linear):
 def _nibble(h, NIB: gl.constexpr):
     """Code ``NIB`` of each int16 word of 4 codes as a bf16 e2m1 * 2^-126 (``fp4_gemm._nibble_asm``)."""
     if NIB == 0:
-        asm: gl.constexpr = _NIB0
+        asm: gl.constexpr = _NIB_BF16_0
     elif NIB == 1:
-        asm: gl.constexpr = _NIB1
+        asm: gl.constexpr = _NIB_BF16_1
     elif NIB == 2:
-        asm: gl.constexpr = _NIB2
+        asm: gl.constexpr = _NIB_BF16_2
     else:
-        asm: gl.constexpr = _NIB3
+        asm: gl.constexpr = _NIB_BF16_3
     return gl.inline_asm_elementwise(asm, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
