@@ -11,7 +11,7 @@ can. Here:
   packed weight as int16 words of 4 codes, the fp8 scales), with ready/empty mbarriers: no CTA barrier;
 * a four-warp consumer warpgroup loads each int16 weight tile from shared memory straight into the
   wgmma A-operand register layout, decodes nibble ``i`` with the same bit placement as the Triton
-  kernel (``fp4_gemm._nibble_asm``), multiplies by the block scale and issues ``wgmma`` asynchronously
+  kernel (it calls ``fp4_gemm._nibble``), multiplies by the block scale and issues ``wgmma`` asynchronously
   against x in shared memory, so the decode of nibble ``i + 1`` overlaps the MMA of nibble ``i``;
 * x is permuted once per call (``permute_x``) so each nibble's x slice is a contiguous
   ``[BM, BK/4]`` block of the TMA tile: the wgmma B operand comes from shared memory as loaded, with
@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import backend
-from .fp4_gemm import _NIB_BF16_0, _NIB_BF16_1, _NIB_BF16_2, _NIB_BF16_3, _check_act, _check_weight
+from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
 from .schedule import _cdiv, _sm_count, decode_split
 
 #: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
@@ -72,20 +72,6 @@ def _scale_layout(a_linear):
         block_bases=[split(b) for b in a_linear.block_bases],
         shape=[a_linear.shape[0], a_linear.shape[1] // 4, 4],
     )
-
-
-@gluon.jit
-def _nibble(h, NIB: gl.constexpr):
-    """Code ``NIB`` of each int16 word of 4 codes as a bf16 e2m1 * 2^-126 (``fp4_gemm._nibble_asm``)."""
-    if NIB == 0:
-        asm: gl.constexpr = _NIB_BF16_0
-    elif NIB == 1:
-        asm: gl.constexpr = _NIB_BF16_1
-    elif NIB == 2:
-        asm: gl.constexpr = _NIB_BF16_2
-    else:
-        asm: gl.constexpr = _NIB_BF16_3
-    return gl.inline_asm_elementwise(asm, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -126,7 +112,7 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
         sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
         xs = x_s.index(slot)
         for n in gl.static_range(4):
-            w = _nibble(h, n) * sb
+            w = _nibble(h, n, False) * sb  # the Triton kernel's decode, bf16
             acc = warpgroup_mma(w, xs.slice(n * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
         # All four in flight while the next nibble decodes; waiting here rather than one step later
         # keeps them that way: deferring the wait makes ptxas serialise every wgmma (offline SASS: one
@@ -134,15 +120,6 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, xs])
         mbarrier.arrive(empty.index(slot))
     return (acc,)
-
-
-@gluon.jit
-def _segmented(col, row, rows, S1, S2, TOTAL):
-    """``fp4_gemm.segmented``: offset of (row, col) in a ``[rows, TOTAL]`` matrix stored as the three
-    contiguous column blocks [0, S1), [S1, S2), [S2, TOTAL) (plain row-major when S1 = S2 = TOTAL)."""
-    lo = gl.where(col < S1, 0, gl.where(col < S2, S1, S2))
-    hi = gl.where(col < S1, S1, gl.where(col < S2, S2, TOTAL))
-    return lo * rows + row * (hi - lo) + (col - lo)
 
 
 @gluon.jit
@@ -157,7 +134,7 @@ def _epilogue(acc, g_ptr, offs_n, offs_m, offs, mask, M, N, y_ptr, bias_ptr, u_p
     if HAS_LORA:
         for r in range(R):
             b = gl.load(lb_ptr + offs_n * stride_lb + r, mask=offs_n < N, other=0.0).to(gl.float32)
-            u = gl.load(u_ptr + _segmented(r, offs_m, M, S1, S2, R), mask=offs_m < M, other=0.0).to(gl.float32)
+            u = gl.load(u_ptr + segmented(r, offs_m, M, S1, S2, R), mask=offs_m < M, other=0.0).to(gl.float32)
             out += lora_scale * gl.expand_dims(b, 1) * gl.expand_dims(u, 0)
     gl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -197,7 +174,7 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
     # One offset tensor serves y and the fp32 partials (which take y's segmented order; they are private
     # to the launch): a second [BN, BM] offset tensor made BM=128 spill (offline compile).
-    offs = _segmented(gl.expand_dims(offs_n, 1), gl.expand_dims(offs_m, 0), M, Y1, Y2, N)
+    offs = segmented(gl.expand_dims(offs_n, 1), gl.expand_dims(offs_m, 0), M, Y1, Y2, N)
     mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
     if SPLIT:
         # Publish the fp32 partial, take a ticket; the last program of the tile sums all partials in
