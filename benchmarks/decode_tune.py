@@ -17,6 +17,7 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
     python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
     python -m benchmarks.decode_tune --gluon --out $OUT    # the Gluon candidate vs the Triton kernel -> decode_gluon.json
+    python -m benchmarks.decode_tune --gluon-splits --out $OUT  # its split-K counts at M = 64 / 128 -> decode_gluon_splits.json
 
 ``--gluon`` times each 7B decode GEMM at M = 1 / 16 / 64 / 128 with the Triton decode kernel (its default
 schedule), the Gluon candidate (``qerl.kernels.fp4_gluon``: TMA producer warp, wgmma consumer warpgroup)
@@ -147,14 +148,14 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
 
 def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
     """``--gluon``: the Triton decode kernel and the Gluon candidate (x permuted in the call / beforehand)."""
-    from qerl.kernels import fp4_gluon
+    from qerl.kernels import fp4_gluon, reference
 
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
     for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
-        xp = fp4_gluon.permute_x(x)
+        xp = reference.nibble_major(x)
         ref = x.double() @ w64.t()
         base = graph_time(layer.bf16_fwd_fns(x)) * 1e6
         calls = {
@@ -175,6 +176,30 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
             print(f"{shape:10s} M={m:3d} {name:18s} " + (f"ERR {row['error'][:160]}" if "error" in row else
                   f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}"),
                   flush=True)  # fmt: skip
+    return rows
+
+
+def gluon_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (64, 128)) -> list[dict]:
+    """``--gluon-splits``: the Gluon kernel (x pre-permuted, as the engine hands it) at each distinct
+    split-K count up to 16 and at its default (``decode_split`` over ``fp4_gluon.SCHEDULE``'s residency)."""
+    from qerl.kernels import fp4_gluon, reference
+
+    q0 = layer.q[0]
+    w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
+    k_steps = layer.k // fp4_gluon.BK
+    splits = sorted({-(-k_steps // -(-k_steps // s)) for s in range(1, min(16, k_steps) + 1)})
+    rows = []
+    for m in ms:
+        x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
+        xp, ref = reference.nibble_major(x), x.double() @ w64.t()
+        for split in (0, *splits):
+            def call(q: nvfp4.NVFP4Tensors, xp: torch.Tensor = xp, split: int = split) -> torch.Tensor:
+                return fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True, split=split)
+
+            t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
+            rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "split": split or "default", "us": t,
+                         "rel_err": rel(call(q0), ref), "wbw_TBps": layer.packed_bytes / t / 1e6})  # fmt: skip
+            print(f"{shape:10s} M={m:3d} split={split or 'default'!s:8s} {t:8.1f} us  err {rows[-1]['rel_err']:.1e}", flush=True)
     return rows
 
 
@@ -242,6 +267,7 @@ def main() -> None:
     ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
     ap.add_argument("--gluon", action="store_true", help="only the Gluon candidate vs the Triton kernel (decode_gluon.json)")
+    ap.add_argument("--gluon-splits", action="store_true", help="only the Gluon kernel's split-K sweep (decode_gluon_splits.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
@@ -261,6 +287,15 @@ def main() -> None:
             layer.free()
             torch.cuda.empty_cache()
             write_json(out / "decode_splits.json", result, indent=1)
+        return
+    if args.gluon_splits:
+        result["splits"] = []
+        for shape in LARGE_SHAPES:
+            layer = Layer(*MODEL_SHAPES[shape])
+            result["splits"] += gluon_split_rows(layer, shape)
+            layer.free()
+            torch.cuda.empty_cache()
+            write_json(out / "decode_gluon_splits.json", result, indent=1)
         return
     if args.large or args.gluon:
         cands, ms, name = ((("triton", "gluon", "gluon_prepermuted"), GLUON_MS, "decode_gluon.json") if args.gluon

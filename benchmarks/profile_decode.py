@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="down")
     parser.add_argument("--m", type=int, default=1, help="tokens (1..128: the decode kernel's range)")
     parser.add_argument("--launches", type=int, default=5, help="launches (skip the first ones in ncu: -s)")
+    parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
+                        help="gluon: the Gluon kernel (x pre-permuted, as the engine hands it; ncu -k regex:_decode_gluon)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/profile_decode.py: needs a CUDA device")
@@ -39,11 +41,19 @@ def main(argv: list[str] | None = None) -> None:
     q = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float64).t()
+    if args.kernel == "gluon":
+        from qerl.kernels import fp4_gluon, reference
+
+        xp = reference.nibble_major(x)
+        launch = lambda: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)  # noqa: E731
+    else:
+        launch = lambda: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m))  # noqa: E731
     for _ in range(args.launches):
-        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m))
+        y = launch()
     torch.cuda.synchronize()
     err = ((y.double() - ref).norm() / ref.norm()).item()
-    print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {sch.decode_config(args.m, n, k, x.device)}, rel err {err:.1e}")
+    what = "the Gluon kernel" if args.kernel == "gluon" else sch.decode_config(args.m, n, k, x.device)
+    print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {what}, rel err {err:.1e}")
     if not err < 1e-2:
         sys.exit("benchmarks/profile_decode.py: the kernel's result is off (rel err >= 1e-2)")
 

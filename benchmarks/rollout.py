@@ -25,7 +25,7 @@ projection instead of per stacked q/k/v and gate/up group (``decoder.STACK_GROUP
 with one cuBLAS shrink per group (``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
 ``--gluon-ab`` times only the 7B NVFP4+LoRA engine at ``--batches`` with its decode GEMMs on the Triton
-kernel, on the Gluon candidate (``QERL_DECODE_GLUON``, ``qerl/kernels/fp4_gluon.py``) and on Triton again,
+kernel, on the Gluon kernel (``schedule.GLUON_DECODE``, ``qerl/kernels/fp4_gluon.py``) and on Triton again,
 fresh graphs each, in one process; each Gluon engine is first checked against the Triton one on the same
 prompts (greedy tokens of a short generate).
 
@@ -320,22 +320,28 @@ def gluon_ab(args: argparse.Namespace) -> dict:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         reference_tokens = None
         for variant in ("triton", "gluon", "triton"):
-            schedule.GLUON_DECODE = variant == "gluon"
+            default, schedule.GLUON_DECODE = schedule.GLUON_DECODE, variant == "gluon"
             try:
                 engine = NativeEngine(model, 0)
                 tokens = engine.generate(prompts, greedy).completion_ids
                 ms, t_one = ms_per_step(engine, prompts, args.tokens)
             finally:
-                schedule.GLUON_DECODE = False
+                schedule.GLUON_DECODE = default
             reference_tokens = reference_tokens or tokens
             same = sum(t == r for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)
+            # Tokens before a row's first difference: a wrong kernel diverges at the first decode step
+            # (token 1; token 0 comes from the prefill, which never takes the decode GEMMs), while
+            # rounding-order differences flip a near-tied argmax somewhere later, if at all.
+            prefix = sum(next((i for i, (a, c) in enumerate(zip(t, r, strict=False)) if a != c), len(t))
+                         for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)  # fmt: skip
             del engine
             gc.collect()
             torch.cuda.empty_cache()
             rows.append(dict(batch=b, variant=variant, tokens=args.tokens, ms_per_step=round(ms, 4),
-                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_triton=same))  # fmt: skip
-            print(f"7b nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to triton's {same:.2f}",
-                  flush=True)  # fmt: skip
+                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_triton=same,
+                             greedy_common_prefix_tokens=prefix, greedy_tokens=greedy.max_new_tokens))  # fmt: skip
+            print(f"7b nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to triton's {same:.2f}, "
+                  f"common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
     return {"benchmark": "rollout decode, Triton vs Gluon decode GEMMs (ms/step)", "date": utc_now(), **environment(),
             "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip
 

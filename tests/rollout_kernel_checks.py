@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from qerl.kernels import fused_step
+from qerl.kernels.reference import nibble_major
 from qerl.linear import stack_fused_groups
 from qerl.rollout import decoder
 from qerl.rollout.layers import Group, Norm, Proj
@@ -72,6 +73,19 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         _close(hc, ref_h, tol, "rms_norm in-place residual")
         _close(x3, ref_x, tol, "rms_norm output")
 
+    # Outputs in the Gluon decode kernel's K order (permute=True): the same values, each row permuted
+    # as reference.nibble_major does it; rows that are not whole 256-element steps are refused.
+    h, d, w, g, u = rnd(3, 512), rnd(3, 512), rnd(512, scale=0.3) + 1, rnd(3, 512), rnd(3, 512)
+    natural = fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6).cpu()
+    assert torch.equal(fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6, permute=True).cpu(), nibble_major(natural))
+    natural = fused_step.silu_mul(dev(g), dev(u)).cpu()
+    assert torch.equal(fused_step.silu_mul(dev(g), dev(u), permute=True).cpu(), nibble_major(natural))
+    try:
+        fused_step.rms_norm(dev(h[:, :200]), None, dev(w[:200]), 1e-6, permute=True)
+        raise AssertionError("rms_norm(permute=True) accepted rows of 200")
+    except ValueError as err:
+        assert "256" in str(err)
+
     # SiLU gating, with and without the down_proj shrink.
     for m, k, r in ((1, 1000, 16), (4, 300, 5)):
         g, u, a = rnd(m, k), rnd(m, k), rnd(r, k, scale=0.1)
@@ -103,6 +117,10 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     att, flat = fused_step.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5, dev(a))
     _close(att, ref_att, tol, "decode_attention (shrink)")
     _close(flat.view(b, 12), ref_u.u, 2 * tol, "decode_attention u")
+    qw, kw, vw = rnd(b, 16, hd), rnd(b, nkv, s, hd).to(device), rnd(b, nkv, s, hd).to(device)  # 16 heads x 16 = 256
+    natural = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5)[0].cpu()
+    permuted = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, permute=True)[0].cpu()
+    assert torch.equal(permuted, nibble_major(natural)), "decode_attention(permute=True)"
 
     check_finish_step(device)
 

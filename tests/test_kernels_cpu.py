@@ -166,6 +166,37 @@ def test_decode_tune_counts_only_accurate_rows() -> None:
         assert usable_us(row) == float("inf")
 
 
+def test_gluon_decode_split_counts() -> None:
+    """The Gluon kernel's split-K counts (its own program cost in ``decode_split``) are those that won
+    on the H200 (benchmarks/results/decode_gluon_splits.json): one slice for gate_up at M=64 (48.4 us,
+    2 slices 65.4) and q/k/v at M=128 (17.9 vs 22.7 us), four for down at M=64 (30.0 us, 1 slice 57.5)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import fp4_gluon
+    from qerl.kernels import schedule as sch
+
+    def split(n: int, k: int, bm: int) -> int:
+        return sch.decode_split(-(-n // fp4_gluon.BN), k // fp4_gluon.BK, 132 * fp4_gluon.SCHEDULE[bm][2], fp4_gluon.PROGRAM_STEPS)
+
+    assert split(37888, 3584, 64) == 1
+    assert split(4608, 3584, 128) == 1
+    assert split(3584, 18944, 64) == 4
+    assert sch.decode_split(592, 14, 264) == 2  # the Triton kernel's own cost split gate_up in two
+
+
+def test_nibble_major_order() -> None:
+    """The Gluon decode kernel's x order: within each 256-element K step, element 4j + i sits at
+    i * 64 + j (nibble i of packed int16 element j meets a contiguous x slice); rows keep their steps."""
+    from qerl.kernels.reference import nibble_major
+
+    x = torch.arange(2 * 512).view(2, 512)
+    y = nibble_major(x)
+    i, j = torch.arange(4).view(4, 1), torch.arange(64).view(1, 64)
+    for row in range(2):
+        for step in range(2):
+            block = y[row, step * 256 : (step + 1) * 256].view(4, 64)
+            assert torch.equal(block, row * 512 + step * 256 + 4 * j + i)
+
+
 @pytest.mark.parametrize("bm,epilogue", [(16, False), (128, True)])
 def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     """The Gluon decode candidate compiles for sm_90 on any machine (Triton's bundled ptxas) with the
@@ -192,18 +223,20 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
         "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
         **dict.fromkeys(["M", "N", "K", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
         "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "num_warps"], "constexpr"),
+        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
     }  # fmt: skip
     constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "HAS_BIAS": epilogue,
-                 "HAS_LORA": epilogue, "num_warps": 4}  # fmt: skip
+                 "HAS_LORA": epilogue, "RC": 64, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
                               target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
     sass = compiled.asm["sass"]
     assert len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass)) == 16  # 4 nibbles x 4 k16 chunks, A in registers
-    assert not re.findall(r"HGMMA\.\S+ R\d+, gdesc", sass)  # no shared-memory A operand
-    assert sass.count("WARPGROUP.DEPBAR") == 1  # one wait per K step: ptxas did not serialise the wgmma
+    # The LoRA expand (epilogue only) is the one wgmma with A from shared memory: 4 k16 chunks of RC = 64.
+    assert len(re.findall(r"HGMMA\.\S+ R\d+, gdesc", sass)) == (4 if epilogue else 0)
+    # One wait per K step (ptxas did not serialise the K loop's wgmma), plus the LoRA expand's.
+    assert sass.count("WARPGROUP.DEPBAR") == 1 + epilogue
     assert "UTMALDG" in sass and "SYNCS" in sass  # TMA loads completing on mbarriers
     # No spills in the K loop (from the label before the first wgmma to the branch after its wait). The
     # BM=128 epilogue with LoRA does spill (~30 local accesses once per output tile, NOTES.md).

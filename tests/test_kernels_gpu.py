@@ -100,7 +100,7 @@ def test_gluon_decode(M: int, N: int, K: int) -> None:
     """The Gluon decode candidate against float64: split-K (its own ticket reduction), N not a multiple
     of its 64-row tile, x permuted in the call and beforehand; then the Triton kernel, which shares the
     ticket table, is still exact (a candidate once left it inconsistent for the launches after it)."""
-    from qerl.kernels import fp4_gemm, fp4_gluon
+    from qerl.kernels import fp4_gemm, fp4_gluon, reference
 
     q = _weight(N, K)
     x = _rand(M, K)
@@ -109,7 +109,7 @@ def test_gluon_decode(M: int, N: int, K: int) -> None:
     for split in (0, 1, 3):
         y = fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
         assert _rel(y, ref) < TOL, (split, _rel(y, ref))
-    y = fp4_gluon.matmul(fp4_gluon.permute_x(x), q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)
+    y = fp4_gluon.matmul(reference.nibble_major(x), q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)
     assert _rel(y, ref) < TOL
     assert _rel(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
     odd = _weight(N, K + 16)  # K not a whole number of 256-code steps
@@ -118,21 +118,26 @@ def test_gluon_decode(M: int, N: int, K: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
-@pytest.mark.parametrize("M", [1, 16, 64, 128])
-def test_gluon_decode_epilogue(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Gluon candidate behind ``fp4_gemm.matmul`` (``QERL_DECODE_GLUON``) with what the rollout engine
-    hands the decode GEMMs: bias, the LoRA expand from a segmented u, segmented q/k/v-style outputs,
-    against the float64 reference; an fp16 x (unsupported) still takes the Triton kernel."""
-    from qerl.kernels import fp4_gemm, reference
+@pytest.mark.parametrize("M", [33, 64, 100, 128])
+@pytest.mark.parametrize("r,lora_bounds", [(16, (6, 11)), (80, (30, 55))])
+def test_gluon_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon candidate behind ``fp4_gemm.matmul`` (``QERL_DECODE_GLUON``, M above ``GLUON_MIN_M``) with
+    what the rollout engine hands the decode GEMMs: bias, the LoRA expand from a segmented u (rank 80:
+    two 64-wide wgmma chunks), segmented q/k/v-style outputs, against the float64 reference; an fp16 x
+    (unsupported) still takes the Triton kernel."""
+    from qerl.kernels import fp4_gemm, fp4_gluon, reference
     from qerl.kernels import schedule as sch
 
     monkeypatch.setattr(sch, "GLUON_DECODE", True)
-    N, K, r = 1000, 2048, 16
-    out_bounds, lora_bounds = (600, 800), (6, 11)
+    calls = []
+    monkeypatch.setattr(fp4_gluon, "matmul", lambda *a, _f=fp4_gluon.matmul, **k: calls.append(1) or _f(*a, **k))
+    N, K = 1000, 2048
+    out_bounds = (600, 800)
     q = _weight(N, K)
     x, bias = _rand(M, K), _rand(N) * 0.1
     lora_b = torch.zeros(N, r, device="cuda", dtype=torch.bfloat16)  # block-diagonal, as the engine's
-    for (lo, hi), (rlo, rhi) in zip(((0, 600), (600, 800), (800, N)), ((0, 6), (6, 11), (11, r)), strict=True):
+    for (lo, hi), (rlo, rhi) in zip(((0, 600), (600, 800), (800, N)), ((0, lora_bounds[0]), lora_bounds, (lora_bounds[1], r)),
+                                    strict=True):  # fmt: skip
         lora_b[lo:hi, rlo:rhi] = _rand(hi - lo, rhi - rlo) * 0.1
     u = _rand(M * r)
     args = (x.double(), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.double(), out_bounds, u.double(),
@@ -147,6 +152,7 @@ def test_gluon_decode_epilogue(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
                                 u.view(M, r).double(), lora_b.double(), 0.5)) < TOL  # fmt: skip
     y = fp4_gemm.matmul(x.half(), q.weight_packed, q.weight_scale, q.weight_global_scale)
     assert _rel(y, x.double() @ _w64(q).t()) < TOL
+    assert len(calls) == 2  # both bf16 calls took the Gluon kernel
 
 
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])

@@ -253,13 +253,14 @@ def test_teacher_forced_logits_match_full_forward_cpu() -> None:
         assert (logits - ref).abs().max().item() < 1e-4
 
 
-def medium_model(nvfp4: bool, seed: int = 12, stacked: bool = False) -> nn.Module:
+def medium_model(nvfp4: bool, seed: int = 12, stacked: bool = False, **shape: int) -> nn.Module:
     """A bf16 Qwen2 with 7B-like head shapes (head_dim 128, GQA 7:1), small enough for a test;
-    ``stacked``: one global scale per q/k/v and gate/up group, stacked on the device as the loader does."""
+    ``stacked``: one global scale per q/k/v and gate/up group, stacked on the device as the loader does;
+    ``shape`` overrides config sizes."""
+    sizes = dict(hidden_size=896, intermediate_size=2432, num_attention_heads=7, num_key_value_heads=1) | shape
     model = tiny_model(
-        "qwen2", seed, vocab_size=4096, hidden_size=896, intermediate_size=2432, num_hidden_layers=4,
-        num_attention_heads=7, num_key_value_heads=1, head_dim=128, max_position_embeddings=2048, rope_theta=1e6,
-        tie_word_embeddings=True,
+        "qwen2", seed, vocab_size=4096, num_hidden_layers=4, head_dim=128, max_position_embeddings=2048, rope_theta=1e6,
+        tie_word_embeddings=True, **sizes,
     )  # fmt: skip
     # Cast before quantizing: Module.to(dtype) would also cast the fp8 scales and fp32 global scales.
     model = model.to(torch.bfloat16).eval()
@@ -315,3 +316,43 @@ def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: 
         scale = max(scale, ref.abs().max().item())
     print(f"teacher-forced {'nvfp4' if nvfp4 else 'bf16'}+LoRA: max|dlogit|={worst:.4f}, max|logit|={scale:.3f}")
     assert worst <= 0.05 * scale
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+def test_gpu_gluon_order_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode batches above ``GLUON_MIN_M`` on a model whose GEMM inputs are whole 256-code K steps run
+    every decode GEMM on the Gluon kernel with x already in its K order (written so by the producing
+    norm / attention / SiLU kernels, the LoRA shrink through ``lora_a_gluon``): no per-call permute,
+    and the logits match the Triton-kernel engine's (<= 1% of max |logit|) and HF's forward (<= 5%)."""
+    from qerl.kernels import fp4_gluon
+    from qerl.kernels import schedule as sch
+
+    model = medium_model(True, stacked=True, hidden_size=1024, intermediate_size=2560, num_attention_heads=8,
+                         num_key_value_heads=2)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(5, 40, (40,), generator=gen)]
+    completions = [torch.randint(0, 4096, (12,), generator=gen).tolist() for _ in prompts]
+    calls: list[bool] = []
+
+    def counted(*args, _f=fp4_gluon.matmul, **kwargs):
+        calls.append(kwargs.get("permuted", False))
+        return _f(*args, **kwargs)
+
+    monkeypatch.setattr(fp4_gluon, "matmul", counted)
+    monkeypatch.setattr(sch, "GLUON_DECODE", True)
+    got = NativeEngine(model, 0).teacher_forced_logits(prompts, completions)
+    n = len(calls)  # 4 layers x (qkv, o, gate_up, down) per warm-up or capture of a step graph
+    assert n and n % 16 == 0 and all(calls), calls
+    monkeypatch.setattr(sch, "GLUON_DECODE", False)
+    base = NativeEngine(model, 0).teacher_forced_logits(prompts, completions)
+    assert len(calls) == n
+    worst = max((g - b).abs().max().item() for g, b in zip(got, base, strict=True))
+    scale = max(b.abs().max().item() for b in base)
+    assert worst <= 0.01 * scale, (worst, scale)
+    for i in (0, 17, 39):
+        with torch.no_grad():
+            ids = torch.tensor([prompts[i] + completions[i]], device="cuda")
+            ref = model(input_ids=ids).logits[0, len(prompts[i]) - 1 : -1].float()
+        assert (got[i] - ref).abs().max().item() <= 0.05 * ref.abs().max().item()

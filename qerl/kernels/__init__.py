@@ -16,6 +16,8 @@ is computed once per input (shared by q/k/v or gate/up).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from qerl.kernels import ops, reference
@@ -67,10 +69,12 @@ def nvfp4_group_decode(
     lora_u: torch.Tensor | None = None,
     lora_bounds: tuple[int, int] | None = None,
     lora_B: torch.Tensor | None = None,
+    x_permuted: bool = False,
 ) -> list[torch.Tensor]:
-    """Two or three projections that read the same x and whose weights are stacked row-wise (``splits``
+    """One to three projections that read the same x and whose weights are stacked row-wise (``splits``
     rows each, one global scale): one launch instead of one per projection, each output a contiguous
-    ``[..., N_j]`` tensor. For the rollout engine (no autograd).
+    ``[..., N_j]`` tensor. For the rollout engine (no autograd). ``x_permuted``: x is in the Gluon
+    decode kernel's K order (see ``gluon_order``).
 
     Why: q/k/v and gate/up as separate launches cost the 7B decode step 27-42% more FP4-kernel time
     than the same GEMMs stacked (small k/v tiles, a partial last wave per launch; NOTES, "Where a
@@ -78,18 +82,22 @@ def nvfp4_group_decode(
     buffer the fused shrinks write; ``lora_B`` ``[N, R]`` is block-diagonal (projection j's rows only
     see its own rank columns), so one epilogue dot applies every projection's expand.
     """
-    if len(splits) not in (2, 3) or sum(splits) != weight_packed.shape[0]:
-        raise ValueError(f"splits {splits} must be 2 or 3 row counts summing to the weight's {weight_packed.shape[0]} rows")
+    n_rows = weight_packed.shape[0]
+    if len(splits) not in (1, 2, 3) or sum(splits) != n_rows:
+        raise ValueError(f"splits {splits} must be 1 to 3 row counts summing to the weight's {n_rows} rows")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    out_bounds = (splits[0], splits[0] + splits[1])
+    ends = [*itertools.accumulate(splits[:-1]), n_rows, n_rows]
+    out_bounds = (ends[0], ends[1])
     u = lora_u if lora_u is None or lora_bounds is not None else lora_u.reshape(m, -1)
     if ops.use_triton(x2):
         from qerl.kernels import fp4_gemm
 
         flat = fp4_gemm.matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, u, lora_B,
-                               out_bounds=out_bounds, lora_bounds=lora_bounds)
+                               out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=x_permuted)
+    elif x_permuted:
+        raise ValueError("x_permuted: the Gluon K order is for the CUDA decode kernels only")
     else:
         flat = reference.group_mm(x2, weight_packed, weight_scale, weight_global_scale, bias, out_bounds, u,
                                   lora_bounds, lora_B)
@@ -98,3 +106,14 @@ def nvfp4_group_decode(
         outs.append(flat[start * m : (start + n) * m].view(*lead, n))
         start += n
     return outs
+
+
+def gluon_order(rows: int, k: int, x: torch.Tensor) -> bool:
+    """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device runs the Gluon kernel,
+    which reads x in its own K order (``fp4_gemm.nibble_major``): the rollout engine then has the op
+    producing x write it so (``fused_step``, ``permute=True``) instead of permuting it per call."""
+    if not ops.use_triton(x):
+        return False
+    from qerl.kernels import fp4_gemm
+
+    return fp4_gemm.gluon_takes(rows, k, x.dtype, x.device)

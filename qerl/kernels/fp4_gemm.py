@@ -32,6 +32,7 @@ issuing.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -52,6 +53,16 @@ def segmented(col, row, rows, S1, S2, TOTAL):
     lo = tl.where(col < S1, 0, tl.where(col < S2, S1, S2))
     hi = tl.where(col < S1, S1, tl.where(col < S2, S2, TOTAL))
     return lo * rows + row * (hi - lo) + (col - lo)
+
+
+@triton.jit
+def nibble_major(offs):
+    """Where element ``offs`` of a row-major activation goes in the Gluon decode kernel's x order
+    (``reference.nibble_major``): within each 256-element K step, element 4j + i moves to i * 64 + j, so
+    the x slice that meets nibble i of the packed weight is contiguous. Rows must be whole K steps
+    (the row length a multiple of 256), so a flat offset maps as a column does. The producers of a
+    decode GEMM's input write it in this order directly (``fused_step``, ``permute=True``)."""
+    return offs - (offs & 255) + ((offs & 3) << 6) + ((offs >> 2) & 63)
 
 
 @triton.jit
@@ -447,6 +458,7 @@ def matmul(
     config: DecodeConfig | None = None,
     out_bounds: tuple[int, int] | None = None,
     lora_bounds: tuple[int, int] | None = None,
+    x_permuted: bool = False,
 ) -> torch.Tensor:
     """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
 
@@ -458,6 +470,7 @@ def matmul(
     ``out_bounds`` returns y as a flat ``[M * N]`` buffer in the segmented layout (``segmented``:
     output columns split at the two bounds, each block a contiguous ``[M, len]``); ``lora_bounds``
     says ``lora_u`` is such a flat ``[M * r]`` buffer (as the rollout's fused shrinks write it).
+    ``x_permuted``: x is in the Gluon kernel's K order (``nibble_major``); only for GEMMs ``gluon_takes``.
     """
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
@@ -485,12 +498,14 @@ def matmul(
         if out_bounds is not None:
             return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
-    if config is None and M > 0 and schedule.GLUON_DECODE:
+    if config is None and gluon_takes(M, K, x.dtype, x.device):
         from . import fp4_gluon  # imports this module: loaded on first use only
 
-        if fp4_gluon.supports(x, weight_packed):
-            return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
-                                    out, out_bounds, lora_bounds)  # fmt: skip
+        return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
+                                out, out_bounds, lora_bounds, permuted=x_permuted)  # fmt: skip
+    if x_permuted:
+        raise ValueError(f"x in the Gluon kernel's K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
+                         f"{x.dtype}, config={config}")  # fmt: skip
     shape = (M, N) if out_bounds is None else (M * N,)
     y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:
@@ -526,6 +541,26 @@ def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device,
     if split == 1:
         return dummy, dummy
     return torch.empty((split, M, N), dtype=torch.float32, device=device), backend.tickets(device, tiles)
+
+
+def gluon_takes(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``matmul`` sends an [M, K] x [K, N] decode GEMM to the Gluon kernel (``fp4_gluon``):
+    ``schedule.GLUON_DECODE`` on, GLUON_MIN_M < M <= 128, bf16, whole 256-code K steps, sm_90, and a
+    Triton with Gluon. The rollout engine asks the same question to decide whether the op producing
+    x writes it in that kernel's K order."""
+    return (schedule.GLUON_DECODE and schedule.GLUON_MIN_M < M <= DECODE_MAX_M and dtype == torch.bfloat16
+            and K % 256 == 0 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and _has_gluon())  # fmt: skip
+
+
+@functools.cache
+def _has_gluon() -> bool:
+    """Whether this Triton has Gluon's Hopper API (3.5 and later); without it the Triton kernel serves."""
+    try:
+        from . import fp4_gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def matmul_t(

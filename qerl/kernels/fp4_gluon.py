@@ -1,5 +1,6 @@
-"""A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect): a tuning
-candidate beside ``fp4_gemm._decode_kernel``, for Hopper (sm_90) only.
+"""A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect), for Hopper
+(sm_90) only: what ``fp4_gemm.matmul`` runs for decode GEMMs of 33..128 rows there, in place of
+``fp4_gemm._decode_kernel``.
 
 Why another kernel: Nsight Compute put the Triton decode kernel's time at M >= 64 in the CTA-wide
 barrier every K step (its shared-memory ring is read by every warp), global loads of scales and x into
@@ -13,7 +14,8 @@ can. Here:
   wgmma A-operand register layout, decodes nibble ``i`` with the same bit placement as the Triton
   kernel (it calls ``fp4_gemm._nibble``), multiplies by the block scale and issues ``wgmma`` asynchronously
   against x in shared memory, so the decode of nibble ``i + 1`` overlaps the MMA of nibble ``i``;
-* x is permuted once per call (``permute_x``) so each nibble's x slice is a contiguous
+* x is taken in a permuted K order (``reference.nibble_major``; the rollout engine's producers write it so,
+  other callers have it permuted per call) so each nibble's x slice is a contiguous
   ``[BM, BK/4]`` block of the TMA tile: the wgmma B operand comes from shared memory as loaded, with
   no register split of x;
 * each scale is converted once per (row, group) and broadcast to its 4 int16 elements by a layout that
@@ -21,9 +23,11 @@ can. Here:
 
 y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs: ``fp4_gemm.matmul``'s
 decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
-ticket reduction as the Triton kernel. Off by default: ``QERL_DECODE_GLUON=1`` routes the decode GEMMs
-it supports here. Not yet run on a GPU; the offline compile, the prediction and the commands that will
-measure it (``decode_tune --gluon``, ``rollout --gluon-ab``) are in benchmarks/NOTES.md.
+ticket reduction as the Triton kernel. ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes``
+(above ``schedule.GLUON_MIN_M`` rows; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The
+Gluon decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
+relative at M = 100 / 128, and takes the 7B engine step from 6.84 to 6.24 ms at b=64, 11.27 to 8.61 ms
+at b=128 (with the permute per call the rollout engine now avoids).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import backend
+from . import backend, reference
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
 from .schedule import _cdiv, _sm_count, decode_split
 
@@ -53,6 +57,11 @@ BN = 64
 #: padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 128 registers, 75 KB -> 2; BM=64 2 stages,
 #: 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168 registers, uncapped).
 SCHEDULE = {16: (3, 80, 3), 32: (3, 128, 2), 64: (2, 128, 2), 128: (2, None, 1)}
+#: A program's fixed cost in K steps for ``decode_split`` (the Triton kernel's is 2): pipeline fill, barrier
+#: setup and the split-K partials cost this kernel more. Fit on decode_gluon_splits.json (H200, 7B decode
+#: GEMMs at M = 64 / 128): 4 to 15 pick alike, 273.4 us summed against 295.3 at 2 (gate_up at M=64: 1
+#: split, 48.4 us, instead of 2, 65.4 us); the best split per shape would give 270.3.
+PROGRAM_STEPS = 6
 
 
 @gluon.constexpr_function
@@ -123,19 +132,45 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
 
 
 @gluon.jit
-def _epilogue(acc, g_ptr, offs_n, offs_m, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb, R,
-              lora_scale, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
+def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+                 BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr):  # fmt: skip
+    """B[n, :] . u[m, :] for the tile as wgmma over RC-wide rank chunks staged through shared memory:
+    bf16 operands, fp32 sum, as the Triton kernel's ``tl.dot``. The first version did R fp32 rank-1
+    updates, each gathering a column of B and a segmented column of u: ~300 instructions per thread per
+    rank, 10x the tile's K loop for the 7B q/k/v group (R = 48), which made the engine slower than the
+    Triton kernel although each GEMM alone was faster (benchmarks/NOTES.md)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    b_s = gl.allocate_shared_memory(gl.bfloat16, [BN, RC], gl.NVMMASharedLayout.get_default_for([BN, RC], gl.bfloat16))
+    u_s = gl.allocate_shared_memory(gl.bfloat16, [BM, RC], gl.NVMMASharedLayout.get_default_for([BM, RC], gl.bfloat16))
+    rows_n = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ld)), 1)
+    rows_m = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, ld)), 1)
+    cols = gl.expand_dims(gl.arange(0, RC, layout=gl.SliceLayout(0, ld)), 0)
+    lora = gl.zeros([BN, BM], gl.float32, layout=mma)
+    for c in range(0, R, RC):
+        r = c + cols
+        b = gl.load(lb_ptr + rows_n * stride_lb + r, mask=(rows_n < N) & (r < R), other=0.0)
+        u = gl.load(u_ptr + segmented(r, rows_m, M, S1, S2, R), mask=(rows_m < M) & (r < R), other=0.0)
+        gl.thread_barrier()  # the previous chunk's wgmma has read both buffers
+        b_s.store(b.to(gl.bfloat16))
+        u_s.store(u.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        lora = warpgroup_mma(b_s, u_s.permute((1, 0)), lora)
+    return lora
+
+
+@gluon.jit
+def _epilogue(acc, pid_n, g_ptr, offs_n, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+              lora_scale, BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, HAS_BIAS: gl.constexpr,
+              HAS_LORA: gl.constexpr):  # fmt: skip
     """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * sum_r B[n, r] u[m, r]) at the tile's
-    (segmented) offsets ``offs``; u segmented at S1/S2. The LoRA expand is R rank-1 updates in fp32 (a
-    16-64 step loop once per output tile)."""
+    (segmented) offsets ``offs``; u segmented at S1/S2."""
     out = acc * (256.0 / gl.load(g_ptr))
     if HAS_BIAS:
         out += gl.expand_dims(gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32), 1)
     if HAS_LORA:
-        for r in range(R):
-            b = gl.load(lb_ptr + offs_n * stride_lb + r, mask=offs_n < N, other=0.0).to(gl.float32)
-            u = gl.load(u_ptr + segmented(r, offs_m, M, S1, S2, R), mask=offs_m < M, other=0.0).to(gl.float32)
-            out += lora_scale * gl.expand_dims(b, 1) * gl.expand_dims(u, 0)
+        out += lora_scale * _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC)
     gl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -143,7 +178,7 @@ def _epilogue(acc, g_ptr, offs_n, offs_m, offs, mask, M, N, y_ptr, bias_ptr, u_p
 def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr, u_ptr, lb_ptr,
                          M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                         SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
+                         SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr, RC: gl.constexpr,
                          num_warps: gl.constexpr):  # fmt: skip
     """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue."""
     pid_n = gl.program_id(0)
@@ -188,17 +223,11 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
             for s in range(0, nsplit):
                 acc += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
             gl.store(ticket_ptr + pid_n, 0)
-            _epilogue(acc, g_ptr, offs_n, offs_m, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb,
-                      R, lora_scale, HAS_BIAS, HAS_LORA)
+            _epilogue(acc, pid_n, g_ptr, offs_n, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb,
+                      R, lora_scale, BM, BN, RC, HAS_BIAS, HAS_LORA)
     else:
-        _epilogue(acc, g_ptr, offs_n, offs_m, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb, R,
-                  lora_scale, HAS_BIAS, HAS_LORA)
-
-
-def permute_x(x: torch.Tensor, bk: int = BK) -> torch.Tensor:
-    """x[m, t*bk + 4j + i] -> [m, t*bk + i*bk/4 + j]: each nibble's x slice contiguous within its K step."""
-    m, k = x.shape
-    return x.reshape(m, k // bk, bk // 4, 4).transpose(2, 3).reshape(m, k).contiguous()
+        _epilogue(acc, pid_n, g_ptr, offs_n, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+                  lora_scale, BM, BN, RC, HAS_BIAS, HAS_LORA)
 
 
 def supports(x: torch.Tensor, weight_packed: torch.Tensor) -> bool:
@@ -224,7 +253,7 @@ def matmul(
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) through the Gluon kernel; see ``supports`` for what it takes.
-    ``permuted``: x is already in ``permute_x`` order (what a producer kernel could write directly)."""
+    ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _check_act(x)
@@ -238,10 +267,10 @@ def matmul(
     k_steps = K // BK
     tiles = _cdiv(N, BN)
     if split <= 0:
-        split = decode_split(tiles, k_steps, _sm_count(x.device) * resident)
+        split = decode_split(tiles, k_steps, _sm_count(x.device) * resident, PROGRAM_STEPS)
     steps_per_split = _cdiv(k_steps, split)
     split = _cdiv(k_steps, steps_per_split)
-    xp = x.contiguous() if permuted else permute_x(x)
+    xp = x.contiguous() if permuted else reference.nibble_major(x)
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
     x_desc = TensorDescriptor.from_tensor(xp, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
@@ -262,6 +291,6 @@ def matmul(
         out if lb is None else lb,
         M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale),
         BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
-        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

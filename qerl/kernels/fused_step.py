@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from qerl.kernels import backend
-from qerl.kernels.fp4_gemm import segmented
+from qerl.kernels.fp4_gemm import nibble_major, segmented
 
 #: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks. From
 #: b=64 up (64 rows x 4 kv-heads) the attention split stops splitting and each program walks a whole
@@ -120,8 +120,10 @@ def _normalise(h, rstd, w_ptr, cols, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row; the residual sum is written back in place."""
+def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                     PERMUTE: tl.constexpr):  # fmt: skip
+    """One program per row; the residual sum is written back in place; PERMUTE: the output in the
+    Gluon decode kernel's K order (``fp4_gemm.nibble_major``)."""
     base = tl.program_id(0).to(tl.int64) * n_cols
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -130,7 +132,8 @@ def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.co
         tl.store(h_ptr + base + offs, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
-    tl.store(out_ptr + base + offs, _normalise(h, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
+    dest = nibble_major(offs) if PERMUTE else offs
+    tl.store(out_ptr + base + dest, _normalise(h, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -169,18 +172,27 @@ def _rms_norm_shrink_kernel(
     _finish_shrink(acc, row, split, tl.num_programs(1), M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP)
 
 
+def _permute(permute: bool, row: int) -> bool:
+    """``permute`` checked: the Gluon K order moves elements within 256-element steps of a row."""
+    if permute and row % 256:
+        raise ValueError(f"an output in the Gluon decode kernel's K order needs rows of whole 256-element steps, got {row}")
+    return permute
+
+
 def _norm_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
-def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``h += delta`` (in place, when given), then ``weight * rmsnorm(h)`` in h's dtype."""
+def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, permute: bool = False
+             ) -> torch.Tensor:  # fmt: skip
+    """``h += delta`` (in place, when given), then ``weight * rmsnorm(h)`` in h's dtype; ``permute``:
+    written in the Gluon decode kernel's K order (rows a multiple of 256), for the GEMM that reads it."""
     n_cols = h.shape[-1]
     out = torch.empty_like(h)
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(h.numel() // n_cols,)](
         h, delta if delta is not None else h, weight, out, n_cols, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=_norm_warps(block),
+        HAS_DELTA=delta is not None, BLOCK=block, PERMUTE=_permute(permute, n_cols), num_warps=_norm_warps(block),
     )  # fmt: skip
     return out
 
@@ -229,10 +241,11 @@ def _silu_gate(g_ptr, u_ptr, offs, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    tl.store(out_ptr + offs, _silu_gate(g_ptr, u_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
+    dest = nibble_major(offs) if PERMUTE else offs
+    tl.store(out_ptr + dest, _silu_gate(g_ptr, u_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -253,10 +266,12 @@ def _silu_mul_shrink_kernel(
     _finish_shrink(acc, row, split, tl.num_programs(1), M, R, R, R, u_ptr, part_ptr, ticket_ptr, RP)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``; ``permute`` as in ``rms_norm``."""
     out = torch.empty_like(gate)
     n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, PERMUTE=_permute(permute, gate.shape[-1]),
+                                              num_warps=4)  # fmt: skip
     return out
 
 
@@ -399,7 +414,7 @@ def _attn_partial_kernel(
 @triton.jit
 def _attn_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, nsplit, B, H, R,
-    NSP: tl.constexpr, D: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr,
+    NSP: tl.constexpr, D: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, PERMUTE: tl.constexpr,
 ):  # fmt: skip
     """Program (row*head): merge the head's split partials; with LoRA, its share of ``u = out @ A.T``
     (the head's D columns of A), summed over the row's heads by the last program."""
@@ -414,7 +429,8 @@ def _attn_combine_kernel(
     w = tl.where(smask & (m > float("-inf")), tl.exp(m - tl.max(m, axis=0)), 0.0)
     acc = tl.load(acc_ptr + (bh * nsplit + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
     out = (tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + bh * D + offs_d, out)
+    dest = nibble_major(bh * D + offs_d) if PERMUTE else bh * D + offs_d
+    tl.store(out_ptr + dest, out)
     if HAS_LORA:
         _finish_shrink(_rank_dot(out, a), bh // H, bh % H, H, B, R, R, R, u_ptr, part_ptr, ticket_ptr, RP)
 
@@ -426,9 +442,13 @@ def decode_attention(
     pos: torch.Tensor,
     scale: float,
     lora_a: torch.Tensor | None = None,
+    permute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
-    with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None."""
+    with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None.
+    ``permute`` (not with ``lora_a``) as in ``rms_norm``."""
+    if permute and lora_a is not None:
+        raise ValueError("decode_attention: the fused LoRA shrink reads the output in natural order; permute without it")
     b, h, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -457,7 +477,8 @@ def decode_attention(
     _attn_combine_kernel[(b * h,)](
         m, lsum, acc, out, lora_a if lora_a is not None else out, u if u is not None else out,
         part if part is not None else m, tickets if tickets is not None else m, nsplit, b, h, rank,
-        NSP=triton.next_power_of_2(nsplit), D=d, HAS_LORA=lora_a is not None, RP=rp, num_warps=4,
+        NSP=triton.next_power_of_2(nsplit), D=d, HAS_LORA=lora_a is not None, RP=rp, PERMUTE=_permute(permute, h * d),
+        num_warps=4,
     )  # fmt: skip
     return out, u
 

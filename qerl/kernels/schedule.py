@@ -73,9 +73,13 @@ class DecodeConfig:
 
 #: The schedule ``QERL_DECODE_CONFIG`` forces at every M (read once, at import), else None.
 ENV_DECODE = DecodeConfig.from_env()
-#: ``QERL_DECODE_GLUON=1`` sends every decode GEMM the Gluon candidate supports (``fp4_gluon.supports``:
-#: sm_90, bf16, K % 256 == 0) to it instead of ``_decode_kernel``: a whole-model A/B switch until it is measured.
-GLUON_DECODE = os.environ.get("QERL_DECODE_GLUON", "0") == "1"
+#: The decode GEMMs with more than ``GLUON_MIN_M`` rows that the Gluon kernel takes (``fp4_gemm.gluon_takes``:
+#: sm_90, bf16, K % 256 == 0) run on it instead of ``_decode_kernel``; ``QERL_DECODE_GLUON=0`` turns it off.
+GLUON_DECODE = os.environ.get("QERL_DECODE_GLUON", "1") != "0"
+#: At M = 1 / 16 / 32 the Gluon kernel lost to the Triton one on the H200 (7B decode GEMMs summed: 83.6 vs
+#: 74.7 and 88.6 vs 80.3 us, decode_gluon.json; 7B engine step at b=32 4.83 vs 4.69 ms,
+#: rollout_gluon_ab2.json); from M = 64 it won (b=64 6.24 vs 6.84 ms, b=128 8.61 vs 11.27 ms).
+GLUON_MIN_M = 32
 #: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
 #: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
 #: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128
@@ -113,7 +117,7 @@ def _sm_count(device: torch.device) -> int:
 DECODE_PROGRAM_STEPS = 2
 
 
-def decode_split(tiles: int, k_steps: int, slots: int) -> int:
+def decode_split(tiles: int, k_steps: int, slots: int, program_steps: int = DECODE_PROGRAM_STEPS) -> int:
     """Split-K count for ``tiles`` output tiles of ``k_steps`` K steps on ``slots`` resident programs.
 
     Programs run in waves of ``slots``; a wave lasts as long as one program (its K steps plus
@@ -122,14 +126,14 @@ def decode_split(tiles: int, k_steps: int, slots: int) -> int:
     to pay their fixed cost (BM=64, one resident program per SM). Ties go to fewer slices (fewer
     partials). H200, decode_splits.json (this rule as the default), sums over the 7B + 32B GEMMs:
     M=1 212.8 us, M=64 541.0; the best split per shape: 210.5 / 538.5 (benchmarks/NOTES.md, "Split-K
-    from a wave model").
+    from a wave model"). ``program_steps``: the fixed cost, in K steps, of the kernel being scheduled.
     """
     best, best_cost = 1, None
     for split in range(1, min(64, k_steps) + 1):
         steps = _cdiv(k_steps, split)
         if _cdiv(k_steps, steps) != split:  # the launch would run fewer slices: seen already
             continue
-        cost = _cdiv(tiles * split, slots) * (steps + DECODE_PROGRAM_STEPS)
+        cost = _cdiv(tiles * split, slots) * (steps + program_steps)
         if best_cost is None or cost < best_cost:
             best, best_cost = split, cost
     return best

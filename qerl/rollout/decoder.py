@@ -14,6 +14,11 @@ launch of its own); otherwise it is one matmul per group. ``group_forward`` then
 into its projection (the FP4 kernel's epilogue, or an ``addmm``); a group whose NVFP4 weights are
 row-stacked (``layers.Stacked``) runs as one FP4 launch with every expand in its epilogue.
 
+Gluon K order: on Hopper the decode GEMMs of more than 32 rows run a Gluon kernel that reads x with
+each 256-element K step permuted (``qerl.kernels.fp4_gemm.nibble_major``). The ops producing such a
+GEMM's input write it in that order (``_gluon_order`` decides per group and row count), and its LoRA
+shrink uses A with the same column order (``Group.lora_a_gluon``), so nothing is permuted per call.
+
 Rounding follows transformers: RMSNorm normalises in fp32, casts to the activation dtype, then
 multiplies by the weight; residual adds and SiLU-gating round to the activation dtype.
 """
@@ -71,11 +76,21 @@ def _fuse_lora(x: torch.Tensor, rows: int, group: Group | None) -> bool:
     return group is not None and group.lora_a is not None and backend.available(x) and rows <= FUSED_LORA_MAX_ROWS
 
 
-def lora_inputs(x: torch.Tensor, group: Group | None) -> LoraInputs:
-    """``u_j = x @ A_j.T`` for every LoRA-wrapped projection of the group: one matmul (None without LoRA)."""
+def lora_inputs(x: torch.Tensor, group: Group | None, permuted: bool = False) -> LoraInputs:
+    """``u_j = x @ A_j.T`` for every LoRA-wrapped projection of the group: one matmul (None without LoRA).
+    ``permuted``: x is in the Gluon kernel's K order, so A's columns are taken in that order too."""
     if group is None or group.lora_a is None:
         return None
-    return LoraU(x @ group.lora_a.t(), None, x.shape[:-1])
+    return LoraU(x @ (group.lora_a_gluon if permuted else group.lora_a).t(), None, x.shape[:-1])
+
+
+def _gluon_order(like: torch.Tensor, rows: int, k: int, group: Group | None) -> bool:
+    """Whether the op producing the group's input (``rows`` x ``k``) writes it in the Gluon decode
+    kernel's K order: the group runs as one FP4 launch (``group_forward``) that takes that kernel
+    (``kernels.gluon_order``), and its shrink, if any, has ``lora_a_gluon``. This replaces a permute
+    launch per GEMM (4 a layer: ~0.34 ms of a 7B b=64 step, benchmarks/NOTES.md)."""
+    return (group is not None and group.fp4_launch() is not None and (STACK_GROUPS or group.stacked is None)
+            and (group.lora_a is None or group.lora_a_gluon is not None) and kernels.gluon_order(rows, k, like))  # fmt: skip
 
 
 def _segmented(flat: torch.Tensor, like: torch.Tensor, group: Group) -> LoraInputs:
@@ -93,12 +108,14 @@ def rms_norm(
     """
     if backend.available(h):
         fused = backend.fused_step()
-        if _fuse_lora(h, h.numel() // h.shape[-1], group):
+        rows = h.numel() // h.shape[-1]
+        permuted = _gluon_order(h, rows, h.shape[-1], group)
+        if not permuted and _fuse_lora(h, rows, group):
             h, x, flat = fused.rms_norm_shrink(h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds)
             return h, x, _segmented(flat, x, group)
-        x = fused.rms_norm(h, delta, norm.weight, norm.eps)
-    else:
-        x = reference.rms_norm(h, delta, norm.weight, norm.eps)
+        x = fused.rms_norm(h, delta, norm.weight, norm.eps, permute=permuted)
+        return h, x, lora_inputs(x, group, permuted)
+    x = reference.rms_norm(h, delta, norm.weight, norm.eps)
     return h, x, lora_inputs(x, group)
 
 
@@ -126,12 +143,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, group: Group | None = None) -
     """``(silu(gate) * up, lora inputs of group)``."""
     if backend.available(gate):
         fused = backend.fused_step()
-        if _fuse_lora(gate, gate.numel() // gate.shape[-1], group):
+        rows = gate.numel() // gate.shape[-1]
+        permuted = _gluon_order(gate, rows, gate.shape[-1], group)
+        if not permuted and _fuse_lora(gate, rows, group):
             act, flat = fused.silu_mul_shrink(gate, up, group.lora_a)
             return act, _segmented(flat, act, group)
-        act = fused.silu_mul(gate, up)
-    else:
-        act = reference.silu_mul(gate, up)
+        act = fused.silu_mul(gate, up, permute=permuted)
+        return act, lora_inputs(act, group, permuted)
+    act = reference.silu_mul(gate, up)
     return act, lora_inputs(act, group)
 
 
@@ -177,21 +196,23 @@ def group_forward(x: torch.Tensor, group: Group, lora: LoraInputs = None) -> lis
     (``stacked_forward``). Elsewhere each projection runs on its own: on CPU the per-module dense
     copies of ``base_forward`` are far faster than dequantizing the stacked weight at every step.
     """
+    permuted = backend.available(x) and _gluon_order(x, x.numel() // x.shape[-1], x.shape[-1], group)
     if lora is None:
-        lora = lora_inputs(x, group)
-    if STACK_GROUPS and group.stacked is not None and backend.available(x):
-        return stacked_forward(x, group, lora)
+        lora = lora_inputs(x, group, permuted)
+    if permuted or (STACK_GROUPS and group.stacked is not None and backend.available(x)):
+        return stacked_forward(x, group, lora, permuted)
     us = lora.per_projection(group) if lora is not None else [None] * len(group.projs)
     return [project(x, p, u) for p, u in zip(group.projs, us, strict=True)]
 
 
-def stacked_forward(x: torch.Tensor, group: Group, lora: LoraInputs) -> list[torch.Tensor]:
-    """A row-stacked group in one ``kernels.nvfp4_group_decode`` call: each output its own contiguous
-    tensor, the LoRA expands through the group's block-diagonal ``lora_b`` in the same epilogue."""
-    st = group.stacked
+def stacked_forward(x: torch.Tensor, group: Group, lora: LoraInputs, permuted: bool = False) -> list[torch.Tensor]:
+    """The group in one ``kernels.nvfp4_group_decode`` call (``Group.fp4_launch``): each output its own
+    contiguous tensor, the LoRA expands (a stacked group's block-diagonal ``lora_b``) in the same
+    epilogue. ``permuted``: x is in the Gluon kernel's K order (``_gluon_order``)."""
+    st, lora_b = group.fp4_launch()
     bias = None if st.bias is None else st.bias.to(x.dtype)
-    u, bounds, lora_b = (None, None, None) if lora is None else (lora.u, lora.bounds, group.lora_b)
-    return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits, u, bounds, lora_b)
+    u, bounds, lora_b = (None, None, None) if lora is None else (lora.u, lora.bounds, lora_b)
+    return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits, u, bounds, lora_b, permuted)
 
 
 def decode_attention(
@@ -208,8 +229,10 @@ def decode_attention(
     attends to slots ``<= pos[i]``. GQA views q as ``[B, Hkv, G, D]`` so each cache byte is read once.
     """
     if backend.available(q):
-        fuse = _fuse_lora(q, q.shape[0], group)
-        out, flat = backend.fused_step().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None)
-        return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group))
+        permuted = _gluon_order(q, q.shape[0], q.shape[1] * q.shape[2], group)
+        fuse = not permuted and _fuse_lora(q, q.shape[0], group)
+        out, flat = backend.fused_step().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None,
+                                                          permute=permuted)  # fmt: skip
+        return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group, permuted))
     out = reference.decode_attention(q, k_cache, v_cache, pos, scale)
     return out, lora_inputs(out, group)

@@ -27,6 +27,7 @@ from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from qerl import arch
+from qerl.kernels import reference
 from qerl.linear import NVFP4Linear
 
 
@@ -145,6 +146,19 @@ class Group:
     lora_a: torch.Tensor | None = None  # [sum r, K], compute dtype
     stacked: Stacked | None = None
     lora_b: torch.Tensor | None = None  # [sum N, sum r] block-diagonal, with ``stacked`` only
+    #: ``lora_a`` with its K columns in the Gluon decode kernel's order (``reference.nibble_major``), for
+    #: the shrink of an x written in that order (CUDA, K a multiple of 256; else None).
+    lora_a_gluon: torch.Tensor | None = None
+
+    def fp4_launch(self) -> tuple[Stacked, torch.Tensor | None] | None:
+        """The group as one FP4 launch: ``(operands, block-diagonal lora_b)`` from ``stacked``, or a lone
+        NVFP4 projection's own tensors; None when the group cannot run as one launch."""
+        if self.stacked is not None:
+            return self.stacked, self.lora_b
+        if len(self.projs) == 1 and self.projs[0].is_nvfp4:
+            b = self.projs[0].base
+            return Stacked(b.weight_packed, b.weight_scale, b.weight_global_scale, b.bias, (b.out_features,)), self.projs[0].lora_b
+        return None
 
     @property
     def lora_bounds(self) -> tuple[int, int]:
@@ -202,6 +216,9 @@ def _group(modules: list[nn.Module], dtype: torch.dtype, previous: Group | None)
     in_features = first.lora_sources[0][0].shape[1]
     old_a = previous.lora_a if previous is not None else None
     group = Group(projs, _buffer((sum(ranks), in_features), dtype, device, old_a), stacked)
+    if device.type == "cuda" and in_features % 256 == 0:
+        old = previous.lora_a_gluon if previous is not None else None
+        group.lora_a_gluon = _buffer((sum(ranks), in_features), dtype, device, old)
     if stacked is not None:
         old = previous.lora_b if previous is not None else None
         group.lora_b = _buffer((sum(stacked.splits), sum(ranks)), dtype, device, old)
@@ -234,6 +251,8 @@ def refresh_lora(group: Group) -> None:
         b = torch.cat([b * s for _, b, s in proj.lora_sources], dim=1)
         group.lora_a[proj.lora_slice].copy_(a)
         proj.lora_b.copy_(b)
+    if group.lora_a_gluon is not None:
+        group.lora_a_gluon.copy_(reference.nibble_major(group.lora_a))
 
 
 @dataclass
@@ -309,7 +328,7 @@ class ModelPlan:
         for layer in self.layers:
             ptrs += [ptr(layer.attn_norm.weight), ptr(layer.mlp_norm.weight)]
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                ptrs.append((ptr(group.lora_a), ptr(group.lora_b), group.stacked is not None))
+                ptrs.append((ptr(group.lora_a), ptr(group.lora_b), ptr(group.lora_a_gluon), group.stacked is not None))
                 ptrs += [
                     (
                         p.weight_ptr,
