@@ -545,12 +545,14 @@ def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device,
 
 def gluon_takes(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``matmul`` sends an [M, K] x [K, N] decode GEMM to the Gluon kernel (``fp4_gluon``):
-    ``schedule.GLUON_DECODE`` on, GLUON_MIN_M < M <= 128, bf16, whole 256-code K steps, sm_90, and a
-    Triton with Gluon. The rollout engine asks the same question to decide whether the op producing
-    x writes it in that kernel's K order."""
-    return (schedule.GLUON_DECODE and schedule.GLUON_MIN_M < M <= DECODE_MAX_M and dtype == torch.bfloat16
-            and K % 256 == 0 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-            and _has_gluon())  # fmt: skip
+    ``schedule.GLUON_DECODE`` on, more than ``GLUON_MIN_M`` rows, a Triton with Gluon, and a GEMM that
+    kernel covers (``fp4_gluon.supports``: sm_90, bf16, M <= 128, whole 256-code K steps). The rollout
+    engine asks the same question to decide whether the op producing x writes it in that kernel's K order."""
+    if not (schedule.GLUON_DECODE and M > schedule.GLUON_MIN_M and _has_gluon()):
+        return False
+    from . import fp4_gluon
+
+    return fp4_gluon.supports(M, K, dtype, device)
 
 
 @functools.cache

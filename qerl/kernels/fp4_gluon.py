@@ -233,10 +233,10 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
                   lora_scale, BM, BN, RC, HAS_BIAS, HAS_LORA)
 
 
-def supports(x: torch.Tensor, weight_packed: torch.Tensor) -> bool:
+def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Hopper, bf16 activations, M <= 128 and whole K steps: what this kernel covers."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and x.dtype == torch.bfloat16
-            and x.shape[0] <= 128 and (2 * weight_packed.shape[1]) % BK == 0)  # fmt: skip
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and dtype == torch.bfloat16
+            and M <= 128 and K % BK == 0)  # fmt: skip
 
 
 def matmul(
@@ -262,7 +262,7 @@ def matmul(
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
     M = x.shape[0]
-    if not supports(x, weight_packed) or x.shape[1] != K:
+    if not supports(M, K, x.dtype, x.device) or x.shape[1] != K:
         raise ValueError(f"the Gluon decode kernel takes bf16 x [M <= 128, {K}] on sm_90 with K % {BK} == 0, "
                          f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
     bm = max(16, triton.next_power_of_2(M))
