@@ -163,6 +163,8 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
             "gluon": lambda q, x=x: fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale),
             "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale,
                                                                    permuted=True),
+            "gluon_prefetch": lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale,
+                                                                permuted=True, prefetch=True),
         }  # fmt: skip
         for name, call in calls.items():
             row = {"shape": shape, "M": m, "cand": name, "bf16_us": base}
@@ -298,7 +300,7 @@ def main() -> None:
             write_json(out / "decode_gluon_splits.json", result, indent=1)
         return
     if args.large or args.gluon:
-        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted"), GLUON_MS, "decode_gluon.json") if args.gluon
+        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "gluon_prefetch"), GLUON_MS, "decode_gluon.json") if args.gluon
                            else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])

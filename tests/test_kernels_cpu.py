@@ -197,11 +197,12 @@ def test_nibble_major_order() -> None:
             assert torch.equal(block, row * 512 + step * 256 + 4 * j + i)
 
 
-@pytest.mark.parametrize("bm,epilogue", [(16, False), (128, True)])
-def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
-    """The Gluon decode candidate compiles for sm_90 on any machine (Triton's bundled ptxas) with the
+@pytest.mark.parametrize("bm,epilogue,prefetch", [(16, False, False), (128, True, False), (64, False, True)])
+def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool, prefetch: bool) -> None:
+    """The Gluon decode kernel compiles for sm_90 on any machine (Triton's bundled ptxas) with the
     structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, one
-    wgmma wait per K step, and no register spills in the K loop at its per-BM register cap."""
+    wgmma wait per K step, and no register spills in the K loop at its per-BM register cap; with
+    ``PREFETCH`` the next step's code words come from shared memory between the last wgmma and its wait."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")
@@ -223,10 +224,10 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
         "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
         **dict.fromkeys(["M", "N", "K", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
         "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
+        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "PREFETCH", "num_warps"], "constexpr"),
     }  # fmt: skip
     constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "HAS_BIAS": epilogue,
-                 "HAS_LORA": epilogue, "RC": 64, "num_warps": 4}  # fmt: skip
+                 "HAS_LORA": epilogue, "RC": 64, "PREFETCH": prefetch, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
@@ -246,3 +247,5 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     wait = next(i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR" in line)
     end = next(i for i in range(wait, len(lines)) if "BRA" in lines[i])
     assert not [line for line in lines[start:end] if re.search(r"\b(?:LDL|STL)\b", line)], "register spills in the K loop"
+    last_mma = max(i for i in range(start, wait) if "HGMMA" in lines[i])
+    assert any("LDSM" in line for line in lines[last_mma:wait]) == prefetch  # codes loaded while the wgmma run

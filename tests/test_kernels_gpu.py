@@ -109,8 +109,10 @@ def test_gluon_decode(M: int, N: int, K: int) -> None:
     for split in (0, 1, 3):
         y = fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
         assert _rel(y, ref) < TOL, (split, _rel(y, ref))
-    y = fp4_gluon.matmul(reference.nibble_major(x), q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)
-    assert _rel(y, ref) < TOL
+    for prefetch in (False, True):
+        y = fp4_gluon.matmul(reference.nibble_major(x), q.weight_packed, q.weight_scale, q.weight_global_scale,
+                             permuted=True, prefetch=prefetch)  # fmt: skip
+        assert _rel(y, ref) < TOL, prefetch
     assert _rel(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
     odd = _weight(N, K + 16)  # K not a whole number of 256-code steps
     with pytest.raises(ValueError, match="Gluon decode kernel"):

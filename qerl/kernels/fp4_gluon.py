@@ -104,8 +104,11 @@ def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps,
 
 @gluon.jit
 def _consumer(x_s, h_s, s_s, ready, empty, steps,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T."""
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
+    """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T.
+    PREFETCH (a candidate, not measured yet): step i+1's mbarrier wait and code/scale loads go between
+    step i's last wgmma and its wait, into fresh registers (offline: +62 instructions per step at BM=64,
+    one wait per step kept, no spills), so their latency hides behind the MMA tail."""
     HW: gl.constexpr = BK // 4
     G: gl.constexpr = BK // 16
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -114,11 +117,16 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
     # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 = e2m1 * scale * 2^-8, exact in bf16.
     FACTOR: gl.constexpr = 3.3230699894622896e35
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    if PREFETCH:
+        mbarrier.wait(ready.index(0), 0)
+        h = h_s.index(0).load(a_layout)
+        sc = s_s.index(0).load(gl.SliceLayout(2, s3_layout))
     for i in range(steps):
         slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        h = h_s.index(slot).load(a_layout)
-        sc = s_s.index(slot).load(gl.SliceLayout(2, s3_layout))
+        if not PREFETCH:
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            h = h_s.index(slot).load(a_layout)
+            sc = s_s.index(slot).load(gl.SliceLayout(2, s3_layout))
         sc = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
         sb = gl.reshape(gl.expand_dims(sc, 2).broadcast_to(BN, G, 4), [BN, HW])
         sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
@@ -126,6 +134,11 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
         for n in gl.static_range(4):
             w = _nibble(h, n, False) * sb  # the Triton kernel's decode, bf16
             acc = warpgroup_mma(w, xs.slice(n * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
+        if PREFETCH:  # the next step's codes and scales, into fresh registers, while the wgmma run
+            nxt = gl.minimum(i + 1, steps - 1)
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+            h = h_s.index(nxt % STAGES).load(a_layout)
+            sc = s_s.index(nxt % STAGES).load(gl.SliceLayout(2, s3_layout))
         # All four in flight while the next nibble decodes; waiting here rather than one step later
         # keeps them that way: deferring the wait makes ptxas serialise every wgmma (offline SASS: one
         # WARPGROUP.DEPBAR per HGMMA), since the decoded A registers would live across the loop edge.
@@ -182,7 +195,7 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
                          M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                          SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr, RC: gl.constexpr,
-                         num_warps: gl.constexpr):  # fmt: skip
+                         PREFETCH: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue."""
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -199,7 +212,7 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     (acc,) = gl.warp_specialize(
-        [(_consumer, (x_s, h_s, s_s, ready, empty, steps, BM, BN, BK, STAGES)),
+        [(_consumer, (x_s, h_s, s_s, ready, empty, steps, BM, BN, BK, STAGES, PREFETCH)),
          (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps, BN, BK, STAGES))],
         [1], [24],
     )  # fmt: skip
@@ -253,10 +266,12 @@ def matmul(
     lora_bounds: tuple[int, int] | None = None,
     split: int = 0,
     permuted: bool = False,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) through the Gluon kernel; see ``supports`` for what it takes.
-    ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it)."""
+    ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it).
+    ``prefetch``: the consumer's PREFETCH variant (``decode_tune --gluon`` times it as ``gluon_prefetch``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _check_act(x)
@@ -294,6 +309,6 @@ def matmul(
         out if lb is None else lb,
         M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale),
         BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        RC=min(64, max(16, triton.next_power_of_2(rank))), PREFETCH=prefetch, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
