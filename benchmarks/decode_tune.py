@@ -19,10 +19,11 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --gluon --out $OUT    # the Gluon candidate vs the Triton kernel -> decode_gluon.json
     python -m benchmarks.decode_tune --gluon-splits --out $OUT  # its split-K counts at M = 64 / 128 -> decode_gluon_splits.json
 
-``--gluon`` times each 7B decode GEMM at M = 1 / 16 / 64 / 128 with the Triton decode kernel (its default
-schedule), the Gluon candidate (``qerl.kernels.fp4_gluon``: TMA producer warp, wgmma consumer warpgroup)
-with x permuted inside the call, and the same on an x already in that order (what a producer kernel could
-write), each checked against float64, side by side in one run.
+``--gluon`` times each 7B decode GEMM at M = 1 / 16 / 32 / 64 / 128 with the Triton decode kernel (its
+default schedule), the Gluon kernel (``qerl.kernels.fp4_gluon``: TMA producer warp, wgmma consumer
+warpgroup) with x permuted inside the call, the same on an x already in that order (as the rollout
+engine's producers write it), and its two untimed candidates on that x (``prefetch=True``; ``bn=128`` at
+M = 32 / 64), each checked against float64, side by side in one run.
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -84,8 +85,8 @@ LARGE_CANDIDATES = {
     "n256k128w8s3": D(256, 128, 8, 3),
 }
 LARGE_MS = (16, 64, 128)
-#: ``--gluon``: the token counts of the A/B (BM = 16 / 16 / 64 / 128).
-GLUON_MS = (1, 16, 64, 128)
+#: ``--gluon``: the token counts of the A/B (BM = 16 / 16 / 32 / 64 / 128).
+GLUON_MS = (1, 16, 32, 64, 128)
 LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
@@ -166,6 +167,9 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
             "gluon_prefetch": lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale,
                                                                 permuted=True, prefetch=True),
         }  # fmt: skip
+        if 32 <= max(16, m) <= 64:  # two 64-row chains per consumer warp: BM <= 64 only (register budget)
+            calls["gluon_bn128"] = lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale,
+                                                                     q.weight_global_scale, permuted=True, bn=128)
         for name, call in calls.items():
             row = {"shape": shape, "M": m, "cand": name, "bf16_us": base}
             try:
@@ -300,7 +304,7 @@ def main() -> None:
             write_json(out / "decode_gluon_splits.json", result, indent=1)
         return
     if args.large or args.gluon:
-        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "gluon_prefetch"), GLUON_MS, "decode_gluon.json") if args.gluon
+        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "gluon_prefetch", "gluon_bn128"), GLUON_MS, "decode_gluon.json") if args.gluon
                            else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])
@@ -310,7 +314,7 @@ def main() -> None:
             write_json(out / name, result, indent=1)
         for m in ms:
             mine = {cand: [usable_us(r) for r in result["decode"] if r["cand"] == cand and r["M"] == m] for cand in cands}
-            total = {cand: sum(us) for cand, us in mine.items()}  # inf where a candidate failed or was wrong anywhere
+            total = {cand: sum(us) for cand, us in mine.items() if us}  # inf where a candidate failed or was wrong anywhere
             print(f"M={m}: summed over {LARGE_SHAPES}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items(), key=lambda kv: kv[1])))
         return
     for shape, (n, k) in SHAPES.items():

@@ -197,12 +197,14 @@ def test_nibble_major_order() -> None:
             assert torch.equal(block, row * 512 + step * 256 + 4 * j + i)
 
 
-@pytest.mark.parametrize("bm,epilogue,prefetch", [(16, False, False), (128, True, False), (64, False, True)])
-def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool, prefetch: bool) -> None:
+@pytest.mark.parametrize("bm,epilogue,prefetch,bn", [(16, False, False, 64), (128, True, False, 64), (64, False, True, 64),
+                                                     (64, False, False, 128)])  # fmt: skip
+def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool, prefetch: bool, bn: int) -> None:
     """The Gluon decode kernel compiles for sm_90 on any machine (Triton's bundled ptxas) with the
     structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, one
     wgmma wait per K step, and no register spills in the K loop at its per-BM register cap; with
-    ``PREFETCH`` the next step's code words come from shared memory between the last wgmma and its wait."""
+    ``PREFETCH`` the next step's code words come from shared memory between the last wgmma and its wait;
+    with 128 weight rows per CTA (the ``bn=128`` candidate) each k16 chunk is two register-A wgmma."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")
@@ -219,21 +221,22 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool, prefetch: bool)
     stages, maxnreg, _ = fgl.SCHEDULE[bm]
     kernel = fgl._decode_gluon_kernel
     signature = {
-        "x_desc": desc("bf16", [bm, fgl.BK], gl.bfloat16), "h_desc": desc("i16", [fgl.BN, fgl.BK // 4], gl.int16),
-        "s_desc": desc("fp8e4nv", [fgl.BN, fgl.BK // 16], gl.float8e4nv), "g_ptr": "*fp32", "y_ptr": "*bf16",
+        "x_desc": desc("bf16", [bm, fgl.BK], gl.bfloat16), "h_desc": desc("i16", [bn, fgl.BK // 4], gl.int16),
+        "s_desc": desc("fp8e4nv", [bn, fgl.BK // 16], gl.float8e4nv), "g_ptr": "*fp32", "y_ptr": "*bf16",
         "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
         **dict.fromkeys(["M", "N", "K", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
         "lora_scale": "fp32",
         **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "PREFETCH", "num_warps"], "constexpr"),
     }  # fmt: skip
-    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "HAS_BIAS": epilogue,
+    constants = {"BM": bm, "BN": bn, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "HAS_BIAS": epilogue,
                  "HAS_LORA": epilogue, "RC": 64, "PREFETCH": prefetch, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
                               target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
     sass = compiled.asm["sass"]
-    assert len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass)) == 16  # 4 nibbles x 4 k16 chunks, A in registers
+    # 4 nibbles x 4 k16 chunks, A in registers (x2 with bn=128: two 64-row chains)
+    assert len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass)) == 16 * bn // 64
     # The LoRA expand (epilogue only) is the one wgmma with A from shared memory: 4 k16 chunks of RC = 64.
     assert len(re.findall(r"HGMMA\.\S+ R\d+, gdesc", sass)) == (4 if epilogue else 0)
     # One wait per K step (ptxas did not serialise the K loop's wgmma), plus the LoRA expand's.

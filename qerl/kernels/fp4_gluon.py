@@ -267,11 +267,14 @@ def matmul(
     split: int = 0,
     permuted: bool = False,
     prefetch: bool = False,
+    bn: int = BN,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) through the Gluon kernel; see ``supports`` for what it takes.
     ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it).
-    ``prefetch``: the consumer's PREFETCH variant (``decode_tune --gluon`` times it as ``gluon_prefetch``)."""
+    ``prefetch``: the consumer's PREFETCH variant (``decode_tune --gluon`` times it as ``gluon_prefetch``).
+    ``bn``: weight rows per CTA (a candidate: 128 at M = 17..64 gives each consumer warp two independent
+    64-row wgmma chains per step, ``gluon_bn128``; not measured yet)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _check_act(x)
@@ -281,9 +284,11 @@ def matmul(
         raise ValueError(f"the Gluon decode kernel takes bf16 x [M <= 128, {K}] on sm_90 with K % {BK} == 0, "
                          f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
     bm = max(16, triton.next_power_of_2(M))
+    if bn not in (64, 128) or (bn == 128 and not 32 <= bm <= 64):
+        raise ValueError(f"bn: 64, or 128 with 17..64 rows (two 64-row wgmma chains per warp), got bn={bn} at M={M}")
     stages, maxnreg, resident = SCHEDULE[bm]
     k_steps = K // BK
-    tiles = _cdiv(N, BN)
+    tiles = _cdiv(N, bn)
     if split <= 0:
         split = decode_split(tiles, k_steps, _sm_count(x.device) * resident, PROGRAM_STEPS)
     steps_per_split = _cdiv(k_steps, split)
@@ -292,9 +297,9 @@ def matmul(
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
     x_desc = TensorDescriptor.from_tensor(xp, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
-    h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
-    s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
-                                          gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
+    h_desc = TensorDescriptor.from_tensor(h, [bn, BK // 4], gl.NVMMASharedLayout.get_default_for([bn, BK // 4], gl.int16))
+    s_desc = TensorDescriptor.from_tensor(s, [bn, BK // 16],
+                                          gl.NVMMASharedLayout.get_default_for([bn, BK // 16], gl.float8e4nv))
     if out is None:
         out = torch.empty((M, N) if out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
     lb = None if lora_b is None else lora_b.contiguous()
@@ -308,7 +313,7 @@ def matmul(
         out if bias is None else bias, out if lora_u is None else lora_u.contiguous(),
         out if lb is None else lb,
         M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale),
-        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
+        BM=bm, BN=bn, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         RC=min(64, max(16, triton.next_power_of_2(rank))), PREFETCH=prefetch, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
