@@ -53,7 +53,7 @@ from .schedule import _cdiv, _sm_count, decode_split
 
 #: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
 #: (one consumer warpgroup: wgmma M = 64).
-BK = 256
+BK = reference.GLUON_K_STEP
 BN = 64
 #: Per padded token count BM: (ring stages, register cap, CTAs an SM holds). From offline sm_90 compiles
 #: (triton 3.6, no spills at these caps): BM=16 80 registers x 256 threads (4 consumer + 1 producer warps,
@@ -65,6 +65,12 @@ SCHEDULE = {16: (3, 80, 3), 32: (3, 128, 2), 64: (2, 128, 2), 128: (2, None, 1)}
 #: GEMMs at M = 64 / 128): 4 to 15 pick alike, 273.4 us summed against 295.3 at 2 (gate_up at M=64: 1
 #: split, 48.4 us, instead of 2, 65.4 us); the best split per shape would give 270.3.
 PROGRAM_STEPS = 6
+
+
+@gluon.constexpr_function
+def _acc_layout(BM):
+    """The accumulator's layout: one warpgroup's wgmma with BM tokens as the N dimension."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
 
 
 @gluon.constexpr_function
@@ -111,7 +117,7 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
     one wait per step kept, no spills), so their latency hides behind the MMA tail."""
     HW: gl.constexpr = BK // 4
     G: gl.constexpr = BK // 16
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    mma: gl.constexpr = _acc_layout(BM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     s3_layout: gl.constexpr = _scale_layout(gl.to_linear_layout(a_layout, [BN, HW]))
     # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 = e2m1 * scale * 2^-8, exact in bf16.
@@ -155,7 +161,7 @@ def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
     updates, each gathering a column of B and a segmented column of u: ~300 instructions per thread per
     rank, 10x the tile's K loop for the 7B q/k/v group (R = 48), which made the engine slower than the
     Triton kernel although each GEMM alone was faster (benchmarks/NOTES.md)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    mma: gl.constexpr = _acc_layout(BM)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     b_s = gl.allocate_shared_memory(gl.bfloat16, [BN, RC], gl.NVMMASharedLayout.get_default_for([BN, RC], gl.bfloat16))
     u_s = gl.allocate_shared_memory(gl.bfloat16, [BM, RC], gl.NVMMASharedLayout.get_default_for([BM, RC], gl.bfloat16))
@@ -220,7 +226,7 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    mma: gl.constexpr = _acc_layout(BM)
     offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
     # One offset tensor serves y and the fp32 partials (which take y's segmented order; they are private

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels import backend
+from qerl.kernels import backend, reference
 from qerl.kernels.fp4_gemm import nibble_major, segmented
 
 #: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks. From
@@ -174,7 +174,7 @@ def _rms_norm_shrink_kernel(
 
 def _permute(permute: bool, row: int) -> bool:
     """``permute`` checked: the Gluon K order moves elements within 256-element steps of a row."""
-    if permute and row % 256:
+    if permute and row % reference.GLUON_K_STEP:
         raise ValueError(f"an output in the Gluon decode kernel's K order needs rows of whole 256-element steps, got {row}")
     return permute
 

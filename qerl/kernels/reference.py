@@ -75,11 +75,16 @@ def mm_t(grad_y: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gscale
     return grad_y @ nvfp4.dequantize(packed, scale, gscale, dtype=grad_y.dtype)
 
 
+#: Codes per K step of the Gluon decode kernel (``fp4_gluon.BK``): its x order permutes within such steps,
+#: so a row takes that order only when its length is a multiple of this.
+GLUON_K_STEP = 256
+
+
 def nibble_major(x: torch.Tensor) -> torch.Tensor:
-    """x ``[..., K]`` (K a multiple of 256) in the Gluon decode kernel's K order: within each 256-element
-    step, element 4j + i moves to i * 64 + j (``fp4_gemm.nibble_major`` is the same map on offsets)."""
+    """x ``[..., K]`` (K a multiple of ``GLUON_K_STEP``) in the Gluon decode kernel's K order: within each
+    256-element step, element 4j + i moves to i * 64 + j (``fp4_gemm.nibble_major`` is the same map on offsets)."""
     *lead, k = x.shape
-    return x.reshape(*lead, k // 256, 64, 4).transpose(-1, -2).reshape(*lead, k).contiguous()
+    return x.reshape(*lead, k // GLUON_K_STEP, GLUON_K_STEP // 4, 4).transpose(-1, -2).reshape(*lead, k).contiguous()
 
 
 def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -196,7 +196,7 @@ def group_forward(x: torch.Tensor, group: Group, lora: LoraInputs = None) -> lis
     (``stacked_forward``). Elsewhere each projection runs on its own: on CPU the per-module dense
     copies of ``base_forward`` are far faster than dequantizing the stacked weight at every step.
     """
-    permuted = backend.available(x) and _gluon_order(x, x.numel() // x.shape[-1], x.shape[-1], group)
+    permuted = _gluon_order(x, x.numel() // x.shape[-1], x.shape[-1], group)
     if lora is None:
         lora = lora_inputs(x, group, permuted)
     if permuted or (STACK_GROUPS and group.stacked is not None and backend.available(x)):

@@ -216,7 +216,7 @@ def _group(modules: list[nn.Module], dtype: torch.dtype, previous: Group | None)
     in_features = first.lora_sources[0][0].shape[1]
     old_a = previous.lora_a if previous is not None else None
     group = Group(projs, _buffer((sum(ranks), in_features), dtype, device, old_a), stacked)
-    if device.type == "cuda" and in_features % 256 == 0:
+    if device.type == "cuda" and in_features % reference.GLUON_K_STEP == 0:
         old = previous.lora_a_gluon if previous is not None else None
         group.lora_a_gluon = _buffer((sum(ranks), in_features), dtype, device, old)
     if stacked is not None:
