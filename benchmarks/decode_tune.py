@@ -22,8 +22,9 @@ sweeps 2-3, has the orders measured.)
 ``--gluon`` times each 7B decode GEMM at M = 1 / 16 / 32 / 64 / 128 with the Triton decode kernel (its
 default schedule), the Gluon kernel (``qerl.kernels.fp4_gluon``: TMA producer warp, wgmma consumer
 warpgroup) with x permuted inside the call, the same on an x already in that order (as the rollout
-engine's producers write it), and its two untimed candidates on that x (``prefetch=True``; ``bn=128`` at
-M = 32 / 64), each checked against float64, side by side in one run.
+engine's producers write it), and the Triton kernel and the pre-permuted Gluon kernel launched without
+programmatic dependent launch (``*_no_pdl``: each call waits for the one before it to drain), each checked
+against float64, side by side in one run.
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -33,6 +34,7 @@ float64 like the rest: the data for choosing split from the shape (wave quantiza
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -147,6 +149,17 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
     return rows
 
 
+def _without_pdl(call, q):
+    """``call(q)`` launched without programmatic dependent launch (``qerl.kernels.pdl``)."""
+    from qerl.kernels import pdl
+
+    saved, pdl.ENABLED = pdl.ENABLED, False
+    try:
+        return call(q)
+    finally:
+        pdl.ENABLED = saved
+
+
 def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
     """``--gluon``: the Triton decode kernel and the Gluon candidate (x permuted in the call / beforehand)."""
     from qerl.kernels import fp4_gluon, reference
@@ -164,12 +177,9 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
             "gluon": lambda q, x=x: fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale),
             "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale,
                                                                    permuted=True),
-            "gluon_prefetch": lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale,
-                                                                permuted=True, prefetch=True),
         }  # fmt: skip
-        if 32 <= max(16, m) <= 64:  # two 64-row chains per consumer warp: BM <= 64 only (register budget)
-            calls["gluon_bn128"] = lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale,
-                                                                     q.weight_global_scale, permuted=True, bn=128)
+        calls["triton_no_pdl"] = functools.partial(_without_pdl, calls["triton"])
+        calls["gluon_prepermuted_no_pdl"] = functools.partial(_without_pdl, calls["gluon_prepermuted"])
         for name, call in calls.items():
             row = {"shape": shape, "M": m, "cand": name, "bf16_us": base}
             try:
@@ -304,7 +314,7 @@ def main() -> None:
             write_json(out / "decode_gluon_splits.json", result, indent=1)
         return
     if args.large or args.gluon:
-        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "gluon_prefetch", "gluon_bn128"), GLUON_MS, "decode_gluon.json") if args.gluon
+        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "triton_no_pdl", "gluon_prepermuted_no_pdl"), GLUON_MS, "decode_gluon.json") if args.gluon
                            else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])

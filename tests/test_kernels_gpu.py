@@ -109,10 +109,9 @@ def test_gluon_decode(M: int, N: int, K: int) -> None:
     for split in (0, 1, 3):
         y = fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
         assert _rel(y, ref) < TOL, (split, _rel(y, ref))
-    for prefetch, bn in ((False, 64), (True, 64)) + (((False, 128),) if 16 < M <= 64 else ()):
-        y = fp4_gluon.matmul(reference.nibble_major(x), q.weight_packed, q.weight_scale, q.weight_global_scale,
-                             permuted=True, prefetch=prefetch, bn=bn)  # fmt: skip
-        assert _rel(y, ref) < TOL, (prefetch, bn)
+    y = fp4_gluon.matmul(reference.nibble_major(x), q.weight_packed, q.weight_scale, q.weight_global_scale,
+                         permuted=True)  # fmt: skip
+    assert _rel(y, ref) < TOL
     assert _rel(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
     odd = _weight(N, K + 16)  # K not a whole number of 256-code steps
     with pytest.raises(ValueError, match="Gluon decode kernel"):
@@ -321,3 +320,53 @@ def test_cuda_graph_decode_step() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert _rel(static_y, model.reference(static_x)) < TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90+")
+@pytest.mark.parametrize("M", [1, 16, 64, 128])
+def test_pdl_chain_equals_serial(M: int) -> None:
+    """A chain of dependent decode-step kernels (RMSNorm -> FP4 GEMM -> SiLU-gating -> FP4 GEMM, four
+    times) launched with programmatic dependent launch, eagerly and replayed from a CUDA graph, equals
+    the same chain launched without it bit for bit: a kernel that read its input before the one
+    producing it had finished would differ. M = 64 / 128 take the Gluon GEMM on sm_90."""
+    from qerl.kernels import fp4_gemm, fused_step, pdl
+
+    k, n = 1024, 2048
+    w_norm = _rand(k)
+    up = [_weight(n, k) for _ in range(4)]
+    down = [_weight(k, n // 2) for _ in range(4)]
+    x0 = _rand(M, k)
+
+    def chain() -> torch.Tensor:
+        h = x0.clone()
+        for wu, wd in zip(up, down, strict=True):
+            y = fp4_gemm.matmul(fused_step.rms_norm(h, None, w_norm, 1e-6), wu.weight_packed, wu.weight_scale,
+                                wu.weight_global_scale)  # fmt: skip
+            a = fused_step.silu_mul(y[:, : n // 2].contiguous(), y[:, n // 2 :].contiguous())
+            h = h + fp4_gemm.matmul(a, wd.weight_packed, wd.weight_scale, wd.weight_global_scale)
+        return h
+
+    def run(enabled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        saved, pdl.ENABLED = pdl.ENABLED, enabled
+        try:
+            eager = chain()
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                out = chain()
+            torch.cuda.current_stream().wait_stream(stream)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            return eager, out.clone()
+        finally:
+            pdl.ENABLED = saved
+
+    assert pdl.options(x0.device)["PDL"], "PDL is not on for this device"
+    serial_eager, serial_graph = run(False)
+    pdl_eager, pdl_graph = run(True)
+    assert torch.isfinite(serial_eager).all()
+    assert torch.equal(serial_eager, serial_graph)
+    assert torch.equal(pdl_eager, serial_eager)
+    assert torch.equal(pdl_graph, serial_eager)

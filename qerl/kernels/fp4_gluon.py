@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import backend, reference
+from . import backend, pdl, reference
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
 from .schedule import _cdiv, _sm_count, decode_split
 
@@ -110,11 +110,8 @@ def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps,
 
 @gluon.jit
 def _consumer(x_s, h_s, s_s, ready, empty, steps,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
-    """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T.
-    PREFETCH (a candidate, not measured yet): step i+1's mbarrier wait and code/scale loads go between
-    step i's last wgmma and its wait, into fresh registers (offline: +62 instructions per step at BM=64,
-    one wait per step kept, no spills), so their latency hides behind the MMA tail."""
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T."""
     HW: gl.constexpr = BK // 4
     G: gl.constexpr = BK // 16
     mma: gl.constexpr = _acc_layout(BM)
@@ -123,16 +120,11 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
     # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 = e2m1 * scale * 2^-8, exact in bf16.
     FACTOR: gl.constexpr = 3.3230699894622896e35
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-    if PREFETCH:
-        mbarrier.wait(ready.index(0), 0)
-        h = h_s.index(0).load(a_layout)
-        sc = s_s.index(0).load(gl.SliceLayout(2, s3_layout))
     for i in range(steps):
         slot = i % STAGES
-        if not PREFETCH:
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            h = h_s.index(slot).load(a_layout)
-            sc = s_s.index(slot).load(gl.SliceLayout(2, s3_layout))
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        h = h_s.index(slot).load(a_layout)
+        sc = s_s.index(slot).load(gl.SliceLayout(2, s3_layout))
         sc = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
         sb = gl.reshape(gl.expand_dims(sc, 2).broadcast_to(BN, G, 4), [BN, HW])
         sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
@@ -140,11 +132,6 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
         for n in gl.static_range(4):
             w = _nibble(h, n, False) * sb  # the Triton kernel's decode, bf16
             acc = warpgroup_mma(w, xs.slice(n * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
-        if PREFETCH:  # the next step's codes and scales, into fresh registers, while the wgmma run
-            nxt = gl.minimum(i + 1, steps - 1)
-            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-            h = h_s.index(nxt % STAGES).load(a_layout)
-            sc = s_s.index(nxt % STAGES).load(gl.SliceLayout(2, s3_layout))
         # All four in flight while the next nibble decodes; waiting here rather than one step later
         # keeps them that way: deferring the wait makes ptxas serialise every wgmma (offline SASS: one
         # WARPGROUP.DEPBAR per HGMMA), since the decoded A registers would live across the loop edge.
@@ -201,8 +188,9 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
                          M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                          SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr, RC: gl.constexpr,
-                         PREFETCH: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue."""
+                         PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue.
+    PDL (``pdl``): set up the shared-memory ring, then wait for the kernel before this one."""
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     k_steps = K // BK
@@ -217,8 +205,9 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
+    pdl.enter(PDL)
     (acc,) = gl.warp_specialize(
-        [(_consumer, (x_s, h_s, s_s, ready, empty, steps, BM, BN, BK, STAGES, PREFETCH)),
+        [(_consumer, (x_s, h_s, s_s, ready, empty, steps, BM, BN, BK, STAGES)),
          (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps, BN, BK, STAGES))],
         [1], [24],
     )  # fmt: skip
@@ -272,15 +261,10 @@ def matmul(
     lora_bounds: tuple[int, int] | None = None,
     split: int = 0,
     permuted: bool = False,
-    prefetch: bool = False,
-    bn: int = BN,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) through the Gluon kernel; see ``supports`` for what it takes.
-    ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it).
-    ``prefetch``: the consumer's PREFETCH variant (``decode_tune --gluon`` times it as ``gluon_prefetch``).
-    ``bn``: weight rows per CTA (a candidate: 128 at M = 17..64 gives each consumer warp two independent
-    64-row wgmma chains per step, ``gluon_bn128``; not measured yet)."""
+    ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _check_act(x)
@@ -290,11 +274,9 @@ def matmul(
         raise ValueError(f"the Gluon decode kernel takes bf16 x [M <= 128, {K}] on sm_90 with K % {BK} == 0, "
                          f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
     bm = max(16, triton.next_power_of_2(M))
-    if bn not in (64, 128) or (bn == 128 and not 32 <= bm <= 64):
-        raise ValueError(f"bn: 64, or 128 with 17..64 rows (two 64-row wgmma chains per warp), got bn={bn} at M={M}")
     stages, maxnreg, resident = SCHEDULE[bm]
     k_steps = K // BK
-    tiles = _cdiv(N, bn)
+    tiles = _cdiv(N, BN)
     if split <= 0:
         split = decode_split(tiles, k_steps, _sm_count(x.device) * resident, PROGRAM_STEPS)
     steps_per_split = _cdiv(k_steps, split)
@@ -303,9 +285,9 @@ def matmul(
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
     x_desc = TensorDescriptor.from_tensor(xp, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
-    h_desc = TensorDescriptor.from_tensor(h, [bn, BK // 4], gl.NVMMASharedLayout.get_default_for([bn, BK // 4], gl.int16))
-    s_desc = TensorDescriptor.from_tensor(s, [bn, BK // 16],
-                                          gl.NVMMASharedLayout.get_default_for([bn, BK // 16], gl.float8e4nv))
+    h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
+    s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
+                                          gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
     if out is None:
         out = torch.empty((M, N) if out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
     lb = None if lora_b is None else lora_b.contiguous()
@@ -319,7 +301,7 @@ def matmul(
         out if bias is None else bias, out if lora_u is None else lora_u.contiguous(),
         out if lb is None else lb,
         M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale),
-        BM=bm, BN=bn, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))), PREFETCH=prefetch, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
+        RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **pdl.options(x.device), **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
