@@ -24,11 +24,10 @@ holds) for LoRA with shrinks fused into the producing kernels, the same with one
 projection instead of per stacked q/k/v and gate/up group (``decoder.STACK_GROUPS = False``), LoRA
 with one cuBLAS shrink per group (``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
-``--ab gluon`` times only the 7B NVFP4+LoRA engine at ``--batches`` with its decode GEMMs on the Triton
+``--gluon-ab`` times only the 7B NVFP4+LoRA engine at ``--batches`` with its decode GEMMs on the Triton
 kernel, on the Gluon kernel (``schedule.GLUON_DECODE``, ``qerl/kernels/fp4_gluon.py``) and on Triton again,
-fresh graphs each, in one process; each engine is first checked against the first one on the same prompts
-(greedy tokens of a short generate). ``--ab pdl``: the same without programmatic dependent launch
-(``qerl/kernels/pdl.py``), with it, with it but no L2 weight prefetch, and without it again.
+fresh graphs each, in one process; each Gluon engine is first checked against the Triton one on the same
+prompts (greedy tokens of a short generate).
 
 ``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``:
 stacked groups, one launch per projection, and stacked with a 4x finer attention split.
@@ -307,21 +306,9 @@ def lora_sweep(args: argparse.Namespace) -> dict:
     }
 
 
-def _ab_variants(name: str) -> list[tuple[str, dict[tuple[object, str], object]]]:
-    """``--ab NAME``: the engine variants timed in that order, each as module attributes to set."""
-    from qerl.kernels import fp4_gemm, pdl, schedule
-
-    gluon, pdl_on, prefetch = (schedule, "GLUON_DECODE"), (pdl, "ENABLED"), (fp4_gemm, "PREFETCH_STEPS")
-    if name == "gluon":
-        return [("triton", {gluon: False}), ("gluon", {gluon: True}), ("triton", {gluon: False})]
-    steps = fp4_gemm.PREFETCH_STEPS
-    return [("no_pdl", {pdl_on: False}), ("pdl", {pdl_on: True, prefetch: steps}),
-            ("pdl_no_prefetch", {pdl_on: True, prefetch: 0}), ("no_pdl", {pdl_on: False})]  # fmt: skip
-
-
-def switch_ab(args: argparse.Namespace) -> dict:
-    """``--ab gluon|pdl``: ms/step of the 7B NVFP4+LoRA engine under each variant of one switch, same
-    process, fresh engine and graphs per variant; greedy tokens compared with the first variant's."""
+def gluon_ab(args: argparse.Namespace) -> dict:
+    """``--gluon-ab``: ms/step with the Triton decode kernel / the Gluon candidate / Triton, same process."""
+    from qerl.kernels import schedule
     from qerl.rollout import SamplingParams
     from qerl.rollout.native import NativeEngine
 
@@ -329,21 +316,17 @@ def switch_ab(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
-    variants = _ab_variants(args.ab)
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         reference_tokens = None
-        for variant, settings in variants:
-            saved = {key: getattr(*key) for key in settings}
+        for variant in ("triton", "gluon", "triton"):
+            default, schedule.GLUON_DECODE = schedule.GLUON_DECODE, variant == "gluon"
             try:
-                for (module, attr), value in settings.items():
-                    setattr(module, attr, value)
                 engine = NativeEngine(model, 0)
                 tokens = engine.generate(prompts, greedy).completion_ids
                 ms, t_one = ms_per_step(engine, prompts, args.tokens)
             finally:
-                for (module, attr), value in saved.items():
-                    setattr(module, attr, value)
+                schedule.GLUON_DECODE = default
             reference_tokens = reference_tokens or tokens
             same = sum(t == r for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)
             # Tokens before a row's first difference: a wrong kernel diverges at the first decode step
@@ -355,11 +338,11 @@ def switch_ab(args: argparse.Namespace) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
             rows.append(dict(batch=b, variant=variant, tokens=args.tokens, ms_per_step=round(ms, 4),
-                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_first=same,
+                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_triton=same,
                              greedy_common_prefix_tokens=prefix, greedy_tokens=greedy.max_new_tokens))  # fmt: skip
-            print(f"7b nvfp4+lora {variant:15s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to the first "
-                  f"variant's {same:.2f}, common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
-    return {"benchmark": f"rollout decode A/B of {args.ab} (ms/step)", "date": utc_now(), **environment(),
+            print(f"7b nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to triton's {same:.2f}, "
+                  f"common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
+    return {"benchmark": "rollout decode, Triton vs Gluon decode GEMMs (ms/step)", "date": utc_now(), **environment(),
             "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip
 
 
@@ -463,9 +446,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="only a per-kernel GPU-time profile of one 7B NVFP4+LoRA decode step at --batches")
     parser.add_argument("--lora-sweep", action="store_true", help="only the 7B NVFP4 LoRA cost sweep (see above)")
-    parser.add_argument("--ab", choices=["gluon", "pdl"], help="only the A/B of one engine switch (see above)")
+    parser.add_argument("--gluon-ab", action="store_true", help="only the Triton vs Gluon decode-GEMM A/B (see above)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
-                        help="with --lora-sweep, --ab or --profile")
+                        help="with --lora-sweep, --gluon-ab or --profile")
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
     parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
     parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
@@ -493,8 +476,8 @@ def main() -> None:
         write_json(args.out, {"date": utc_now(), **environment(), "command": common.command("benchmarks.rollout"),
                               "profile": profile(args)})
         return
-    if args.ab:
-        write_json(args.out, switch_ab(args))
+    if args.gluon_ab:
+        write_json(args.out, gluon_ab(args))
         return
     result = lora_sweep(args) if args.lora_sweep else run(args)
     write_json(args.out, result)

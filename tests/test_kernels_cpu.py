@@ -197,12 +197,11 @@ def test_nibble_major_order() -> None:
             assert torch.equal(block, row * 512 + step * 256 + 4 * j + i)
 
 
-@pytest.mark.parametrize("bm,epilogue,pdl", [(16, False, True), (128, True, False), (64, False, True)])
-def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool, pdl: bool) -> None:
+@pytest.mark.parametrize("bm,epilogue", [(16, False), (128, True), (64, False)])
+def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     """The Gluon decode kernel compiles for sm_90 on any machine (Triton's bundled ptxas) with the
     structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, one
-    wgmma wait per K step, and no register spills in the K loop at its per-BM register cap; with PDL,
-    the grid-dependency wait comes before the first TMA load."""
+    wgmma wait per K step, and no register spills in the K loop at its per-BM register cap."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")
@@ -224,10 +223,10 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool, pdl: bool) -> N
         "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
         **dict.fromkeys(["M", "N", "K", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
         "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "PDL", "num_warps"], "constexpr"),
+        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
     }  # fmt: skip
     constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "HAS_BIAS": epilogue,
-                 "HAS_LORA": epilogue, "RC": 64, "PDL": pdl, "num_warps": 4}  # fmt: skip
+                 "HAS_LORA": epilogue, "RC": 64, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
@@ -248,67 +247,4 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool, pdl: bool) -> N
     wait = next(i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR" in line)
     end = next(i for i in range(wait, len(lines)) if "BRA" in lines[i])
     assert not [line for line in lines[start:end] if re.search(r"\b(?:LDL|STL)\b", line)], "register spills in the K loop"
-    ptx = compiled.asm["ptx"]
-    assert ("griddepcontrol.wait" in ptx) == pdl
-    if pdl:
-        assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
 
-
-#: Each PDL kernel with constexprs it compiles under (any valid ones: the test reads the order of memory ops).
-_PDL_KERNELS = {
-    "fp4_gemm._decode_kernel": dict(BM=16, BN=64, BK=256, SPLIT=True, EVEN_K=True, HAS_BIAS=True, HAS_LORA=True,
-                                    BR=16, IS_FP16=False, X_SPLIT=True, PF_STEPS=4),  # fmt: skip
-    "fused_step._rms_norm_kernel": dict(HAS_DELTA=True, BLOCK=1024, PERMUTE=True),
-    "fused_step._rms_norm_shrink_kernel": dict(HAS_DELTA=True, BLOCK=1024, BK=128, RP=16),
-    "fused_step._silu_mul_kernel": dict(BLOCK=1024, PERMUTE=False),
-    "fused_step._silu_mul_shrink_kernel": dict(BK=128, RP=16),
-    "fused_step._rope_cache_kernel": dict(H=4, HKV=2, D=64),
-    "fused_step._attn_partial_kernel": dict(HKV=2, G=2, GP=16, D=64, BLOCK_N=32, IEEE=False),
-    "fused_step._attn_combine_kernel": dict(NSP=4, D=64, HAS_LORA=True, RP=16, PERMUTE=False),
-    "fused_step._finish_step_kernel": dict(BLOCK=16),
-}
-_INT_POINTERS = ("ticket", "pos", "tok", "done", "row", "stop", "step")
-
-
-@pytest.mark.parametrize("name", list(_PDL_KERNELS))
-def test_pdl_kernels_wait_before_touching_memory(name: str) -> None:
-    """Every kernel launched with programmatic dependent launch (``qerl.kernels.pdl``) runs while the
-    kernel before it may still be writing: compiled for sm_90 (Triton's bundled ptxas, no GPU), its
-    ``griddepcontrol.wait`` must precede every global load, store and atomic, and the FP4 decode kernel
-    issues its L2 weight prefetch before the wait. Without PDL the kernel has no grid-dependency op."""
-    import importlib
-    import re
-
-    pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    module, fn_name = name.split(".")
-    kernel = getattr(importlib.import_module(f"qerl.kernels.{module}"), fn_name)
-    constants = _PDL_KERNELS[name]
-
-    def arg_type(arg: str) -> str:
-        if arg.endswith("_ptr"):
-            if arg == "h_ptr" and module == "fp4_gemm":
-                return "*i16"
-            if arg == "s_ptr" and module == "fp4_gemm":
-                return "*fp8e4nv"
-            return "*i32" if any(t in arg for t in _INT_POINTERS) else ("*fp32" if arg in ("g_ptr", "part_ptr") else "*bf16")
-        return "fp32" if arg in ("eps", "scale", "lora_scale") else "i32"
-
-    for pdl in (True, False):
-        consts = {**constants, "PDL": pdl}
-        signature = {a: ("constexpr" if a in consts else arg_type(a)) for a in kernel.arg_names}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
-        ptx = compiled.asm["ptx"]
-        body = ptx[ptx.index("{", ptx.index(".entry")):]
-        if not pdl:
-            assert "griddepcontrol" not in body
-            continue
-        wait = body.index("griddepcontrol.wait")
-        first_access = re.search(r"\b(?:ld|st)\.global|\batom\.|\bred\.|cp\.async", body)
-        assert first_access is not None and first_access.start() > wait, f"{name}: memory touched before the wait"
-        assert body.index("griddepcontrol.launch_dependents") < wait
-        assert ("prefetch.global.L2" in body[:wait]) == (module == "fp4_gemm")

@@ -39,13 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import backend, pdl, reference, schedule
+from . import backend, reference, schedule
 from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig, bwd_config, decode_config
-
-#: K steps of weight rows (128 B each at BK=256) and their scales that a decode program prefetches into
-#: L2 before it waits for the kernel before it (``pdl``): ~17 MB over the ~528 programs an H200 holds at
-#: M <= 16, a third of its L2, so a GEMM's prefetch does not evict itself. 0 turns the prefetch off.
-PREFETCH_STEPS = 4
 
 
 @triton.jit
@@ -264,7 +259,6 @@ def _decode_kernel(
     lora_scale, steps_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
-    PDL: tl.constexpr, PF_STEPS: tl.constexpr,
 ):
     """Decode GEMM (M <= BM <= 128): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
 
@@ -284,9 +278,6 @@ def _decode_kernel(
     Weight addressing is three strides per tensor: row within the tile (``stride_hr``), K step
     (``h_step``) and tile (``h_tile``), so that another weight order can be tried without a new kernel
     (benchmarks/NOTES.md, sweeps 2-3, has the orders measured).
-
-    PDL (``pdl``): the program's first ``PF_STEPS`` K steps of weight rows and their scales are
-    prefetched into L2 while the kernel before it still runs; everything else comes after ``pdl.enter``.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -310,18 +301,10 @@ def _decode_kernel(
     x_cols = x_ptr + offs_m[None, :] * stride_xm
     x_rows = x_ptr + offs_m[:, None] * stride_xm
 
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
     k_steps = tl.cdiv(K, BK)
     first = pid_k * steps_per_split
-    n_steps = tl.minimum(steps_per_split, k_steps - first)
-    if PDL and PF_STEPS > 0:
-        row_in = tl.minimum(rows, N - 1 - pid_n * BN)[:, None]  # the last tile's rows past N: clamped, in bounds
-        pf_step = first + tl.minimum(tl.arange(0, PF_STEPS), n_steps - 1)[None, :]
-        pdl.prefetch_l2(h_ptr + pid_n.to(tl.int64) * h_tile + row_in * stride_hr + pf_step * h_step)
-        pdl.prefetch_l2(s_ptr + pid_n.to(tl.int64) * s_tile + row_in * stride_sr + first * s_step)
-    pdl.enter(PDL)
-
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for step in range(0, n_steps):
+    for step in range(0, tl.minimum(steps_per_split, k_steps - first)):
         kt = first + step
         k0 = kt * BK
         h_ptrs = h_rows + kt * h_step + hcol[None, :]
@@ -548,7 +531,7 @@ def matmul(
         float(lora_scale), steps_per_split,
         BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
         HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-        X_SPLIT=cfg.x_split, PF_STEPS=PREFETCH_STEPS, num_warps=cfg.warps, num_stages=cfg.stages, **pdl.options(x.device),
+        X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return y
 

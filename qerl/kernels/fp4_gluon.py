@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import backend, pdl, reference
+from . import backend, reference
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
 from .schedule import _cdiv, _sm_count, decode_split
 
@@ -188,9 +188,8 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
                          M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                          SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr, RC: gl.constexpr,
-                         PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue.
-    PDL (``pdl``): set up the shared-memory ring, then wait for the kernel before this one."""
+                         num_warps: gl.constexpr):  # fmt: skip
+    """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue."""
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     k_steps = K // BK
@@ -205,7 +204,6 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
-    pdl.enter(PDL)
     (acc,) = gl.warp_specialize(
         [(_consumer, (x_s, h_s, s_s, ready, empty, steps, BM, BN, BK, STAGES)),
          (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps, BN, BK, STAGES))],
@@ -302,6 +300,6 @@ def matmul(
         out if lb is None else lb,
         M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale),
         BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **pdl.options(x.device), **({"maxnreg": maxnreg} if maxnreg else {}),
+        RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

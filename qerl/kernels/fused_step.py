@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels import backend, pdl, reference
+from qerl.kernels import backend, reference
 from qerl.kernels.fp4_gemm import nibble_major, segmented
 
 #: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks. From
@@ -121,10 +121,9 @@ def _normalise(h, rstd, w_ptr, cols, mask, DT: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                     PERMUTE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                     PERMUTE: tl.constexpr):  # fmt: skip
     """One program per row; the residual sum is written back in place; PERMUTE: the output in the
     Gluon decode kernel's K order (``fp4_gemm.nibble_major``)."""
-    pdl.enter(PDL)
     base = tl.program_id(0).to(tl.int64) * n_cols
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -141,14 +140,13 @@ def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.co
 def _rms_norm_shrink_kernel(
     h_ptr, d_ptr, w_ptr, hout_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr,
     M, K, eps, chunk, R, S1, S2,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, PDL: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
 ):  # fmt: skip
     """Program (row, split): rstd from the whole row (an L2 read), then its ``chunk`` columns:
     residual sum -> hout, normalised row -> out, and their share of ``u = out @ A.T``.
 
     hout is a separate buffer: other programs of the row may still be reading h.
     """
-    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     base = row * K
@@ -195,7 +193,6 @@ def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, 
     _rms_norm_kernel[(h.numel() // n_cols,)](
         h, delta if delta is not None else h, weight, out, n_cols, eps,
         HAS_DELTA=delta is not None, BLOCK=block, PERMUTE=_permute(permute, n_cols), num_warps=_norm_warps(block),
-        **pdl.options(h.device),
     )  # fmt: skip
     return out
 
@@ -225,7 +222,7 @@ def rms_norm_shrink(
     _rms_norm_shrink_kernel[(m, nsplit)](
         h, delta if delta is not None else h, weight, h_out, out, lora_a, u, part, backend.tickets(h.device, m),
         m, k, eps, chunk, rank, bounds[0], bounds[1],
-        HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, num_warps=warps, **pdl.options(h.device),
+        HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, num_warps=warps,
     )  # fmt: skip
     return h_out, out, u
 
@@ -244,8 +241,7 @@ def _silu_gate(g_ptr, u_ptr, offs, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dest = nibble_major(offs) if PERMUTE else offs
@@ -254,11 +250,9 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.
 
 @triton.jit
 def _silu_mul_shrink_kernel(
-    g_ptr, up_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, M, K, chunk, R,
-    BK: tl.constexpr, RP: tl.constexpr, PDL: tl.constexpr,
+    g_ptr, up_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, M, K, chunk, R, BK: tl.constexpr, RP: tl.constexpr
 ):
     """Program (row, split): SiLU-gate ``chunk`` columns of the row and reduce their share of u."""
-    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     acc = tl.zeros([RP], tl.float32)
@@ -277,7 +271,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> tor
     out = torch.empty_like(gate)
     n = gate.numel()
     _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, PERMUTE=_permute(permute, gate.shape[-1]),
-                                              num_warps=4, **pdl.options(gate.device))  # fmt: skip
+                                              num_warps=4)  # fmt: skip
     return out
 
 
@@ -292,8 +286,7 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor) 
     u = torch.empty(m * rank, dtype=gate.dtype, device=gate.device)
     part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=gate.device)
     _silu_mul_shrink_kernel[(m, nsplit)](
-        gate, up, out, lora_a, u, part, backend.tickets(gate.device, m), m, k, chunk, rank, BK=bk, RP=rp, num_warps=4,
-        **pdl.options(gate.device),
+        gate, up, out, lora_a, u, part, backend.tickets(gate.device, m), m, k, chunk, rank, BK=bk, RP=rp, num_warps=4
     )
     return out, u
 
@@ -306,10 +299,9 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor) 
 def _rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr,
     skb, skh, sks, svb, svh, svs,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
     """Program (row, j): j < H ropes q head j; then k heads (into the cache); then v heads (copied)."""
-    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, D)
@@ -352,7 +344,7 @@ def rope_and_cache(
         q, k, v, cos, sin, pos, q_out, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H=num_heads, HKV=num_kv_heads, D=head_dim, num_warps=1, **pdl.options(q.device),
+        H=num_heads, HKV=num_kv_heads, D=head_dim, num_warps=1,
     )  # fmt: skip
     return q_out
 
@@ -366,11 +358,10 @@ def _attn_partial_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
     skb, skh, sks, svb, svh, svs, scale, chunk, nsplit,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Flash-decoding partials: program (row*kv-head, split) attends G query heads to one key chunk
     of the row's valid prefix (slots <= pos)."""
-    pdl.enter(PDL)
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -423,11 +414,10 @@ def _attn_partial_kernel(
 @triton.jit
 def _attn_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, nsplit, B, H, R,
-    NSP: tl.constexpr, D: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, PERMUTE: tl.constexpr, PDL: tl.constexpr,
+    NSP: tl.constexpr, D: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, PERMUTE: tl.constexpr,
 ):  # fmt: skip
     """Program (row*head): merge the head's split partials; with LoRA, its share of ``u = out @ A.T``
     (the head's D columns of A), summed over the row's heads by the last program."""
-    pdl.enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, NSP)
     offs_d = tl.arange(0, D)
@@ -474,7 +464,7 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale, chunk, nsplit,
         HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4, **pdl.options(q.device),
+        IEEE=q.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     rank = 0 if lora_a is None else lora_a.shape[0]
@@ -488,7 +478,7 @@ def decode_attention(
         m, lsum, acc, out, lora_a if lora_a is not None else out, u if u is not None else out,
         part if part is not None else m, tickets if tickets is not None else m, nsplit, b, h, rank,
         NSP=triton.next_power_of_2(nsplit), D=d, HAS_LORA=lora_a is not None, RP=rp, PERMUTE=_permute(permute, h * d),
-        num_warps=4, **pdl.options(q.device),
+        num_warps=4,
     )  # fmt: skip
     return out, u
 
@@ -500,10 +490,9 @@ def decode_attention(
 @triton.jit
 def _finish_step_kernel(
     tok_ptr, lp_ptr, done_ptr, row_ptr, stop_ptr, step_ptr, tokens_ptr, pos_ptr, out_tok_ptr, out_lp_ptr,
-    b, n_stop, pad_id, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    b, n_stop, pad_id, out_stride, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program for all rows: what ``native._finish_step`` does in ~12 torch ops."""
-    pdl.enter(PDL)
     offs = tl.arange(0, BLOCK)
     mask = offs < b
     step = tl.load(step_ptr)
@@ -533,5 +522,5 @@ def finish_step(
     b = tok.shape[0]
     _finish_step_kernel[(1,)](
         tok, lp, done, row_id, stop, step, tokens, pos, out_tok, out_lp, b, stop.numel(), pad_id,
-        out_tok.stride(0), BLOCK=max(16, triton.next_power_of_2(b)), num_warps=4, **pdl.options(tok.device),
+        out_tok.stride(0), BLOCK=max(16, triton.next_power_of_2(b)), num_warps=4,
     )  # fmt: skip
