@@ -16,7 +16,6 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
     python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
     python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
-    python -m benchmarks.decode_tune --regcap --out $OUT   # M = 1 / 16 under register caps -> decode_regcap.json
     python -m benchmarks.decode_tune --gluon --out $OUT    # the Gluon candidate vs the Triton kernel -> decode_gluon.json
     python -m benchmarks.decode_tune --gluon-splits --out $OUT  # its split-K counts at M = 64 / 128 -> decode_gluon_splits.json
 
@@ -85,20 +84,6 @@ LARGE_CANDIDATES = {
     "n256k128w8s3": D(256, 128, 8, 3),
 }
 LARGE_MS = (16, 64, 128)
-#: ``--regcap``: the M <= 16 schedule with a ptxas register cap, so that more programs share an SM (Nsight
-#: Compute at M=1: ~3 warps per scheduler issuing on 53% of cycles, each instruction waiting ~5.7 cycles).
-#: Offline sm_90 (triton 3.6, with LoRA): 105 registers uncapped (4 programs per SM); a cap of 96 keeps the
-#: kernel spill-free (5 per SM: 43 KB of shared memory at 3 stages, 26 KB at 2); 80 spills 16-56 bytes (6 per
-#: SM at 2 stages, shared memory allows 5 at 3).
-REGCAP_CANDIDATES = {
-    "n64k256w4s3": D(64, 256, 4, 3),
-    "n64k256w4s3_rep": D(64, 256, 4, 3),
-    "n64k256w4s3_r96": D(64, 256, 4, 3, resident=5, maxnreg=96),
-    "n64k256w4s2_r96": D(64, 256, 4, 2, resident=5, maxnreg=96),
-    "n64k256w4s3_r80": D(64, 256, 4, 3, resident=5, maxnreg=80),
-    "n64k256w4s2_r80": D(64, 256, 4, 2, resident=6, maxnreg=80),
-}
-REGCAP_MS = (1, 16)
 #: ``--gluon``: the token counts of the A/B (BM = 16 / 16 / 32 / 64 / 128).
 GLUON_MS = (1, 16, 32, 64, 128)
 LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
@@ -281,7 +266,6 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
     ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
-    ap.add_argument("--regcap", action="store_true", help="only the M <= 16 schedule under register caps (decode_regcap.json)")
     ap.add_argument("--gluon", action="store_true", help="only the Gluon candidate vs the Triton kernel (decode_gluon.json)")
     ap.add_argument("--gluon-splits", action="store_true", help="only the Gluon kernel's split-K sweep (decode_gluon_splits.json)")
     args = ap.parse_args()
@@ -313,9 +297,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             write_json(out / "decode_gluon_splits.json", result, indent=1)
         return
-    if args.large or args.gluon or args.regcap:
+    if args.large or args.gluon:
         cands, ms, name = ((("triton", "gluon", "gluon_prepermuted"), GLUON_MS, "decode_gluon.json") if args.gluon
-                           else (REGCAP_CANDIDATES, REGCAP_MS, "decode_regcap.json") if args.regcap
                            else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])

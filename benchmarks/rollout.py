@@ -29,8 +29,8 @@ kernel, on the Gluon kernel (``schedule.GLUON_DECODE``, ``qerl/kernels/fp4_gluon
 fresh graphs each, in one process; each Gluon engine is first checked against the Triton one on the same
 prompts (greedy tokens of a short generate).
 
-``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``:
-stacked groups, one launch per projection, and stacked with a 4x finer attention split.
+``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``, with
+LoRA and with the adapter disabled.
 
     python -m benchmarks.rollout --out $OUT/rollout.json            # on the GPU
     python -m benchmarks.rollout --lora-sweep --tokens 256 --out $OUT/rollout_lora.json
@@ -171,8 +171,8 @@ def ms_per_step(engine, prompts: list[list[int]], tokens: int) -> tuple[float, f
 
 
 def profile(args: argparse.Namespace) -> dict:
-    """GPU time of one eager 7B NVFP4+LoRA decode step, per kernel, at each of ``--batches``, with the
-    q/k/v and gate/up groups as one launch each (``stacked``) and as one launch per projection.
+    """GPU time of one eager 7B NVFP4+LoRA decode step, per kernel, at each of ``--batches``, with LoRA
+    (``lora``) and with the adapter disabled (``nolora``): where the LoRA share of the step goes.
 
     Context: prompts of ``PROMPT + tokens / 2`` positions, the mean KV length of the timed runs, so the
     attention share matches theirs. Per kernel: (time in a generate of 1 + S tokens - time in a
@@ -182,11 +182,11 @@ def profile(args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from qerl.rollout import SamplingParams, decoder
+    from qerl.rollout import SamplingParams
     from qerl.rollout.native import NativeEngine
 
     steps, context = 16, PROMPT + args.tokens // 2
-    variants = (("stacked", True), ("per_projection", False))
+    variants = ("lora", "nolora")
     model = build_model("7b", nvfp4=True)
     gen = torch.Generator().manual_seed(1)
     result: dict = {"steps": steps, "context": context, "batches": {}}
@@ -202,13 +202,10 @@ def profile(args: argparse.Namespace) -> dict:
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (context,), generator=gen).tolist() for _ in range(b)]
         result["batches"][str(b)] = {}
-        for variant, stacked in variants:
-            decoder.STACK_GROUPS = stacked
-            try:
+        for variant in variants:
+            with model.disable_adapter() if variant == "nolora" else contextlib.nullcontext():
                 engine = NativeEngine(model, 0, cuda_graphs=False)
                 one, many = kernel_us(engine, prompts, 1), kernel_us(engine, prompts, 1 + steps)
-            finally:
-                decoder.STACK_GROUPS = True
             per_step = {k: (v - one.get(k, 0.0)) / steps for k, v in many.items()}
             per_step = dict(sorted(((k, round(v, 2)) for k, v in per_step.items() if v > 0.5), key=lambda kv: -kv[1]))
             result["batches"][str(b)][variant] = {"total_us": round(sum(per_step.values()), 1), "kernels_us": per_step}

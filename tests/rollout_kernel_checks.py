@@ -86,8 +86,11 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     except ValueError as err:
         assert "256" in str(err)
 
-    # SiLU gating, with and without the down_proj shrink.
-    for m, k, r in ((1, 1000, 16), (4, 300, 5)):
+    # SiLU gating, with and without the down_proj shrink. Rank 200 at k=1024 splits the row into 32
+    # programs whose partials the last one sums in two tiles of 16 (part_tile caps a tile at 4096 values).
+    nsplit = fused_step._shrink_split(1, 1024, fused_step.rank_pad(200), 4)[0]
+    assert fused_step.part_tile(nsplit, fused_step.rank_pad(200)) < nsplit
+    for m, k, r in ((1, 1000, 16), (4, 300, 5), (1, 1024, 200)):
         g, u, a = rnd(m, k), rnd(m, k), rnd(r, k, scale=0.1)
         ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([r], a.float()))
         act, flat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))

@@ -23,9 +23,9 @@ Kernels:
   + cuBLAS.
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
-(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01): M=1 21.6 us against a 9.0 us floor
-(38.2 MB at 4.26 TB/s), 1.71x of bf16 cuBLAS; M=16 1.70x; M=64 0.91x; dequantize 64 us (2.7 TB/s of
-its 174 MB, floor 41 us); M=1024 fwd 0.77x / bwd 0.73x; M=4096 0.95x / 0.92x of bf16. Nsight Compute
+(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 16:17): M=1 21.6 us against a 9.0 us
+floor (38.2 MB at 4.25 TB/s), 1.73x of bf16 cuBLAS; M=16 1.63x; M=64 1.17x (on Hopper the Gluon kernel,
+``fp4_gluon``); M=1024 fwd 0.80x / bwd 0.71x; M=4096 0.94x / 0.93x of bf16. Nsight Compute
 at M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles
 issuing.
 """
@@ -531,7 +531,7 @@ def matmul(
         float(lora_scale), steps_per_split,
         BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
         HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-        X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y
 

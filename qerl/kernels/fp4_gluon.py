@@ -26,8 +26,9 @@ decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension)
 ticket reduction as the Triton kernel. ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes``
 (above ``schedule.GLUON_MIN_M`` rows; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The
 Gluon decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
-relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 123.6 / 173.0 us against the
-Triton kernel's 161.0 / 294.8 at M = 64 / 128 (x pre-permuted; floor 31 us: 131 MB of weights at 4.26 TB/s), and
+relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
+Triton kernel's 119.3 / 185.3 at M = 64 / 128 (x pre-permuted, decode_gluon_candidates.json; floor 31 us:
+131 MB of weights at 4.26 TB/s), and
 the 7B engine step (1024 tokens, its input written in this kernel's K order, split-K refit) from 7.19 to
 5.82 ms at b=64 and 11.89 to 8.70 ms at b=128. Latency-bound at M=64 (Nsight Compute: 0.35 issues per
 scheduler-cycle, 8 consumer warps per SM).

@@ -41,8 +41,7 @@ class DecodeConfig:
     slices (0 = pick from the shape, ``decode_split``), ``x_split``: load x as one contiguous tile and
     split it in registers (else four strided gathers). BM (padded tokens) follows from M.
     ``resident``: programs one SM holds at BM=16, halving per doubling of BM (ptxas, BN=64 BK=256 3
-    stages: 105 registers + 43 KB -> 4; BM=32 -> 2; BM=64, 255 registers + 117 KB -> 1). ``maxnreg``:
-    a register cap per thread for ptxas (0: none), which raises the programs an SM holds."""
+    stages: 105 registers + 43 KB -> 4; BM=32 -> 2; BM=64, 255 registers + 117 KB -> 1)."""
 
     # benchmarks/decode_tune.py --quick (H200, 2026-11-29 21:15): best summed time of 12 schedules over
     # 7B down/gate_up at M=1/16 (120.6 us vs 129.5 with stages=4); confirmed 23:12 (decode_tune_quick.json).
@@ -53,7 +52,6 @@ class DecodeConfig:
     split: int = 0
     x_split: bool = True
     resident: int = 4
-    maxnreg: int = 0
 
     @classmethod
     def from_env(cls) -> DecodeConfig | None:
