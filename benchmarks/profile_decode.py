@@ -28,8 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="down")
     parser.add_argument("--m", type=int, default=1, help="tokens (1..128: the decode kernel's range)")
     parser.add_argument("--launches", type=int, default=5, help="launches (skip the first ones in ncu: -s)")
-    parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
-                        help="gluon: the Gluon kernel (x pre-permuted, as the engine hands it; ncu -k regex:_decode_gluon)")
+    parser.add_argument("--kernel", choices=["triton", "gluon", "direct"], default="triton",
+                        help="gluon: the Gluon kernel (x pre-permuted, as the engine hands it; ncu -k regex:_decode_gluon); "
+                             "direct: the mma.sync kernel for M <= 16 (fp4_direct, x pre-permuted; ncu -k regex:_direct)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/profile_decode.py: needs a CUDA device")
@@ -46,13 +47,18 @@ def main(argv: list[str] | None = None) -> None:
 
         xp = reference.nibble_major(x)
         launch = lambda: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)  # noqa: E731
+    elif args.kernel == "direct":
+        from qerl.kernels import fp4_direct, reference
+
+        xp = reference.nibble_major(x)
+        launch = lambda: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)  # noqa: E731
     else:
         launch = lambda: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m))  # noqa: E731
     for _ in range(args.launches):
         y = launch()
     torch.cuda.synchronize()
     err = ((y.double() - ref).norm() / ref.norm()).item()
-    what = "the Gluon kernel" if args.kernel == "gluon" else sch.decode_config(args.m, n, k, x.device)
+    what = f"the {args.kernel} kernel" if args.kernel != "triton" else sch.decode_config(args.m, n, k, x.device)
     print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {what}, rel err {err:.1e}")
     if not err < 1e-2:
         sys.exit("benchmarks/profile_decode.py: the kernel's result is off (rel err >= 1e-2)")

@@ -24,10 +24,11 @@ holds) for LoRA with shrinks fused into the producing kernels, the same with one
 projection instead of per stacked q/k/v and gate/up group (``decoder.STACK_GROUPS = False``), LoRA
 with one cuBLAS shrink per group (``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
-``--gluon-ab`` times only the 7B NVFP4+LoRA engine at ``--batches`` with its decode GEMMs on the Triton
-kernel, on the Gluon kernel (``schedule.GLUON_DECODE``, ``qerl/kernels/fp4_gluon.py``) and on Triton again,
-fresh graphs each, in one process; each Gluon engine is first checked against the Triton one on the same
-prompts (greedy tokens of a short generate).
+``--kernel-ab gluon|direct`` times only the 7B NVFP4+LoRA engine at ``--batches`` with its decode GEMMs on
+the Triton kernel, on that Gluon kernel (``schedule.GLUON_DECODE``, ``qerl/kernels/fp4_gluon.py``, above 16
+rows; ``schedule.DIRECT_DECODE``, ``qerl/kernels/fp4_direct.py``, at most 8) and on Triton again, fresh
+graphs each, in one process; each Gluon engine is first checked against the Triton one on the same prompts
+(greedy tokens of a short generate).
 
 ``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``, with
 LoRA and with the adapter disabled.
@@ -303,8 +304,12 @@ def lora_sweep(args: argparse.Namespace) -> dict:
     }
 
 
-def gluon_ab(args: argparse.Namespace) -> dict:
-    """``--gluon-ab``: ms/step with the Triton decode kernel / the Gluon candidate / Triton, same process."""
+#: ``--kernel-ab`` variants: the ``schedule`` switch each Gluon decode kernel has.
+AB_SWITCHES = {"gluon": "GLUON_DECODE", "direct": "DIRECT_DECODE"}
+
+
+def kernel_ab(args: argparse.Namespace) -> dict:
+    """``--kernel-ab K``: ms/step with the decode GEMMs K covers on the Triton kernel / on K / on Triton, same process."""
     from qerl.kernels import schedule
     from qerl.rollout import SamplingParams
     from qerl.rollout.native import NativeEngine
@@ -316,14 +321,16 @@ def gluon_ab(args: argparse.Namespace) -> dict:
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         reference_tokens = None
-        for variant in ("triton", "gluon", "triton"):
-            default, schedule.GLUON_DECODE = schedule.GLUON_DECODE, variant == "gluon"
+        switch = AB_SWITCHES[args.kernel_ab]
+        for variant in ("triton", args.kernel_ab, "triton"):
+            default = getattr(schedule, switch)
+            setattr(schedule, switch, variant != "triton")
             try:
                 engine = NativeEngine(model, 0)
                 tokens = engine.generate(prompts, greedy).completion_ids
                 ms, t_one = ms_per_step(engine, prompts, args.tokens)
             finally:
-                schedule.GLUON_DECODE = default
+                setattr(schedule, switch, default)
             reference_tokens = reference_tokens or tokens
             same = sum(t == r for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)
             # Tokens before a row's first difference: a wrong kernel diverges at the first decode step
@@ -339,7 +346,7 @@ def gluon_ab(args: argparse.Namespace) -> dict:
                              greedy_common_prefix_tokens=prefix, greedy_tokens=greedy.max_new_tokens))  # fmt: skip
             print(f"7b nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to triton's {same:.2f}, "
                   f"common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
-    return {"benchmark": "rollout decode, Triton vs Gluon decode GEMMs (ms/step)", "date": utc_now(), **environment(),
+    return {"benchmark": f"rollout decode, Triton vs {args.kernel_ab} decode GEMMs (ms/step)", "date": utc_now(), **environment(),
             "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip
 
 
@@ -443,9 +450,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="only a per-kernel GPU-time profile of one 7B NVFP4+LoRA decode step at --batches")
     parser.add_argument("--lora-sweep", action="store_true", help="only the 7B NVFP4 LoRA cost sweep (see above)")
-    parser.add_argument("--gluon-ab", action="store_true", help="only the Triton vs Gluon decode-GEMM A/B (see above)")
+    parser.add_argument("--kernel-ab", choices=list(AB_SWITCHES),
+                        help="only the Triton vs that Gluon decode kernel A/B (see above)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
-                        help="with --lora-sweep, --gluon-ab or --profile")
+                        help="with --lora-sweep, --kernel-ab or --profile")
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
     parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
     parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
@@ -473,8 +481,8 @@ def main() -> None:
         write_json(args.out, {"date": utc_now(), **environment(), "command": common.command("benchmarks.rollout"),
                               "profile": profile(args)})
         return
-    if args.gluon_ab:
-        write_json(args.out, gluon_ab(args))
+    if args.kernel_ab:
+        write_json(args.out, kernel_ab(args))
         return
     result = lora_sweep(args) if args.lora_sweep else run(args)
     write_json(args.out, result)

@@ -80,6 +80,16 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     assert torch.equal(fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6, permute=True).cpu(), nibble_major(natural))
     natural = fused_step.silu_mul(dev(g), dev(u)).cpu()
     assert torch.equal(fused_step.silu_mul(dev(g), dev(u), permute=True).cpu(), nibble_major(natural))
+    # The fused shrinks with permute: the output permuted, u (reduced from the natural-order values) bitwise the same.
+    a = rnd(24, 512, scale=0.1)
+    bounds = (8, 16)
+    hout, natural, u_nat = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds)
+    hout_p, permuted, u_p = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, permute=True)
+    assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())), "rms_norm_shrink(permute=True) output"
+    assert torch.equal(u_p, u_nat) and torch.equal(hout_p, hout), "rms_norm_shrink(permute=True) u / residual"
+    natural, u_nat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
+    permuted, u_p = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a), permute=True)
+    assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())) and torch.equal(u_p, u_nat), "silu_mul_shrink(permute=True)"
     try:
         fused_step.rms_norm(dev(h[:, :200]), None, dev(w[:200]), 1e-6, permute=True)
         raise AssertionError("rms_norm(permute=True) accepted rows of 200")
@@ -124,6 +134,10 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     natural = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5)[0].cpu()
     permuted = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, permute=True)[0].cpu()
     assert torch.equal(permuted, nibble_major(natural)), "decode_attention(permute=True)"
+    a = rnd(12, 256, scale=0.1)
+    _, u_nat = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a))
+    permuted, u_p = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a), permute=True)
+    assert torch.equal(permuted.cpu(), nibble_major(natural)) and torch.equal(u_p, u_nat), "decode_attention(permute, shrink)"
 
     check_finish_step(device)
 

@@ -248,3 +248,87 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     end = next(i for i in range(wait, len(lines)) if "BRA" in lines[i])
     assert not [line for line in lines[start:end] if re.search(r"\b(?:LDL|STL)\b", line)], "register spills in the K loop"
 
+
+
+def test_direct_decode_compiles_for_sm90() -> None:
+    """The mma.sync decode kernel (``fp4_direct``) compiles for sm_90 on any machine with the structure it
+    exists for: 16 register-operand HMMA per K step (4 nibbles x 4 k16 chunks) plus the LoRA expand's,
+    16-byte weight and x loads straight into registers, no shared memory, no barrier and no spill in the
+    K loop."""
+    import re
+
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from qerl.kernels import fp4_direct as fd
+
+    kernel = fd._direct_kernel
+    ints = ["M", "N", "K", "stride_xm", "stride_h", "stride_s", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"]
+    signature = {
+        "x_ptr": "*bf16", "h_ptr": "*i16", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+        "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
+        "lora_scale": "fp32", **dict.fromkeys(["BM", "BN", "HW", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
+    }  # fmt: skip
+    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "SPLIT": True, "HAS_BIAS": True,
+                 "HAS_LORA": True, "RC": 16, "num_warps": fd.WARPS}  # fmt: skip
+    aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+               for n in ("x_ptr", "h_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_h", "stride_s")}  # fmt: skip
+    sass = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": fd.WARPS}).asm["sass"]  # fmt: skip
+    lines = sass.splitlines()
+    labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\s*\w+:", line)}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines) for m in [re.search(r"BRA `?\(?(\w+)\)?;", line)]
+             if m and m.group(1) in labels and labels[m.group(1)] < i]  # fmt: skip
+    start, end = next((a, b) for a, b in loops if any("HMMA" in line for line in lines[a:b]))
+    body = lines[start:end + 1]
+    assert sum("HMMA.16816.F32.BF16" in line for line in body) == 16
+    assert sum("LDG.E.128" in line for line in body) == 12  # 4 weight runs + 8 x runs per thread and step
+    assert not [line for line in body if re.search(r"\b(?:BAR|LDS|STS|LDSM)\b", line)], "shared memory or a barrier in the K loop"
+    assert not re.search(r"\b(?:LDL|STL)\b", sass), "register spills"
+    assert sass.count("HMMA.16816.F32.BF16") == 16 + 1  # + the LoRA expand (one k16 rank chunk per iteration)
+
+
+@pytest.mark.parametrize("kernel", ["direct", "gluon"])
+def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both Gluon decode launchers hand their kernel every argument under the right name (the shared host
+    tail, ``fp4_gluon.launch_tail``, fills ``g_ptr`` .. ``lora_scale`` by position): the launch is captured on
+    CPU tensors and bound to the kernel's Python signature, then checked field by field."""
+    import inspect
+
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import fp4_direct, fp4_gluon
+
+    module, name = (fp4_direct, "_direct_kernel") if kernel == "direct" else (fp4_gluon, "_decode_gluon_kernel")
+    launches = []
+
+    class Capture:
+        fn = getattr(module, name).fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(module, name, Capture())
+    monkeypatch.setattr(module, "supports", lambda *a: True)
+    monkeypatch.setattr(module, "_sm_count", lambda device: 132)
+    m, n, k, rank = 3, 200, 1536, 24  # 6 K steps of 256: split 3 runs 2 each
+    packed = torch.zeros(n, k // 2, dtype=torch.uint8)
+    scale = torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
+    g, x, bias = torch.ones(1), torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    u, lora_b = torch.zeros(m * rank, dtype=torch.bfloat16), torch.zeros(n, rank, dtype=torch.bfloat16)
+    y = module.matmul(x, packed, scale, g, bias, u, lora_b, 0.5, out_bounds=(100, 150), lora_bounds=(8, 16), split=3)
+    (grid, args, kwargs), = launches
+    launch_options = {"num_warps", "maxnreg"}  # Triton's, not the kernel's (num_warps is both for these kernels)
+    params = inspect.signature(Capture.fn).parameters
+    bound = inspect.signature(Capture.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params or k not in launch_options}).arguments
+    steps = k // 256
+    assert grid == (-(-n // 64), 3) and y.shape == (m * n,)
+    assert bound["g_ptr"] is g and bound["y_ptr"] is y and bound["bias_ptr"] is bias and bound["u_ptr"] is u
+    assert bound["lb_ptr"] is lora_b and bound["part_ptr"].shape == (3, m, n) and bound["ticket_ptr"].dtype == torch.int32
+    assert (bound["M"], bound["N"], bound["K"], bound["steps_per_split"]) == (m, n, k, -(-steps // 3))
+    assert (bound["Y1"], bound["Y2"], bound["S1"], bound["S2"], bound["stride_lb"], bound["R"]) == (100, 150, 8, 16, rank, rank)
+    assert bound["lora_scale"] == 0.5 and bound["SPLIT"] and bound["HAS_BIAS"] and bound["HAS_LORA"]
+    if kernel == "direct":
+        assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 4, k // 16)
+        assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int16

@@ -36,6 +36,25 @@ def _rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", generator=_gen()).to(dtype)
 
 
+def _stacked_epilogue_case(m: int, rank: int, lora_bounds: tuple[int, int]):
+    """What the rollout engine hands a stacked q/k/v decode GEMM (N=1000 split at 600/800, K=2048): weight,
+    x, bias, a segmented u ``[m * rank]`` and a block-diagonal B (projection j's rows nonzero only in its
+    rank columns, split at ``lora_bounds``), and the float64 result; returns (q, x, bias, u, B, bounds, ref)."""
+    from qerl.kernels import reference
+
+    n, k, out_bounds = 1000, 2048, (600, 800)
+    q = _weight(n, k)
+    x, bias = _rand(m, k), _rand(n) * 0.1
+    lora_b = torch.zeros(n, rank, device="cuda", dtype=torch.bfloat16)
+    rows, ranks = (0, *out_bounds, n), (0, *lora_bounds, rank)
+    for j in range(3):
+        lora_b[rows[j] : rows[j + 1], ranks[j] : ranks[j + 1]] = _rand(rows[j + 1] - rows[j], ranks[j + 1] - ranks[j]) * 0.1
+    u = _rand(m * rank)
+    ref = reference.group_mm(x.double(), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.double(), out_bounds,
+                             u.double(), lora_bounds, lora_b.double())  # fmt: skip
+    return q, x, bias, u, lora_b, out_bounds, ref
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     assert torch.isfinite(a).all(), "output has non-finite entries (unwritten or poisoned)"
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -119,7 +138,7 @@ def test_gluon_decode(M: int, N: int, K: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
-@pytest.mark.parametrize("M", [33, 64, 100, 128])
+@pytest.mark.parametrize("M", [17, 33, 64, 100, 128])
 @pytest.mark.parametrize("r,lora_bounds", [(16, (6, 11)), (80, (30, 55))])
 def test_gluon_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon candidate behind ``fp4_gemm.matmul`` (``QERL_DECODE_GLUON``, M above ``GLUON_MIN_M``) with
@@ -132,18 +151,7 @@ def test_gluon_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mon
     monkeypatch.setattr(sch, "GLUON_DECODE", True)
     calls = []
     monkeypatch.setattr(fp4_gluon, "matmul", lambda *a, _f=fp4_gluon.matmul, **k: calls.append(1) or _f(*a, **k))
-    N, K = 1000, 2048
-    out_bounds = (600, 800)
-    q = _weight(N, K)
-    x, bias = _rand(M, K), _rand(N) * 0.1
-    lora_b = torch.zeros(N, r, device="cuda", dtype=torch.bfloat16)  # block-diagonal, as the engine's
-    for (lo, hi), (rlo, rhi) in zip(((0, 600), (600, 800), (800, N)), ((0, lora_bounds[0]), lora_bounds, (lora_bounds[1], r)),
-                                    strict=True):  # fmt: skip
-        lora_b[lo:hi, rlo:rhi] = _rand(hi - lo, rhi - rlo) * 0.1
-    u = _rand(M * r)
-    args = (x.double(), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.double(), out_bounds, u.double(),
-            lora_bounds, lora_b.double())  # fmt: skip
-    ref = reference.group_mm(*args)
+    q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
     _poison_allocator()
     y = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b,
                         out_bounds=out_bounds, lora_bounds=lora_bounds)  # fmt: skip
@@ -154,6 +162,56 @@ def test_gluon_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mon
     y = fp4_gemm.matmul(x.half(), q.weight_packed, q.weight_scale, q.weight_global_scale)
     assert _rel(y, x.double() @ _w64(q).t()) < TOL
     assert len(calls) == 2  # both bf16 calls took the Gluon kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("N,K", [(200, 1024), (1000, 3584), (72, 256)])
+def test_direct_decode(M: int, N: int, K: int) -> None:
+    """The mma.sync kernel against float64: x in the Gluon K order, split-K (auto, one slice, three),
+    N not a multiple of its 64-row tile, one K step; then the Triton kernel (sharing the ticket table) is
+    still exact; M > 8 and K off the 256-code steps are refused."""
+    from qerl.kernels import fp4_direct, fp4_gemm, reference
+
+    q = _weight(N, K)
+    x = _rand(M, K)
+    ref = x.double() @ _w64(q).t()
+    xp = reference.nibble_major(x)
+    _poison_allocator()
+    for split in (0, 1, 3):
+        y = fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
+        assert _rel(y, ref) < TOL, (split, _rel(y, ref))
+    assert _rel(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
+    with pytest.raises(ValueError, match="direct decode kernel"):
+        fp4_direct.matmul(_rand(9, K), q.weight_packed, q.weight_scale, q.weight_global_scale)
+    odd = _weight(N, K + 16)
+    with pytest.raises(ValueError, match="direct decode kernel"):
+        fp4_direct.matmul(_rand(M, K + 16), odd.weight_packed, odd.weight_scale, odd.weight_global_scale)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+@pytest.mark.parametrize("M", [1, 5, 8])
+@pytest.mark.parametrize("r,lora_bounds", [(16, (6, 11)), (48, (16, 32))])
+def test_direct_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fp4_gemm.matmul(x_permuted=True)`` at M <= ``DIRECT_MAX_M`` takes the mma.sync kernel with what the
+    rollout engine hands it (bias, the LoRA expand from a segmented u, segmented outputs) against the float64
+    reference, as the Triton kernel does on the same x in natural order; at M = 9 an x in that order is refused."""
+    from qerl.kernels import fp4_direct, fp4_gemm, reference
+    from qerl.kernels import schedule as sch
+
+    monkeypatch.setattr(sch, "DIRECT_DECODE", True)
+    calls = []
+    monkeypatch.setattr(fp4_direct, "matmul", lambda *a, _f=fp4_direct.matmul, **k: calls.append(1) or _f(*a, **k))
+    q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
+    args = (q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b)
+    _poison_allocator()
+    y = fp4_gemm.matmul(reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True)
+    assert len(calls) == 1
+    assert _rel(y, ref) < TOL
+    assert _rel(fp4_gemm.matmul(x, *args, out_bounds=out_bounds, lora_bounds=lora_bounds), ref) < TOL
+    assert len(calls) == 1  # natural order: the Triton kernel
+    with pytest.raises(ValueError, match="x_permuted"):
+        fp4_gemm.matmul(_rand(9, x.shape[1]), q.weight_packed, q.weight_scale, q.weight_global_scale, x_permuted=True)
 
 
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])

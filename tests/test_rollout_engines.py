@@ -321,37 +321,40 @@ def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
-def test_gpu_gluon_order_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode batches above ``GLUON_MIN_M`` on a model whose GEMM inputs are whole 256-code K steps run
-    every decode GEMM on the Gluon kernel with x already in its K order (written so by the producing
-    norm / attention / SiLU kernels, the LoRA shrink through ``lora_a_gluon``): no per-call permute,
-    and the logits match the Triton-kernel engine's (<= 1% of max |logit|) and HF's forward (<= 5%)."""
-    from qerl.kernels import fp4_gluon
+@pytest.mark.parametrize("kernel,rows", [("gluon", 40), ("gluon", 20), ("direct", 6)])
+def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode batches above ``GLUON_MIN_M`` (the TMA/wgmma kernel) or of at most ``DIRECT_MAX_M`` rows (the
+    mma.sync kernel) on a model whose GEMM inputs are whole 256-code K steps run every decode GEMM on that
+    Gluon kernel with x already in its K order (written so by the producing norm / attention / SiLU kernels;
+    the LoRA shrinks fused into them at 6 and 20 rows, through ``lora_a_gluon`` at 40): no per-call permute, and
+    the logits match the Triton-kernel engine's (<= 1% of max |logit|) and HF's forward (<= 5%)."""
+    from qerl.kernels import fp4_direct, fp4_gluon
     from qerl.kernels import schedule as sch
 
+    module, switch = (fp4_gluon, "GLUON_DECODE") if kernel == "gluon" else (fp4_direct, "DIRECT_DECODE")
     model = medium_model(True, stacked=True, hidden_size=1024, intermediate_size=2560, num_attention_heads=8,
                          num_key_value_heads=2)  # fmt: skip
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(5, 40, (40,), generator=gen)]
+    prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(5, 40, (rows,), generator=gen)]
     completions = [torch.randint(0, 4096, (12,), generator=gen).tolist() for _ in prompts]
     calls: list[bool] = []
 
-    def counted(*args, _f=fp4_gluon.matmul, **kwargs):
-        calls.append(kwargs.get("permuted", False))
+    def counted(*args, _f=module.matmul, **kwargs):
+        calls.append(kwargs.get("permuted", kernel == "direct"))  # fp4_gemm sends the direct kernel permuted x only
         return _f(*args, **kwargs)
 
-    monkeypatch.setattr(fp4_gluon, "matmul", counted)
-    monkeypatch.setattr(sch, "GLUON_DECODE", True)
+    monkeypatch.setattr(module, "matmul", counted)
+    monkeypatch.setattr(sch, switch, True)
     got = NativeEngine(model, 0).teacher_forced_logits(prompts, completions)
     n = len(calls)  # 4 layers x (qkv, o, gate_up, down) per warm-up or capture of a step graph
     assert n and n % 16 == 0 and all(calls), calls
-    monkeypatch.setattr(sch, "GLUON_DECODE", False)
+    monkeypatch.setattr(sch, switch, False)
     base = NativeEngine(model, 0).teacher_forced_logits(prompts, completions)
     assert len(calls) == n
     worst = max((g - b).abs().max().item() for g, b in zip(got, base, strict=True))
     scale = max(b.abs().max().item() for b in base)
     assert worst <= 0.01 * scale, (worst, scale)
-    for i in (0, 17, 39):
+    for i in (0, rows // 2, rows - 1):
         with torch.no_grad():
             ids = torch.tensor([prompts[i] + completions[i]], device="cuda")
             ref = model(input_ids=ids).logits[0, len(prompts[i]) - 1 : -1].float()

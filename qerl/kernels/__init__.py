@@ -109,9 +109,9 @@ def nvfp4_group_decode(
 
 
 def gluon_order(rows: int, k: int, x: torch.Tensor) -> bool:
-    """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device runs the Gluon kernel,
-    which reads x in its own K order (``fp4_gemm.nibble_major``): the rollout engine then has the op
-    producing x write it so (``fused_step``, ``permute=True``) instead of permuting it per call."""
+    """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device runs a Gluon kernel,
+    which reads x in their K order (``fp4_gemm.nibble_major``; ``fp4_gemm.gluon_takes``): the rollout engine
+    then has the op producing x write it so (``fused_step``, ``permute=True``) instead of permuting it per call."""
     if not ops.use_triton(x):
         return False
     from qerl.kernels import fp4_gemm

@@ -22,11 +22,14 @@ Kernels:
   bitwise equal to ``nvfp4.dequantize``; the forward above M = 128 and grad_x above M = 64 run it
   + cuBLAS.
 
+On Hopper, ``matmul`` hands decode GEMMs whose x comes in the Gluon K order (``nibble_major``) to Gluon
+kernels instead (``gluon_takes``): ``fp4_direct`` up to 8 rows, ``fp4_gluon`` from 17.
+
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
-(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 16:17): M=1 21.6 us against a 9.0 us
-floor (38.2 MB at 4.25 TB/s), 1.73x of bf16 cuBLAS; M=16 1.63x; M=64 1.17x (on Hopper the Gluon kernel,
-``fp4_gluon``); M=1024 fwd 0.80x / bwd 0.71x; M=4096 0.94x / 0.93x of bf16. Nsight Compute
-at M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles
+(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 17:39): M=16 (this module's decode kernel)
+1.75x of bf16 cuBLAS, 23.5 us against a 9.0 us floor (38.2 MB at 4.26 TB/s); M=1 2.02x (``fp4_direct``), M=64
+1.44x (``fp4_gluon``); M=1024 fwd 0.78x / bwd 0.74x; M=4096 0.94x / 0.98x of bf16. Nsight Compute of this
+kernel at M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles
 issuing.
 """
 
@@ -462,7 +465,8 @@ def matmul(
 ) -> torch.Tensor:
     """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
 
-    Decode-sized M (<= DECODE_MAX_M) takes ``_decode_kernel`` (one launch, split-K). Larger M
+    Decode-sized M (<= DECODE_MAX_M) takes ``_decode_kernel`` (one launch, split-K), or a Gluon kernel
+    where ``gluon_takes`` (``fp4_direct`` only for an x already in its K order). Larger M
     dequantizes the weight once into a transient bf16/fp16 copy and calls cuBLAS. An explicit
     ``DecodeConfig`` sets the decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
     contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer.
@@ -470,7 +474,7 @@ def matmul(
     ``out_bounds`` returns y as a flat ``[M * N]`` buffer in the segmented layout (``segmented``:
     output columns split at the two bounds, each block a contiguous ``[M, len]``); ``lora_bounds``
     says ``lora_u`` is such a flat ``[M * r]`` buffer (as the rollout's fused shrinks write it).
-    ``x_permuted``: x is in the Gluon kernel's K order (``nibble_major``); only for GEMMs ``gluon_takes``.
+    ``x_permuted``: x is in the Gluon kernels' K order (``nibble_major``); only for GEMMs ``gluon_takes``.
     """
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
@@ -499,12 +503,18 @@ def matmul(
             return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
     if config is None and gluon_takes(M, K, x.dtype, x.device):
-        from . import fp4_gluon  # imports this module: loaded on first use only
+        if M > schedule.GLUON_MIN_M:
+            from . import fp4_gluon  # imports this module: loaded on first use only
 
-        return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
-                                out, out_bounds, lora_bounds, permuted=x_permuted)  # fmt: skip
-    if x_permuted:
-        raise ValueError(f"x in the Gluon kernel's K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
+            return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
+                                    out, out_bounds, lora_bounds, permuted=x_permuted)  # fmt: skip
+        if x_permuted:
+            from . import fp4_direct
+
+            return fp4_direct.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
+                                     out, out_bounds, lora_bounds)  # fmt: skip
+    elif x_permuted:
+        raise ValueError(f"x in the Gluon kernels' K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
                          f"{x.dtype}, config={config}")  # fmt: skip
     shape = (M, N) if out_bounds is None else (M * N,)
     y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
@@ -544,15 +554,28 @@ def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device,
 
 
 def gluon_takes(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``matmul`` sends an [M, K] x [K, N] decode GEMM to the Gluon kernel (``fp4_gluon``):
-    ``schedule.GLUON_DECODE`` on, more than ``GLUON_MIN_M`` rows, a Triton with Gluon, and a GEMM that
-    kernel covers (``fp4_gluon.supports``: sm_90, bf16, M <= 128, whole 256-code K steps). The rollout
-    engine asks the same question to decide whether the op producing x writes it in that kernel's K order."""
-    if not (schedule.GLUON_DECODE and M > schedule.GLUON_MIN_M and _has_gluon()):
-        return False
-    from . import fp4_gluon
+    """Whether ``matmul`` runs an [M, K] x [K, N] decode GEMM on a Gluon kernel that reads x in its K order
+    (``nibble_major``), so the op producing x should write it so (the rollout engine asks this):
 
-    return fp4_gluon.supports(M, K, dtype, device)
+    * above ``GLUON_MIN_M`` rows the TMA/wgmma kernel (``fp4_gluon``, ``schedule.GLUON_DECODE``: sm_90, bf16,
+      M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is not in that order itself;
+    * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,
+      ``schedule.DIRECT_DECODE``), for an x already in that order (``x_permuted``); an x in natural order
+      takes ``_decode_kernel`` (a direct kernel reading natural order measured 2% faster at M=1 and ~48%
+      slower at M=8, summed over the 7B GEMMs: NOTES.md, "A decode kernel without shared memory").
+
+    False without a Triton that has Gluon."""
+    if not _has_gluon():
+        return False
+    if schedule.GLUON_DECODE and M > schedule.GLUON_MIN_M:
+        from . import fp4_gluon
+
+        return fp4_gluon.supports(M, K, dtype, device)
+    if schedule.DIRECT_DECODE and M <= schedule.DIRECT_MAX_M:
+        from . import fp4_direct
+
+        return fp4_direct.supports(M, K, dtype, device)
+    return False
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect), for Hopper
-(sm_90) only: what ``fp4_gemm.matmul`` runs for decode GEMMs of 33..128 rows there, in place of
+(sm_90) only: what ``fp4_gemm.matmul`` runs for decode GEMMs of 17..128 rows there, in place of
 ``fp4_gemm._decode_kernel``.
 
 Why another kernel: Nsight Compute put the Triton decode kernel's time at M >= 64 in the CTA-wide
@@ -171,16 +171,45 @@ def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
 
 
 @gluon.jit
-def _epilogue(acc, pid_n, g_ptr, offs_n, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb, R,
-              lora_scale, BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, HAS_BIAS: gl.constexpr,
-              HAS_LORA: gl.constexpr):  # fmt: skip
-    """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * sum_r B[n, r] u[m, r]) at the tile's
-    (segmented) offsets ``offs``; u segmented at S1/S2."""
+def tile_offsets(pid_n, M, N, Y1, Y2, BN: gl.constexpr, BM: gl.constexpr, layout: gl.constexpr):
+    """(offs_n, offs, mask) of a decode program's transposed [BN, BM] output tile in ``layout``: ``offs``
+    in y's segmented order (``segmented``), which the fp32 split-K partials share (they are private to the
+    launch; a second [BN, BM] offset tensor made this kernel spill at BM=128, offline compile)."""
+    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
+    offs = segmented(gl.expand_dims(offs_n, 1), gl.expand_dims(offs_m, 0), M, Y1, Y2, N)
+    mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
+    return offs_n, offs, mask
+
+
+@gluon.jit
+def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N):
+    """Publish this program's fp32 partial and take a ticket: ``(sum of every slice's partial in slice
+    order, True)`` for the program that draws the tile's last ticket (it also resets the ticket, so stream
+    order leaves the table at zero for the next launch), ``(acc, False)`` for the others (as fp4_gemm does)."""
+    nsplit = gl.num_programs(1)
+    gl.store(part_ptr + gl.program_id(1) * M * N + offs, acc, mask=mask)
+    gl.thread_barrier()
+    ticket = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
+    last = ticket == nsplit - 1
+    if last:
+        acc = gl.zeros_like(acc)
+        for s in range(0, nsplit):
+            acc += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        gl.store(ticket_ptr + pid_n, 0)
+    return acc, last
+
+
+@gluon.jit
+def store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale,
+               HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
+    """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * lora[n, m]) at the tile's (segmented)
+    offsets ``offs``; ``lora`` is the tile's B . u (read only with HAS_LORA)."""
     out = acc * (256.0 / gl.load(g_ptr))
     if HAS_BIAS:
         out += gl.expand_dims(gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32), 1)
     if HAS_LORA:
-        out += lora_scale * _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC)
+        out += lora_scale * lora
     gl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -214,30 +243,44 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
 
-    mma: gl.constexpr = _acc_layout(BM)
-    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    # One offset tensor serves y and the fp32 partials (which take y's segmented order; they are private
-    # to the launch): a second [BN, BM] offset tensor made BM=128 spill (offline compile).
-    offs = segmented(gl.expand_dims(offs_n, 1), gl.expand_dims(offs_m, 0), M, Y1, Y2, N)
-    mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
+    offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, _acc_layout(BM))
+    run = True
     if SPLIT:
-        # Publish the fp32 partial, take a ticket; the last program of the tile sums all partials in
-        # slice order, runs the epilogue and resets the ticket for the next launch (as fp4_gemm does).
-        nsplit = gl.num_programs(1)
-        gl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
-        gl.thread_barrier()
-        ticket = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == nsplit - 1:
-            acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-            for s in range(0, nsplit):
-                acc += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            gl.store(ticket_ptr + pid_n, 0)
-            _epilogue(acc, pid_n, g_ptr, offs_n, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb,
-                      R, lora_scale, BM, BN, RC, HAS_BIAS, HAS_LORA)
-    else:
-        _epilogue(acc, pid_n, g_ptr, offs_n, offs, mask, M, N, y_ptr, bias_ptr, u_ptr, S1, S2, lb_ptr, stride_lb, R,
-                  lora_scale, BM, BN, RC, HAS_BIAS, HAS_LORA)
+        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N)
+    if run:
+        lora = acc
+        if HAS_LORA:
+            lora = _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC)
+        store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, HAS_LORA)
+
+
+def launch_tail(
+    x: torch.Tensor, weight_global_scale: torch.Tensor, N: int, K: int, tiles: int, k_steps: int, split: int, slots: int,
+    program_steps: int, bias: torch.Tensor | None, lora_u: torch.Tensor | None, lora_b: torch.Tensor | None,
+    lora_scale: float, out: torch.Tensor | None, out_bounds: tuple[int, int] | None,
+    lora_bounds: tuple[int, int] | None,
+) -> tuple[int, int, torch.Tensor, tuple]:
+    """Host side of the tail both Gluon decode kernels share: ``(split, rank, out, args)`` with split resolved
+    (``decode_split`` over ``slots`` resident programs when 0), y allocated (``[M, N]``, or flat segmented
+    with ``out_bounds``), the fp32 partials and tickets of a split launch, and the kernel arguments from
+    ``g_ptr`` to ``lora_scale`` in their order."""
+    M = x.shape[0]
+    if split <= 0:
+        split = decode_split(tiles, k_steps, slots, program_steps)
+    steps_per_split = _cdiv(k_steps, split)
+    split = _cdiv(k_steps, steps_per_split)
+    if out is None:
+        out = torch.empty((M, N) if out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
+    lb = None if lora_b is None else lora_b.contiguous()
+    rank = 0 if lb is None else lb.shape[1]
+    y1, y2 = out_bounds or (N, N)
+    s1, s2 = lora_bounds or (rank, rank)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    tickets = backend.tickets(x.device, tiles) if split > 1 else out
+    args = (weight_global_scale, out, part, tickets, out if bias is None else bias,
+            out if lora_u is None else lora_u.contiguous(), out if lb is None else lb,
+            M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale))  # fmt: skip
+    return split, rank, out, args
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -276,10 +319,8 @@ def matmul(
     stages, maxnreg, resident = SCHEDULE[bm]
     k_steps = K // BK
     tiles = _cdiv(N, BN)
-    if split <= 0:
-        split = decode_split(tiles, k_steps, _sm_count(x.device) * resident, PROGRAM_STEPS)
-    steps_per_split = _cdiv(k_steps, split)
-    split = _cdiv(k_steps, steps_per_split)
+    split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, _sm_count(x.device) * resident,
+                                         PROGRAM_STEPS, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     xp = x.contiguous() if permuted else reference.nibble_major(x)
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
@@ -287,19 +328,8 @@ def matmul(
     h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
     s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
-    if out is None:
-        out = torch.empty((M, N) if out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
-    lb = None if lora_b is None else lora_b.contiguous()
-    rank = 0 if lb is None else lb.shape[1]
-    y1, y2 = out_bounds or (N, N)
-    s1, s2 = lora_bounds or (rank, rank)
-    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
-    tickets = backend.tickets(x.device, tiles) if split > 1 else out
     _decode_gluon_kernel[(tiles, split)](
-        x_desc, h_desc, s_desc, weight_global_scale, out, part, tickets,
-        out if bias is None else bias, out if lora_u is None else lora_u.contiguous(),
-        out if lb is None else lb,
-        M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale),
+        x_desc, h_desc, s_desc, *tail,
         BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

@@ -157,9 +157,11 @@ def _rms_norm_shrink_kernel(
     h_ptr, d_ptr, w_ptr, hout_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr,
     M, K, eps, chunk, R, S1, S2,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, PART_TILE: tl.constexpr,
+    PERMUTE: tl.constexpr,
 ):  # fmt: skip
     """Program (row, split): rstd from the whole row (an L2 read), then its ``chunk`` columns:
-    residual sum -> hout, normalised row -> out, and their share of ``u = out @ A.T``.
+    residual sum -> hout, normalised row -> out (PERMUTE: in the Gluon K order), and their share of
+    ``u = out @ A.T`` (in natural order: the shrink never reads out back).
 
     hout is a separate buffer: other programs of the row may still be reading h.
     """
@@ -182,7 +184,7 @@ def _rms_norm_shrink_kernel(
         if HAS_DELTA:
             tl.store(hout_ptr + base + cols, h, mask=mask)
         y = _normalise(h, rstd, w_ptr, cols, mask, dt)
-        tl.store(out_ptr + base + cols, y, mask=mask)
+        tl.store(out_ptr + base + (nibble_major(cols) if PERMUTE else cols), y, mask=mask)
         acc += _rank_dot(y, a)
         a = a_next
     _finish_shrink(acc, row, split, tl.num_programs(1), M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
@@ -220,9 +222,11 @@ def rms_norm_shrink(
     eps: float,
     lora_a: torch.Tensor,
     bounds: tuple[int, int],
+    permute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h + delta, weight * rmsnorm(h + delta), u) with ``u = rmsnorm(..) @ lora_a.T`` segmented at
-    ``bounds`` (see module doc). h is not modified; without delta the first result is h itself."""
+    ``bounds`` (see module doc). h is not modified; without delta the first result is h itself.
+    ``permute`` as in ``rms_norm`` (the second result only; u is the same)."""
     k = h.shape[-1]
     m = h.numel() // k
     rank = lora_a.shape[0]
@@ -238,7 +242,8 @@ def rms_norm_shrink(
     _rms_norm_shrink_kernel[(m, nsplit)](
         h, delta if delta is not None else h, weight, h_out, out, lora_a, u, part, backend.tickets(h.device, m),
         m, k, eps, chunk, rank, bounds[0], bounds[1],
-        HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp), num_warps=warps,
+        HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp),
+        PERMUTE=_permute(permute, k), num_warps=warps,
     )  # fmt: skip
     return h_out, out, u
 
@@ -267,9 +272,10 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.
 @triton.jit
 def _silu_mul_shrink_kernel(
     g_ptr, up_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, M, K, chunk, R,
-    BK: tl.constexpr, RP: tl.constexpr, PART_TILE: tl.constexpr,
+    BK: tl.constexpr, RP: tl.constexpr, PART_TILE: tl.constexpr, PERMUTE: tl.constexpr,
 ):
-    """Program (row, split): SiLU-gate ``chunk`` columns of the row and reduce their share of u."""
+    """Program (row, split): SiLU-gate ``chunk`` columns of the row (stored in the Gluon K order with
+    PERMUTE) and reduce their share of u."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     acc = tl.zeros([RP], tl.float32)
@@ -278,7 +284,7 @@ def _silu_mul_shrink_kernel(
         mask = cols < K
         a = _load_a(a_ptr, K, cols, mask, R, RP)
         act = _silu_gate(g_ptr, up_ptr, row * K + cols, mask, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * K + cols, act, mask=mask)
+        tl.store(out_ptr + row * K + (nibble_major(cols) if PERMUTE else cols), act, mask=mask)
         acc += _rank_dot(act, a)
     _finish_shrink(acc, row, split, tl.num_programs(1), M, R, R, R, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
 
@@ -292,8 +298,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> tor
     return out
 
 
-def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer)."""
+def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, permute: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer); ``permute`` as in ``rms_norm``
+    (the first result only)."""
     k = gate.shape[-1]
     m = gate.numel() // k
     rank = lora_a.shape[0]
@@ -304,7 +312,7 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor) 
     part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=gate.device)
     _silu_mul_shrink_kernel[(m, nsplit)](
         gate, up, out, lora_a, u, part, backend.tickets(gate.device, m), m, k, chunk, rank,
-        BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp), num_warps=4,
+        BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp), PERMUTE=_permute(permute, k), num_warps=4,
     )
     return out, u
 
@@ -465,9 +473,7 @@ def decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
     with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None.
-    ``permute`` (not with ``lora_a``) as in ``rms_norm``."""
-    if permute and lora_a is not None:
-        raise ValueError("decode_attention: the fused LoRA shrink reads the output in natural order; permute without it")
+    ``permute`` as in ``rms_norm`` (out only; u is the same)."""
     b, h, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv

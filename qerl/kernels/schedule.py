@@ -76,10 +76,19 @@ ENV_DECODE = DecodeConfig.from_env()
 #: The decode GEMMs with more than ``GLUON_MIN_M`` rows that the Gluon kernel takes (``fp4_gemm.gluon_takes``:
 #: sm_90, bf16, K % 256 == 0) run on it instead of ``_decode_kernel``; ``QERL_DECODE_GLUON=0`` turns it off.
 GLUON_DECODE = os.environ.get("QERL_DECODE_GLUON", "1") != "0"
-#: At M = 1 / 16 / 32 the Gluon kernel lost to the Triton one on the H200 (7B decode GEMMs summed: 83.6 vs
-#: 74.7 and 88.6 vs 80.3 us, decode_gluon.json; 7B engine step at b=32 4.83 vs 4.69 ms,
-#: rollout_gluon_ab2.json); from M = 64 it won (b=64 6.24 vs 6.84 ms, b=128 8.61 vs 11.27 ms).
-GLUON_MIN_M = 32
+#: From M = 64 the Gluon kernel won from the start (b=64 6.24 vs 6.84 ms, b=128 8.61 vs 11.27 ms,
+#: rollout_gluon_ab2.json). Below, it lost while its x was permuted per call and its LoRA shrinks could not
+#: be fused (b=32 4.83 vs 4.69 ms); with both fixed (the producers write its K order, the fused shrinks store
+#: in it), on the H200: 7B engine b=32 4.334 vs 4.666 / 4.645 ms, b=16 3.667 vs 3.738 / 3.666
+#: (rollout_gluon_b16_b32.json); 7B decode GEMMs summed, x pre-permuted, M=16 79.6 vs 81.1 us, M=32 89.5 vs
+#: 105.8 (decode_gluon_direct.json). So it takes 17..128 rows.
+GLUON_MIN_M = 16
+#: Decode GEMMs of at most ``DIRECT_MAX_M`` rows whose x comes in the Gluon K order run the register-only
+#: ``mma.sync`` kernel (``fp4_direct``; ``fp4_gemm.gluon_takes``), ``QERL_DECODE_DIRECT=0`` turns it off.
+#: H200, 7B decode GEMMs summed (benchmarks/NOTES.md, "A decode kernel without shared memory"): M=1 68.5 vs
+#: 75.8 us for the Triton kernel, M=8 81.2 vs 80.4, M=16 135.5 vs 81.9.
+DIRECT_DECODE = os.environ.get("QERL_DECODE_DIRECT", "1") != "0"
+DIRECT_MAX_M = 8
 #: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
 #: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
 #: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128

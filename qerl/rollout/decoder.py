@@ -14,10 +14,11 @@ launch of its own); otherwise it is one matmul per group. ``group_forward`` then
 into its projection (the FP4 kernel's epilogue, or an ``addmm``); a group whose NVFP4 weights are
 row-stacked (``layers.Stacked``) runs as one FP4 launch with every expand in its epilogue.
 
-Gluon K order: on Hopper the decode GEMMs of more than 32 rows run a Gluon kernel that reads x with
-each 256-element K step permuted (``qerl.kernels.fp4_gemm.nibble_major``). The ops producing such a
-GEMM's input write it in that order (``_gluon_order`` decides per group and row count), and its LoRA
-shrink uses A with the same column order (``Group.lora_a_gluon``), so nothing is permuted per call.
+Gluon K order: on Hopper the decode GEMMs of more than 16 rows, and of at most 8, run Gluon kernels that
+read x with each 256-element K step permuted (``qerl.kernels.fp4_gemm.nibble_major``). The ops producing
+such a GEMM's input write it in that order (``_gluon_order`` decides per group and row count); a fused
+shrink still reduces the values in natural order, and an unfused one (above ``FUSED_LORA_MAX_ROWS``) uses
+A with the same column order (``Group.lora_a_gluon``), so nothing is permuted per call.
 
 Rounding follows transformers: RMSNorm normalises in fp32, casts to the activation dtype, then
 multiplies by the weight; residual adds and SiLU-gating round to the activation dtype.
@@ -110,8 +111,8 @@ def rms_norm(
         fused = backend.fused_step()
         rows = h.numel() // h.shape[-1]
         permuted = _gluon_order(h, rows, h.shape[-1], group)
-        if not permuted and _fuse_lora(h, rows, group):
-            h, x, flat = fused.rms_norm_shrink(h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds)
+        if _fuse_lora(h, rows, group):
+            h, x, flat = fused.rms_norm_shrink(h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds, permuted)
             return h, x, _segmented(flat, x, group)
         x = fused.rms_norm(h, delta, norm.weight, norm.eps, permute=permuted)
         return h, x, lora_inputs(x, group, permuted)
@@ -145,8 +146,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, group: Group | None = None) -
         fused = backend.fused_step()
         rows = gate.numel() // gate.shape[-1]
         permuted = _gluon_order(gate, rows, gate.shape[-1], group)
-        if not permuted and _fuse_lora(gate, rows, group):
-            act, flat = fused.silu_mul_shrink(gate, up, group.lora_a)
+        if _fuse_lora(gate, rows, group):
+            act, flat = fused.silu_mul_shrink(gate, up, group.lora_a, permuted)
             return act, _segmented(flat, act, group)
         act = fused.silu_mul(gate, up, permute=permuted)
         return act, lora_inputs(act, group, permuted)
@@ -230,7 +231,7 @@ def decode_attention(
     """
     if backend.available(q):
         permuted = _gluon_order(q, q.shape[0], q.shape[1] * q.shape[2], group)
-        fuse = not permuted and _fuse_lora(q, q.shape[0], group)
+        fuse = _fuse_lora(q, q.shape[0], group)
         out, flat = backend.fused_step().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None,
                                                           permute=permuted)  # fmt: skip
         return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group, permuted))

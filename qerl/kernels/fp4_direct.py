@@ -1,0 +1,187 @@
+"""An NVFP4 decode GEMM for the fewest tokens (M <= 8) in Gluon, with no shared memory: every warp loads
+its packed weights, scales and x straight from global memory into ``mma.sync`` operand registers, its
+weights and scales one K step ahead, and never waits for another warp inside the K loop.
+
+Why: at M = 1..8 the Triton decode kernel (``fp4_gemm._decode_kernel``) runs at ~40% of copy bandwidth,
+and Nsight Compute put its cycles in the per-K-step pipeline barrier of its shared-memory ring, global
+loads into registers, and ~3 warps per scheduler to hide them (benchmarks/NOTES.md, "Nsight Compute: the
+M=1 decode kernel is issue-bound"). A wgmma needs its B operand in shared memory and a warpgroup to issue
+it; ``mma.sync`` (m16n8k16) needs neither, so here:
+
+* each warp owns 16 weight rows (the MMA's M); the tokens are its N dimension (8; rows past M repeat
+  row M - 1 and are never stored);
+* the A operand layout is ``DotOperandLayout(k_width=8)``: per 64-element K step a thread holds two runs
+  of 8 consecutive int16 elements (32 codes each, one 16-byte load) of each of its two rows, straight
+  from the checkpoint's layout (no repack);
+* x comes in the Gluon K order (``fp4_gemm.nibble_major``, as the rollout engine's producers write it),
+  so nibble ``i``'s slice of x for a K step is 64 contiguous elements and its B operand two 16-byte loads
+  per thread;
+* the decode is ``fp4_gemm._nibble`` (4 bit ops per bf16 pair) times the fp8 block scale converted once
+  per (row, group) (``fp4_gluon._scale_layout``): exact, as in the other kernels;
+* split-K with the same ticket reduction as the other decode kernels, and their epilogue (bias, the LoRA
+  expand as an ``mma.sync``, segmented outputs).
+
+68 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM. About 3.5 SASS instructions
+per weight in the K loop (decode 2, scale multiply 0.5). H200 (benchmarks/results/decode_gluon_direct.json):
+the 7B decode GEMMs at M=1 in 68.3 us summed against 75.0 for the Triton kernel, 7B down in 19.0 us
+against a 9.0 us floor (48% of copy bandwidth); M=8 80.5 vs 79.3. Nsight Compute at M=1: issuing on 53% of
+cycles, each warp waiting on a global load every K step (benchmarks/NOTES.md, "A decode kernel without
+shared memory").
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
+from .fp4_gluon import _scale_layout, launch_tail, split_k_sum, store_tile, tile_offsets
+from .schedule import _cdiv, _sm_count
+
+
+@gluon.constexpr_function
+def _mma_layout(num_warps):
+    """The accumulator's layout: ``mma.sync`` m16n8 tiles, ``num_warps`` warps stacked along the weight rows."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+
+@gluon.jit
+def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+                 BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """lora[n, m] += B[n, :] . u[m, :] over RC-wide rank chunks, both operands loaded straight into the
+    ``mma.sync`` operand layouts (bf16 operands, fp32 sum, as the Triton kernel's ``tl.dot``)."""
+    mma: gl.constexpr = _mma_layout(num_warps)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rows_n = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l)), 1)
+    cols_r = gl.expand_dims(gl.arange(0, RC, layout=gl.SliceLayout(0, a_l)), 0)
+    ur = gl.expand_dims(gl.arange(0, RC, layout=gl.SliceLayout(1, b_l)), 1)
+    um = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, b_l)), 0)
+    lora = gl.zeros([BN, BM], gl.float32, layout=mma)
+    for c in range(0, R, RC):
+        b = gl.load(lb_ptr + rows_n * stride_lb + (c + cols_r), mask=(rows_n < N) & (c + cols_r < R), other=0.0)
+        ut = gl.load(u_ptr + segmented(c + ur, um, M, S1, S2, R), mask=(um < M) & (c + ur < R), other=0.0)
+        lora = mma_v2(b.to(gl.bfloat16), ut.to(gl.bfloat16), lora)
+    return lora
+
+
+@gluon.jit
+def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr,
+                   u_ptr, lb_ptr, M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
+                   BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, SPLIT: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr, RC: gl.constexpr,
+                   num_warps: gl.constexpr):  # fmt: skip
+    """Program (BN weight rows, K slice ``program_id(1)``): acc[n, m] = sum over the slice's K steps (HW
+    int16 elements = 4 * HW codes) and the 4 nibbles of (nibble_i(h) * scale) @ x_i^T, then the split-K
+    ticket epilogue. x is in the Gluon K order: x_i of step kt is x[:, 4 HW kt + HW i : + HW]."""
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    mma: gl.constexpr = _mma_layout(num_warps)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    s_l: gl.constexpr = gl.SliceLayout(2, _scale_layout(gl.to_linear_layout(a_l, [BN, HW])))
+    G: gl.constexpr = HW // 4
+    # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 = e2m1 * scale * 2^-8, exact in bf16.
+    FACTOR: gl.constexpr = 3.3230699894622896e35
+
+    k_steps = K // (4 * HW)
+    first = pid_k * steps_per_split
+    last = gl.minimum(first + steps_per_split, k_steps) - 1
+    rows_h = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l)), 1)
+    h_ptrs = h_ptr + rows_h * stride_h + gl.expand_dims(gl.arange(0, HW, layout=gl.SliceLayout(0, a_l)), 0)
+    h_mask = rows_h < N
+    rows_s = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)), 1)
+    s_ptrs = s_ptr + rows_s * stride_s + gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, s_l)), 0)
+    s_mask = rows_s < N
+    # Token columns past M read row M - 1 (never stored): no predicated loads, no zero fill.
+    xm = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(0, b_l)), M - 1)
+    x_ptrs = x_ptr + gl.expand_dims(xm, 0) * stride_xm + gl.expand_dims(gl.arange(0, HW, layout=gl.SliceLayout(1, b_l)), 1)
+
+    h = gl.load(h_ptrs + first * HW, mask=h_mask, other=0)
+    sc = gl.load(s_ptrs + first * G, mask=s_mask, other=0.0)
+    acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    for kt in range(first, last + 1):
+        # The next step's weights and scales (past the slice's end its last step again: an L1 hit) are in
+        # flight while this one decodes. (x one step ahead as well, or an L1 prefetch of it, measured slower.)
+        ahead = gl.minimum(kt + 1, last)
+        h_next = gl.load(h_ptrs + ahead * HW, mask=h_mask, other=0)
+        sc_next = gl.load(s_ptrs + ahead * G, mask=s_mask, other=0.0)
+        s = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
+        sb = gl.convert_layout(gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l,
+                               assert_trivial=True)  # fmt: skip
+        xs = x_ptrs + kt * (4 * HW)
+        acc = mma_v2(_nibble(h, 0, False) * sb, gl.load(xs), acc)
+        acc = mma_v2(_nibble(h, 1, False) * sb, gl.load(xs + HW), acc)
+        acc = mma_v2(_nibble(h, 2, False) * sb, gl.load(xs + 2 * HW), acc)
+        acc = mma_v2(_nibble(h, 3, False) * sb, gl.load(xs + 3 * HW), acc)
+        h = h_next
+        sc = sc_next
+
+    offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, mma)
+    run = True
+    if SPLIT:
+        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N)
+    if run:
+        lora = acc
+        if HAS_LORA:
+            lora = _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+        store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, HAS_LORA)
+
+
+#: Tokens (the MMA's N), weight rows per warp (its M) and warps per program.
+BM = 8
+ROWS_PER_WARP = 16
+WARPS = 4
+#: int16 elements (4 codes each) per row and K step: a K step is the Gluon K order's 256 codes.
+HW = 64
+#: Programs ``decode_split`` assumes an SM holds (68 registers allow 7); 4, 6, 10 and 12 measured slower.
+RESIDENT = 8
+#: A program's fixed cost in K steps for ``decode_split`` (the Triton kernel's).
+PROGRAM_STEPS = 2
+
+
+def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Hopper (where it was measured; ``mma.sync`` itself is sm_80+), bf16 x, 1 <= M <= 8, whole 256-code K steps."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and dtype == torch.bfloat16
+            and 0 < M <= BM and K % (4 * HW) == 0)  # fmt: skip
+
+
+def matmul(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_u: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    out_bounds: tuple[int, int] | None = None,
+    lora_bounds: tuple[int, int] | None = None,
+    split: int = 0,
+) -> torch.Tensor:
+    """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
+    there when it dispatches here) for an x already in the Gluon K order (``reference.nibble_major``);
+    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice)."""
+    _check_act(x)
+    N, K = _check_weight(weight_packed, weight_scale)
+    M = x.shape[0]
+    if not supports(M, K, x.dtype, x.device) or x.shape[1] != K:
+        raise ValueError(f"the direct decode kernel takes bf16 x [1 <= M <= {BM}, {K}] on sm_90 with K % {4 * HW} == 0, "
+                         f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
+    bn = ROWS_PER_WARP * WARPS
+    k_steps = K // (4 * HW)
+    tiles = _cdiv(N, bn)
+    split, _, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, _sm_count(x.device) * RESIDENT,
+                                      PROGRAM_STEPS, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
+    x = x.contiguous()
+    h = weight_packed.contiguous().view(torch.int16)
+    s = weight_scale.contiguous()
+    _direct_kernel[(tiles, split)](
+        x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
+        BM=BM, BN=bn, HW=HW, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None, RC=16,
+        num_warps=WARPS,
+    )  # fmt: skip
+    return out
