@@ -104,7 +104,11 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     for kt in range(first, last + 1):
         # The next step's weights and scales (past the slice's end its last step again: an L1 hit) are in
-        # flight while this one decodes. (x one step ahead as well, or an L1 prefetch of it, measured slower.)
+        # flight while this one decodes: a whole step (~450 instructions a warp) hides their latency (ptxas
+        # moves them into the loop-carried registers at the iteration's end, which costs issue slots, not
+        # waits). x is loaded in its own step: the first warp of a program to reach a step misses L1, the
+        # likely source of the long-scoreboard stalls (NOTES.md). (x one step ahead in registers, or an L1
+        # prefetch of it, measured slower.)
         ahead = gl.minimum(kt + 1, last)
         h_next = gl.load(h_ptrs + ahead * HW, mask=h_mask, other=0)
         sc_next = gl.load(s_ptrs + ahead * G, mask=s_mask, other=0.0)
