@@ -250,11 +250,13 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
 
 
 
-def test_direct_decode_compiles_for_sm90() -> None:
+@pytest.mark.parametrize("x_smem_steps", [0, 4])
+def test_direct_decode_compiles_for_sm90(x_smem_steps: int) -> None:
     """The mma.sync decode kernel (``fp4_direct``) compiles for sm_90 on any machine with the structure it
     exists for: 16 register-operand HMMA per K step (4 nibbles x 4 k16 chunks) plus the LoRA expand's,
     16-byte weight and x loads straight into registers, no shared memory, no barrier and no spill in the
-    K loop."""
+    K loop; with x staged in shared memory (the candidate), x comes from 16-byte LDS in the loop and cp.async
+    before it, still with no barrier in the loop."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")
@@ -269,10 +271,13 @@ def test_direct_decode_compiles_for_sm90() -> None:
     signature = {
         "x_ptr": "*bf16", "h_ptr": "*i16", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
         "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-        "lora_scale": "fp32", **dict.fromkeys(["BM", "BN", "HW", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
+        "lora_scale": "fp32",
+        **dict.fromkeys(["BM", "BN", "HW", "X_SMEM", "MAX_STEPS", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"],
+                        "constexpr"),
     }  # fmt: skip
-    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "SPLIT": True, "HAS_BIAS": True,
-                 "HAS_LORA": True, "RC": 16, "num_warps": fd.WARPS}  # fmt: skip
+    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "X_SMEM": x_smem_steps > 0,
+                 "MAX_STEPS": max(1, x_smem_steps), "SPLIT": True, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16,
+                 "num_warps": fd.WARPS}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
                for n in ("x_ptr", "h_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_h", "stride_s")}  # fmt: skip
     sass = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
@@ -284,8 +289,11 @@ def test_direct_decode_compiles_for_sm90() -> None:
     start, end = next((a, b) for a, b in loops if any("HMMA" in line for line in lines[a:b]))
     body = lines[start:end + 1]
     assert sum("HMMA.16816.F32.BF16" in line for line in body) == 16
-    assert sum("LDG.E.128" in line for line in body) == 12  # 4 weight runs + 8 x runs per thread and step
-    assert not [line for line in body if re.search(r"\b(?:BAR|LDS|STS|LDSM)\b", line)], "shared memory or a barrier in the K loop"
+    x_loads = 0 if x_smem_steps else 8  # 8 x runs per thread and step from global memory, or from shared memory
+    assert sum("LDG.E.128" in line for line in body) == 4 + x_loads  # + 4 weight runs
+    assert sum("LDS.128" in line for line in body) == 8 - x_loads
+    assert ("LDGSTS" in sass) == bool(x_smem_steps)
+    assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM)\b", line)], "a barrier or a store in the K loop"
     assert not re.search(r"\b(?:LDL|STL)\b", sass), "register spills"
     assert sass.count("HMMA.16816.F32.BF16") == 16 + 1  # + the LoRA expand (one k16 rank chunk per iteration)
 
@@ -332,3 +340,10 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     if kernel == "direct":
         assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 4, k // 16)
         assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int16
+        assert not bound["X_SMEM"]
+        # The shared-memory x candidate holds at most x_smem_steps K steps per program: one slice becomes two.
+        module.matmul(x, packed, scale, g, split=1, x_smem_steps=4)
+        grid, args, kwargs = launches[-1]
+        assert grid == (-(-n // 64), 2) and kwargs["X_SMEM"] and kwargs["MAX_STEPS"] == 4
+        with pytest.raises(ValueError, match="power of two"):
+            module.matmul(x, packed, scale, g, x_smem_steps=3)

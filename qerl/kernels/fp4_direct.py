@@ -31,14 +31,16 @@ shared memory").
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
 from .fp4_gluon import _scale_layout, launch_tail, split_k_sum, store_tile, tile_offsets
-from .schedule import _cdiv, _sm_count
+from .schedule import _cdiv, _sm_count, decode_split
 
 
 @gluon.constexpr_function
@@ -70,7 +72,8 @@ def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
 @gluon.jit
 def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr,
                    u_ptr, lb_ptr, M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
-                   BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, SPLIT: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, X_SMEM: gl.constexpr, MAX_STEPS: gl.constexpr,
+                   SPLIT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr, RC: gl.constexpr,
                    num_warps: gl.constexpr):  # fmt: skip
     """Program (BN weight rows, K slice ``program_id(1)``): acc[n, m] = sum over the slice's K steps (HW
@@ -101,6 +104,20 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
 
     h = gl.load(h_ptrs + first * HW, mask=h_mask, other=0)
     sc = gl.load(s_ptrs + first * G, mask=s_mask, other=0.0)
+    if X_SMEM:
+        # The program's whole x slice staged once in shared memory (barriers before the K loop only):
+        # slot kt - first holds step kt's [BM, 4 HW], nibble i's x at columns [i HW, (i + 1) HW). Token rows
+        # past M are not copied (their outputs are never stored).
+        cp_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        tok = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, cp_l)), 1)
+        src = x_ptr + tok * stride_xm + first * (4 * HW) + gl.expand_dims(gl.arange(0, 4 * HW, layout=gl.SliceLayout(0, cp_l)), 0)
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [MAX_STEPS, BM, 4 * HW],
+                                        gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
+        for q in gl.static_range(MAX_STEPS):
+            async_copy.async_copy_global_to_shared(x_s.index(q), src + q * (4 * HW), mask=(tok < M) & (first + q <= last))
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     for kt in range(first, last + 1):
         # The next step's weights and scales (past the slice's end its last step again: an L1 hit) are in
@@ -115,11 +132,12 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         s = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
         sb = gl.convert_layout(gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l,
                                assert_trivial=True)  # fmt: skip
-        xs = x_ptrs + kt * (4 * HW)
-        acc = mma_v2(_nibble(h, 0, False) * sb, gl.load(xs), acc)
-        acc = mma_v2(_nibble(h, 1, False) * sb, gl.load(xs + HW), acc)
-        acc = mma_v2(_nibble(h, 2, False) * sb, gl.load(xs + 2 * HW), acc)
-        acc = mma_v2(_nibble(h, 3, False) * sb, gl.load(xs + 3 * HW), acc)
+        for i in gl.static_range(4):
+            if X_SMEM:
+                x_i = x_s.index(kt - first).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l)
+            else:
+                x_i = gl.load(x_ptrs + kt * (4 * HW) + i * HW)
+            acc = mma_v2(_nibble(h, i, False) * sb, x_i, acc)
         h = h_next
         sc = sc_next
 
@@ -144,6 +162,12 @@ HW = 64
 RESIDENT = 8
 #: A program's fixed cost in K steps for ``decode_split`` (the Triton kernel's).
 PROGRAM_STEPS = 2
+#: Candidate, prepared from the Nsight Compute / SASS reading (NOTES.md) and not yet measured on a GPU, so 0
+#: (off) unless ``QERL_DIRECT_X_SMEM`` sets it: stage each program's x slice of at most this many K steps
+#: (a power of two; 4 KB each) in shared memory once (cp.async, barriers before the K loop only) and read each
+#: step's B operand from there (LDS.128) instead of global memory. 4 keeps 7 programs per SM (16 KB each) but
+#: forces more K slices (7B gate_up: 4); 8 allows 6 programs (32 KB). Offline: 64 registers, no spills.
+X_SMEM_STEPS = int(os.environ.get("QERL_DIRECT_X_SMEM", "0"))
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -165,10 +189,13 @@ def matmul(
     out_bounds: tuple[int, int] | None = None,
     lora_bounds: tuple[int, int] | None = None,
     split: int = 0,
+    x_smem_steps: int | None = None,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) for an x already in the Gluon K order (``reference.nibble_major``);
-    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice)."""
+    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice); ``x_smem_steps``:
+    the shared-memory x candidate (None: ``X_SMEM_STEPS``; 0 off), which takes at least ``k_steps /
+    x_smem_steps`` slices."""
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
     M = x.shape[0]
@@ -178,6 +205,12 @@ def matmul(
     bn = ROWS_PER_WARP * WARPS
     k_steps = K // (4 * HW)
     tiles = _cdiv(N, bn)
+    x_steps = X_SMEM_STEPS if x_smem_steps is None else x_smem_steps
+    if x_steps:
+        if x_steps & (x_steps - 1):
+            raise ValueError(f"fp4_direct: x_smem_steps must be a power of two (or 0), got {x_steps}")
+        split = max(split or decode_split(tiles, k_steps, _sm_count(x.device) * RESIDENT, PROGRAM_STEPS),
+                    _cdiv(k_steps, x_steps))  # fmt: skip
     split, _, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, _sm_count(x.device) * RESIDENT,
                                       PROGRAM_STEPS, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()
@@ -185,7 +218,7 @@ def matmul(
     s = weight_scale.contiguous()
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
-        BM=BM, BN=bn, HW=HW, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None, RC=16,
+        BM=BM, BN=bn, HW=HW, X_SMEM=x_steps > 0, MAX_STEPS=max(1, x_steps), SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None, RC=16,
         num_warps=WARPS,
     )  # fmt: skip
     return out
