@@ -503,7 +503,7 @@ def matmul(
             return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
     if config is None and gluon_takes(M, K, x.dtype, x.device):
-        if M > schedule.GLUON_MIN_M:
+        if schedule.GLUON_DECODE and M > schedule.GLUON_MIN_M:  # gluon_takes's first case
             from . import fp4_gluon  # imports this module: loaded on first use only
 
             return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
