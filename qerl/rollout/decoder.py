@@ -87,9 +87,9 @@ def lora_inputs(x: torch.Tensor, group: Group | None, permuted: bool = False) ->
 
 def _gluon_order(like: torch.Tensor, rows: int, k: int, group: Group | None) -> bool:
     """Whether the op producing the group's input (``rows`` x ``k``) writes it in the Gluon decode
-    kernel's K order: the group runs as one FP4 launch (``group_forward``) that takes that kernel
-    (``kernels.gluon_order``), and its shrink, if any, has ``lora_a_gluon``. This replaces a permute
-    launch per GEMM (4 a layer: ~0.34 ms of a 7B b=64 step, benchmarks/NOTES.md)."""
+    kernels' K order: the group runs as one FP4 launch (``group_forward``) that takes one of them
+    (``kernels.gluon_order``), and its shrink, if any, has ``lora_a_gluon`` (used when the shrink is not
+    fused). This replaces a permute launch per GEMM (4 a layer: ~0.34 ms of a 7B b=64 step, NOTES.md)."""
     return (group is not None and group.fp4_launch() is not None and (STACK_GROUPS or group.stacked is None)
             and (group.lora_a is None or group.lora_a_gluon is not None) and kernels.gluon_order(rows, k, like))  # fmt: skip
 
