@@ -23,7 +23,6 @@ sweeps 2-3, has the orders measured.)
 default schedule), the Gluon kernel (``qerl.kernels.fp4_gluon``: TMA producer warp, wgmma consumer
 warpgroup) with x permuted inside the call, the same on an x already in that order (as the rollout
 engine's producers write it), and at M <= 8 the mma.sync kernel (``qerl.kernels.fp4_direct``) on that x,
-with x read from global memory and (candidates) staged in shared memory per program (``x_smem_steps`` 4 / 8),
 each checked against float64, side by side in one run.
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
@@ -168,10 +167,8 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
                                                                    permuted=True),
         }  # fmt: skip
         if fp4_direct.supports(m, layer.k, x.dtype, x.device):
-            for steps in (0, 4, 8):  # x from global memory (the default), staged in shared memory (candidates)
-                calls["direct_prepermuted" + (f"_xsmem{steps}" if steps else "")] = (
-                    lambda q, xp=xp, steps=steps: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale,
-                                                                    q.weight_global_scale, x_smem_steps=steps))  # fmt: skip
+            calls["direct_prepermuted"] = lambda q, xp=xp: fp4_direct.matmul(
+                xp, q.weight_packed, q.weight_scale, q.weight_global_scale)
         for name, call in calls.items():
             row = {"shape": shape, "M": m, "cand": name, "bf16_us": base}
             try:
@@ -306,8 +303,7 @@ def main() -> None:
             write_json(out / "decode_gluon_splits.json", result, indent=1)
         return
     if args.large or args.gluon:
-        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "direct_prepermuted", "direct_prepermuted_xsmem4",
-                             "direct_prepermuted_xsmem8"), GLUON_MS, "decode_gluon.json")
+        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "direct_prepermuted"), GLUON_MS, "decode_gluon.json")
                            if args.gluon
                            else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
         for shape in LARGE_SHAPES:

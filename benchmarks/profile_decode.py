@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--launches", type=int, default=5, help="launches (skip the first ones in ncu: -s)")
     parser.add_argument("--kernel", choices=["triton", "gluon", "direct"], default="triton",
                         help="gluon: the Gluon kernel (x pre-permuted, as the engine hands it; ncu -k regex:_decode_gluon); "
-                             "direct: the mma.sync kernel for M <= 16 (fp4_direct, x pre-permuted; ncu -k regex:_direct)")
+                             "direct: the mma.sync kernel for M <= 8 (fp4_direct, x pre-permuted; ncu -k regex:_direct)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/profile_decode.py: needs a CUDA device")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         from qerl.kernels import fp4_direct, reference
 
         xp = reference.nibble_major(x)
-        launch = lambda: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)  # noqa: E731
+        launch = lambda: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale)  # noqa: E731
     else:
         launch = lambda: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m))  # noqa: E731
     for _ in range(args.launches):

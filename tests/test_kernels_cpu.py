@@ -183,6 +183,44 @@ def test_gluon_decode_split_counts() -> None:
     assert sch.decode_split(592, 14, 264) == 2  # the Triton kernel's own cost split gate_up in two
 
 
+def _run_ptx(asm: str, word: torch.Tensor) -> torch.Tensor:
+    """A small interpreter for the integer PTX the decode snippets use, on uint32 words held in int64."""
+    regs, out, m32 = {"$1": word}, None, 0xFFFFFFFF
+    ops = {"mov.b32": lambda a: a, "shl.b32": lambda a, b: (a << b) & m32, "shr.u32": lambda a, b: a >> b,
+           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "mul.lo.u32": lambda a, b: (a * b) & m32}  # fmt: skip
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *srcs = (t.strip() for t in rest.split(","))
+        value = ops[op](*(regs[t] if t in regs else int(t, 0) for t in srcs))
+        regs[dst] = value
+        out = value if dst == "$0" else out
+    return out
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_nibble_asm_decodes_every_code(fp16: bool) -> None:
+    """The decode kernels' inline PTX (``fp4_gemm._nibble_asm``, run here by a small interpreter) turns nibble
+    ``i`` of both 16-bit halves of every word into ``e2m1 * 2^-126`` (bf16) / ``2^-14`` (fp16) bits: all 65,536
+    patterns of each half, the other half shuffled, against the fp4 code table."""
+    from qerl.kernels import fp4_gemm
+
+    g = torch.Generator().manual_seed(0)
+    lo = torch.arange(65536, dtype=torch.int64)
+    hi = torch.randperm(65536, generator=g).to(torch.int64)
+    word = torch.cat([lo | (hi << 16), hi | (lo << 16)])
+    dtype, bias = (torch.float16, 2.0**-14) if fp16 else (torch.bfloat16, 2.0**-126)
+    codes = torch.tensor(nvfp4.E2M1_VALUES + tuple(-v for v in nvfp4.E2M1_VALUES), dtype=torch.float64)
+    table = (codes * bias).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    for i in range(4):
+        got = _run_ptx(fp4_gemm._nibble_asm(i, fp16), word)
+        for half in (0, 16):
+            code = (word >> (half + 4 * i)) & 0xF
+            assert torch.equal((got >> half) & 0xFFFF, table[code]), (i, half)
+
+
 def test_nibble_major_order() -> None:
     """The Gluon decode kernel's x order: within each 256-element K step, element 4j + i sits at
     i * 64 + j (nibble i of packed int16 element j meets a contiguous x slice); rows keep their steps."""
@@ -223,9 +261,9 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
         "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
         **dict.fromkeys(["M", "N", "K", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
         "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
+        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
     }  # fmt: skip
-    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "HAS_BIAS": epilogue,
+    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "CH": fgl.split_chunk(bm), "HAS_BIAS": epilogue,
                  "HAS_LORA": epilogue, "RC": 64, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
@@ -250,13 +288,12 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
 
 
 
-@pytest.mark.parametrize("x_smem_steps", [0, 4])
-def test_direct_decode_compiles_for_sm90(x_smem_steps: int) -> None:
+def test_direct_decode_compiles_for_sm90() -> None:
     """The mma.sync decode kernel (``fp4_direct``) compiles for sm_90 on any machine with the structure it
-    exists for: 16 register-operand HMMA per K step (4 nibbles x 4 k16 chunks) plus the LoRA expand's,
-    16-byte weight and x loads straight into registers, no shared memory, no barrier and no spill in the
-    K loop; with x staged in shared memory (the candidate), x comes from 16-byte LDS in the loop and cp.async
-    before it, still with no barrier in the loop."""
+    exists for: x staged in shared memory before the K loop (cp.async), then per K step 16 register-operand
+    HMMA (4 nibbles x 4 k16 chunks), 4 16-byte weight loads straight into registers and 8 16-byte x reads
+    from shared memory, no barrier, store or spill in the loop; the LoRA expand's two HMMA (its first rank
+    chunk and the loop over the rest) after it."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")
@@ -272,12 +309,10 @@ def test_direct_decode_compiles_for_sm90(x_smem_steps: int) -> None:
         "x_ptr": "*bf16", "h_ptr": "*i16", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
         "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
         "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "HW", "X_SMEM", "MAX_STEPS", "SPLIT", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"],
-                        "constexpr"),
+        **dict.fromkeys(["BM", "BN", "HW", "STEPS", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
     }  # fmt: skip
-    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "X_SMEM": x_smem_steps > 0,
-                 "MAX_STEPS": max(1, x_smem_steps), "SPLIT": True, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16,
-                 "num_warps": fd.WARPS}  # fmt: skip
+    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "STEPS": fd.MAX_STEPS, "SPLIT": True,
+                 "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "num_warps": fd.WARPS}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
                for n in ("x_ptr", "h_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_h", "stride_s")}  # fmt: skip
     sass = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
@@ -289,13 +324,12 @@ def test_direct_decode_compiles_for_sm90(x_smem_steps: int) -> None:
     start, end = next((a, b) for a, b in loops if any("HMMA" in line for line in lines[a:b]))
     body = lines[start:end + 1]
     assert sum("HMMA.16816.F32.BF16" in line for line in body) == 16
-    x_loads = 0 if x_smem_steps else 8  # 8 x runs per thread and step from global memory, or from shared memory
-    assert sum("LDG.E.128" in line for line in body) == 4 + x_loads  # + 4 weight runs
-    assert sum("LDS.128" in line for line in body) == 8 - x_loads
-    assert ("LDGSTS" in sass) == bool(x_smem_steps)
+    assert sum("LDG.E.128" in line for line in body) == 4
+    assert sum("LDS.128" in line for line in body) == 8
+    assert any("LDGSTS" in line for line in lines[:start])
     assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM)\b", line)], "a barrier or a store in the K loop"
     assert not re.search(r"\b(?:LDL|STL)\b", sass), "register spills"
-    assert sass.count("HMMA.16816.F32.BF16") == 16 + 1  # + the LoRA expand (one k16 rank chunk per iteration)
+    assert sass.count("HMMA.16816.F32.BF16") == 16 + 2
 
 
 @pytest.mark.parametrize("kernel", ["direct", "gluon"])
@@ -340,10 +374,10 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     if kernel == "direct":
         assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 4, k // 16)
         assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int16
-        assert not bound["X_SMEM"]
-        # The shared-memory x candidate holds at most x_smem_steps K steps per program: one slice becomes two.
-        module.matmul(x, packed, scale, g, split=1, x_smem_steps=4)
+        assert bound["STEPS"] == bound["steps_per_split"] and bound["CH"] == fp4_direct.SPLIT_CHUNK
+        # A program stages at most MAX_STEPS K steps of x: one slice of MAX_STEPS + 1 steps becomes two.
+        k = 256 * (fp4_direct.MAX_STEPS + 1)
+        packed, scale = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
+        module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), packed, scale, g, split=1)
         grid, args, kwargs = launches[-1]
-        assert grid == (-(-n // 64), 2) and kwargs["X_SMEM"] and kwargs["MAX_STEPS"] == 4
-        with pytest.raises(ValueError, match="power of two"):
-            module.matmul(x, packed, scale, g, x_smem_steps=3)
+        assert grid == (-(-n // 64), 2) and kwargs["STEPS"] == -(-(fp4_direct.MAX_STEPS + 1) // 2)

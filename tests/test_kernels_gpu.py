@@ -178,11 +178,9 @@ def test_direct_decode(M: int, N: int, K: int) -> None:
     ref = x.double() @ _w64(q).t()
     xp = reference.nibble_major(x)
     _poison_allocator()
-    for split in (0, 1, 3):
-        for x_smem_steps in (0, 4, 8):  # x from global memory; staged in shared memory (the candidate)
-            y = fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split,
-                                  x_smem_steps=x_smem_steps)  # fmt: skip
-            assert _rel(y, ref) < TOL, (split, x_smem_steps, _rel(y, ref))
+    for split in (0, 1, 3):  # one slice is raised to MAX_STEPS-step slices; 3 leaves the last one short
+        y = fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
+        assert _rel(y, ref) < TOL, (split, _rel(y, ref))
     assert _rel(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
     with pytest.raises(ValueError, match="direct decode kernel"):
         fp4_direct.matmul(_rand(9, K), q.weight_packed, q.weight_scale, q.weight_global_scale)

@@ -1,6 +1,7 @@
-"""An NVFP4 decode GEMM for the fewest tokens (M <= 8) in Gluon, with no shared memory: every warp loads
-its packed weights, scales and x straight from global memory into ``mma.sync`` operand registers, its
-weights and scales one K step ahead, and never waits for another warp inside the K loop.
+"""An NVFP4 decode GEMM for the fewest tokens (M <= 8) in Gluon: every warp loads its packed weights and
+scales straight from global memory into ``mma.sync`` operand registers, one K step ahead, reads x from
+a copy of its program's x slice staged in shared memory once, and never waits for another warp inside
+the K loop.
 
 Why: at M = 1..8 the Triton decode kernel (``fp4_gemm._decode_kernel``) runs at ~40% of copy bandwidth,
 and Nsight Compute put its cycles in the per-K-step pipeline barrier of its shared-memory ring, global
@@ -8,32 +9,32 @@ loads into registers, and ~3 warps per scheduler to hide them (benchmarks/NOTES.
 M=1 decode kernel is issue-bound"). A wgmma needs its B operand in shared memory and a warpgroup to issue
 it; ``mma.sync`` (m16n8k16) needs neither, so here:
 
-* each warp owns 16 weight rows (the MMA's M); the tokens are its N dimension (8; rows past M repeat
-  row M - 1 and are never stored);
+* each warp owns 16 weight rows (the MMA's M); the tokens are its N dimension (8; rows past M are
+  never stored);
 * the A operand layout is ``DotOperandLayout(k_width=8)``: per 64-element K step a thread holds two runs
   of 8 consecutive int16 elements (32 codes each, one 16-byte load) of each of its two rows, straight
   from the checkpoint's layout (no repack);
 * x comes in the Gluon K order (``fp4_gemm.nibble_major``, as the rollout engine's producers write it),
-  so nibble ``i``'s slice of x for a K step is 64 contiguous elements and its B operand two 16-byte loads
-  per thread;
-* the decode is ``fp4_gemm._nibble`` (4 bit ops per bf16 pair) times the fp8 block scale converted once
-  per (row, group) (``fp4_gluon._scale_layout``): exact, as in the other kernels;
-* split-K with the same ticket reduction as the other decode kernels, and their epilogue (bias, the LoRA
-  expand as an ``mma.sync``, segmented outputs).
+  so nibble ``i``'s slice of x for a K step is 64 contiguous elements; a program cp.asyncs its whole x
+  slice (at most ``MAX_STEPS`` K steps, 4 KB each) into shared memory before the loop and reads each
+  nibble's B operand with 16-byte LDS (x from global memory inside the loop missed L1 every step);
+* the decode is ``fp4_gemm._nibble`` (3 instructions per bf16 pair) times the fp8 block scale converted
+  once per (row, group) (``fp4_gluon._scale_layout``): exact, as in the other kernels;
+* split-K with the same ticket reduction as the other decode kernels (partials read ``SPLIT_CHUNK`` per
+  round trip), and their epilogue (bias, the LoRA expand as an ``mma.sync`` whose first rank chunk is
+  loaded before the split-K round trips, segmented outputs).
 
-68 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM. About 3.5 SASS instructions
-per weight in the K loop (decode 2, scale multiply 0.5). H200 (benchmarks/results/decode_gluon_direct.json):
-the 7B decode GEMMs at M=1 in 68.3 us summed against 75.0 for the Triton kernel, 7B down in 19.0 us
-against a 9.0 us floor (48% of copy bandwidth); M=8 80.5 vs 79.3. Nsight Compute at M=1: issuing on 53% of
-cycles, each warp waiting on a global load every K step (benchmarks/NOTES.md, "A decode kernel without
-shared memory").
+66 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM. H200
+(benchmarks/results/decode_gluon_nibble_mul.json): the 7B decode GEMMs at M=1 in 62.4 us summed against
+76.8 for the Triton kernel, 7B down in 17.1 us against a 9.0 us floor (52.5% of copy bandwidth,
+kernels.json); M=8 66.9 vs 79.5. Issue-bound (Nsight Compute of the first version: issuing on 53% of
+cycles; benchmarks/NOTES.md, "A decode kernel without shared memory" and what followed).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -50,35 +51,32 @@ def _mma_layout(num_warps):
 
 
 @gluon.jit
-def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
-                 BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """lora[n, m] += B[n, :] . u[m, :] over RC-wide rank chunks, both operands loaded straight into the
-    ``mma.sync`` operand layouts (bf16 operands, fp32 sum, as the Triton kernel's ``tl.dot``)."""
+def _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+                   BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Rank chunk ``[c, c + RC)`` of the LoRA expand's operands, loaded straight into the ``mma.sync``
+    operand layouts: B's tile rows (A operand) and the segmented u (B operand), bf16 as the Triton kernel's."""
     mma: gl.constexpr = _mma_layout(num_warps)
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     rows_n = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l)), 1)
-    cols_r = gl.expand_dims(gl.arange(0, RC, layout=gl.SliceLayout(0, a_l)), 0)
-    ur = gl.expand_dims(gl.arange(0, RC, layout=gl.SliceLayout(1, b_l)), 1)
+    cols_r = c + gl.expand_dims(gl.arange(0, RC, layout=gl.SliceLayout(0, a_l)), 0)
+    ur = c + gl.expand_dims(gl.arange(0, RC, layout=gl.SliceLayout(1, b_l)), 1)
     um = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, b_l)), 0)
-    lora = gl.zeros([BN, BM], gl.float32, layout=mma)
-    for c in range(0, R, RC):
-        b = gl.load(lb_ptr + rows_n * stride_lb + (c + cols_r), mask=(rows_n < N) & (c + cols_r < R), other=0.0)
-        ut = gl.load(u_ptr + segmented(c + ur, um, M, S1, S2, R), mask=(um < M) & (c + ur < R), other=0.0)
-        lora = mma_v2(b.to(gl.bfloat16), ut.to(gl.bfloat16), lora)
-    return lora
+    b = gl.load(lb_ptr + rows_n * stride_lb + cols_r, mask=(rows_n < N) & (cols_r < R), other=0.0)
+    ut = gl.load(u_ptr + segmented(ur, um, M, S1, S2, R), mask=(um < M) & (ur < R), other=0.0)
+    return b.to(gl.bfloat16), ut.to(gl.bfloat16)
 
 
 @gluon.jit
 def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr,
                    u_ptr, lb_ptr, M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
-                   BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, X_SMEM: gl.constexpr, MAX_STEPS: gl.constexpr,
-                   SPLIT: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr, RC: gl.constexpr,
-                   num_warps: gl.constexpr):  # fmt: skip
-    """Program (BN weight rows, K slice ``program_id(1)``): acc[n, m] = sum over the slice's K steps (HW
-    int16 elements = 4 * HW codes) and the 4 nibbles of (nibble_i(h) * scale) @ x_i^T, then the split-K
-    ticket epilogue. x is in the Gluon K order: x_i of step kt is x[:, 4 HW kt + HW i : + HW]."""
+                   BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr,
+                   SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
+                   RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Program (BN weight rows, K slice ``program_id(1)`` of ``STEPS`` = ``steps_per_split`` K steps):
+    acc[n, m] = sum over the slice's K steps (HW int16 elements = 4 * HW codes) and the 4 nibbles of
+    (nibble_i(h) * scale) @ x_i^T, then the split-K ticket epilogue. x is in the Gluon K order: x_i of step
+    kt is x[:, 4 HW kt + HW i : + HW]."""
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     mma: gl.constexpr = _mma_layout(num_warps)
@@ -90,42 +88,34 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     FACTOR: gl.constexpr = 3.3230699894622896e35
 
     k_steps = K // (4 * HW)
-    first = pid_k * steps_per_split
-    last = gl.minimum(first + steps_per_split, k_steps) - 1
+    first = pid_k * STEPS
     rows_h = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l)), 1)
     h_ptrs = h_ptr + rows_h * stride_h + gl.expand_dims(gl.arange(0, HW, layout=gl.SliceLayout(0, a_l)), 0)
     h_mask = rows_h < N
     rows_s = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)), 1)
     s_ptrs = s_ptr + rows_s * stride_s + gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, s_l)), 0)
     s_mask = rows_s < N
-    # Token columns past M read row M - 1 (never stored): no predicated loads, no zero fill.
-    xm = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(0, b_l)), M - 1)
-    x_ptrs = x_ptr + gl.expand_dims(xm, 0) * stride_xm + gl.expand_dims(gl.arange(0, HW, layout=gl.SliceLayout(1, b_l)), 1)
 
+    # The program's whole x slice, staged once in shared memory (cp.async; barriers before the K loop only):
+    # slot q holds step first + q's [BM, 4 HW], nibble i's x at columns [i HW, (i + 1) HW) (slots past a short
+    # last slice repeat its last step and are never read). Token rows past M are not copied (never stored).
+    cp_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    tok = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, cp_l)), 1)
+    src = x_ptr + tok * stride_xm + gl.expand_dims(gl.arange(0, 4 * HW, layout=gl.SliceLayout(0, cp_l)), 0)
+    x_s = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BM, 4 * HW],
+                                    gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
+    for q in gl.static_range(STEPS):
+        kt = gl.minimum(first + q, k_steps - 1)
+        async_copy.async_copy_global_to_shared(x_s.index(q), src + kt * (4 * HW), mask=tok < M)
+    async_copy.commit_group()
     h = gl.load(h_ptrs + first * HW, mask=h_mask, other=0)
     sc = gl.load(s_ptrs + first * G, mask=s_mask, other=0.0)
-    if X_SMEM:
-        # The program's whole x slice staged once in shared memory (barriers before the K loop only):
-        # slot kt - first holds step kt's [BM, 4 HW], nibble i's x at columns [i HW, (i + 1) HW). Token rows
-        # past M are not copied (their outputs are never stored).
-        cp_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        tok = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, cp_l)), 1)
-        src = x_ptr + tok * stride_xm + first * (4 * HW) + gl.expand_dims(gl.arange(0, 4 * HW, layout=gl.SliceLayout(0, cp_l)), 0)
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [MAX_STEPS, BM, 4 * HW],
-                                        gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
-        for q in gl.static_range(MAX_STEPS):
-            async_copy.async_copy_global_to_shared(x_s.index(q), src + q * (4 * HW), mask=(tok < M) & (first + q <= last))
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        gl.thread_barrier()
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    last = gl.minimum(first + STEPS, k_steps) - 1
     for kt in range(first, last + 1):
-        # The next step's weights and scales (past the slice's end its last step again: an L1 hit) are in
-        # flight while this one decodes: a whole step (~450 instructions a warp) hides their latency (ptxas
-        # moves them into the loop-carried registers at the iteration's end, which costs issue slots, not
-        # waits). x is loaded in its own step: the first warp of a program to reach a step misses L1, the
-        # likely source of the long-scoreboard stalls (NOTES.md). (x one step ahead in registers, or an L1
-        # prefetch of it, measured slower.)
         ahead = gl.minimum(kt + 1, last)
         h_next = gl.load(h_ptrs + ahead * HW, mask=h_mask, other=0)
         sc_next = gl.load(s_ptrs + ahead * G, mask=s_mask, other=0.0)
@@ -133,22 +123,25 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         sb = gl.convert_layout(gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l,
                                assert_trivial=True)  # fmt: skip
         for i in gl.static_range(4):
-            if X_SMEM:
-                x_i = x_s.index(kt - first).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l)
-            else:
-                x_i = gl.load(x_ptrs + kt * (4 * HW) + i * HW)
+            x_i = x_s.index(kt - first).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l)
             acc = mma_v2(_nibble(h, i, False) * sb, x_i, acc)
         h = h_next
         sc = sc_next
 
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, mma)
+    if HAS_LORA:
+        # The first rank chunk's operands are in flight during the split-K round trips below.
+        lb0, u0 = _lora_operands(pid_n, 0, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
     run = True
     if SPLIT:
-        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N)
+        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH)
     if run:
         lora = acc
         if HAS_LORA:
-            lora = _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+            lora = mma_v2(lb0, u0, gl.zeros([BN, BM], gl.float32, layout=mma))
+            for c in range(RC, R, RC):
+                lb_c, u_c = _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+                lora = mma_v2(lb_c, u_c, lora)
         store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, HAS_LORA)
 
 
@@ -158,16 +151,18 @@ ROWS_PER_WARP = 16
 WARPS = 4
 #: int16 elements (4 codes each) per row and K step: a K step is the Gluon K order's 256 codes.
 HW = 64
-#: Programs ``decode_split`` assumes an SM holds (68 registers allow 7); 4, 6, 10 and 12 measured slower.
-RESIDENT = 8
+#: Programs an SM holds (66 registers and up to 28 KB of shared memory each allow 7), the count
+#: ``decode_split`` schedules for; and the most K steps a program holds (its x slice is staged in shared
+#: memory once, 4 KB a step: 7 keeps 7 programs per SM). H200 (decode_gluon_direct_schedule.json), summed 7B
+#: decode GEMMs at M = 1 / 8: 65.1 / 70.1 us, against 65.1 / 70.7 at 8 programs and 4 steps and 65.7 / 70.8
+#: at 8 and 6: the waves these change (7B down 0.91 or 1.15) cost nothing measurable.
+RESIDENT = 7
+MAX_STEPS = 7
 #: A program's fixed cost in K steps for ``decode_split`` (the Triton kernel's).
 PROGRAM_STEPS = 2
-#: Candidate, prepared from the Nsight Compute / SASS reading (NOTES.md) and not yet measured on a GPU, so 0
-#: (off) unless ``QERL_DIRECT_X_SMEM`` sets it: stage each program's x slice of at most this many K steps
-#: (a power of two; 4 KB each) in shared memory once (cp.async, barriers before the K loop only) and read each
-#: step's B operand from there (LDS.128) instead of global memory. 4 keeps 7 programs per SM (16 KB each) but
-#: forces more K slices (7B gate_up: 4); 8 allows 6 programs (32 KB). Offline: 64 registers, no spills.
-X_SMEM_STEPS = int(os.environ.get("QERL_DIRECT_X_SMEM", "0"))
+#: Split-K partials the last program reads per round trip (decode_gluon_direct_schedule.json: 62.4 / 66.9 us
+#: against 63.0 / 68.3 one at a time; more costs registers: 16 took the kernel to 96).
+SPLIT_CHUNK = 4
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -189,13 +184,11 @@ def matmul(
     out_bounds: tuple[int, int] | None = None,
     lora_bounds: tuple[int, int] | None = None,
     split: int = 0,
-    x_smem_steps: int | None = None,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) for an x already in the Gluon K order (``reference.nibble_major``);
-    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice); ``x_smem_steps``:
-    the shared-memory x candidate (None: ``X_SMEM_STEPS``; 0 off), which takes at least ``k_steps /
-    x_smem_steps`` slices."""
+    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice; raised so that no
+    slice holds more than ``MAX_STEPS`` K steps)."""
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
     M = x.shape[0]
@@ -205,20 +198,17 @@ def matmul(
     bn = ROWS_PER_WARP * WARPS
     k_steps = K // (4 * HW)
     tiles = _cdiv(N, bn)
-    x_steps = X_SMEM_STEPS if x_smem_steps is None else x_smem_steps
-    if x_steps:
-        if x_steps & (x_steps - 1):
-            raise ValueError(f"fp4_direct: x_smem_steps must be a power of two (or 0), got {x_steps}")
-        split = max(split or decode_split(tiles, k_steps, _sm_count(x.device) * RESIDENT, PROGRAM_STEPS),
-                    _cdiv(k_steps, x_steps))  # fmt: skip
-    split, _, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, _sm_count(x.device) * RESIDENT,
-                                      PROGRAM_STEPS, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
+    slots = _sm_count(x.device) * RESIDENT
+    split = max(split or decode_split(tiles, k_steps, slots, PROGRAM_STEPS), _cdiv(k_steps, MAX_STEPS))
+    split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, slots, PROGRAM_STEPS,
+                                         bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
-        BM=BM, BN=bn, HW=HW, X_SMEM=x_steps > 0, MAX_STEPS=max(1, x_steps), SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None, RC=16,
-        num_warps=WARPS,
+        BM=BM, BN=bn, HW=HW, STEPS=_cdiv(k_steps, split),
+        SPLIT=split > 1, CH=SPLIT_CHUNK, HAS_BIAS=bias is not None,
+        HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=WARPS,
     )  # fmt: skip
     return out

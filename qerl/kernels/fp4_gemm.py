@@ -7,13 +7,13 @@ registers and feeds bf16/fp16 ``tl.dot`` (wgmma).
 Kernels:
 * ``_decode_kernel`` (M <= 128, the rollout path): y^T = W_hat @ x^T with the weight as the wgmma
   A operand in registers and the tokens padded to 16..128 as its N dim; the packed row is read as
-  int16 elements of 4 codes, and a 4-instruction PTX snippet (``_nibble_asm``, via
-  ``tl.inline_asm_elementwise(pack=2)``) turns nibble i of two elements into one bf16x2 pair
+  int16 elements of 4 codes, and a 3-instruction PTX snippet (``_nibble_asm``, via
+  ``tl.inline_asm_elementwise(pack=2)``; 4 for fp16) turns nibble i of two elements into one bf16x2 pair
   ``e2m1 * 2^-126``; one packed multiply by the fp8 block scale * 2^118 makes the exact
   ``e2m1 * scale * 2^-8``. Because the decode is a unary elementwise op, Triton hoists the
   dot-operand conversion above it: words go global -> shared (cp.async, pipelined) -> registers
   (ldmatrix) and the decoded weights never touch shared memory. About 4 SASS instructions per
-  weight in the main loop. Split-K with an
+  weight in the main loop (before the 3-instruction decode). Split-K with an
   atomic ticket per tile: one launch, CUDA-graph safe; the split count from a model of waves of
   resident programs (``decode_split``).
 * ``_bwd_kernel`` (grad_x for M <= 64): fused wgmma tiles on int32 words (two codes per 32-bit
@@ -26,9 +26,10 @@ On Hopper, ``matmul`` hands decode GEMMs whose x comes in the Gluon K order (``n
 kernels instead (``gluon_takes``): ``fp4_direct`` up to 8 rows, ``fp4_gluon`` from 17.
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
-(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 17:39): M=16 (this module's decode kernel)
-1.75x of bf16 cuBLAS, 23.5 us against a 9.0 us floor (38.2 MB at 4.26 TB/s); M=1 2.02x (``fp4_direct``), M=64
-1.44x (``fp4_gluon``); M=1024 fwd 0.78x / bwd 0.74x; M=4096 0.94x / 0.98x of bf16. Nsight Compute of this
+(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 20:20): M=16 (this module's decode kernel)
+1.86x of bf16 cuBLAS, 22.0 us against a 9.0 us floor (38.2 MB at 4.24 TB/s); M=1 2.15x (``fp4_direct``), M=64
+1.32x (``fp4_gluon``; 29.9 us, the same as 1.44x at 17:39 against a slower cuBLAS); M=1024 fwd 0.73x / bwd
+0.75x; M=4096 0.94x / 0.93x of bf16. Nsight Compute of this
 kernel at M=1: 4.3 instructions per weight, issue-bound (9.7 us of issue at one per cycle), 53% of cycles
 issuing.
 """
@@ -185,15 +186,23 @@ def _nibble_asm(i: int, fp16: bool) -> str:
 
     Code bits ``4i..4i+3`` of a half are (magnitude e1 e0 m, sign s). The sign goes to bit 15 (31)
     and the magnitude to the low two exponent bits + top mantissa bit, so the half reads as
-    ``e2m1 * 2^-126`` (bf16) or ``e2m1 * 2^-14`` (fp16), subnormals included: 2 shifts + 2 LOP3 for
-    two weights (ptxas turns the left shifts into IMAD.SHL on the FMA pipe).
+    ``e2m1 * 2^-126`` (bf16) or ``e2m1 * 2^-14`` (fp16), subnormals included.
+
+    bf16: the code isolated, then one multiply by 2^a + 2^b writes two copies of it, one with the sign at
+    bit 15 and one with the magnitude at bits 8..6 (the copies do not overlap, so the add carries nothing),
+    and an AND keeps those bits: 3 instructions per pair + one shift shared by nibbles 2 and 3, 13 per 8
+    weights against 15 for shifts (H200, decode_gluon_nibble_mul.json: the 7B decode GEMMs 5% faster at
+    M = 1 / 8, 3% at M = 16 / 32). fp16: 2 shifts + 2 LOP3 per pair (its copies would overlap).
     """
+    if not fp16:
+        mask, mul = ("0x000F000F", 4096 + 64) if i % 2 == 0 else ("0x00F000F0", 256 + 4)
+        src = "shr.u32 t, $1, 8;\nand.b32 t, t, " if i >= 2 else "and.b32 t, $1, "
+        return "{\n.reg .b32 t;\n" + src + f"{mask};\nmul.lo.u32 t, t, {mul};\nand.b32 $0, t, 0x81C081C0;\n}}"
     sign_shl = 12 - 4 * i
     mag_shift, mask = (9 - 4 * i, "0x0E000E00") if fp16 else (6 - 4 * i, "0x01C001C0")
     mag = f"shl.b32 m, $1, {mag_shift};" if mag_shift >= 0 else f"shr.u32 m, $1, {-mag_shift};"
     sign = f"shl.b32 s, $1, {sign_shl};" if sign_shl else "mov.b32 s, $1;"
     return "{\n.reg .b32 s, m;\n" + sign + "\n" + mag + f"\nand.b32 m, m, {mask};\nand.b32 s, s, 0x80008000;\nor.b32 $0, s, m;\n}}"
-
 
 _NIB_BF16_0, _NIB_BF16_1, _NIB_BF16_2, _NIB_BF16_3 = (tl.constexpr(_nibble_asm(i, False)) for i in range(4))
 _NIB_FP16_0, _NIB_FP16_1, _NIB_FP16_2, _NIB_FP16_3 = (tl.constexpr(_nibble_asm(i, True)) for i in range(4))

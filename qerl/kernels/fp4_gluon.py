@@ -183,10 +183,12 @@ def tile_offsets(pid_n, M, N, Y1, Y2, BN: gl.constexpr, BM: gl.constexpr, layout
 
 
 @gluon.jit
-def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N):
+def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH: gl.constexpr):
     """Publish this program's fp32 partial and take a ticket: ``(sum of every slice's partial in slice
     order, True)`` for the program that draws the tile's last ticket (it also resets the ticket, so stream
-    order leaves the table at zero for the next launch), ``(acc, False)`` for the others (as fp4_gemm does)."""
+    order leaves the table at zero for the next launch), ``(acc, False)`` for the others (as fp4_gemm does).
+    The partials are read CH at a time (CH independent L2 round trips in flight; the sum stays in slice
+    order, so the result does not depend on CH)."""
     nsplit = gl.num_programs(1)
     gl.store(part_ptr + gl.program_id(1) * M * N + offs, acc, mask=mask)
     gl.thread_barrier()
@@ -194,8 +196,10 @@ def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N):
     last = ticket == nsplit - 1
     if last:
         acc = gl.zeros_like(acc)
-        for s in range(0, nsplit):
-            acc += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s0 in range(0, nsplit, CH):
+            for j in gl.static_range(CH):
+                acc += gl.load(part_ptr + (s0 + j) * M * N + offs, mask=mask & (s0 + j < nsplit), other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
         gl.store(ticket_ptr + pid_n, 0)
     return acc, last
 
@@ -217,8 +221,8 @@ def store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_sc
 def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr, u_ptr, lb_ptr,
                          M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                         SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr, RC: gl.constexpr,
-                         num_warps: gl.constexpr):  # fmt: skip
+                         SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
+                         RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue."""
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -246,7 +250,7 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, _acc_layout(BM))
     run = True
     if SPLIT:
-        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N)
+        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH)
     if run:
         lora = acc
         if HAS_LORA:
@@ -281,6 +285,13 @@ def launch_tail(
             out if lora_u is None else lora_u.contiguous(), out if lb is None else lb,
             M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale))  # fmt: skip
     return split, rank, out, args
+
+
+def split_chunk(bm: int) -> int:
+    """Split-K partials the last program reads per round trip (``split_k_sum``'s CH): as many as fit 32 fp32
+    registers a thread (a [64, bm] partial is bm / 2 of them), so the epilogue stays under the K loop's
+    register cap."""
+    return max(1, 64 // bm)
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -330,7 +341,7 @@ def matmul(
                                           gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
     _decode_gluon_kernel[(tiles, split)](
         x_desc, h_desc, s_desc, *tail,
-        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
+        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, CH=split_chunk(bm), HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
