@@ -26,7 +26,7 @@ On Hopper, ``matmul`` hands decode GEMMs whose x comes in the Gluon K order (``n
 kernels instead (``gluon_takes``): ``fp4_direct`` up to 8 rows, ``fp4_gluon`` from 17.
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
-(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 20:20): M=16 (this module's decode kernel)
+(N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 19:50): M=16 (this module's decode kernel)
 1.86x of bf16 cuBLAS, 22.0 us against a 9.0 us floor (38.2 MB at 4.24 TB/s); M=1 2.15x (``fp4_direct``), M=64
 1.32x (``fp4_gluon``; 29.9 us, the same as 1.44x at 17:39 against a slower cuBLAS); M=1024 fwd 0.73x / bwd
 0.75x; M=4096 0.94x / 0.93x of bf16. Nsight Compute of this
