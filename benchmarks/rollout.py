@@ -29,6 +29,8 @@ the Triton kernel, on that Gluon kernel (``schedule.GLUON_DECODE``, ``qerl/kerne
 rows; ``schedule.DIRECT_DECODE``, ``qerl/kernels/fp4_direct.py``, at most 8) and on Triton again, fresh
 graphs each, in one process; each Gluon engine is first checked against the Triton one on the same prompts
 (greedy tokens of a short generate).
+``--kernel-ab rope`` does the same with the RoPE and cache write in the attention kernel
+(``schedule.ROPE_IN_ATTENTION``, a candidate) off / on / off.
 
 ``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``, with
 LoRA and with the adapter disabled.
@@ -304,12 +306,13 @@ def lora_sweep(args: argparse.Namespace) -> dict:
     }
 
 
-#: ``--kernel-ab`` variants: the ``schedule`` switch each Gluon decode kernel has.
-AB_SWITCHES = {"gluon": "GLUON_DECODE", "direct": "DIRECT_DECODE"}
+#: ``--kernel-ab`` variants: the ``schedule`` switch each has, and what runs with it off.
+AB_SWITCHES = {"gluon": ("GLUON_DECODE", "triton"), "direct": ("DIRECT_DECODE", "triton"),
+               "rope": ("ROPE_IN_ATTENTION", "rope_kernel")}
 
 
 def kernel_ab(args: argparse.Namespace) -> dict:
-    """``--kernel-ab K``: ms/step with the decode GEMMs K covers on the Triton kernel / on K / on Triton, same process."""
+    """``--kernel-ab K``: ms/step with K's switch off / on / off (``AB_SWITCHES``), same process."""
     from qerl.kernels import schedule
     from qerl.rollout import SamplingParams
     from qerl.rollout.native import NativeEngine
@@ -321,10 +324,10 @@ def kernel_ab(args: argparse.Namespace) -> dict:
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         reference_tokens = None
-        switch = AB_SWITCHES[args.kernel_ab]
-        for variant in ("triton", args.kernel_ab, "triton"):
+        switch, base = AB_SWITCHES[args.kernel_ab]
+        for variant in (base, args.kernel_ab, base):
             default = getattr(schedule, switch)
-            setattr(schedule, switch, variant != "triton")
+            setattr(schedule, switch, variant != base)
             try:
                 engine = NativeEngine(model, 0)
                 tokens = engine.generate(prompts, greedy).completion_ids
@@ -342,11 +345,11 @@ def kernel_ab(args: argparse.Namespace) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
             rows.append(dict(batch=b, variant=variant, tokens=args.tokens, ms_per_step=round(ms, 4),
-                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_triton=same,
+                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_base=same,
                              greedy_common_prefix_tokens=prefix, greedy_tokens=greedy.max_new_tokens))  # fmt: skip
-            print(f"7b nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to triton's {same:.2f}, "
+            print(f"7b nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to {base}'s {same:.2f}, "
                   f"common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
-    return {"benchmark": f"rollout decode, Triton vs {args.kernel_ab} decode GEMMs (ms/step)", "date": utc_now(), **environment(),
+    return {"benchmark": f"rollout decode, {base} vs {args.kernel_ab} (ms/step)", "date": utc_now(), **environment(),
             "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip
 
 
@@ -451,7 +454,7 @@ def main() -> None:
                         help="only a per-kernel GPU-time profile of one 7B NVFP4+LoRA decode step at --batches")
     parser.add_argument("--lora-sweep", action="store_true", help="only the 7B NVFP4 LoRA cost sweep (see above)")
     parser.add_argument("--kernel-ab", choices=list(AB_SWITCHES),
-                        help="only the Triton vs that Gluon decode kernel A/B (see above)")
+                        help="only the A/B of that engine switch (see above)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
                         help="with --lora-sweep, --kernel-ab or --profile")
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")

@@ -130,6 +130,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     att, flat = fused_step.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5, dev(a))
     _close(att, ref_att, tol, "decode_attention (shrink)")
     _close(flat.view(b, 12), ref_u.u, 2 * tol, "decode_attention u")
+    check_rope_in_attention(rnd, dev, dev(a))
     qw, kw, vw = rnd(b, 16, hd), rnd(b, nkv, s, hd).to(device), rnd(b, nkv, s, hd).to(device)  # 16 heads x 16 = 256
     natural = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5)[0].cpu()
     permuted = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, permute=True)[0].cpu()
@@ -140,6 +141,23 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     assert torch.equal(permuted.cpu(), nibble_major(natural)) and torch.equal(u_p, u_nat), "decode_attention(permute, shrink)"
 
     check_finish_step(device)
+
+
+def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> None:  # noqa: ANN001
+    """``decode_attention(rope=)`` (the partial kernel ropes q and writes this step's k / v itself) gives
+    the bits of ``rope_and_cache`` + ``decode_attention``, caches included: 3 rows whose slots fall in
+    different splits of a 4-split cache (GQA 4:1), with and without the o_proj shrink (``lora_a``)."""
+    b, nh, nkv, hd = 3, 8, 2, 16
+    kc, vc, q, k, v = rnd(b, nkv, s, hd), rnd(b, nkv, s, hd), rnd(b, nh * hd), rnd(b, nkv * hd), rnd(b, nkv * hd)
+    cos, sin, pos = dev(rnd(s, hd)), dev(rnd(s, hd)), dev(torch.tensor([0, 117, s - 1]))
+    for lora in (None, lora_a):
+        k1, v1, k2, v2 = dev(kc), dev(vc), dev(kc), dev(vc)
+        q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), cos, sin, pos, k1, v1, nh, nkv, hd)
+        want = fused_step.decode_attention(q1, k1, v1, pos, hd**-0.5, lora)
+        got = fused_step.decode_attention(dev(q).view(b, nh, hd), k2, v2, pos, hd**-0.5, lora, rope=(dev(k), dev(v), cos, sin))
+        assert torch.equal(k2, k1) and torch.equal(v2, v1), "decode_attention(rope=): cache"
+        assert torch.equal(got[0], want[0]), "decode_attention(rope=): output"
+        assert lora is None or torch.equal(got[1], want[1]), "decode_attention(rope=): u"
 
 
 def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
@@ -279,6 +297,14 @@ def check_engine_interpreted() -> None:
     engine = NativeEngine(model, 0, kv_block=32)
     out = engine.generate(prompts, greedy(8))
     assert out.completion_ids == ref.completion_ids, "interpreted kernels: greedy differs from transformers"
+    from qerl.kernels import schedule
+
+    schedule.ROPE_IN_ATTENTION = True  # the RoPE and the cache write in the attention kernel: the same tokens
+    try:
+        fused = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
+    finally:
+        schedule.ROPE_IN_ATTENTION = False
+    assert fused.completion_ids == out.completion_ids and fused.logprobs == out.logprobs, "rope in attention"
     worst = max(
         abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)
     )

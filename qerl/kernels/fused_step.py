@@ -322,6 +322,15 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, 
 
 
 @triton.jit
+def _rope(x, xr, cos, sin, DT: tl.constexpr):
+    """transformers' ``q * cos + rotate_half(q) * sin`` (``xr``: the rotated partner, sign applied), each op
+    rounded to the activation dtype as there."""
+    a = (x * cos).to(DT).to(tl.float32)
+    c = (xr * sin).to(DT).to(tl.float32)
+    return (a + c).to(DT)
+
+
+@triton.jit
 def _rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr,
     skb, skh, sks, svb, svh, svs,
@@ -346,11 +355,7 @@ def _rope_cache_kernel(
         src = v_ptr + b * (HKV * D) + (j - H - HKV) * D
     x = tl.load(src + offs).to(tl.float32)
     if j < H + HKV:
-        xr = tl.load(src + partner).to(tl.float32) * sign
-        # transformers: q * cos + rotate_half(q) * sin, each op rounded to the activation dtype
-        a = (x * cos).to(dt).to(tl.float32)
-        c = (xr * sin).to(dt).to(tl.float32)
-        y = (a + c).to(dt)
+        y = _rope(x, tl.load(src + partner).to(tl.float32) * sign, cos, sin, dt)
         if j < H:
             tl.store(qo_ptr + b * (H * D) + j * D + offs, y)
         else:
@@ -381,13 +386,16 @@ def rope_and_cache(
 
 @triton.jit
 def _attn_partial_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr,
     skb, skh, sks, svb, svh, svs, scale, chunk, nsplit,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     """Flash-decoding partials: program (row*kv-head, split) attends G query heads to one key chunk
-    of the row's valid prefix (slots <= pos)."""
+    of the row's valid prefix (slots <= pos). With ROPE, q comes un-rotated and every program ropes its
+    heads itself; the program whose chunk holds slot pos also ropes this step's key (``kn_ptr``) and
+    writes it and the value (``vn_ptr``) into the cache before reading its chunk (``_rope_cache_kernel``'s
+    work, bit for bit, without its launch)."""
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -399,7 +407,24 @@ def _attn_partial_kernel(
     offs_d = tl.arange(0, D)
     gmask = offs_g < G
     heads = kvh * G + offs_g
-    q = tl.load(q_ptr + b * (HKV * G * D) + heads[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q_rows = q_ptr + b * (HKV * G * D) + heads[:, None] * D
+    q = tl.load(q_rows + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    if ROPE:
+        dt = q_ptr.dtype.element_ty
+        partner = (offs_d + D // 2) % D
+        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        pos = length - 1
+        cos = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
+        q_r = tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sign[None, :]
+        q = _rope(q.to(tl.float32), q_r, cos[None, :], sin[None, :], dt)
+        if (start <= pos) & (pos < end):
+            new = b * (HKV * D) + kvh * D
+            k_r = tl.load(kn_ptr + new + partner).to(tl.float32) * sign
+            k_new = _rope(tl.load(kn_ptr + new + offs_d).to(tl.float32), k_r, cos, sin, dt)
+            tl.store(k_ptr + b * skb + kvh * skh + pos * sks + offs_d, k_new)
+            tl.store(v_ptr + b * svb + kvh * svh + pos * svs + offs_d, tl.load(vn_ptr + new + offs_d))
+            tl.debug_barrier()  # the chunk loop below reads slot pos back
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -470,10 +495,12 @@ def decode_attention(
     scale: float,
     lora_a: torch.Tensor | None = None,
     permute: bool = False,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
     with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None.
-    ``permute`` as in ``rms_norm`` (out only; u is the same)."""
+    ``permute`` as in ``rms_norm`` (out only; u is the same). ``rope = (k, v, cos, sin)``: q is not rotated
+    yet and this step's k / v (``[B, Hkv*D]``) are not in the cache: ``rope_and_cache``'s work is done here."""
     b, h, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -484,12 +511,13 @@ def decode_attention(
     m = torch.empty(b * h * nsplit, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty(b * h * nsplit, d, dtype=torch.float32, device=q.device)
+    kn, vn, cos, sin = rope if rope is not None else (q, q, q, q)
     _attn_partial_kernel[(b * hkv, nsplit)](
-        q, k_cache, v_cache, pos, m, lsum, acc,
+        q, k_cache, v_cache, pos, m, lsum, acc, kn, vn, cos, sin,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale, chunk, nsplit,
         HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        IEEE=q.dtype == torch.float32, ROPE=rope is not None, num_warps=4,
     )  # fmt: skip
     out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     rank = 0 if lora_a is None else lora_a.shape[0]

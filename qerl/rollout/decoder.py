@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl import kernels
-from qerl.kernels import backend, reference
+from qerl.kernels import backend, reference, schedule
 from qerl.rollout.layers import Group, Norm, Proj
 
 #: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input.
@@ -140,6 +140,29 @@ def rope_and_cache(
     return impl.rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, num_heads, num_kv_heads, cos.shape[-1])
 
 
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    group: Group | None = None,
+) -> tuple[torch.Tensor, LoraInputs]:
+    """``rope_and_cache`` then ``decode_attention``: q ``[B, H*D]``, k / v ``[B, Hkv*D]`` of this step, caches
+    ``[B, Hkv, S, D]`` views cut to the attended length. On the GPU with ``schedule.ROPE_IN_ATTENTION`` the
+    attention kernel does the RoPE and the cache write itself (one launch fewer, the same bits)."""
+    d = cos.shape[-1]
+    b, hkv = q.shape[0], k_cache.shape[1]
+    if backend.available(q) and schedule.ROPE_IN_ATTENTION:
+        return decode_attention(q.view(b, -1, d), k_cache, v_cache, pos, scale, group, rope=(k, v, cos, sin))
+    q = rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv)
+    return decode_attention(q, k_cache, v_cache, pos, scale, group)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, group: Group | None = None) -> tuple[torch.Tensor, LoraInputs]:
     """``(silu(gate) * up, lora inputs of group)``."""
     if backend.available(gate):
@@ -223,17 +246,19 @@ def decode_attention(
     pos: torch.Tensor,
     scale: float,
     group: Group | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, LoraInputs]:
     """One query token per row against a static cache -> ``([B, H*D], lora inputs of group)``.
 
     q ``[B, H, D]``; caches ``[B, Hkv, S, D]`` (already holding this step's key/value); row ``i``
     attends to slots ``<= pos[i]``. GQA views q as ``[B, Hkv, G, D]`` so each cache byte is read once.
+    ``rope`` (GPU only, ``rope_attention``): ``fused_step.decode_attention``'s, q not rotated yet.
     """
     if backend.available(q):
         permuted = _gluon_order(q, q.shape[0], q.shape[1] * q.shape[2], group)
         fuse = _fuse_lora(q, q.shape[0], group)
         out, flat = backend.fused_step().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None,
-                                                          permute=permuted)  # fmt: skip
+                                                          permute=permuted, rope=rope)  # fmt: skip
         return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group, permuted))
     out = reference.decode_attention(q, k_cache, v_cache, pos, scale)
     return out, lora_inputs(out, group)

@@ -379,13 +379,13 @@ class NativeEngine:
         if self._hook is not None:
             self._hook()
         slots = state.slots[key.batch]
-        hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
+        hd = plan.head_dim
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, decoder.LoraInputs]:
             k_cache, v_cache = state.k[i, : key.batch], state.v[i, : key.batch]
-            q = decoder.rope_and_cache(q, k, v, state.cos, state.sin, slots.pos, k_cache, v_cache, nh, nkv)
             kv = key.kv_len
-            return decoder.decode_attention(q, k_cache[:, :, :kv], v_cache[:, :, :kv], slots.pos, hd**-0.5, plan.layers[i].o)
+            return decoder.rope_attention(q, k, v, state.cos, state.sin, slots.pos, k_cache[:, :, :kv], v_cache[:, :, :kv],
+                                          hd**-0.5, plan.layers[i].o)  # fmt: skip
 
         logits = plan.lm_head(self._layers(plan, plan.embed(slots.tokens), attend))
         if key.forced:
