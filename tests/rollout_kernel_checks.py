@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.kernels import fused_step
+from qerl.kernels import fused_step, reference
 from qerl.kernels.reference import nibble_major
 from qerl.linear import stack_fused_groups
 from qerl.rollout import decoder
@@ -117,7 +117,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     kcc, vcc = dev(kc), dev(vc)
     q_out = fused_step.rope_and_cache(dev(q), dev(k_), dev(v), dev(cos), dev(sin), dev(pos), kcc, vcc, nh, nkv, hd)
     kr, vr = kc.float().clone(), vc.float().clone()
-    q_ref = decoder.rope_and_cache(q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv)
+    q_ref = reference.rope_and_cache(q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv, hd)
     _close(q_out, q_ref, 2 * tol, "rope q")
     _close(kcc, kr, 2 * tol, "rope k cache")
     assert torch.equal(vcc.cpu().float(), vr), "v cache"

@@ -120,26 +120,6 @@ def rms_norm(
     return h, x, lora_inputs(x, group)
 
 
-def rope_and_cache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-) -> torch.Tensor:
-    """Decode: RoPE one token per row (q ``[B, H*D]`` -> ``[B, H, D]``), write its k/v at slot ``pos``.
-
-    cos/sin are the full ``[S, D]`` tables; caches are ``[B, Hkv, S, D]`` views of this layer.
-    """
-    impl = backend.fused_step() if backend.available(q) else reference
-    return impl.rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, num_heads, num_kv_heads, cos.shape[-1])
-
-
 def rope_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -152,14 +132,16 @@ def rope_attention(
     scale: float,
     group: Group | None = None,
 ) -> tuple[torch.Tensor, LoraInputs]:
-    """``rope_and_cache`` then ``decode_attention``: q ``[B, H*D]``, k / v ``[B, Hkv*D]`` of this step, caches
-    ``[B, Hkv, S, D]`` views cut to the attended length. On the GPU with ``schedule.ROPE_IN_ATTENTION`` the
+    """RoPE of this step's q and k, k / v written at slot ``pos``, then ``decode_attention``: q ``[B, H*D]``,
+    k / v ``[B, Hkv*D]``, cos / sin the full ``[S, D]`` tables, caches ``[B, Hkv, S, D]`` views of this
+    layer cut to the attended length. On the GPU with ``schedule.ROPE_IN_ATTENTION`` the
     attention kernel does the RoPE and the cache write itself (one launch fewer, the same bits)."""
     d = cos.shape[-1]
     b, hkv = q.shape[0], k_cache.shape[1]
     if backend.available(q) and schedule.ROPE_IN_ATTENTION:
         return decode_attention(q.view(b, -1, d), k_cache, v_cache, pos, scale, group, rope=(k, v, cos, sin))
-    q = rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv)
+    impl = backend.fused_step() if backend.available(q) else reference
+    q = impl.rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv, d)
     return decode_attention(q, k_cache, v_cache, pos, scale, group)
 
 
