@@ -27,8 +27,9 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
 66 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM. H200
 (benchmarks/results/decode_gluon_nibble_mul.json): the 7B decode GEMMs at M=1 in 62.4 us summed against
 76.8 for the Triton kernel, 7B down in 17.1 us against a 9.0 us floor (52.5% of copy bandwidth,
-kernels.json); M=8 66.9 vs 79.5. Issue-bound (Nsight Compute of the first version: issuing on 53% of
-cycles; benchmarks/NOTES.md, "A decode kernel without shared memory" and what followed).
+kernels.json); M=8 66.9 vs 79.5. The K loop is 3.28 SASS instructions per weight, whose issue alone fills
+42% of 7B down's cycles (Nsight Compute of the first version: issuing on 53% of cycles; benchmarks/NOTES.md,
+"A decode kernel without shared memory" and the next section).
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ RESIDENT = 7
 MAX_STEPS = 7
 #: A program's fixed cost in K steps for ``decode_split`` (the Triton kernel's).
 PROGRAM_STEPS = 2
-#: Split-K partials the last program reads per round trip (decode_gluon_direct_schedule.json: 62.4 / 66.9 us
-#: against 63.0 / 68.3 one at a time; more costs registers: 16 took the kernel to 96).
+#: Split-K partials the last program reads per round trip (decode_gluon_nibble_mul.json, summed 7B decode GEMMs
+#: at M = 1 / 8: 62.4 / 66.9 us against 63.0 / 68.3 one at a time; 16 took the kernel to 96 registers).
 SPLIT_CHUNK = 4
 
 

@@ -287,13 +287,6 @@ def launch_tail(
     return split, rank, out, args
 
 
-def split_chunk(bm: int) -> int:
-    """Split-K partials the last program reads per round trip (``split_k_sum``'s CH): as many as fit 32 fp32
-    registers a thread (a [64, bm] partial is bm / 2 of them), so the epilogue stays under the K loop's
-    register cap."""
-    return max(1, 64 // bm)
-
-
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Hopper, bf16 activations, M <= 128 and whole K steps: what this kernel covers."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and dtype == torch.bfloat16
@@ -339,9 +332,12 @@ def matmul(
     h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
     s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
+    # CH=1: split-K partials one per round trip. Reading 64 / BM at a time measured the same here (H200, summed 7B
+    # decode GEMMs at M = 16 / 32: 79.7 / 91.1 us one at a time, 80.3 / 90.8 so; decode_gluon_xsmem.json and the
+    # shifts run of decode_gluon_nibble_mul.json), unlike the direct kernel (fp4_direct.SPLIT_CHUNK).
     _decode_gluon_kernel[(tiles, split)](
         x_desc, h_desc, s_desc, *tail,
-        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, CH=split_chunk(bm), HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
+        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, CH=1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
