@@ -234,8 +234,10 @@ def decode_attention(
 
     q ``[B, H, D]``; caches ``[B, Hkv, S, D]`` (already holding this step's key/value); row ``i``
     attends to slots ``<= pos[i]``. GQA views q as ``[B, Hkv, G, D]`` so each cache byte is read once.
-    ``rope`` (GPU only, ``rope_attention``): ``fused_step.decode_attention``'s, q not rotated yet.
+    ``rope`` (``rope_attention``, kernels only): ``fused_step.decode_attention``'s, q not rotated yet.
     """
+    if rope is not None and not backend.available(q):
+        raise ValueError("decoder.decode_attention: rope= needs the fused kernels (a CUDA tensor with triton)")
     if backend.available(q):
         permuted = _gluon_order(q, q.shape[0], q.shape[1] * q.shape[2], group)
         fuse = _fuse_lora(q, q.shape[0], group)
