@@ -30,7 +30,7 @@ rows; ``schedule.DIRECT_DECODE``, ``qerl/kernels/fp4_direct.py``, at most 8) and
 graphs each, in one process; each Gluon engine is first checked against the Triton one on the same prompts
 (greedy tokens of a short generate).
 ``--kernel-ab rope`` does the same with the RoPE and cache write in the attention kernel
-(``schedule.ROPE_IN_ATTENTION``, a candidate) off / on / off.
+(``schedule.ROPE_IN_ATTENTION``, on by default) off / on / off.
 
 ``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``, with
 LoRA and with the adapter disabled.

@@ -285,7 +285,7 @@ def check_engine_interpreted() -> None:
     from test_rollout_engines import PROMPTS, greedy
     from tiny_models import nvfp4_lora, tiny_llama
 
-    from qerl.kernels import backend
+    from qerl.kernels import backend, schedule
     from qerl.rollout import get_engine
     from qerl.rollout.native import NativeEngine
 
@@ -294,16 +294,16 @@ def check_engine_interpreted() -> None:
     assert stack_fused_groups(model) == 4, "q/k/v and gate/up of both layers"  # the stacked group path too
     prompts = PROMPTS[:3]  # the interpreter runs every program in Python: keep the grids small
     ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))
-    engine = NativeEngine(model, 0, kv_block=32)
-    out = engine.generate(prompts, greedy(8))
-    assert out.completion_ids == ref.completion_ids, "interpreted kernels: greedy differs from transformers"
-    from qerl.kernels import schedule
-
-    schedule.ROPE_IN_ATTENTION = True  # the RoPE and the cache write in the attention kernel: the same tokens
-    try:
-        fused = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
+    default = schedule.ROPE_IN_ATTENTION
+    runs = {}
+    try:  # RoPE and the cache write in their own kernel, then in the attention kernel: the same tokens
+        for rope_in_attention in (False, True):
+            schedule.ROPE_IN_ATTENTION = rope_in_attention
+            runs[rope_in_attention] = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
     finally:
-        schedule.ROPE_IN_ATTENTION = False
+        schedule.ROPE_IN_ATTENTION = default
+    out, fused = runs[False], runs[True]
+    assert out.completion_ids == ref.completion_ids, "interpreted kernels: greedy differs from transformers"
     assert fused.completion_ids == out.completion_ids and fused.logprobs == out.logprobs, "rope in attention"
     worst = max(
         abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)

@@ -89,11 +89,12 @@ GLUON_MIN_M = 16
 #: 75.8 us for the Triton kernel, M=8 81.2 vs 80.4, M=16 135.5 vs 81.9.
 DIRECT_DECODE = os.environ.get("QERL_DECODE_DIRECT", "1") != "0"
 DIRECT_MAX_M = 8
-#: Candidate, not yet measured on a GPU (so off unless ``QERL_ROPE_IN_ATTENTION=1``): the decode attention's
-#: partial kernel ropes q and writes this step's k / v into the cache itself (``fused_step.decode_attention
-#: (rope=)``), one launch a layer fewer than ``rope_and_cache`` + attention (1.7 us a layer, 48 us a 7B step
-#: at b=1 in profile_direct.json). ``python -m benchmarks.rollout --kernel-ab rope`` is its A/B.
-ROPE_IN_ATTENTION = os.environ.get("QERL_ROPE_IN_ATTENTION", "0") == "1"
+#: The decode attention's partial kernel ropes q and writes this step's k / v into the cache itself
+#: (``fused_step.decode_attention(rope=)``): one launch a layer fewer than ``rope_and_cache`` + attention,
+#: the same bits. H200, 7B NVFP4 + LoRA, ``python -m benchmarks.rollout --kernel-ab rope`` (off / on / off,
+#: rollout_rope_ab.json): b=1 2.773 / 2.677 / 2.743 ms a step, b=8 3.018 / 3.058 / 3.170, b=64 5.515 /
+#: 5.464 / 5.512. ``QERL_ROPE_IN_ATTENTION=0`` turns it off.
+ROPE_IN_ATTENTION = os.environ.get("QERL_ROPE_IN_ATTENTION", "1") != "0"
 #: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
 #: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
 #: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128
