@@ -288,12 +288,14 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
 
 
 
-def test_direct_decode_compiles_for_sm90() -> None:
+@pytest.mark.parametrize("ring", [False, True])
+def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     """The mma.sync decode kernel (``fp4_direct``) compiles for sm_90 on any machine with the structure it
-    exists for: x staged in shared memory before the K loop (cp.async), then per K step 16 register-operand
+    exists for: x staged in shared memory (cp.async) before the K loop, then per K step 16 register-operand
     HMMA (4 nibbles x 4 k16 chunks), 4 16-byte weight loads straight into registers and 8 16-byte x reads
-    from shared memory, no barrier, store or spill in the loop; the LoRA expand's two HMMA (its first rank
-    chunk and the loop over the rest) after it."""
+    from shared memory, no barrier, store or spill; the LoRA expand's two HMMA (its first rank chunk and the
+    loop over the rest) after it. With ``RING`` (slices longer than the ring) the loop also holds the ring's
+    refill, a block its branch skips on all but every STEPS-th step; without it, nothing else."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")
@@ -305,14 +307,13 @@ def test_direct_decode_compiles_for_sm90() -> None:
 
     kernel = fd._direct_kernel
     ints = ["M", "N", "K", "stride_xm", "stride_h", "stride_s", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"]
+    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "STEPS": fd.MAX_STEPS, "RING": ring,
+                 "SPLIT": True, "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "num_warps": fd.WARPS}  # fmt: skip
     signature = {
         "x_ptr": "*bf16", "h_ptr": "*i16", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
         "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-        "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "HW", "STEPS", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
+        "lora_scale": "fp32", **dict.fromkeys(constants, "constexpr"),
     }  # fmt: skip
-    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "STEPS": fd.MAX_STEPS, "SPLIT": True,
-                 "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "num_warps": fd.WARPS}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
                for n in ("x_ptr", "h_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_h", "stride_s")}  # fmt: skip
     sass = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
@@ -322,12 +323,18 @@ def test_direct_decode_compiles_for_sm90() -> None:
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines) for m in [re.search(r"BRA `?\(?(\w+)\)?;", line)]
              if m and m.group(1) in labels and labels[m.group(1)] < i]  # fmt: skip
     start, end = next((a, b) for a, b in loops if any("HMMA" in line for line in lines[a:b]))
-    body = lines[start:end + 1]
+    assert any("LDGSTS" in line for line in lines[:start])
+    skips = [m.group(1) for line in lines[start:end] for m in [re.search(r"@!?P\d BRA `?\(?(\w+)\)?;", line)] if m]
+    if ring:
+        refill, body = lines[start:labels[skips[0]]], lines[labels[skips[0]]:end + 1]
+        assert any("LDGSTS" in line for line in refill)
+    else:
+        assert not skips, "a branch inside the K loop"
+        body = lines[start:end + 1]
     assert sum("HMMA.16816.F32.BF16" in line for line in body) == 16
     assert sum("LDG.E.128" in line for line in body) == 4
     assert sum("LDS.128" in line for line in body) == 8
-    assert any("LDGSTS" in line for line in lines[:start])
-    assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM)\b", line)], "a barrier or a store in the K loop"
+    assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM|LDGSTS)\b", line)], "a barrier or a store in the K loop"
     assert not re.search(r"\b(?:LDL|STL)\b", sass), "register spills"
     assert sass.count("HMMA.16816.F32.BF16") == 16 + 2
 
@@ -374,10 +381,12 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     if kernel == "direct":
         assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 4, k // 16)
         assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int16
-        assert bound["STEPS"] == bound["steps_per_split"] and bound["CH"] == fp4_direct.SPLIT_CHUNK
-        # A program stages at most MAX_STEPS K steps of x: one slice of MAX_STEPS + 1 steps becomes two.
+        assert bound["STEPS"] == bound["steps_per_split"] and bound["CH"] == fp4_direct.SPLIT_CHUNK and not bound["RING"]
+        # x goes through a ring of at most MAX_STEPS K steps: a slice of MAX_STEPS + 1 steps stays one slice.
         k = 256 * (fp4_direct.MAX_STEPS + 1)
         packed, scale = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
         module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), packed, scale, g, split=1)
         grid, args, kwargs = launches[-1]
-        assert grid == (-(-n // 64), 2) and kwargs["STEPS"] == -(-(fp4_direct.MAX_STEPS + 1) // 2)
+        bound = inspect.signature(Capture.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params}).arguments
+        assert grid == (-(-n // 64), 1) and bound["STEPS"] == fp4_direct.MAX_STEPS and bound["RING"]
+        assert bound["steps_per_split"] == fp4_direct.MAX_STEPS + 1

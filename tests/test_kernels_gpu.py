@@ -166,11 +166,12 @@ def test_gluon_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mon
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
 @pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize("N,K", [(200, 1024), (1000, 3584), (72, 256)])
+@pytest.mark.parametrize("N,K", [(200, 1024), (1000, 3584), (72, 256), (130, 256 * 17)])
 def test_direct_decode(M: int, N: int, K: int) -> None:
     """The mma.sync kernel against float64: x in the Gluon K order, split-K (auto, one slice, three),
-    N not a multiple of its 64-row tile, one K step; then the Triton kernel (sharing the ticket table) is
-    still exact; M > 8 and K off the 256-code steps are refused."""
+    N not a multiple of its 64-row tile, one K step, slices longer than the x ring (17 steps in one slice:
+    fills of 7, 7 and 3); then the Triton kernel (sharing the ticket table) is still exact; M > 8 and K off
+    the 256-code steps are refused."""
     from qerl.kernels import fp4_direct, fp4_gemm, reference
 
     q = _weight(N, K)
@@ -178,7 +179,7 @@ def test_direct_decode(M: int, N: int, K: int) -> None:
     ref = x.double() @ _w64(q).t()
     xp = reference.nibble_major(x)
     _poison_allocator()
-    for split in (0, 1, 3):  # one slice is raised to MAX_STEPS-step slices; 3 leaves the last one short
+    for split in (0, 1, 3):  # one slice refills the x ring past MAX_STEPS steps; 3 leaves the last slice short
         y = fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
         assert _rel(y, ref) < TOL, (split, _rel(y, ref))
     assert _rel(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL

@@ -15,21 +15,22 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
   of 8 consecutive int16 elements (32 codes each, one 16-byte load) of each of its two rows, straight
   from the checkpoint's layout (no repack);
 * x comes in the Gluon K order (``fp4_gemm.nibble_major``, as the rollout engine's producers write it),
-  so nibble ``i``'s slice of x for a K step is 64 contiguous elements; a program cp.asyncs its whole x
-  slice (at most ``MAX_STEPS`` K steps, 4 KB each) into shared memory before the loop and reads each
-  nibble's B operand with 16-byte LDS (x from global memory inside the loop missed L1 every step);
+  so nibble ``i``'s slice of x for a K step is 64 contiguous elements; a program cp.asyncs its x slice
+  into a shared-memory ring of up to ``MAX_STEPS`` K steps (4 KB each; a longer slice refills it) and
+  reads each nibble's B operand with 16-byte LDS (x from global memory inside the loop missed L1 every step);
 * the decode is ``fp4_gemm._nibble`` (3 instructions per bf16 pair) times the fp8 block scale converted
   once per (row, group) (``fp4_gluon._scale_layout``): exact, as in the other kernels;
 * split-K with the same ticket reduction as the other decode kernels (partials read ``SPLIT_CHUNK`` per
   round trip), and their epilogue (bias, the LoRA expand as an ``mma.sync`` whose first rank chunk is
   loaded before the split-K round trips, segmented outputs).
 
-66 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM. H200
+66-68 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM. H200
 (benchmarks/results/decode_gluon_nibble_mul.json): the 7B decode GEMMs at M=1 in 62.4 us summed against
-76.8 for the Triton kernel, 7B down in 17.1 us against a 9.0 us floor (52.5% of copy bandwidth,
-kernels.json); M=8 66.9 vs 79.5. The K loop is 3.28 SASS instructions per weight, whose issue alone fills
-42% of 7B down's cycles (Nsight Compute of the first version: issuing on 53% of cycles; benchmarks/NOTES.md,
-"A decode kernel without shared memory" and the next section).
+76.8 for the Triton kernel, 7B down in 17.1-17.6 us against a 9.0 us floor (51-53% of copy bandwidth,
+kernels.json); M=8 66.9 vs 79.5; the ring's refill let the 32B GEMMs keep ``decode_split``'s 10-20-step
+slices: -7% / -10% summed at M = 1 / 8 (decode_direct_ring.json). The K loop is 3.3 SASS instructions per
+weight, ~45% of them on the half-rate ALU pipe; Nsight Compute: issuing on 58% of active cycles, SMs idle on
+21% (benchmarks/NOTES.md, "A decode kernel without shared memory" and the sections after it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
 from .fp4_gluon import _scale_layout, launch_tail, split_k_sum, store_tile, tile_offsets
-from .schedule import _cdiv, _sm_count, decode_split
+from .schedule import _cdiv, _sm_count
 
 
 @gluon.constexpr_function
@@ -69,12 +70,28 @@ def _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
 
 
 @gluon.jit
+def _stage_x(x_s, x_ptr, stride_xm, M, c0, last, BM: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr,
+             num_warps: gl.constexpr):  # fmt: skip
+    """cp.async K steps ``c0 .. c0 + STEPS - 1`` of x (clamped to ``last``) into the ring's slots, one group.
+    Token rows past M are not copied (never stored). The addresses are rebuilt from scalars on every fill,
+    so none of them has to stay live across the K loop. (A ring refilled by a loop nested around the K loop
+    compiled to 80-93 registers, 5 programs per SM; the refill as a skipped block inside it, to 66.)"""
+    cp_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    tok = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, cp_l)), 1)
+    src = x_ptr + tok * stride_xm + gl.expand_dims(gl.arange(0, 4 * HW, layout=gl.SliceLayout(0, cp_l)), 0)
+    for q in gl.static_range(STEPS):
+        async_copy.async_copy_global_to_shared(x_s.index(q), src + gl.minimum(c0 + q, last) * (4 * HW), mask=tok < M)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr,
                    u_ptr, lb_ptr, M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
-                   BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr, RING: gl.constexpr,
                    SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
                    RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """Program (BN weight rows, K slice ``program_id(1)`` of ``STEPS`` = ``steps_per_split`` K steps):
+    """Program (BN weight rows, K slice ``program_id(1)`` of ``steps_per_split`` K steps, x through a ring of
+    ``STEPS`` of them):
     acc[n, m] = sum over the slice's K steps (HW int16 elements = 4 * HW codes) and the 4 nibbles of
     (nibble_i(h) * scale) @ x_i^T, then the split-K ticket epilogue. x is in the Gluon K order: x_i of step
     kt is x[:, 4 HW kt + HW i : + HW]."""
@@ -89,7 +106,6 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     FACTOR: gl.constexpr = 3.3230699894622896e35
 
     k_steps = K // (4 * HW)
-    first = pid_k * STEPS
     rows_h = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l)), 1)
     h_ptrs = h_ptr + rows_h * stride_h + gl.expand_dims(gl.arange(0, HW, layout=gl.SliceLayout(0, a_l)), 0)
     h_mask = rows_h < N
@@ -97,26 +113,32 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     s_ptrs = s_ptr + rows_s * stride_s + gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, s_l)), 0)
     s_mask = rows_s < N
 
-    # The program's whole x slice, staged once in shared memory (cp.async; barriers before the K loop only):
-    # slot q holds step first + q's [BM, 4 HW], nibble i's x at columns [i HW, (i + 1) HW) (slots past a short
-    # last slice repeat its last step and are never read). Token rows past M are not copied (never stored).
-    cp_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    tok = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, cp_l)), 1)
-    src = x_ptr + tok * stride_xm + gl.expand_dims(gl.arange(0, 4 * HW, layout=gl.SliceLayout(0, cp_l)), 0)
+    # x in shared memory, a ring of STEPS K steps (cp.async; barriers only between fills): slot q holds step
+    # c0 + q's [BM, 4 HW] for the fill starting at step c0, nibble i's x at columns [i HW, (i + 1) HW) (slots
+    # past the slice repeat its last step and are never read). A slice of at most STEPS steps is one fill
+    # before the loop; a longer one (``decode_split`` wants 10-20 steps for the 32B shapes) refills the ring
+    # every STEPS steps instead of being cut into more, shorter programs.
     x_s = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BM, 4 * HW],
                                     gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
-    for q in gl.static_range(STEPS):
-        kt = gl.minimum(first + q, k_steps - 1)
-        async_copy.async_copy_global_to_shared(x_s.index(q), src + kt * (4 * HW), mask=tok < M)
-    async_copy.commit_group()
+    first = pid_k * steps_per_split
+    last = gl.minimum(first + steps_per_split, k_steps) - 1
+    _stage_x(x_s, x_ptr, stride_xm, M, first, last, BM, HW, STEPS, num_warps)
     h = gl.load(h_ptrs + first * HW, mask=h_mask, other=0)
     sc = gl.load(s_ptrs + first * G, mask=s_mask, other=0.0)
+
     async_copy.wait_group(0)
     gl.thread_barrier()
 
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-    last = gl.minimum(first + STEPS, k_steps) - 1
     for kt in range(first, last + 1):
+        slot = kt - first
+        if RING:  # compiled only for slices longer than the ring: the check cost 2.4% of the 7B GEMMs
+            slot = slot % STEPS
+            if (slot == 0) & (kt > first):  # the ring is used up: every warp is done with it, refill it
+                gl.thread_barrier()
+                _stage_x(x_s, x_ptr, stride_xm, M, kt, last, BM, HW, STEPS, num_warps)
+                async_copy.wait_group(0)
+                gl.thread_barrier()
         ahead = gl.minimum(kt + 1, last)
         h_next = gl.load(h_ptrs + ahead * HW, mask=h_mask, other=0)
         sc_next = gl.load(s_ptrs + ahead * G, mask=s_mask, other=0.0)
@@ -124,7 +146,7 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         sb = gl.convert_layout(gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l,
                                assert_trivial=True)  # fmt: skip
         for i in gl.static_range(4):
-            x_i = x_s.index(kt - first).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l)
+            x_i = x_s.index(slot).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l)
             acc = mma_v2(_nibble(h, i, False) * sb, x_i, acc)
         h = h_next
         sc = sc_next
@@ -153,8 +175,8 @@ WARPS = 4
 #: int16 elements (4 codes each) per row and K step: a K step is the Gluon K order's 256 codes.
 HW = 64
 #: Programs an SM holds (66 registers and up to 28 KB of shared memory each allow 7), the count
-#: ``decode_split`` schedules for; and the most K steps a program holds (its x slice is staged in shared
-#: memory once, 4 KB a step: 7 keeps 7 programs per SM). H200 (decode_gluon_direct_schedule.json), summed 7B
+#: ``decode_split`` schedules for; and the K steps of x a program's shared-memory ring holds (4 KB a step:
+#: 7 keeps 7 programs per SM). H200 (decode_gluon_direct_schedule.json), summed 7B
 #: decode GEMMs at M = 1 / 8: 65.1 / 70.1 us, against 65.1 / 70.7 at 8 programs and 4 steps and 65.7 / 70.8
 #: at 8 and 6: the waves these change (7B down 0.91 or 1.15) cost nothing measurable.
 RESIDENT = 7
@@ -188,8 +210,7 @@ def matmul(
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) for an x already in the Gluon K order (``reference.nibble_major``);
-    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice; raised so that no
-    slice holds more than ``MAX_STEPS`` K steps)."""
+    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice)."""
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
     M = x.shape[0]
@@ -200,7 +221,6 @@ def matmul(
     k_steps = K // (4 * HW)
     tiles = _cdiv(N, bn)
     slots = _sm_count(x.device) * RESIDENT
-    split = max(split or decode_split(tiles, k_steps, slots, PROGRAM_STEPS), _cdiv(k_steps, MAX_STEPS))
     split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, slots, PROGRAM_STEPS,
                                          bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()
@@ -208,7 +228,7 @@ def matmul(
     s = weight_scale.contiguous()
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
-        BM=BM, BN=bn, HW=HW, STEPS=_cdiv(k_steps, split),
+        BM=BM, BN=bn, HW=HW, STEPS=min(_cdiv(k_steps, split), MAX_STEPS), RING=_cdiv(k_steps, split) > MAX_STEPS,
         SPLIT=split > 1, CH=SPLIT_CHUNK, HAS_BIAS=bias is not None,
         HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=WARPS,
     )  # fmt: skip
