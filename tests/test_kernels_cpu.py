@@ -369,8 +369,14 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     y = module.matmul(x, packed, scale, g, bias, u, lora_b, 0.5, out_bounds=(100, 150), lora_bounds=(8, 16), split=3)
     (grid, args, kwargs), = launches
     launch_options = {"num_warps", "maxnreg"}  # Triton's, not the kernel's (num_warps is both for these kernels)
-    params = inspect.signature(Capture.fn).parameters
-    bound = inspect.signature(Capture.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params or k not in launch_options}).arguments
+    signature = inspect.signature(Capture.fn)
+
+    def bind(args: tuple, kwargs: dict) -> dict:
+        """The launch's arguments by kernel parameter name (a keyword the kernel lacks fails the bind)."""
+        options = {k: v for k, v in kwargs.items() if k in signature.parameters or k not in launch_options}
+        return signature.bind(*args, **options).arguments
+
+    bound = bind(args, kwargs)
     steps = k // 256
     assert grid == (-(-n // 64), 3) and y.shape == (m * n,)
     assert bound["g_ptr"] is g and bound["y_ptr"] is y and bound["bias_ptr"] is bias and bound["u_ptr"] is u
@@ -387,6 +393,6 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
         packed, scale = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
         module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), packed, scale, g, split=1)
         grid, args, kwargs = launches[-1]
-        bound = inspect.signature(Capture.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params}).arguments
+        bound = bind(args, kwargs)
         assert grid == (-(-n // 64), 1) and bound["STEPS"] == fp4_direct.MAX_STEPS and bound["RING"]
         assert bound["steps_per_split"] == fp4_direct.MAX_STEPS + 1

@@ -74,8 +74,7 @@ def _stage_x(x_s, x_ptr, stride_xm, M, c0, last, BM: gl.constexpr, HW: gl.conste
              num_warps: gl.constexpr):  # fmt: skip
     """cp.async K steps ``c0 .. c0 + STEPS - 1`` of x (clamped to ``last``) into the ring's slots, one group.
     Token rows past M are not copied (never stored). The addresses are rebuilt from scalars on every fill,
-    so none of them has to stay live across the K loop. (A ring refilled by a loop nested around the K loop
-    compiled to 80-93 registers, 5 programs per SM; the refill as a skipped block inside it, to 66.)"""
+    so none of them has to stay live across the K loop."""
     cp_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     tok = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, cp_l)), 1)
     src = x_ptr + tok * stride_xm + gl.expand_dims(gl.arange(0, 4 * HW, layout=gl.SliceLayout(0, cp_l)), 0)
@@ -117,7 +116,8 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     # c0 + q's [BM, 4 HW] for the fill starting at step c0, nibble i's x at columns [i HW, (i + 1) HW) (slots
     # past the slice repeat its last step and are never read). A slice of at most STEPS steps is one fill
     # before the loop; a longer one (``decode_split`` wants 10-20 steps for the 32B shapes) refills the ring
-    # every STEPS steps instead of being cut into more, shorter programs.
+    # every STEPS steps instead of being cut into more, shorter programs. The refill is a block the K loop
+    # skips (66-68 registers): a loop of fills nested around the K loop compiled to 80-93, 5 programs per SM.
     x_s = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BM, 4 * HW],
                                     gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
     first = pid_k * steps_per_split
@@ -226,9 +226,10 @@ def matmul(
     x = x.contiguous()
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
+    steps = _cdiv(k_steps, split)  # per slice
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
-        BM=BM, BN=bn, HW=HW, STEPS=min(_cdiv(k_steps, split), MAX_STEPS), RING=_cdiv(k_steps, split) > MAX_STEPS,
+        BM=BM, BN=bn, HW=HW, STEPS=min(steps, MAX_STEPS), RING=steps > MAX_STEPS,
         SPLIT=split > 1, CH=SPLIT_CHUNK, HAS_BIAS=bias is not None,
         HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=WARPS,
     )  # fmt: skip
