@@ -321,10 +321,10 @@ def kernel_ab(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
+    switch, base = AB_SWITCHES[args.kernel_ab]
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         reference_tokens = None
-        switch, base = AB_SWITCHES[args.kernel_ab]
         for variant in (base, args.kernel_ab, base):
             default = getattr(schedule, switch)
             setattr(schedule, switch, variant != base)

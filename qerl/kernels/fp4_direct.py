@@ -1,7 +1,7 @@
 """An NVFP4 decode GEMM for the fewest tokens (M <= 8) in Gluon: every warp loads its packed weights and
 scales straight from global memory into ``mma.sync`` operand registers, one K step ahead, reads x from
-a copy of its program's x slice staged in shared memory once, and never waits for another warp inside
-the K loop.
+its program's x slice staged in shared memory (a ring refilled every ``MAX_STEPS`` K steps of a longer
+slice), and never waits for another warp inside the K loop between fills.
 
 Why: at M = 1..8 the Triton decode kernel (``fp4_gemm._decode_kernel``) runs at ~40% of copy bandwidth,
 and Nsight Compute put its cycles in the per-K-step pipeline barrier of its shared-memory ring, global

@@ -322,6 +322,12 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, 
 
 
 @triton.jit
+def _rotate_half(offs, D: tl.constexpr):
+    """``rotate_half`` as a gather: element ``offs`` of the rotated vector is ``sign * x[partner]``."""
+    return (offs + D // 2) % D, tl.where(offs < D // 2, -1.0, 1.0)
+
+
+@triton.jit
 def _rope(x, xr, cos, sin, DT: tl.constexpr):
     """transformers' ``q * cos + rotate_half(q) * sin`` (``xr``: the rotated partner, sign applied), each op
     rounded to the activation dtype as there."""
@@ -340,9 +346,7 @@ def _rope_cache_kernel(
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, D)
-    half: tl.constexpr = D // 2
-    partner = (offs + half) % D
-    sign = tl.where(offs < half, -1.0, 1.0)
+    partner, sign = _rotate_half(offs, D)
     pos = tl.load(pos_ptr + b)
     dt = qo_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
@@ -411,8 +415,7 @@ def _attn_partial_kernel(
     q = tl.load(q_rows + offs_d[None, :], mask=gmask[:, None], other=0.0)
     if ROPE:
         dt = q_ptr.dtype.element_ty
-        partner = (offs_d + D // 2) % D
-        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        partner, sign = _rotate_half(offs_d, D)
         pos = length - 1
         cos = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
         sin = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
