@@ -308,7 +308,7 @@ def lora_sweep(args: argparse.Namespace) -> dict:
 
 #: ``--kernel-ab`` variants: the ``schedule`` switch each has, and what runs with it off.
 AB_SWITCHES = {"gluon": ("GLUON_DECODE", "triton"), "direct": ("DIRECT_DECODE", "triton"),
-               "rope": ("ROPE_IN_ATTENTION", "rope_kernel")}
+               "rope": ("ROPE_IN_ATTENTION", "rope_kernel"), "sampler": ("FUSED_SAMPLER", "torch_sampler")}
 
 
 def kernel_ab(args: argparse.Namespace) -> dict:

@@ -141,6 +141,51 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     assert torch.equal(permuted.cpu(), nibble_major(natural)) and torch.equal(u_p, u_nat), "decode_attention(permute, shrink)"
 
     check_finish_step(device)
+    check_sample(device, dtype)
+
+
+def check_sample(device: str, dtype: torch.dtype) -> None:
+    """The fused sampler vs its definition: greedy = argmax and log_softmax (unprocessed); sampled = the
+    race ``argmax(x / T - log E)`` over the very E it draws (``fused_step.exponential``, read back through a
+    probe kernel) with the log-prob of ``log_softmax(x / T)``; the same (seed, step) gives the same tokens,
+    another step others. Three 2048-column splits per row, so the cross-split combine is exercised.
+    On CUDA also the law itself: 200k draws of one row against softmax(x / T)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(seed_ptr, step_ptr, out_ptr, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * V + cols, fused_step.exponential(seed_ptr, step_ptr, row, cols, V), mask=cols < V)
+
+    gen = torch.Generator().manual_seed(1)
+    b, v, temp = 3, 5000, 0.7
+    logits = (torch.randn(b, v, generator=gen) * 3).to(dtype)
+    logits[1, 4100] = logits[1, 7] = logits[1].max() + 1  # a tie across splits: the first index wins
+    x = logits.float()
+    seed, step = torch.tensor([987654321]), torch.tensor([5])
+    args = [t.to(device) for t in (torch.tensor(temp), seed, step)]
+    tok, lp = fused_step.sample(logits.to(device), *args, greedy=True)
+    assert tok.cpu().tolist() == torch.argmax(x, -1).tolist() and tok[1].item() == 7, "greedy token"
+    _close(lp, torch.log_softmax(x, -1).gather(-1, tok.cpu()[:, None])[:, 0], 1e-5, "greedy log-prob")
+    tok, lp = fused_step.sample(logits.to(device), *args, greedy=False)
+    e = torch.empty(b, v, device=device)
+    probe[(b,)](args[1], args[2], e, v, BLOCK=triton.next_power_of_2(v))
+    want = torch.argmax(x / temp - e.cpu().log(), -1)
+    assert tok.cpu().tolist() == want.tolist(), "sampled token: not the race over the drawn E"
+    _close(lp, torch.log_softmax(x / temp, -1).gather(-1, want[:, None])[:, 0], 1e-5, "sampled log-prob")
+    again = fused_step.sample(logits.to(device), *args, greedy=False)[0]
+    later = fused_step.sample(logits.to(device), args[0], args[1], (step + 1).to(device), greedy=False)[0]
+    assert torch.equal(again, tok) and not torch.equal(later, tok), "draws: same (seed, step) same, next step new"
+    if device == "cuda":
+        row = torch.randn(1, 50, generator=gen).to(dtype)
+        n = 200_000
+        tok, _ = fused_step.sample(row.to(device).expand(n, 50).contiguous(), *args, greedy=False)
+        freq = torch.bincount(tok.cpu(), minlength=50).double() / n
+        p = torch.softmax(row.double() / temp, -1)[0]
+        z = ((freq - p).abs() / (p * (1 - p) / n).sqrt()).max().item()
+        assert z < 5, f"sampled frequencies off softmax(x / T) by {z:.1f} standard errors"
 
 
 def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> None:  # noqa: ANN001

@@ -95,6 +95,12 @@ DIRECT_MAX_M = 8
 #: rollout_rope_ab.json): b=1 2.773 / 2.677 / 2.743 ms a step, b=8 3.018 / 3.058 / 3.170, b=64 5.515 /
 #: 5.464 / 5.512. ``QERL_ROPE_IN_ATTENTION=0`` turns it off.
 ROPE_IN_ATTENTION = os.environ.get("QERL_ROPE_IN_ATTENTION", "1") != "0"
+#: The native engine samples without top-k / top-p through one kernel (``fused_step.sample``) instead of
+#: ~10 torch launches over the whole ``[B, V]`` logits. ``QERL_FUSED_SAMPLER=0`` turns it off (its draws
+#: then come from the engine's torch generator). H200, 7B NVFP4 + LoRA, ``python -m benchmarks.rollout
+#: --kernel-ab sampler`` (off / on / off at 256 tokens, rollout_sampler_ab.json): b=1 2.661 / 2.546 / 2.705 ms
+#: a step, b=8 3.028 / 2.916 / 3.028, b=64 5.444 / 5.312 / 5.488, b=128 7.911 / 7.595 / 7.985.
+FUSED_SAMPLER = os.environ.get("QERL_FUSED_SAMPLER", "1") != "0"
 #: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
 #: best (NOTES.md, sweeps 2-3). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
 #: H200 2026-12-01, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from qerl.kernels import backend, reference
+from qerl.kernels import backend, reference, schedule
 from qerl.rollout import decoder
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.layers import ModelPlan
@@ -118,6 +118,7 @@ class _State:
         self.out_tok = torch.zeros(rows + 1, seq, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(rows + 1, seq, dtype=torch.float32, device=dev)
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # the fused sampler's Philox key, per generate
         self.temperature = torch.ones((), dtype=torch.float32, device=dev)
         self.top_k = torch.zeros((), dtype=torch.long, device=dev)
         self.top_p = torch.ones((), dtype=torch.float32, device=dev)
@@ -238,10 +239,12 @@ class NativeEngine:
         row_prompt = torch.arange(rows, device=plan.device) // n
         lens = torch.tensor([len(p) for p in prompt_ids], device=plan.device)
         logits = self._prefill(plan, state, prompt_ids, n)
+        greedy, filtered = params.temperature == 0, is_filtered(params)
+        state.step.zero_()
         if force:
             tok, lp = self._forced_tokens(logits, torch.arange(rows, device=plan.device), 0)
         else:
-            tok, lp = sample(logits[row_prompt], params.temperature, params.top_k, params.top_p, self._gen)
+            tok, lp = self._sample(logits[row_prompt], state, greedy, filtered)
 
         b = _bucket(rows)
         slots = state.slots_for(b)
@@ -257,7 +260,6 @@ class NativeEngine:
         state.out_lp[:rows, 0] = lp
         state.step.fill_(1)
 
-        greedy, filtered = params.temperature == 0, is_filtered(params)
         steps = 1
         for t in range(1, params.max_new_tokens):
             kv_len = min(state.seq, _round_up(max_len + t, self.kv_block))
@@ -306,6 +308,8 @@ class NativeEngine:
             self._gen.seed()
         else:
             self._gen.manual_seed(int(params.seed))
+        if schedule.FUSED_SAMPLER and backend.available(state.seed):
+            state.seed.random_(generator=self._gen)
         return state
 
     # ------------------------------------------------------------------ prefill
@@ -391,10 +395,17 @@ class NativeEngine:
         if key.forced:
             tok, lp = self._forced_tokens(logits, slots.row_id, state.step)
         else:
-            tok, lp = sample(
-                logits, state.temperature, state.top_k, state.top_p, self._gen, greedy=key.greedy, filtered=key.filtered
-            )
+            tok, lp = self._sample(logits, state, key.greedy, key.filtered)
         self._finish_step(state, slots, tok, lp)
+
+    def _sample(self, logits: torch.Tensor, state: _State, greedy: bool, filtered: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``sampling.sample`` with the state's knobs: one fused kernel where the Triton kernels run and no
+        top-k / top-p filter needs the sorted path (its draws come from ``state.seed``, which ``_prepare``
+        takes from the engine's generator, so a seed still fixes the tokens), else the torch ops."""
+        if schedule.FUSED_SAMPLER and backend.available(logits) and not filtered:
+            return backend.fused_step().sample(logits, state.temperature, state.seed, state.step, greedy)
+        return sample(logits, state.temperature, state.top_k, state.top_p, self._gen, greedy=greedy, filtered=filtered)
 
     def _forced_tokens(
         self, logits: torch.Tensor, row_id: torch.Tensor, step: int | torch.Tensor
