@@ -63,6 +63,15 @@ def _store_u(u_ptr, acc, row, r, M, R, S1, S2):
 
 
 @triton.jit
+def _last_arrival(ticket_ptr, row, n):
+    """Take ``row``'s ticket once this program's partials are stored: True for the program that draws the
+    last of ``n`` (acq_rel: it then sees every other program's partials). That program resets the ticket
+    after reading them, so stream order leaves the table at zero for the next launch."""
+    tl.debug_barrier()
+    return tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel") == n - 1
+
+
+@triton.jit
 def _finish_shrink(acc, row, split, nsplit, M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP: tl.constexpr,
                    PART_TILE: tl.constexpr):  # fmt: skip
     """``acc`` [RP] is this program's share of u[row]; the row's last program writes the sum.
@@ -77,9 +86,7 @@ def _finish_shrink(acc, row, split, nsplit, M, R, S1, S2, u_ptr, part_ptr, ticke
         _store_u(u_ptr, acc, row, r, M, R, S1, S2)
     else:
         tl.store(part_ptr + (row * nsplit + split) * RP + r, acc)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel")
-        if ticket == nsplit - 1:
+        if _last_arrival(ticket_ptr, row, nsplit):
             total = tl.zeros([RP], tl.float32)
             for s0 in range(0, nsplit, PART_TILE):
                 s = s0 + tl.arange(0, PART_TILE)[:, None]
@@ -586,8 +593,7 @@ def _sample_kernel(
     tl.store(part_ptr + slot * 4 + 2, tl.max(race, axis=0))
     tl.store(part_ptr + slot * 4 + 3, tl.sum(tl.where(tl.arange(0, BLOCK) == best, x, 0.0), axis=0))
     tl.store(idx_ptr + slot, split * BLOCK + best)
-    tl.debug_barrier()
-    if tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel") == nsplit - 1:
+    if _last_arrival(ticket_ptr, row, nsplit):
         s = tl.arange(0, NSP)
         live = s < nsplit
         base = part_ptr + (row * NSP + s) * 4
