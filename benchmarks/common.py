@@ -125,7 +125,7 @@ class Layer:
         from qerl.kernels import fp4_gemm as fg
         from qerl.kernels import reference
 
-        permuted = config is None and fg.gluon_takes(x.shape[0], self.k, x.dtype, x.device)
+        permuted = config is None and fg.gluon_takes(x.shape[0], self.n, self.k, x.dtype, x.device)
         xin = reference.nibble_major(x) if permuted else x
         return [lambda q=q: fg.matmul(xin, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config,
                                       x_permuted=permuted) for q in self.q]  # fmt: skip

@@ -45,7 +45,7 @@ def measure(layer: Layer, m: int, copy_bw: float) -> dict:
     flops = 2 * m * n * k
     act_bytes = 2 * m * (n + k)
     row = {"M": m, "N": n, "K": k, "flops": flops, "fp4_weight_bytes": layer.packed_bytes, "bf16_weight_bytes": 2 * n * k,
-           "x_in_gluon_order": fg.gluon_takes(m, k, x.dtype, x.device)}  # Layer.fwd_fns hands x over as the engine does
+           "x_in_gluon_order": fg.gluon_takes(m, n, k, x.dtype, x.device)}  # Layer.fwd_fns hands x over as the engine does
     for kind, ours, base in (("fwd", layer.fwd_fns(x), layer.bf16_fwd_fns(x)), ("bwd", layer.bwd_fns(gy), layer.bf16_bwd_fns(gy))):
         t, tb = graph_time(ours), graph_time(base)
         moved = layer.packed_bytes + act_bytes

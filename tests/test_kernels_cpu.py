@@ -167,20 +167,53 @@ def test_decode_tune_counts_only_accurate_rows() -> None:
 
 
 def test_gluon_decode_split_counts() -> None:
-    """The Gluon kernel's split-K counts (its own program cost in ``decode_split``) are those that won
-    on the H200 (benchmarks/results/decode_gluon_splits.json): one slice for gate_up at M=64 (48.4 us,
-    2 slices 65.4) and q/k/v at M=128 (17.9 vs 22.7 us), four for down at M=64 (30.0 us, 1 slice 57.5)."""
+    """The Gluon kernel's split-K counts (its own program cost per BM in ``decode_split``) are those that won
+    on the H200: one slice for gate_up at M=64 (48.4 us, 2 slices 65.4) and q/k/v at M=128 (17.9 vs 22.7 us),
+    four for down at M=64 (30.0 us, 1 slice 57.5) (decode_gluon_splits.json); at BM=16 the fastest split of
+    each GEMM ``GLUON_MIN_WEIGHTS`` sends it (decode_gluon_m16_probe.json: 7B gate_up one slice, 31.2 us
+    against 36.4 for two)."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import fp4_gluon
     from qerl.kernels import schedule as sch
 
     def split(n: int, k: int, bm: int) -> int:
-        return sch.decode_split(-(-n // fp4_gluon.BN), k // fp4_gluon.BK, 132 * fp4_gluon.SCHEDULE[bm][2], fp4_gluon.PROGRAM_STEPS)
+        _, _, resident, program_steps = fp4_gluon.SCHEDULE[bm]
+        return sch.decode_split(-(-n // fp4_gluon.BN), k // fp4_gluon.BK, 132 * resident, program_steps)
 
     assert split(37888, 3584, 64) == 1
     assert split(4608, 3584, 128) == 1
     assert split(3584, 18944, 64) == 4
+    measured = {(37888, 3584): 1, (3584, 18944): 7, (7168, 5120): 3, (5120, 5120): 4, (55296, 5120): 1, (5120, 27648): 4}
+    assert {nk: split(*nk, 16) for nk in measured} == measured
     assert sch.decode_split(592, 14, 264) == 2  # the Triton kernel's own cost split gate_up in two
+
+
+def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which decode kernel ``gluon_takes`` consults: the mma.sync kernel up to 8 rows, the TMA/wgmma kernel above
+    16, and from 9 to 16 rows only for GEMMs of at least ``GLUON_MIN_WEIGHTS`` weights (7B gate_up and down, not
+    its q/k/v or o: decode_gluon_m16_probe.json); the rest take the Triton kernel."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import fp4_direct, fp4_gemm, fp4_gluon
+    from qerl.kernels import schedule as sch
+
+    asked: list[str] = []
+    monkeypatch.setattr(fp4_gluon, "supports", lambda *a: asked.append("tma") or True)
+    monkeypatch.setattr(fp4_direct, "supports", lambda *a: asked.append("direct") or True)
+    monkeypatch.setattr(sch, "GLUON_DECODE", True)
+    monkeypatch.setattr(sch, "DIRECT_DECODE", True)
+
+    def route(m: int, n: int, k: int) -> str | None:
+        asked.clear()
+        taken = fp4_gemm.gluon_takes(m, n, k, torch.bfloat16, torch.device("cpu"))
+        return asked[0] if taken else None
+
+    assert route(8, 37888, 3584) == "direct"
+    assert [route(m, 37888, 3584) for m in (9, 12, 16)] == ["tma"] * 3  # 7B gate_up
+    assert route(12, 3584, 18944) == "tma"  # 7B down
+    assert route(12, 4608, 3584) is None and route(16, 3584, 3584) is None  # 7B q/k/v and o: Triton
+    assert route(17, 3584, 3584) == "tma"
+    monkeypatch.setattr(sch, "GLUON_DECODE", False)
+    assert route(12, 37888, 3584) is None
 
 
 def _run_ptx(asm: str, word: torch.Tensor) -> torch.Tensor:
@@ -253,7 +286,7 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     def desc(dtype: str, shape: list[int], ty) -> str:
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, ty)!r}>"
 
-    stages, maxnreg, _ = fgl.SCHEDULE[bm]
+    stages, maxnreg, _, _ = fgl.SCHEDULE[bm]
     kernel = fgl._decode_gluon_kernel
     signature = {
         "x_desc": desc("bf16", [bm, fgl.BK], gl.bfloat16), "h_desc": desc("i16", [fgl.BN, fgl.BK // 4], gl.int16),

@@ -321,9 +321,10 @@ def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
-@pytest.mark.parametrize("kernel,rows", [("gluon", 40), ("gluon", 20), ("direct", 6)])
+@pytest.mark.parametrize("kernel,rows", [("gluon", 40), ("gluon", 20), ("gluon", 12), ("direct", 6)])
 def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode batches above ``GLUON_MIN_M`` (the TMA/wgmma kernel) or of at most ``DIRECT_MAX_M`` rows (the
+    """Decode batches above ``GLUON_MIN_M`` (the TMA/wgmma kernel; at 12 rows too, with ``GLUON_MIN_WEIGHTS``
+    lowered to this small model's GEMMs) or of at most ``DIRECT_MAX_M`` rows (the
     mma.sync kernel) on a model whose GEMM inputs are whole 256-code K steps run every decode GEMM on that
     Gluon kernel with x already in its K order (written so by the producing norm / attention / SiLU kernels;
     the LoRA shrinks fused into them at 6 and 20 rows, through ``lora_a_gluon`` at 40): no per-call permute, and
@@ -332,6 +333,7 @@ def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.Monk
     from qerl.kernels import schedule as sch
 
     module, switch = (fp4_gluon, "GLUON_DECODE") if kernel == "gluon" else (fp4_direct, "DIRECT_DECODE")
+    monkeypatch.setattr(sch, "GLUON_MIN_WEIGHTS", 0)
     model = medium_model(True, stacked=True, hidden_size=1024, intermediate_size=2560, num_attention_heads=8,
                          num_key_value_heads=2)  # fmt: skip
     gen = torch.Generator().manual_seed(3)

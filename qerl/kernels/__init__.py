@@ -108,12 +108,12 @@ def nvfp4_group_decode(
     return outs
 
 
-def gluon_order(rows: int, k: int, x: torch.Tensor) -> bool:
-    """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device runs a Gluon kernel,
+def gluon_order(rows: int, n: int, k: int, x: torch.Tensor) -> bool:
+    """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device to ``n`` outputs runs a Gluon kernel,
     which reads x in their K order (``fp4_gemm.nibble_major``; ``fp4_gemm.gluon_takes``): the rollout engine
     then has the op producing x write it so (``fused_step``, ``permute=True``) instead of permuting it per call."""
     if not ops.use_triton(x):
         return False
     from qerl.kernels import fp4_gemm
 
-    return fp4_gemm.gluon_takes(rows, k, x.dtype, x.device)
+    return fp4_gemm.gluon_takes(rows, n, k, x.dtype, x.device)

@@ -23,7 +23,8 @@ Kernels:
   + cuBLAS.
 
 On Hopper, ``matmul`` hands decode GEMMs whose x comes in the Gluon K order (``nibble_major``) to Gluon
-kernels instead (``gluon_takes``): ``fp4_direct`` up to 8 rows, ``fp4_gluon`` from 17.
+kernels instead (``gluon_takes``): ``fp4_direct`` up to 8 rows, ``fp4_gluon`` from 17 (from 9 for GEMMs of at
+least ``schedule.GLUON_MIN_WEIGHTS`` weights).
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
 (N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 19:50): M=16 (this module's decode kernel)
@@ -511,8 +512,8 @@ def matmul(
         if out_bounds is not None:
             return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
-    if config is None and gluon_takes(M, K, x.dtype, x.device):
-        if schedule.GLUON_DECODE and M > schedule.GLUON_MIN_M:  # gluon_takes's first case
+    if config is None and gluon_takes(M, N, K, x.dtype, x.device):
+        if _tma_rows(M, N, K):  # gluon_takes's first case
             from . import fp4_gluon  # imports this module: loaded on first use only
 
             return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
@@ -562,11 +563,18 @@ def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device,
     return torch.empty((split, M, N), dtype=torch.float32, device=device), backend.tickets(device, tiles)
 
 
-def gluon_takes(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+def _tma_rows(M: int, N: int, K: int) -> bool:
+    """Whether the TMA/wgmma kernel is the Gluon kernel for this many rows of this GEMM (``gluon_takes``)."""
+    return schedule.GLUON_DECODE and (M > schedule.GLUON_MIN_M
+                                      or (M > schedule.DIRECT_MAX_M and N * K >= schedule.GLUON_MIN_WEIGHTS))  # fmt: skip
+
+
+def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``matmul`` runs an [M, K] x [K, N] decode GEMM on a Gluon kernel that reads x in its K order
     (``nibble_major``), so the op producing x should write it so (the rollout engine asks this):
 
-    * above ``GLUON_MIN_M`` rows the TMA/wgmma kernel (``fp4_gluon``, ``schedule.GLUON_DECODE``: sm_90, bf16,
+    * above ``GLUON_MIN_M`` rows, and from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least
+      ``GLUON_MIN_WEIGHTS`` weights, the TMA/wgmma kernel (``fp4_gluon``, ``schedule.GLUON_DECODE``: sm_90, bf16,
       M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is not in that order itself;
     * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,
       ``schedule.DIRECT_DECODE``), for an x already in that order (``x_permuted``); an x in natural order
@@ -576,7 +584,7 @@ def gluon_takes(M: int, K: int, dtype: torch.dtype, device: torch.device) -> boo
     False without a Triton that has Gluon."""
     if not _has_gluon():
         return False
-    if schedule.GLUON_DECODE and M > schedule.GLUON_MIN_M:
+    if _tma_rows(M, N, K):
         from . import fp4_gluon
 
         return fp4_gluon.supports(M, K, dtype, device)

@@ -1,6 +1,6 @@
 """A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect), for Hopper
-(sm_90) only: what ``fp4_gemm.matmul`` runs for decode GEMMs of 17..128 rows there, in place of
-``fp4_gemm._decode_kernel``.
+(sm_90) only: what ``fp4_gemm.matmul`` runs for decode GEMMs of 17..128 rows there (9..128 for GEMMs of at least
+``schedule.GLUON_MIN_WEIGHTS`` weights), in place of ``fp4_gemm._decode_kernel``.
 
 Why another kernel: Nsight Compute put the Triton decode kernel's time at M >= 64 in the CTA-wide
 barrier every K step (its shared-memory ring is read by every warp), global loads of scales and x into
@@ -24,7 +24,7 @@ can. Here:
 y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs: ``fp4_gemm.matmul``'s
 decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
 ticket reduction as the Triton kernel. ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes``
-(above ``schedule.GLUON_MIN_M`` rows; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The
+(above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The
 Gluon decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
 relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
 Triton kernel's 119.3 / 185.3 at M = 64 / 128 (x pre-permuted, decode_gluon_candidates.json; floor 31 us:
@@ -56,16 +56,17 @@ from .schedule import _cdiv, _sm_count, decode_split
 #: (one consumer warpgroup: wgmma M = 64).
 BK = reference.GLUON_K_STEP
 BN = 64
-#: Per padded token count BM: (ring stages, register cap, CTAs an SM holds). From offline sm_90 compiles
-#: (triton 3.6, no spills at these caps): BM=16 80 registers x 256 threads (4 consumer + 1 producer warps,
-#: padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 128 registers, 75 KB -> 2; BM=64 2 stages,
-#: 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168 registers, uncapped).
-SCHEDULE = {16: (3, 80, 3), 32: (3, 128, 2), 64: (2, 128, 2), 128: (2, None, 1)}
-#: A program's fixed cost in K steps for ``decode_split`` (the Triton kernel's is 2): pipeline fill, barrier
-#: setup and the split-K partials cost this kernel more. Fit on decode_gluon_splits.json (H200, 7B decode
-#: GEMMs at M = 64 / 128): 4 to 15 pick alike, 273.4 us summed against 295.3 at 2 (gate_up at M=64: 1
-#: split, 48.4 us, instead of 2, 65.4 us); the best split per shape would give 270.3.
-PROGRAM_STEPS = 6
+#: Per padded token count BM: (ring stages, register cap, CTAs an SM holds, a program's fixed cost in K steps
+#: for ``decode_split``). From offline sm_90 compiles (triton 3.6, no spills at these caps): BM=16 80 registers
+#: x 256 threads (4 consumer + 1 producer warps, padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 128
+#: registers, 75 KB -> 2; BM=64 2 stages, 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168
+#: registers, uncapped). The fixed cost (the Triton kernel's is 2: pipeline fill, barrier setup and the split-K
+#: partials cost this kernel more) was fit on decode_gluon_splits.json (H200, 7B decode GEMMs at M = 64 / 128):
+#: 4 to 15 pick alike, 273.4 us summed against 295.3 at 2 (gate_up at M=64: 1 split, 48.4 us, instead of 2,
+#: 65.4 us). At BM=16 (9..16 rows, ``schedule.GLUON_MIN_WEIGHTS``) 8 picks the fastest split measured for every
+#: 7B and 32B GEMM it takes (decode_gluon_m16_probe.json); 6 picked 2 slices for 7B gate_up, 36.4 us against
+#: 31.2 for one. 2 or 4 stages at BM=16: within -4% / +9% of 3 per GEMM (same file).
+SCHEDULE = {16: (3, 80, 3, 8), 32: (3, 128, 2, 6), 64: (2, 128, 2, 6), 128: (2, None, 1, 6)}
 
 
 @gluon.constexpr_function
@@ -320,11 +321,11 @@ def matmul(
         raise ValueError(f"the Gluon decode kernel takes bf16 x [M <= 128, {K}] on sm_90 with K % {BK} == 0, "
                          f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
     bm = max(16, triton.next_power_of_2(M))
-    stages, maxnreg, resident = SCHEDULE[bm]
+    stages, maxnreg, resident, program_steps = SCHEDULE[bm]
     k_steps = K // BK
     tiles = _cdiv(N, BN)
     split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, _sm_count(x.device) * resident,
-                                         PROGRAM_STEPS, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
+                                         program_steps, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     xp = x.contiguous() if permuted else reference.nibble_major(x)
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()

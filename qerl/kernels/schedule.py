@@ -83,6 +83,14 @@ GLUON_DECODE = os.environ.get("QERL_DECODE_GLUON", "1") != "0"
 #: (rollout_gluon_b16_b32.json); 7B decode GEMMs summed, x pre-permuted, M=16 79.6 vs 81.1 us, M=32 89.5 vs
 #: 105.8 (decode_gluon_direct.json). So it takes 17..128 rows.
 GLUON_MIN_M = 16
+#: From 9 rows (above ``DIRECT_MAX_M``) up to ``GLUON_MIN_M`` the TMA/wgmma kernel also takes the GEMMs of at
+#: least ``GLUON_MIN_WEIGHTS`` weights (N x K). H200, graph-timed, x pre-permuted, us at M = 9 / 12 / 16,
+#: Triton kernel vs TMA/wgmma kernel (benchmarks/results/decode_gluon_m16_probe.json): 7B gate_up (136 M weights)
+#: 38.5 / 38.4 / 37.7 vs 31.2 / 31.4 / 31.2, down (68 M) 22.3 / 22.1 / 21.9 vs 18.6 / 19.1 / 19.4, 32B q/k/v (37 M)
+#: 14.5 / 14.6 / 14.3 vs 12.8 / 13.3 / 13.3, o (26 M) 12.2 / 12.3 / 12.3 vs 11.2 / 11.5 / 11.9, gate_up 67.2 / 67.1 /
+#: 67.0 vs 56.3, down 38.1 / 38.0 / 37.0 vs 34.9 / 34.8 / 34.9; below it loses: 7B q/k/v (16.5 M) 9.2 / 9.2 / 9.4 vs
+#: 9.4 / 9.8 / 10.3, o (12.8 M) 7.9 / 8.5 / 8.6 vs 8.7 / 9.6 / 10.5.
+GLUON_MIN_WEIGHTS = 20_000_000
 #: Decode GEMMs of at most ``DIRECT_MAX_M`` rows whose x comes in the Gluon K order run the register-only
 #: ``mma.sync`` kernel (``fp4_direct``; ``fp4_gemm.gluon_takes``), ``QERL_DECODE_DIRECT=0`` turns it off.
 #: H200, 7B decode GEMMs summed (benchmarks/NOTES.md, "A decode kernel without shared memory"): M=1 68.5 vs

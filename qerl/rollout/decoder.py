@@ -14,7 +14,8 @@ launch of its own); otherwise it is one matmul per group. ``group_forward`` then
 into its projection (the FP4 kernel's epilogue, or an ``addmm``); a group whose NVFP4 weights are
 row-stacked (``layers.Stacked``) runs as one FP4 launch with every expand in its epilogue.
 
-Gluon K order: on Hopper the decode GEMMs of more than 16 rows, and of at most 8, run Gluon kernels that
+Gluon K order: on Hopper the decode GEMMs of more than 16 rows (more than 8 for GEMMs of at least
+``schedule.GLUON_MIN_WEIGHTS`` weights), and of at most 8, run Gluon kernels that
 read x with each 256-element K step permuted (``qerl.kernels.fp4_gemm.nibble_major``). The ops producing
 such a GEMM's input write it in that order (``_gluon_order`` decides per group and row count); a fused
 shrink still reduces the values in natural order, and an unfused one (above ``FUSED_LORA_MAX_ROWS``) uses
@@ -90,8 +91,10 @@ def _gluon_order(like: torch.Tensor, rows: int, k: int, group: Group | None) -> 
     kernels' K order: the group runs as one FP4 launch (``group_forward``) that takes one of them
     (``kernels.gluon_order``), and its shrink, if any, has ``lora_a_gluon`` (used when the shrink is not
     fused). This replaces a permute launch per GEMM (4 a layer: ~0.34 ms of a 7B b=64 step, NOTES.md)."""
-    return (group is not None and group.fp4_launch() is not None and (STACK_GROUPS or group.stacked is None)
-            and (group.lora_a is None or group.lora_a_gluon is not None) and kernels.gluon_order(rows, k, like))  # fmt: skip
+    launch = None if group is None else group.fp4_launch()
+    return (launch is not None and (STACK_GROUPS or group.stacked is None)
+            and (group.lora_a is None or group.lora_a_gluon is not None)
+            and kernels.gluon_order(rows, launch[0].packed.shape[0], k, like))  # fmt: skip
 
 
 def _segmented(flat: torch.Tensor, like: torch.Tensor, group: Group) -> LoraInputs:
