@@ -21,10 +21,11 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
 * the decode is ``fp4_gemm._nibble`` (3 instructions per bf16 pair) times the fp8 block scale converted
   once per (row, group) (``fp4_gluon._scale_layout``): exact, as in the other kernels;
 * split-K with the same ticket reduction as the other decode kernels (partials read ``SPLIT_CHUNK`` per
-  round trip), and their epilogue (bias, the LoRA expand as an ``mma.sync`` whose first rank chunk is
-  loaded before the split-K round trips, segmented outputs).
+  round trip), and their epilogue (bias, segmented outputs); the LoRA expand (``mma.sync`` over rank chunks)
+  is done by each tile's last slice before its K loop, off the split-K tail (the ring build: in the epilogue).
 
-66-68 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM. H200
+61 registers without LoRA, 66 / 72 / 96 with rank chunks of 16 / 32 / 64, no spills (sm_90, triton 3.6):
+7 programs of 4 warps per SM up to rank 32. H200
 (benchmarks/results/decode_gluon_nibble_mul.json): the 7B decode GEMMs at M=1 in 62.4 us summed against
 76.8 for the Triton kernel, 7B down in 17.1-17.6 us against a 9.0 us floor (51-53% of copy bandwidth,
 kernels.json); M=8 66.9 vs 79.5; the ring's refill let the 32B GEMMs keep ``decode_split``'s 10-20-step
@@ -67,6 +68,17 @@ def _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
     b = gl.load(lb_ptr + rows_n * stride_lb + cols_r, mask=(rows_n < N) & (cols_r < R), other=0.0)
     ut = gl.load(u_ptr + segmented(ur, um, M, S1, S2, R), mask=(um < M) & (ur < R), other=0.0)
     return b.to(gl.bfloat16), ut.to(gl.bfloat16)
+
+
+@gluon.jit
+def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+                 BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """B[n, :] . u[m, :] for the tile: ``mma.sync`` over ``RC``-wide rank chunks, fp32 sums of bf16 products."""
+    lora = gl.zeros([BN, BM], gl.float32, layout=_mma_layout(num_warps))
+    for c in range(0, R, RC):
+        lb, u = _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+        lora = mma_v2(lb, u, lora)
+    return lora
 
 
 @gluon.jit
@@ -130,6 +142,16 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     gl.thread_barrier()
 
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    # The LoRA expand rides on the tile's last (shortest) slice, before its K loop and in the shadow of the loads
+    # above, instead of after the split-K round trips on the critical tail: it starts the slice's accumulator in
+    # the weights' scale (store_tile multiplies the sum by 2^8 / g). H200, 7B decode GEMMs with their ranks
+    # (decode_direct_lora_prologue.json): -0.6 us a layer at M=1, -1.3 at M=8. The RING build keeps it in the
+    # epilogue: there ptxas spilled a pointer inside the K loop (offline sm_90), and 32B gate_up at M=8 was 5% slower.
+    LORA_FIRST: gl.constexpr = HAS_LORA and not RING
+    if LORA_FIRST:
+        if pid_k == gl.num_programs(1) - 1:
+            lora = _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+            acc = lora * (lora_scale * gl.load(g_ptr) / 256.0)
     for kt in range(first, last + 1):
         slot = kt - first
         if RING:  # compiled only for slices longer than the ring: the check cost 2.4% of the 7B GEMMs
@@ -152,7 +174,8 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         sc = sc_next
 
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, mma)
-    if HAS_LORA:
+    LORA_LAST: gl.constexpr = HAS_LORA and RING
+    if LORA_LAST:
         # The first rank chunk's operands are in flight during the split-K round trips below.
         lb0, u0 = _lora_operands(pid_n, 0, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
     run = True
@@ -160,12 +183,12 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH)
     if run:
         lora = acc
-        if HAS_LORA:
+        if LORA_LAST:
             lora = mma_v2(lb0, u0, gl.zeros([BN, BM], gl.float32, layout=mma))
             for c in range(RC, R, RC):
                 lb_c, u_c = _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
                 lora = mma_v2(lb_c, u_c, lora)
-        store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, HAS_LORA)
+        store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, LORA_LAST)
 
 
 #: Tokens (the MMA's N), weight rows per warp (its M) and warps per program.
