@@ -327,8 +327,9 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     exists for: x staged in shared memory (cp.async) before the K loop, then per K step 16 register-operand
     HMMA (4 nibbles x 4 k16 chunks), 4 16-byte weight loads straight into registers and 8 16-byte x reads
     from shared memory, no barrier, store or spill; the LoRA expand (one HMMA in a loop over rank chunks)
-    before it, or, in the RING build, after it (two HMMA: the first rank chunk and the loop over the rest). With ``RING`` (slices longer than the ring) the loop also holds the ring's
-    refill, a block its branch skips on all but every STEPS-th step; without it, nothing else."""
+    before it, or, in the RING build, after it (two HMMA: the first rank chunk and the loop over the rest).
+    With ``RING`` (slices longer than the ring) the loop also holds the ring's refill, a block its branch
+    skips on all but every STEPS-th step; without it, nothing else."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")

@@ -71,11 +71,11 @@ def _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
 
 
 @gluon.jit
-def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
+def _lora_expand(lora, c0, pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
                  BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """B[n, :] . u[m, :] for the tile: ``mma.sync`` over ``RC``-wide rank chunks, fp32 sums of bf16 products."""
-    lora = gl.zeros([BN, BM], gl.float32, layout=_mma_layout(num_warps))
-    for c in range(0, R, RC):
+    """``lora`` + B[n, c0:] . u[m, c0:] for the tile: ``mma.sync`` over ``RC``-wide rank chunks, fp32 sums of
+    bf16 products."""
+    for c in range(c0, R, RC):
         lb, u = _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
         lora = mma_v2(lb, u, lora)
     return lora
@@ -150,7 +150,7 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     LORA_FIRST: gl.constexpr = HAS_LORA and not RING
     if LORA_FIRST:
         if pid_k == gl.num_programs(1) - 1:
-            lora = _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+            lora = _lora_expand(acc, 0, pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
             acc = lora * (lora_scale * gl.load(g_ptr) / 256.0)
     for kt in range(first, last + 1):
         slot = kt - first
@@ -184,10 +184,8 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     if run:
         lora = acc
         if LORA_LAST:
-            lora = mma_v2(lb0, u0, gl.zeros([BN, BM], gl.float32, layout=mma))
-            for c in range(RC, R, RC):
-                lb_c, u_c = _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
-                lora = mma_v2(lb_c, u_c, lora)
+            lora = _lora_expand(mma_v2(lb0, u0, gl.zeros([BN, BM], gl.float32, layout=mma)), RC, pid_n, M, N, u_ptr,
+                                S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)  # fmt: skip
         store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, LORA_LAST)
 
 
