@@ -40,8 +40,18 @@ def _grad_q(length: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("length", [192, 704, 2112])  # 64 mod 128: the failing lengths
 def test_attention_backward_is_finite_inside_the_training_step(length: int) -> None:
-    bare_nan = int((~torch.isfinite(_grad_q(length))).sum())
-    with cudnn_attention_disabled():
-        assert torch.isfinite(_grad_q(length)).all()
-    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
+    # The flag as this process found it: another import (vLLM, on the H200 with its bundle on the path) may
+    # have turned cuDNN SDPA off already, so the test sets each prior state itself and checks it comes back.
+    found = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        bare_nan = int((~torch.isfinite(_grad_q(length))).sum())
+        for prior in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(prior)
+            with cudnn_attention_disabled():
+                assert not torch.backends.cuda.cudnn_sdp_enabled()
+                assert torch.isfinite(_grad_q(length)).all()
+            assert torch.backends.cuda.cudnn_sdp_enabled() == prior  # restored
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(found)
     print(f"L={length}: default SDPA backends gave {bare_nan} non-finite grad_q values; with cuDNN off: 0")
