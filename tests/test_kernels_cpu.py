@@ -318,6 +318,10 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     wait = next(i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR" in line)
     end = next(i for i in range(wait, len(lines)) if "BRA" in lines[i])
     assert not [line for line in lines[start:end] if re.search(r"\b(?:LDL|STL)\b", line)], "register spills in the K loop"
+    # A slot's weights are released (mbarrier arrive) once they are in registers, before the step's first wgmma,
+    # and its x after the step's wgmma wait: the next step's weights are in flight during the MMAs.
+    arrives = [i for i in range(start, end) if "SYNCS.ARRIVE" in lines[i]]
+    assert len(arrives) == 2 and arrives[0] < first and wait < arrives[1], "expected the weight release before the wgmma"
 
 
 

@@ -9,7 +9,13 @@ registers, and the decode's fixed-latency chains, never in the tensor cores (ben
 can. Here:
 
 * a one-warp producer partition streams the K steps through TMA into a ``STAGES``-deep ring (x, the
-  packed weight as int16 words of 4 codes, the fp8 scales), with ready/empty mbarriers: no CTA barrier;
+  packed weight as int16 words of 4 codes, the fp8 scales), with mbarriers, no CTA barrier: a slot's
+  weights are released as soon as the consumer holds them in registers, its x once the step's wgmma are
+  done, so the next weights are in flight during the whole step (H200, against one release per slot after
+  the wgmma, bitwise equal: 7B + 32B decode GEMMs summed 287.6 -> 279.5 us at M=64, 459.2 -> 451.7 at
+  M=128, unchanged at 16 / 32; the 7B engine at b=128 7.606 / 7.587 -> 7.371 / 7.395 ms,
+  benchmarks/results/gluon_early_release_probe.json, rollout_early_release_ab.json). Deeper weight rings
+  than x rings were slower at every M (gluon_split_ring_probe.json);
 * a four-warp consumer warpgroup loads each int16 weight tile from shared memory straight into the
   wgmma A-operand register layout, decodes nibble ``i`` with the same bit placement as the Triton
   kernel (it calls ``fp4_gemm._nibble``), multiplies by the block scale and issues ``wgmma`` asynchronously
@@ -95,23 +101,27 @@ def _scale_layout(a_linear):
 
 
 @gluon.jit
-def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps,
+def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, first, steps,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One warp: TMA loads of K step ``first + i`` into slot ``i % STAGES`` once the consumer freed it."""
+    """One warp: TMA loads of K step ``first + i`` into slot ``i % STAGES``, its weights and scales as soon as
+    the consumer holds the slot's previous weights in registers (``free_w``), its x once the consumer's
+    wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier."""
     row = gl.program_id(0) * BN
     nbytes: gl.constexpr = x_desc.block_type.nbytes + h_desc.block_type.nbytes + s_desc.block_type.nbytes
     for i in range(steps):
         slot = i % STAGES
-        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-        mbarrier.expect(ready.index(slot), nbytes)
+        phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
         kt = first + i
-        tma.async_copy_global_to_shared(x_desc, [0, kt * BK], ready.index(slot), x_s.index(slot))
+        mbarrier.wait(free_w.index(slot), phase)
+        mbarrier.expect(ready.index(slot), nbytes)
         tma.async_copy_global_to_shared(h_desc, [row, kt * (BK // 4)], ready.index(slot), h_s.index(slot))
         tma.async_copy_global_to_shared(s_desc, [row, kt * (BK // 16)], ready.index(slot), s_s.index(slot))
+        mbarrier.wait(free_x.index(slot), phase)
+        tma.async_copy_global_to_shared(x_desc, [0, kt * BK], ready.index(slot), x_s.index(slot))
 
 
 @gluon.jit
-def _consumer(x_s, h_s, s_s, ready, empty, steps,
+def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T."""
     HW: gl.constexpr = BK // 4
@@ -127,6 +137,7 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         h = h_s.index(slot).load(a_layout)
         sc = s_s.index(slot).load(gl.SliceLayout(2, s3_layout))
+        mbarrier.arrive(free_w.index(slot))  # the weights are in registers: the next ones may land
         sc = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
         sb = gl.reshape(gl.expand_dims(sc, 2).broadcast_to(BN, G, 4), [BN, HW])
         sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
@@ -138,7 +149,7 @@ def _consumer(x_s, h_s, s_s, ready, empty, steps,
         # keeps them that way: deferring the wait makes ptxas serialise every wgmma (offline SASS: one
         # WARPGROUP.DEPBAR per HGMMA), since the decoded A registers would live across the loop edge.
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, xs])
-        mbarrier.arrive(empty.index(slot))
+        mbarrier.arrive(free_x.index(slot))
     return (acc,)
 
 
@@ -234,19 +245,22 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
     h_s = gl.allocate_shared_memory(h_desc.dtype, [STAGES, BN, BK // 4], h_desc.layout)
     s_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BN, BK // 16], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(free_w.index(i), count=1)
+        mbarrier.init(free_x.index(i), count=1)
     fence_async_shared()
     (acc,) = gl.warp_specialize(
-        [(_consumer, (x_s, h_s, s_s, ready, empty, steps, BM, BN, BK, STAGES)),
-         (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, empty, first, steps, BN, BK, STAGES))],
+        [(_consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES)),
+         (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, first, steps, BN, BK, STAGES))],
         [1], [24],
     )  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+        mbarrier.invalidate(free_w.index(i))
+        mbarrier.invalidate(free_x.index(i))
 
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, _acc_layout(BM))
     run = True
