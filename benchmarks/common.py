@@ -1,6 +1,7 @@
 """What the benchmark scripts share: CUDA-graph timing over rotating weight copies, the copy
-bandwidth it is compared with, random models of the real Qwen2.5 shapes, and the environment
-block, command line and atomic JSON write of every result file.
+bandwidth it is compared with, random models of the real Qwen2.5 shapes, child processes that stop
+with their driver (``run_stoppable``), and the environment block, command line and atomic JSON write of
+every result file.
 
 Importable without a GPU or Triton (the CPU tests import the scripts): the Triton kernels are
 imported where a GPU path first needs them.
@@ -13,7 +14,9 @@ import importlib
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -161,6 +164,36 @@ class Layer:
     def free(self) -> None:
         self.q.clear()
         self.w.clear()
+
+
+# ---------------------------------------------------------------------------------------------- children
+
+
+class _Stopped(Exception):
+    """A SIGTERM reached this process while ``run_stoppable``'s child ran."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop: a second signal must not cut the cleanup short
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def run_stoppable(cmd: list[str], **popen_kwargs: Any) -> tuple[int, str | None]:
+    """Run ``cmd`` in a process group of its own: ``(exit code, None)``, or, when this process gets a SIGTERM
+    meanwhile (``timeout``'s signal), the whole group terminated and ``(its exit code, "SIGTERM")``, so the
+    caller can keep what the child finished and stop. Without this a time limit kills only the driver: the
+    child (a vLLM engine, a training run and its own children) keeps the GPU for whatever the caller runs
+    next, and its rows are lost. Main thread only (Python's signal handlers run there)."""
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        child = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+        try:
+            return child.wait(), None
+        except _Stopped as stop:
+            os.killpg(child.pid, signal.SIGTERM)
+            return child.wait(), str(stop)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ---------------------------------------------------------------------------------------------- models

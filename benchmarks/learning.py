@@ -37,14 +37,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import command, device_name, save_figure, utc_now, versions, write_json
+from benchmarks.common import command, device_name, run_stoppable, save_figure, utc_now, versions, write_json
 from qerl.fsutil import atomic_directory, atomic_write_text
 from qerl.plot import read_run
 
@@ -94,18 +93,19 @@ def seed_rows(seed_dir: Path) -> dict[str, dict]:
 
 
 def run_seed(out: Path, seed: int, arms: list[str], dirs: dict[str, Path], steps: int, run_timeout: int | None,
-             extra: list[str]) -> int:
+             extra: list[str]) -> tuple[int, bool]:
     """One call of compare_smollm2.sh for the arms this seed lacks, side by side with ``--seed seed``.
 
     An arm that finished (exit 0) in an earlier call is not run again; its row is kept in the seed's
-    results.json, which the call rewrites with the rows of the arms it ran. Returns the call's status.
+    results.json, which the call rewrites with the rows of the arms it ran. Returns the call's status and
+    whether a SIGTERM stopped it (``run_stoppable``: its runs are terminated, the rows they wrote kept).
     """
     seed_dir = out / f"seed{seed}"
     earlier = seed_rows(seed_dir)
     pending = [a for a in arms if earlier.get(ARMS[a][0], {}).get("exit_code") != 0]
     if not pending:
         print(f"seed {seed}: every arm finished before, skipped")
-        return 0
+        return 0, False
     env = {**os.environ, "BF16_DIR": str(dirs["bf16"]), "NVFP4_DIR": str(dirs["rtn"]), "DEQUANT_DIR": str(dirs["dequant"]),
            "BEST_DIR": str(dirs["best"]), "QERL_OUT": str(seed_dir), "STEPS": str(steps), "PYTHON": sys.executable,
            "RUNS": " ".join(ARMS[a][0] for a in pending)}
@@ -117,10 +117,10 @@ def run_seed(out: Path, seed: int, arms: list[str], dirs: dict[str, Path], steps
                   "checkpoints": {k: str(v) for k, v in dirs.items()}})
     seed_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(seed_dir / "calls.json", json.dumps(calls, indent=1))
-    status = subprocess.run(call, env=env, cwd=ROOT).returncode
+    status, stopped = run_stoppable(call, env=env, cwd=ROOT)
     merged = {**earlier, **seed_rows(seed_dir)}
     atomic_write_text(seed_dir / "results.json", json.dumps(list(merged.values()), indent=1))
-    return status
+    return status, stopped is not None
 
 
 def mean_se(values: list[float]) -> dict[str, Any]:
@@ -242,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.aggregate_only:
         dirs = prepare(args.out, args.arms, args.best_method, args.best_dir, args.bf16_dir)
         for seed in args.seeds:
-            status |= run_seed(args.out, seed, args.arms, dirs, args.steps, args.run_timeout, extra) != 0
+            code, stopped = run_seed(args.out, seed, args.arms, dirs, args.steps, args.run_timeout, extra)
+            status |= code != 0 or stopped
+            if stopped:  # aggregate what the finished runs wrote, start no further seed
+                break
     result = aggregate(args.out, args.arms, args.best_method)
     result.update({
         "benchmark": "paired-seed GRPO runs on SmolLM2-135M-Instruct, arms side by side per seed "

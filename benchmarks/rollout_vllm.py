@@ -10,7 +10,10 @@ Prefix caching is off so that the timed runs prefill like the warm-up did.
 
 Every (shape, weights) configuration runs in its own process (``--config 7b:nvfp4``), so the GPU
 memory of one ``LLM`` is surely gone before the next; the driver collects the rows, writing the
-output after every row so that a run cut off at its time limit keeps what it measured.
+output after every configuration so that a run cut off at its time limit keeps what it measured. A
+SIGTERM to the driver (``timeout``'s signal) stops the running child too, keeps the rows it had finished
+and ends the run with that failure noted: a child left running would hold the GPU for whatever the caller
+runs next (H200, 2026-12-02: ``timeout 230`` on this driver lost a finished b = 1 / 8 / 64 of 7B nvfp4).
 
     python -m benchmarks.rollout_vllm --out $OUT/rollout_vllm.json                 # all configs
     python -m benchmarks.rollout_vllm --shapes 7b --weights nvfp4 --out $OUT/v.json
@@ -25,13 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import PROMPT, SHAPES, VOCAB, command, device_name, utc_now, versions, write_json
+from benchmarks.common import PROMPT, SHAPES, VOCAB, command, device_name, run_stoppable, utc_now, versions, write_json
 from qerl.checkpoint import quantization_config
 from qerl.fsutil import atomic_file
 from qerl.lora import DEFAULT_TARGETS
@@ -172,10 +174,12 @@ def run_config(args: argparse.Namespace) -> None:
 
 
 def drive(args: argparse.Namespace) -> dict:
-    """Parent: one child process per (shape, weights); collect rows, rewrite the output after each."""
+    """Parent: one child process per (shape, weights); collect rows, rewrite the output after each. On SIGTERM
+    the running child is terminated, its finished rows are kept, and no further configuration starts."""
     rows: list[dict] = []
     env: dict = {}
     failures: list[str] = []
+    result = build_result(rows, env, args, failures)
     child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
     child_env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     with tempfile.TemporaryDirectory(prefix="qerl-vllm-bench-") as tmp:
@@ -188,16 +192,20 @@ def drive(args: argparse.Namespace) -> dict:
                        "--out", str(part), "--workdir", tmp, "--tokens", str(args.tokens),
                        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                        "--batches", *map(str, args.batches)]  # fmt: skip
-                code = subprocess.run(cmd, env=child_env, cwd=REPO).returncode
+                code, stopped = run_stoppable(cmd, env=child_env, cwd=REPO)
                 if part.exists():  # rows measured before any failure still count
                     data = json.loads(part.read_text())
                     rows.extend(data["rows"])
                     env = {k: data[k] for k in ("device", "versions")}
-                if code != 0:
+                if stopped is not None:
+                    failures.append(f"{shape}:{weights} stopped by {stopped} (rows it had finished are kept)")
+                elif code != 0:
                     failures.append(f"{shape}:{weights} exited with {code}")
                     print(f"benchmarks/rollout_vllm.py: config {shape}:{weights} failed (exit {code})", flush=True)
                 result = build_result(rows, env, args, failures)
                 write_json(args.out, result)
+                if stopped is not None:
+                    return result
     return result
 
 

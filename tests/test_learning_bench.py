@@ -80,7 +80,7 @@ def test_run_seed_reruns_only_missing_arms(tmp_path: Path, monkeypatch):
     out.mkdir()
     dirs = {k: tmp_path / k for k in ("bf16", "rtn", "dequant", "best")}
     (out / "mode").write_text("fail")
-    assert learning.run_seed(out, 0, ["bf16", "best"], dirs, 2, None, ["--heldout", "4"]) == 0
+    assert learning.run_seed(out, 0, ["bf16", "best"], dirs, 2, None, ["--heldout", "4"]) == (0, False)
     (out / "mode").write_text("ok")
     learning.run_seed(out, 0, ["bf16", "best"], dirs, 2, None, ["--heldout", "4"])
     learning.run_seed(out, 0, ["bf16", "best"], dirs, 2, None, ["--heldout", "4"])  # nothing left to run

@@ -1,9 +1,18 @@
 """benchmarks/rollout.py's merge of rows measured in other device calls (vLLM, transformers + NF4;
-benchmarks/rollout_report.py): what the README's rollout table and the issue's summary ratios are built from."""
+benchmarks/rollout_report.py): what the README's rollout table and the issue's summary ratios are built from;
+and benchmarks/rollout_vllm.py's driver keeping those rows when a time limit stops it."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from argparse import Namespace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -48,3 +57,90 @@ def test_merge_refuses_foreign_rows(rollout: ModuleType, tmp_path: Path, doc: di
     extra.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match=message):
         rollout.with_extra_rows([], [extra], {"device": "H200", "versions": {}})
+
+
+def _sigterm_self_once(path: Path) -> None:
+    """From a thread: SIGTERM this process (as ``timeout`` would) once ``path`` exists (at most 20 s)."""
+    def stop() -> None:
+        for _ in range(400):
+            if path.exists():
+                break
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+
+
+@contextmanager
+def _sigterm_guard() -> Iterator[Callable]:
+    """A SIGTERM handler that fails the test (instead of killing pytest) if the code under test installed
+    none; yields it so the test can check that handler is back afterwards."""
+    def guard(signum: int, frame: object) -> None:
+        raise RuntimeError("SIGTERM reached the test: the code under test installed no handler")
+
+    previous = signal.signal(signal.SIGTERM, guard)
+    try:
+        yield guard
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_vllm_driver_keeps_finished_rows_on_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timeout`` sends SIGTERM to benchmarks/rollout_vllm.py's driver only: the driver must stop the running child
+    (which would otherwise keep the GPU for whatever runs next), keep the rows that child had written, note the
+    stop, and start no further configuration. The child here is a stand-in that writes one row and sleeps."""
+    from benchmarks import common, rollout_vllm
+
+    child_code = ("import json, os, sys, time\n"
+                  "out = sys.argv[1]\n"
+                  "doc = {'device': 'fake', 'versions': {}, 'rows': [{'shape': '7b', 'engine': 'vllm', 'batch': 1}]}\n"
+                  "open(out + '.tmp', 'w').write(json.dumps(doc)); os.replace(out + '.tmp', out)\n"
+                  "time.sleep(60)\n")  # fmt: skip
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def fake_popen(cmd: list[str], **kwargs: object) -> subprocess.Popen:
+        part = Path(cmd[cmd.index("--out") + 1])
+        started.append(real_popen([sys.executable, "-c", child_code, str(part)], **kwargs))
+        _sigterm_self_once(part)
+        return started[-1]
+
+    monkeypatch.setattr(common.subprocess, "Popen", fake_popen)
+    out = tmp_path / "v.json"
+    try:
+        with _sigterm_guard() as guard:
+            args = Namespace(shapes=["7b"], weights=["nvfp4", "bf16"], batches=[1], tokens=16, gpu_memory_utilization=0.5,
+                             out=out)  # fmt: skip
+            result = rollout_vllm.drive(args)
+            assert signal.getsignal(signal.SIGTERM) is guard  # the driver put the caller's handler back
+    finally:
+        for child in started:
+            child.kill()
+    assert len(started) == 1, "a configuration started after the stop"
+    assert started[0].returncode == -signal.SIGTERM  # the child was terminated, not left running
+    written = json.loads(out.read_text())
+    assert written["results"] == result["results"] == [{"shape": "7b", "engine": "vllm", "batch": 1}]
+    assert written["failures"] == ["7b:nvfp4 stopped by SIGTERM (rows it had finished are kept)"]
+
+
+def test_run_stoppable_terminates_the_whole_child_group(tmp_path: Path) -> None:
+    """A training driver's child is ``bash compare_smollm2.sh`` with python runs under it: on SIGTERM
+    ``benchmarks.common.run_stoppable`` must end the grandchildren too, not only the shell."""
+    from benchmarks.common import run_stoppable
+
+    pid_file = tmp_path / "grandchild.pid"
+    script = f"sleep 60 & echo $! > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}; wait"
+    with _sigterm_guard() as guard:
+        _sigterm_self_once(pid_file)
+        code, stopped = run_stoppable(["bash", "-c", script])
+        assert signal.getsignal(signal.SIGTERM) is guard
+    assert stopped == "SIGTERM" and code == -signal.SIGTERM
+    grandchild = int(pid_file.read_text())
+    for _ in range(100):  # gone, or a zombie waiting for a reaper that is not ours
+        status = Path(f"/proc/{grandchild}/status")
+        if not status.exists() or "\nState:\tZ" in status.read_text():
+            break
+        threading.Event().wait(0.05)
+    else:
+        os.kill(grandchild, signal.SIGKILL)
+        raise AssertionError("the grandchild outlived the stop")
