@@ -296,7 +296,7 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
         "lora_scale": "fp32",
         **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
     }  # fmt: skip
-    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "CH": 1, "HAS_BIAS": epilogue,
+    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "CH": fgl.SPLIT_CHUNK[bm], "HAS_BIAS": epilogue,
                  "HAS_LORA": epilogue, "RC": 64, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
@@ -310,6 +310,10 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     # One wait per K step (ptxas did not serialise the K loop's wgmma), plus the LoRA expand's.
     assert sass.count("WARPGROUP.DEPBAR") == 1 + epilogue
     assert "UTMALDG" in sass and "SYNCS" in sass  # TMA loads completing on mbarriers
+    # The split-K partials move in 16-byte vectors (each thread's BM / 2 fp32 values: BM / 8 stores), never as
+    # the accumulator layout's 4-byte elements.
+    assert len(re.findall(r"STG\.E\.128 ", sass)) == bm // 8 and not re.search(r"LDG\.E\.STRONG", sass)
+    assert len(re.findall(r"LDG\.E\.128\.STRONG", sass)) % (bm // 8) == 0 and "LDG.E.128.STRONG" in sass
     # No spills in the K loop (from the label before the first wgmma to the branch after its wait). The
     # BM=128 epilogue with LoRA does spill (~30 local accesses once per output tile, NOTES.md).
     lines = sass.splitlines()
@@ -419,7 +423,9 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     steps = k // 256
     assert grid == (-(-n // 64), 3) and y.shape == (m * n,)
     assert bound["g_ptr"] is g and bound["y_ptr"] is y and bound["bias_ptr"] is bias and bound["u_ptr"] is u
-    assert bound["lb_ptr"] is lora_b and bound["part_ptr"].shape == (3, m, n) and bound["ticket_ptr"].dtype == torch.int32
+    bm = 8 if kernel == "direct" else 16  # the padded token count (the tile's BM)
+    assert bound["lb_ptr"] is lora_b and bound["ticket_ptr"].dtype == torch.int32
+    assert bound["part_ptr"].shape == (3, grid[0], 64 * bm) and bound["BM"] == bm  # split x tiles x (BN x BM)
     assert (bound["M"], bound["N"], bound["K"], bound["steps_per_split"]) == (m, n, k, -(-steps // 3))
     assert (bound["Y1"], bound["Y2"], bound["S1"], bound["S2"], bound["stride_lb"], bound["R"]) == (100, 150, 8, 16, rank, rank)
     assert bound["lora_scale"] == 0.5 and bound["SPLIT"] and bound["HAS_BIAS"] and bound["HAS_LORA"]

@@ -115,7 +115,7 @@ def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
 @pytest.mark.parametrize("M", [1, 16, 40, 64, 100, 128])
 @pytest.mark.parametrize("N,K", [(200, 1024), (1000, 3584)])
-def test_gluon_decode(M: int, N: int, K: int) -> None:
+def test_gluon_decode(M: int, N: int, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon decode candidate against float64: split-K (its own ticket reduction), N not a multiple
     of its 64-row tile, x permuted in the call and beforehand; then the Triton kernel, which shares the
     ticket table, is still exact (a candidate once left it inconsistent for the launches after it)."""
@@ -132,6 +132,13 @@ def test_gluon_decode(M: int, N: int, K: int) -> None:
                          permuted=True)  # fmt: skip
     assert _rel(y, ref) < TOL
     assert _rel(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
+    # The last program sums the vector partials in slice order however many it reads per round trip.
+    bm = max(16, 1 << (M - 1).bit_length())
+    chunks = {}
+    for ch in (1, 2, 4):
+        monkeypatch.setitem(fp4_gluon.SPLIT_CHUNK, bm, ch)
+        chunks[ch] = fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, split=5)
+    assert torch.equal(chunks[1], chunks[2]) and torch.equal(chunks[1], chunks[4]) and _rel(chunks[1], ref) < TOL
     odd = _weight(N, K + 16)  # K not a whole number of 256-code steps
     with pytest.raises(ValueError, match="Gluon decode kernel"):
         fp4_gluon.matmul(_rand(M, K + 16), odd.weight_packed, odd.weight_scale, odd.weight_global_scale)

@@ -180,7 +180,7 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         lb0, u0 = _lora_operands(pid_n, 0, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
     run = True
     if SPLIT:
-        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH)
+        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH, False)
     if run:
         lora = acc
         if LORA_LAST:
@@ -242,7 +242,7 @@ def matmul(
     k_steps = K // (4 * HW)
     tiles = _cdiv(N, bn)
     slots = _sm_count(x.device) * RESIDENT
-    split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, slots, PROGRAM_STEPS,
+    split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, bn * BM, k_steps, split, slots, PROGRAM_STEPS,
                                          bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()
     h = weight_packed.contiguous().view(torch.int16)

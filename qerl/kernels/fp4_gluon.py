@@ -29,7 +29,7 @@ can. Here:
 
 y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs: ``fp4_gemm.matmul``'s
 decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
-ticket reduction as the Triton kernel. ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes``
+ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``split_k_sum``). ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes``
 (above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The
 Gluon decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
 relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
@@ -73,6 +73,11 @@ BN = 64
 #: 7B and 32B GEMM it takes (decode_gluon_m16_probe.json); 6 picked 2 slices for 7B gate_up, 36.4 us against
 #: 31.2 for one. 2 or 4 stages at BM=16: within -4% / +9% of 3 per GEMM (same file).
 SCHEDULE = {16: (3, 80, 3, 8), 32: (3, 128, 2, 6), 64: (2, 128, 2, 6), 128: (2, None, 1, 6)}
+#: Split-K partials the last program reads per round trip, per BM (``split_k_sum``, vector partials): a partial
+#: is BM / 2 fp32 registers a thread, so these keep the loads in flight to 32-64 registers (two at BM=128 spilled,
+#: offline sm_90). H200, 7B + 32B GEMMs (tail_ab_gemm.json): 1, 2 and 4 within 2% of each other at BM = 32 / 64,
+#: 4 the fastest at 16 (7B down 18.4 us against 18.6 / 18.8).
+SPLIT_CHUNK = {16: 4, 32: 4, 64: 2, 128: 1}
 
 
 @gluon.constexpr_function
@@ -185,8 +190,7 @@ def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
 @gluon.jit
 def tile_offsets(pid_n, M, N, Y1, Y2, BN: gl.constexpr, BM: gl.constexpr, layout: gl.constexpr):
     """(offs_n, offs, mask) of a decode program's transposed [BN, BM] output tile in ``layout``: ``offs``
-    in y's segmented order (``segmented``), which the fp32 split-K partials share (they are private to the
-    launch; a second [BN, BM] offset tensor made this kernel spill at BM=128, offline compile)."""
+    in y's segmented order (``segmented``)."""
     offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
     offs = segmented(gl.expand_dims(offs_n, 1), gl.expand_dims(offs_m, 0), M, Y1, Y2, N)
@@ -194,24 +198,56 @@ def tile_offsets(pid_n, M, N, Y1, Y2, BN: gl.constexpr, BM: gl.constexpr, layout
     return offs_n, offs, mask
 
 
+@gluon.constexpr_function
+def _partial_layout(num_warps):
+    """The vector partials' [BN, BM] layout: 4 consecutive weight rows per thread, 16 threads along BN = 64,
+    2 along the tokens, warps along the tokens (BM >= 2 x warps), so each thread's share of a partial in the
+    launch-private n-fastest order is whole 16-byte vectors."""
+    return gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])
+
+
 @gluon.jit
-def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH: gl.constexpr):
+def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH: gl.constexpr, VECTOR: gl.constexpr):
     """Publish this program's fp32 partial and take a ticket: ``(sum of every slice's partial in slice
     order, True)`` for the program that draws the tile's last ticket (it also resets the ticket, so stream
     order leaves the table at zero for the next launch), ``(acc, False)`` for the others (as fp4_gemm does).
-    The partials are read CH at a time (CH independent L2 round trips in flight; the sum stays in slice
-    order, so the result does not depend on CH)."""
+    The last program reads CH partials per round trip; the sum stays in slice order, so the result depends
+    on neither CH nor the partials' layout.
+
+    The partials are private to the launch. Without ``VECTOR`` they sit at y's offsets (``offs``, slice s at
+    s x M x N) in the accumulator's layout, where a thread's elements are 4 bytes apart along n: one 4-byte
+    access each, 32 a partial per thread at BM=64. With ``VECTOR`` slice s of tile t is the [BM, BN] block at
+    (s x tiles + t) x BN x BM, n fastest, moved through ``_partial_layout`` (a shared-memory layout conversion
+    each way) in 16-byte vectors. H200, bitwise equal (benchmarks/results/tail_ab_gemm.json): the TMA/wgmma
+    kernel's 7B down at M=64 29.6 -> 26.5 us, o 14.7 -> 12.1, q/k/v 14.4 -> 12.6, M=16 down 19.5 -> 18.4; the
+    direct kernel (M <= 8, a partial is 4 values a thread and mostly masked at M=1) was 0.2-0.4 us slower with
+    it, 32B down at M=1 2.6 us, so it keeps y's offsets."""
+    BN: gl.constexpr = acc.shape[0]
+    BM: gl.constexpr = acc.shape[1]
     nsplit = gl.num_programs(1)
-    gl.store(part_ptr + gl.program_id(1) * M * N + offs, acc, mask=mask)
+    if VECTOR:
+        lay: gl.constexpr = _partial_layout(gl.num_warps())
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))
+        at = part_ptr + pid_n * (BN * BM) + gl.expand_dims(offs_m * BN, 0)
+        at += gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, lay)), 1)
+        rows = gl.expand_dims(offs_m < M, 0)
+        stride = gl.num_programs(0) * (BN * BM)  # one slice's partials
+        part = gl.convert_layout(acc, lay)
+    else:
+        at = part_ptr + offs
+        rows = mask
+        stride = M * N
+        part = acc
+    gl.store(at + gl.program_id(1) * stride, part, mask=rows)
     gl.thread_barrier()
     ticket = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
     last = ticket == nsplit - 1
     if last:
-        acc = gl.zeros_like(acc)
+        total = gl.zeros_like(part)
         for s0 in range(0, nsplit, CH):
             for j in gl.static_range(CH):
-                acc += gl.load(part_ptr + (s0 + j) * M * N + offs, mask=mask & (s0 + j < nsplit), other=0.0,
-                               cache_modifier=".cg")  # fmt: skip
+                total += gl.load(at + (s0 + j) * stride, mask=rows & (s0 + j < nsplit), other=0.0, cache_modifier=".cg")
+        acc = gl.convert_layout(total, acc.type.layout) if VECTOR else total
         gl.store(ticket_ptr + pid_n, 0)
     return acc, last
 
@@ -265,7 +301,7 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, _acc_layout(BM))
     run = True
     if SPLIT:
-        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH)
+        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH, True)
     if run:
         lora = acc
         if HAS_LORA:
@@ -274,15 +310,15 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
 
 
 def launch_tail(
-    x: torch.Tensor, weight_global_scale: torch.Tensor, N: int, K: int, tiles: int, k_steps: int, split: int, slots: int,
-    program_steps: int, bias: torch.Tensor | None, lora_u: torch.Tensor | None, lora_b: torch.Tensor | None,
+    x: torch.Tensor, weight_global_scale: torch.Tensor, N: int, K: int, tiles: int, tile_size: int, k_steps: int,
+    split: int, slots: int, program_steps: int, bias: torch.Tensor | None, lora_u: torch.Tensor | None, lora_b: torch.Tensor | None,
     lora_scale: float, out: torch.Tensor | None, out_bounds: tuple[int, int] | None,
     lora_bounds: tuple[int, int] | None,
 ) -> tuple[int, int, torch.Tensor, tuple]:
     """Host side of the tail both Gluon decode kernels share: ``(split, rank, out, args)`` with split resolved
     (``decode_split`` over ``slots`` resident programs when 0), y allocated (``[M, N]``, or flat segmented
-    with ``out_bounds``), the fp32 partials and tickets of a split launch, and the kernel arguments from
-    ``g_ptr`` to ``lora_scale`` in their order."""
+    with ``out_bounds``), the fp32 partials of a split launch (``tile_size`` = BN x BM elements a tile and slice: room
+    for either of ``split_k_sum``'s layouts) and its tickets, and the kernel arguments from ``g_ptr`` to ``lora_scale`` in their order."""
     M = x.shape[0]
     if split <= 0:
         split = decode_split(tiles, k_steps, slots, program_steps)
@@ -294,7 +330,7 @@ def launch_tail(
     rank = 0 if lb is None else lb.shape[1]
     y1, y2 = out_bounds or (N, N)
     s1, s2 = lora_bounds or (rank, rank)
-    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    part = torch.empty((split, tiles, tile_size), dtype=torch.float32, device=x.device) if split > 1 else out
     tickets = backend.tickets(x.device, tiles) if split > 1 else out
     args = (weight_global_scale, out, part, tickets, out if bias is None else bias,
             out if lora_u is None else lora_u.contiguous(), out if lb is None else lb,
@@ -338,8 +374,8 @@ def matmul(
     stages, maxnreg, resident, program_steps = SCHEDULE[bm]
     k_steps = K // BK
     tiles = _cdiv(N, BN)
-    split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, k_steps, split, _sm_count(x.device) * resident,
-                                         program_steps, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
+    split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, BN * bm, k_steps, split,
+                                         _sm_count(x.device) * resident, program_steps, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     xp = x.contiguous() if permuted else reference.nibble_major(x)
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
@@ -347,12 +383,9 @@ def matmul(
     h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
     s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
-    # CH=1: split-K partials one per round trip. Reading 64 / BM at a time measured the same here (H200, summed 7B
-    # decode GEMMs at M = 16 / 32: 79.7 / 91.1 us one at a time, 80.3 / 90.8 so; decode_gluon_xsmem.json and the
-    # shifts run of decode_gluon_nibble_mul.json), unlike the direct kernel (fp4_direct.SPLIT_CHUNK).
     _decode_gluon_kernel[(tiles, split)](
         x_desc, h_desc, s_desc, *tail,
-        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, CH=1, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
+        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, CH=SPLIT_CHUNK[bm], HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
