@@ -219,8 +219,8 @@ def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH: gl.const
     access each, 32 a partial per thread at BM=64. With ``VECTOR`` slice s of tile t is the [BM, BN] block at
     (s x tiles + t) x BN x BM, n fastest, moved through ``_partial_layout`` (a shared-memory layout conversion
     each way) in 16-byte vectors. H200, bitwise equal (benchmarks/results/tail_ab_gemm.json): the TMA/wgmma
-    kernel's 7B down at M=64 29.6 -> 26.5 us, o 14.7 -> 12.1, q/k/v 14.4 -> 12.6, M=16 down 19.5 -> 18.4; the
-    direct kernel (M <= 8, a partial is 4 values a thread and mostly masked at M=1) was 0.2-0.4 us slower with
+    kernel's 7B down at M=64 29.6 -> 26.6 us, o 14.7 -> 12.1, q/k/v 14.4 -> 12.6, M=16 down 19.5 -> 18.4; the direct
+    kernel (M <= 8, a partial is 4 values a thread and mostly masked at M=1) was 0.2-0.4 us slower with
     it, 32B down at M=1 2.6 us, so it keeps y's offsets."""
     BN: gl.constexpr = acc.shape[0]
     BM: gl.constexpr = acc.shape[1]
@@ -311,14 +311,15 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
 
 def launch_tail(
     x: torch.Tensor, weight_global_scale: torch.Tensor, N: int, K: int, tiles: int, tile_size: int, k_steps: int,
-    split: int, slots: int, program_steps: int, bias: torch.Tensor | None, lora_u: torch.Tensor | None, lora_b: torch.Tensor | None,
-    lora_scale: float, out: torch.Tensor | None, out_bounds: tuple[int, int] | None,
+    split: int, slots: int, program_steps: int, bias: torch.Tensor | None, lora_u: torch.Tensor | None,
+    lora_b: torch.Tensor | None, lora_scale: float, out: torch.Tensor | None, out_bounds: tuple[int, int] | None,
     lora_bounds: tuple[int, int] | None,
 ) -> tuple[int, int, torch.Tensor, tuple]:
     """Host side of the tail both Gluon decode kernels share: ``(split, rank, out, args)`` with split resolved
     (``decode_split`` over ``slots`` resident programs when 0), y allocated (``[M, N]``, or flat segmented
     with ``out_bounds``), the fp32 partials of a split launch (``tile_size`` = BN x BM elements a tile and slice: room
-    for either of ``split_k_sum``'s layouts) and its tickets, and the kernel arguments from ``g_ptr`` to ``lora_scale`` in their order."""
+    for either of ``split_k_sum``'s layouts) and its tickets, and the kernel arguments from ``g_ptr`` to ``lora_scale``
+    in their order."""
     M = x.shape[0]
     if split <= 0:
         split = decode_split(tiles, k_steps, slots, program_steps)
@@ -375,7 +376,8 @@ def matmul(
     k_steps = K // BK
     tiles = _cdiv(N, BN)
     split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, BN * bm, k_steps, split,
-                                         _sm_count(x.device) * resident, program_steps, bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
+                                         _sm_count(x.device) * resident, program_steps, bias, lora_u, lora_b, lora_scale,
+                                         out, out_bounds, lora_bounds)  # fmt: skip
     xp = x.contiguous() if permuted else reference.nibble_major(x)
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
