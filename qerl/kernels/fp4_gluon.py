@@ -29,9 +29,10 @@ can. Here:
 
 y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs: ``fp4_gemm.matmul``'s
 decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
-ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``split_k_sum``). ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes``
-(above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The
-Gluon decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
+ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``split_k_sum``).
+``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or
+``DIRECT_MAX_M`` for the large GEMMs; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon
+decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
 relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
 Triton kernel's 119.3 / 185.3 at M = 64 / 128 (x pre-permuted, decode_gluon_candidates.json; floor 31 us:
 131 MB of weights at 4.26 TB/s), and
