@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
 from .fp4_gluon import _scale_layout, launch_tail, split_k_sum, store_tile, tile_offsets
-from .schedule import _cdiv, _sm_count
+from .schedule import _cdiv, _sm_count, decode_split
 
 
 @gluon.constexpr_function
@@ -207,6 +207,16 @@ PROGRAM_STEPS = 2
 #: Split-K partials the last program reads per round trip (decode_gluon_nibble_mul.json, summed 7B decode GEMMs
 #: at M = 1 / 8: 62.4 / 66.9 us against 63.0 / 68.3 one at a time; 16 took the kernel to 96 registers).
 SPLIT_CHUNK = 4
+
+
+def refills(N: int, K: int, device: torch.device) -> bool:
+    """Whether this GEMM's K slices (``decode_split``'s choice, as ``matmul`` launches it) are longer than the x ring,
+    so the kernel would take its ``RING`` build; ``fp4_gemm.gluon_takes`` gives those GEMMs to the TMA/wgmma kernel
+    instead: the 32B gate_up and down at M = 1 / 8 ran 68.8 / 71.5 and 35.4 / 41.7 us here against 68.3 / 56.4 and
+    34.7 / 34.3 there (H200, benchmarks/results/cap_probe.json), while no 7B GEMM takes the ring."""
+    k_steps = K // (4 * HW)
+    split = decode_split(_cdiv(N, ROWS_PER_WARP * WARPS), k_steps, _sm_count(device) * RESIDENT, PROGRAM_STEPS)
+    return _cdiv(k_steps, split) > MAX_STEPS
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -513,7 +513,7 @@ def matmul(
             return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
     if config is None and gluon_takes(M, N, K, x.dtype, x.device):
-        if _tma_rows(M, N, K):  # gluon_takes's first case
+        if _tma_rows(M, N, K, x.device):  # gluon_takes's first case
             from . import fp4_gluon  # imports this module: loaded on first use only
 
             return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
@@ -563,19 +563,28 @@ def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device,
     return torch.empty((split, M, N), dtype=torch.float32, device=device), backend.tickets(device, tiles)
 
 
-def _tma_rows(M: int, N: int, K: int) -> bool:
+def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:
     """Whether the TMA/wgmma kernel is the Gluon kernel for this many rows of this GEMM (``gluon_takes``)."""
-    return schedule.GLUON_DECODE and (M > schedule.GLUON_MIN_M
-                                      or (M > schedule.DIRECT_MAX_M and N * K >= schedule.GLUON_MIN_WEIGHTS))  # fmt: skip
+    if not schedule.GLUON_DECODE:
+        return False
+    if M > schedule.GLUON_MIN_M or (M > schedule.DIRECT_MAX_M and N * K >= schedule.GLUON_MIN_WEIGHTS):
+        return True
+    if M > schedule.DIRECT_MAX_M or not schedule.DIRECT_DECODE:
+        return False
+    from . import fp4_direct
+
+    return fp4_direct.refills(N, K, device)
 
 
 def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``matmul`` runs an [M, K] x [K, N] decode GEMM on a Gluon kernel that reads x in its K order
     (``nibble_major``), so the op producing x should write it so (the rollout engine asks this):
 
-    * above ``GLUON_MIN_M`` rows, and from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least
-      ``GLUON_MIN_WEIGHTS`` weights, the TMA/wgmma kernel (``fp4_gluon``, ``schedule.GLUON_DECODE``: sm_90, bf16,
-      M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is not in that order itself;
+    * above ``GLUON_MIN_M`` rows, from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least ``GLUON_MIN_WEIGHTS``
+      weights, and at fewer rows for GEMMs whose slices the mma.sync kernel would stream through its x ring
+      (``fp4_direct.refills``: the 32B gate_up and down), the TMA/wgmma kernel (``fp4_gluon``,
+      ``schedule.GLUON_DECODE``: sm_90, bf16, M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is
+      not in that order itself;
     * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,
       ``schedule.DIRECT_DECODE``), for an x already in that order (``x_permuted``); an x in natural order
       takes ``_decode_kernel`` (a direct kernel reading natural order measured 2% faster at M=1 and ~48%
@@ -584,7 +593,7 @@ def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     False without a Triton that has Gluon."""
     if not _has_gluon():
         return False
-    if _tma_rows(M, N, K):
+    if _tma_rows(M, N, K, device):
         from . import fp4_gluon
 
         return fp4_gluon.supports(M, K, dtype, device)

@@ -65,15 +65,18 @@ BK = reference.GLUON_K_STEP
 BN = 64
 #: Per padded token count BM: (ring stages, register cap, CTAs an SM holds, a program's fixed cost in K steps
 #: for ``decode_split``). From offline sm_90 compiles (triton 3.6, no spills at these caps): BM=16 80 registers
-#: x 256 threads (4 consumer + 1 producer warps, padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 128
-#: registers, 75 KB -> 2; BM=64 2 stages, 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168
+#: x 256 threads (4 consumer + 1 producer warps, padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 2 stages,
+#: 80 registers, 51 KB -> 3 (the split still planned for 2: measured against 3 stages at 128 registers, 75 KB, 2 an
+#: SM, H200, cap_probe.json: 7B gate_up at M=32 40.3 -> 33.0 us, down 22.1 -> 21.1, q/k/v 10.2 -> 9.9, o 9.8 -> 9.4,
+#: 32B gate_up 70.6 -> 62.2, q/k/v 14.6 -> 14.0, o 12.0 -> 11.5, down 35.7 -> 35.2; planning the split for 3 lost
+#: on all but 7B down); BM=64 2 stages, 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168
 #: registers, uncapped). The fixed cost (the Triton kernel's is 2: pipeline fill, barrier setup and the split-K
 #: partials cost this kernel more) was fit on decode_gluon_splits.json (H200, 7B decode GEMMs at M = 64 / 128):
 #: 4 to 15 pick alike, 273.4 us summed against 295.3 at 2 (gate_up at M=64: 1 split, 48.4 us, instead of 2,
 #: 65.4 us). At BM=16 (9..16 rows, ``schedule.GLUON_MIN_WEIGHTS``) 8 picks the fastest split measured for every
 #: 7B and 32B GEMM it takes (decode_gluon_m16_probe.json); 6 picked 2 slices for 7B gate_up, 36.4 us against
 #: 31.2 for one. 2 or 4 stages at BM=16: within -4% / +9% of 3 per GEMM (same file).
-SCHEDULE = {16: (3, 80, 3, 8), 32: (3, 128, 2, 6), 64: (2, 128, 2, 6), 128: (2, None, 1, 6)}
+SCHEDULE = {16: (3, 80, 3, 8), 32: (2, 80, 2, 6), 64: (2, 128, 2, 6), 128: (2, None, 1, 6)}
 #: Split-K partials the last program reads per round trip, per BM (``split_k_sum``, vector partials): a partial
 #: is BM / 2 fp32 registers a thread, so these keep the loads in flight to 32-64 registers (two at BM=128 spilled,
 #: offline sm_90). H200, 7B + 32B GEMMs (tail_ab_gemm.json): 1, 2 and 4 within 2% of each other at BM = 32 / 64,
