@@ -308,16 +308,19 @@ def lora_sweep(args: argparse.Namespace) -> dict:
 
 #: ``--kernel-ab`` variants: the ``schedule`` switch each has, and what runs with it off.
 AB_SWITCHES = {"gluon": ("GLUON_DECODE", "triton"), "direct": ("DIRECT_DECODE", "triton"),
-               "rope": ("ROPE_IN_ATTENTION", "rope_kernel"), "sampler": ("FUSED_SAMPLER", "torch_sampler")}
+               "rope": ("ROPE_IN_ATTENTION", "rope_kernel"), "sampler": ("FUSED_SAMPLER", "torch_sampler"),
+               "direct_ring": ("DIRECT_RING", "tma_for_ring")}
 
 
 def kernel_ab(args: argparse.Namespace) -> dict:
-    """``--kernel-ab K``: ms/step with K's switch off / on / off (``AB_SWITCHES``), same process."""
+    """``--kernel-ab K``: ms/step with K's switch off / on / off (``AB_SWITCHES``), same process, on the first of
+    ``--shapes``."""
     from qerl.kernels import schedule
     from qerl.rollout import SamplingParams
     from qerl.rollout.native import NativeEngine
 
-    model = build_model("7b", nvfp4=True)
+    shape = args.shapes[0]
+    model = build_model(shape, nvfp4=True)
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
@@ -344,10 +347,10 @@ def kernel_ab(args: argparse.Namespace) -> dict:
             del engine
             gc.collect()
             torch.cuda.empty_cache()
-            rows.append(dict(batch=b, variant=variant, tokens=args.tokens, ms_per_step=round(ms, 4),
+            rows.append(dict(shape=shape, batch=b, variant=variant, tokens=args.tokens, ms_per_step=round(ms, 4),
                              prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_base=same,
                              greedy_common_prefix_tokens=prefix, greedy_tokens=greedy.max_new_tokens))  # fmt: skip
-            print(f"7b nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to {base}'s {same:.2f}, "
+            print(f"{shape} nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to {base}'s {same:.2f}, "
                   f"common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
     return {"benchmark": f"rollout decode, {base} vs {args.kernel_ab} (ms/step)", "date": utc_now(), **environment(),
             "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip

@@ -222,6 +222,9 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(sch, "DIRECT_DECODE", False)
     assert route(1, 55296, 5120) is None  # without the mma.sync kernel, few rows stay on the Triton kernel
     monkeypatch.setattr(sch, "DIRECT_DECODE", True)
+    monkeypatch.setattr(sch, "DIRECT_RING", True)
+    assert route(8, 55296, 5120) == "direct"  # QERL_DECODE_DIRECT_RING=1 keeps them on the mma.sync kernel
+    monkeypatch.setattr(sch, "DIRECT_RING", False)
     monkeypatch.setattr(sch, "GLUON_DECODE", False)
     assert route(12, 37888, 3584) is None and route(1, 55296, 5120) == "direct"
 

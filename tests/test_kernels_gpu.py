@@ -113,7 +113,7 @@ def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
-@pytest.mark.parametrize("M", [1, 16, 40, 64, 100, 128])
+@pytest.mark.parametrize("M", [1, 16, 32, 40, 64, 100, 128])
 @pytest.mark.parametrize("N,K", [(200, 1024), (1000, 3584)])
 def test_gluon_decode(M: int, N: int, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon decode candidate against float64: split-K (its own ticket reduction), N not a multiple
@@ -203,21 +203,28 @@ def test_direct_decode(M: int, N: int, K: int) -> None:
 def test_direct_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """``fp4_gemm.matmul(x_permuted=True)`` at M <= ``DIRECT_MAX_M`` takes the mma.sync kernel with what the
     rollout engine hands it (bias, the LoRA expand from a segmented u, segmented outputs) against the float64
-    reference, as the Triton kernel does on the same x in natural order; at M = 9 an x in that order is refused."""
-    from qerl.kernels import fp4_direct, fp4_gemm, reference
+    reference, as the Triton kernel does on the same x in natural order, and as the TMA/wgmma kernel does where the
+    mma.sync kernel's slices would refill its x ring (``fp4_direct.refills``, forced here); at M = 9 an x in that
+    order is refused."""
+    from qerl.kernels import fp4_direct, fp4_gemm, fp4_gluon, reference
     from qerl.kernels import schedule as sch
 
     monkeypatch.setattr(sch, "DIRECT_DECODE", True)
+    monkeypatch.setattr(sch, "GLUON_DECODE", True)
     calls = []
-    monkeypatch.setattr(fp4_direct, "matmul", lambda *a, _f=fp4_direct.matmul, **k: calls.append(1) or _f(*a, **k))
+    monkeypatch.setattr(fp4_direct, "matmul", lambda *a, _f=fp4_direct.matmul, **k: calls.append("direct") or _f(*a, **k))
+    monkeypatch.setattr(fp4_gluon, "matmul", lambda *a, _f=fp4_gluon.matmul, **k: calls.append("tma") or _f(*a, **k))
     q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
     args = (q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b)
     _poison_allocator()
     y = fp4_gemm.matmul(reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True)
-    assert len(calls) == 1
+    assert calls == ["direct"]
     assert _rel(y, ref) < TOL
     assert _rel(fp4_gemm.matmul(x, *args, out_bounds=out_bounds, lora_bounds=lora_bounds), ref) < TOL
-    assert len(calls) == 1  # natural order: the Triton kernel
+    assert calls == ["direct"]  # natural order: the Triton kernel
+    monkeypatch.setattr(fp4_direct, "refills", lambda *a: True)
+    y = fp4_gemm.matmul(reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True)
+    assert calls == ["direct", "tma"] and _rel(y, ref) < TOL
     with pytest.raises(ValueError, match="x_permuted"):
         fp4_gemm.matmul(_rand(9, x.shape[1]), q.weight_packed, q.weight_scale, q.weight_global_scale, x_permuted=True)
 

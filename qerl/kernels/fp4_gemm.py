@@ -569,7 +569,7 @@ def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:
         return False
     if M > schedule.GLUON_MIN_M or (M > schedule.DIRECT_MAX_M and N * K >= schedule.GLUON_MIN_WEIGHTS):
         return True
-    if M > schedule.DIRECT_MAX_M or not schedule.DIRECT_DECODE:
+    if M > schedule.DIRECT_MAX_M or not schedule.DIRECT_DECODE or schedule.DIRECT_RING:
         return False
     from . import fp4_direct
 
