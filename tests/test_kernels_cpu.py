@@ -190,7 +190,7 @@ def test_gluon_decode_split_counts() -> None:
 
 def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which decode kernel ``gluon_takes`` consults: the mma.sync kernel up to 8 rows (but the TMA/wgmma kernel
-    where its slices would refill its x ring), the TMA/wgmma kernel above 16, and from 9 to 16 rows only for GEMMs
+    where its split-K slices would refill its x ring), the TMA/wgmma kernel above 16, and from 9 to 16 rows only for GEMMs
     of at least ``GLUON_MIN_WEIGHTS`` weights (7B gate_up and down, not its q/k/v or o: decode_gluon_m16_probe.json);
     the rest take the Triton kernel."""
     pytest.importorskip("triton.experimental.gluon")
@@ -214,19 +214,19 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
     assert route(12, 3584, 18944) == "tma"  # 7B down
     assert route(12, 4608, 3584) is None and route(16, 3584, 3584) is None  # 7B q/k/v and o: Triton
     assert route(17, 3584, 3584) == "tma"
-    # Up to 8 rows the GEMMs whose slices would refill the mma.sync kernel's x ring (32B gate_up and down) go to
-    # the TMA/wgmma kernel; no 7B GEMM does.
-    assert [route(m, 55296, 5120) for m in (1, 8)] == ["tma"] * 2 and route(4, 5120, 27648) == "tma"
+    # Up to 8 rows the GEMMs split into slices that would refill the mma.sync kernel's x ring (32B down) go to the
+    # TMA/wgmma kernel; no 7B GEMM does, nor 32B gate_up (one slice a tile).
+    assert [route(m, 5120, 27648) for m in (1, 4, 8)] == ["tma"] * 3
     assert [route(1, n, k) for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944))] == ["direct"] * 4
-    assert route(1, 7168, 5120) == "direct" and route(8, 5120, 5120) == "direct"  # 32B q/k/v and o
+    assert [route(8, n, 5120) for n in (7168, 5120, 55296)] == ["direct"] * 3  # 32B q/k/v, o, gate_up
     monkeypatch.setattr(sch, "DIRECT_DECODE", False)
-    assert route(1, 55296, 5120) is None  # without the mma.sync kernel, few rows stay on the Triton kernel
+    assert route(1, 5120, 27648) is None  # without the mma.sync kernel, few rows stay on the Triton kernel
     monkeypatch.setattr(sch, "DIRECT_DECODE", True)
     monkeypatch.setattr(sch, "DIRECT_RING", True)
-    assert route(8, 55296, 5120) == "direct"  # QERL_DECODE_DIRECT_RING=1 keeps them on the mma.sync kernel
+    assert route(8, 5120, 27648) == "direct"  # QERL_DECODE_DIRECT_RING=1 keeps them on the mma.sync kernel
     monkeypatch.setattr(sch, "DIRECT_RING", False)
     monkeypatch.setattr(sch, "GLUON_DECODE", False)
-    assert route(12, 37888, 3584) is None and route(1, 55296, 5120) == "direct"
+    assert route(12, 37888, 3584) is None and route(1, 5120, 27648) == "direct"
 
 
 def _run_ptx(asm: str, word: torch.Tensor) -> torch.Tensor:

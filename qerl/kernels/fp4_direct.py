@@ -210,13 +210,15 @@ SPLIT_CHUNK = 4
 
 
 def refills(N: int, K: int, device: torch.device) -> bool:
-    """Whether this GEMM's K slices (``decode_split``'s choice, as ``matmul`` launches it) are longer than the x ring,
-    so the kernel would take its ``RING`` build; ``fp4_gemm.gluon_takes`` gives those GEMMs to the TMA/wgmma kernel
-    instead: the 32B gate_up and down at M = 1 / 8 ran 68.8 / 71.5 and 35.4 / 41.7 us here against 68.3 / 56.4 and
-    34.7 / 34.3 there (H200, benchmarks/results/cap_probe.json), while no 7B GEMM takes the ring."""
+    """Whether this GEMM is split into K slices (``decode_split``'s choice, as ``matmul`` launches it) longer than
+    the x ring, so each slice refills it (the ``RING`` build); ``fp4_gemm.gluon_takes`` gives those GEMMs (the 32B
+    down; no 7B GEMM) to the TMA/wgmma kernel instead. As the engine calls it (LoRA r16, x permuted; H100,
+    benchmarks/results/ring_probe.json) 32B down took 43.0 / 46.5 us here at M = 1 / 8 against 41.8 / 39.5 there
+    (H200 without LoRA, cap_probe.json: 35.4 / 41.7 against 34.7 / 34.3). A GEMM whose single slice per tile
+    refills the ring (32B gate_up) stays here: with LoRA on the H100 it took 76.0 / 72.8 us against 79.5 / 79.3."""
     k_steps = K // (4 * HW)
     split = decode_split(_cdiv(N, ROWS_PER_WARP * WARPS), k_steps, _sm_count(device) * RESIDENT, PROGRAM_STEPS)
-    return _cdiv(k_steps, split) > MAX_STEPS
+    return split > 1 and _cdiv(k_steps, split) > MAX_STEPS
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -581,8 +581,8 @@ def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     (``nibble_major``), so the op producing x should write it so (the rollout engine asks this):
 
     * above ``GLUON_MIN_M`` rows, from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least ``GLUON_MIN_WEIGHTS``
-      weights, and at fewer rows for GEMMs whose slices the mma.sync kernel would stream through its x ring
-      (``fp4_direct.refills``: the 32B gate_up and down), the TMA/wgmma kernel (``fp4_gluon``,
+      weights, and at fewer rows for GEMMs whose split-K slices the mma.sync kernel would stream through its
+      x ring (``fp4_direct.refills``: the 32B down), the TMA/wgmma kernel (``fp4_gluon``,
       ``schedule.GLUON_DECODE``: sm_90, bf16, M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is
       not in that order itself;
     * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,

@@ -97,8 +97,8 @@ GLUON_MIN_WEIGHTS = 20_000_000
 #: 75.8 us for the Triton kernel, M=8 81.2 vs 80.4, M=16 135.5 vs 81.9.
 DIRECT_DECODE = os.environ.get("QERL_DECODE_DIRECT", "1") != "0"
 DIRECT_MAX_M = 8
-#: ``QERL_DECODE_DIRECT_RING=1`` keeps the GEMMs whose K slices would refill the mma.sync kernel's x ring on it;
-#: by default they go to the TMA/wgmma kernel (``fp4_direct.refills``).
+#: ``QERL_DECODE_DIRECT_RING=1`` keeps the GEMMs split into K slices that would refill the mma.sync kernel's x ring
+#: on it; by default they go to the TMA/wgmma kernel (``fp4_direct.refills``).
 DIRECT_RING = os.environ.get("QERL_DECODE_DIRECT_RING", "0") != "0"
 #: The decode attention's partial kernel ropes q and writes this step's k / v into the cache itself
 #: (``fused_step.decode_attention(rope=)``): one launch a layer fewer than ``rope_and_cache`` + attention,
