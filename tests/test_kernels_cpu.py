@@ -281,7 +281,7 @@ def test_nibble_major_order() -> None:
             assert torch.equal(block, row * 512 + step * 256 + 4 * j + i)
 
 
-@pytest.mark.parametrize("bm,epilogue", [(16, False), (128, True), (64, False)])
+@pytest.mark.parametrize("bm,epilogue", [(16, False), (32, True), (128, True), (64, False)])
 def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     """The Gluon decode kernel compiles for sm_90 on any machine (Triton's bundled ptxas) with the
     structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, one
