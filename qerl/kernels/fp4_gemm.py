@@ -24,7 +24,7 @@ Kernels:
 
 On Hopper, ``matmul`` hands decode GEMMs whose x comes in the Gluon K order (``nibble_major``) to Gluon
 kernels instead (``gluon_takes``): ``fp4_direct`` up to 8 rows, ``fp4_gluon`` from 17 (from 9 for GEMMs of at
-least ``schedule.GLUON_MIN_WEIGHTS`` weights).
+least ``schedule.GLUON_MIN_WEIGHTS`` weights, from 1 for those ``fp4_direct.refills``).
 
 Floors and measurements are in ``benchmarks/NOTES.md`` (``## Kernels``). H200, 7B down_proj
 (N=3584, K=18944), benchmarks/results/kernels.json (2026-12-01 19:50): M=16 (this module's decode kernel)

@@ -1,6 +1,7 @@
 """A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect), for Hopper
 (sm_90) only: what ``fp4_gemm.matmul`` runs for decode GEMMs of 17..128 rows there (9..128 for GEMMs of at least
-``schedule.GLUON_MIN_WEIGHTS`` weights), in place of ``fp4_gemm._decode_kernel``.
+``schedule.GLUON_MIN_WEIGHTS`` weights, 1..128 for those ``fp4_direct.refills``), in place of
+``fp4_gemm._decode_kernel``.
 
 Why another kernel: Nsight Compute put the Triton decode kernel's time at M >= 64 in the CTA-wide
 barrier every K step (its shared-memory ring is read by every warp), global loads of scales and x into
