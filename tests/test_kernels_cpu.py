@@ -190,9 +190,9 @@ def test_gluon_decode_split_counts() -> None:
 
 def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which decode kernel ``gluon_takes`` consults: the mma.sync kernel up to 8 rows (but the TMA/wgmma kernel
-    where its split-K slices would refill its x ring), the TMA/wgmma kernel above 16, and from 9 to 16 rows only for GEMMs
-    of at least ``GLUON_MIN_WEIGHTS`` weights (7B gate_up and down, not its q/k/v or o: decode_gluon_m16_probe.json);
-    the rest take the Triton kernel."""
+    where its split-K slices would refill its x ring), the TMA/wgmma kernel above 16, and from 9 to 16 rows only
+    for GEMMs of at least ``GLUON_MIN_WEIGHTS`` weights (7B gate_up and down, not its q/k/v or o:
+    decode_gluon_m16_probe.json); the rest take the Triton kernel."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import fp4_direct, fp4_gemm, fp4_gluon
     from qerl.kernels import schedule as sch

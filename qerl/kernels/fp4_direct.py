@@ -216,9 +216,15 @@ def refills(N: int, K: int, device: torch.device) -> bool:
     benchmarks/results/ring_probe.json) 32B down took 43.0 / 46.5 us here at M = 1 / 8 against 41.8 / 39.5 there
     (H200 without LoRA, cap_probe.json: 35.4 / 41.7 against 34.7 / 34.3). A GEMM whose single slice per tile
     refills the ring (32B gate_up) stays here: with LoRA on the H100 it took 76.0 / 72.8 us against 79.5 / 79.3."""
-    k_steps = K // (4 * HW)
-    split = decode_split(_cdiv(N, ROWS_PER_WARP * WARPS), k_steps, _sm_count(device) * RESIDENT, PROGRAM_STEPS)
+    tiles, k_steps, slots = _launch_shape(N, K, device)
+    split = decode_split(tiles, k_steps, slots, PROGRAM_STEPS)
     return split > 1 and _cdiv(k_steps, split) > MAX_STEPS
+
+
+def _launch_shape(N: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """(weight-row tiles, K steps, resident program slots) of a launch: what ``decode_split`` plans its slices from,
+    in ``matmul`` and in ``refills`` alike."""
+    return _cdiv(N, ROWS_PER_WARP * WARPS), K // (4 * HW), _sm_count(device) * RESIDENT
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -251,9 +257,7 @@ def matmul(
         raise ValueError(f"the direct decode kernel takes bf16 x [1 <= M <= {BM}, {K}] on sm_90 with K % {4 * HW} == 0, "
                          f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
     bn = ROWS_PER_WARP * WARPS
-    k_steps = K // (4 * HW)
-    tiles = _cdiv(N, bn)
-    slots = _sm_count(x.device) * RESIDENT
+    tiles, k_steps, slots = _launch_shape(N, K, x.device)
     split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, bn * BM, k_steps, split, slots, PROGRAM_STEPS,
                                          bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()
