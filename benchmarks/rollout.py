@@ -309,7 +309,7 @@ def lora_sweep(args: argparse.Namespace) -> dict:
 #: ``--kernel-ab`` variants: the ``schedule`` switch each has, and what runs with it off.
 AB_SWITCHES = {"gluon": ("GLUON_DECODE", "triton"), "direct": ("DIRECT_DECODE", "triton"),
                "rope": ("ROPE_IN_ATTENTION", "rope_kernel"), "sampler": ("FUSED_SAMPLER", "torch_sampler"),
-               "direct_ring": ("DIRECT_RING", "tma_for_ring")}
+               "direct_ring": ("DIRECT_RING", "tma_for_ring"), "shrink_rank": ("SHRINK_BY_RANK", "column_split")}
 
 
 def kernel_ab(args: argparse.Namespace) -> dict:

@@ -55,16 +55,19 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         a = rnd(sum(ranks), k, scale=0.2)
         group = _group(ranks, a.float())
         ref_h, ref_x, ref_u = decoder.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
-        hc = dev(h)
-        h_out, x, flat = fused_step.rms_norm_shrink(hc, dev(d), dev(w), 1e-6, dev(a), group.lora_bounds)
-        assert torch.equal(hc.cpu(), h), "rms_norm_shrink must leave h unchanged"
-        _close(h_out, ref_h, tol, "rms_norm_shrink residual")
-        _close(x, ref_x, tol, "rms_norm_shrink output")
-        for got, want in zip(decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True):
-            assert (got is None) == (want is None)
-            if got is not None:
-                assert got.is_contiguous()
-                _close(got, want, 2 * tol, f"rms_norm_shrink u (m={m}, k={k})")
+        # Both splits of the shrink: over the row's columns (rb=0) and over u's ranks, 1 and 4 to a program.
+        for rb in (0, 1, 4):
+            hc = dev(h)
+            h_out, x, flat = fused_step.rms_norm_shrink(hc, dev(d), dev(w), 1e-6, dev(a), group.lora_bounds, rb=rb)
+            assert torch.equal(hc.cpu(), h), "rms_norm_shrink must leave h unchanged"
+            _close(h_out, ref_h, tol, f"rms_norm_shrink residual (rb={rb})")
+            _close(x, ref_x, tol, f"rms_norm_shrink output (rb={rb})")
+            for got, want in zip(decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group),
+                                 strict=True):  # fmt: skip
+                assert (got is None) == (want is None)
+                if got is not None:
+                    assert got.is_contiguous()
+                    _close(got, want, 2 * tol, f"rms_norm_shrink u (m={m}, k={k}, rb={rb})")
         same, x2, flat2 = fused_step.rms_norm_shrink(hc, None, dev(w), 1e-6, dev(a), group.lora_bounds)
         assert same is hc
         _close(x2, decoder.rms_norm(h.float(), Norm(w.float(), 1e-6))[1], tol, "rms_norm_shrink without delta")
@@ -83,10 +86,11 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     # The fused shrinks with permute: the output permuted, u (reduced from the natural-order values) bitwise the same.
     a = rnd(24, 512, scale=0.1)
     bounds = (8, 16)
-    hout, natural, u_nat = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds)
-    hout_p, permuted, u_p = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, permute=True)
-    assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())), "rms_norm_shrink(permute=True) output"
-    assert torch.equal(u_p, u_nat) and torch.equal(hout_p, hout), "rms_norm_shrink(permute=True) u / residual"
+    for rb in (0, 2):
+        hout, natural, u_nat = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, rb=rb)
+        hout_p, permuted, u_p = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, permute=True, rb=rb)
+        assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())), f"rms_norm_shrink(permute=True, rb={rb}) output"
+        assert torch.equal(u_p, u_nat) and torch.equal(hout_p, hout), f"rms_norm_shrink(permute=True, rb={rb}) u / residual"
     natural, u_nat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
     permuted, u_p = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a), permute=True)
     assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())) and torch.equal(u_p, u_nat), "silu_mul_shrink(permute=True)"
@@ -221,11 +225,13 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
             group = _group(ranks, a.float())
             _, ref_x, ref_u = decoder.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
             args = (h.to(device), d.to(device), w.to(device), 1e-6, a.to(device), group.lora_bounds)
-            _, x, flat = fused_step.rms_norm_shrink(*args)
-            assert torch.equal(flat, fused_step.rms_norm_shrink(*args)[2]), "rms_norm_shrink not repeatable"
-            _close(x, ref_x, tol, "7b rms_norm_shrink output")
-            for got, want in zip(decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True):
-                _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks})")
+            for rb in (None, 0):  # the default (by rank up to 32 rows) and the column split
+                _, x, flat = fused_step.rms_norm_shrink(*args, rb=rb)
+                assert torch.equal(flat, fused_step.rms_norm_shrink(*args, rb=rb)[2]), "rms_norm_shrink not repeatable"
+                _close(x, ref_x, tol, "7b rms_norm_shrink output")
+                for got, want in zip(decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group),
+                                     strict=True):  # fmt: skip
+                    _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks}, rb={rb})")
         g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)
         ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([16], a.float()))
         act, flat = fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))

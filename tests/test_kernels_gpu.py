@@ -229,6 +229,24 @@ def test_direct_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mo
         fp4_gemm.matmul(_rand(9, x.shape[1]), q.weight_packed, q.weight_scale, q.weight_global_scale, x_permuted=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("r,lora_bounds", [(16, (6, 11)), (48, (16, 32)), (80, (40, 60))])
+def test_direct_decode_lora_split(M: int, r: int, lora_bounds: tuple[int, int]) -> None:
+    """The mma.sync kernel's LoRA expand (rank chunks on the tile's last K slice, before its K loop) against float64
+    at split counts from one slice (the expand and the whole K loop in one program) to one K step a slice, with
+    ranks of one, three and five 16-rank chunks."""
+    from qerl.kernels import fp4_direct, reference
+
+    q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
+    xp = reference.nibble_major(x)
+    _poison_allocator()
+    for split in (1, 2, 3, 5, 8):
+        y = fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b,
+                              out_bounds=out_bounds, lora_bounds=lora_bounds, split=split)  # fmt: skip
+        assert _rel(y, ref) < TOL, (split, _rel(y, ref))
+
+
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_lora_epilogue(M: int, rank: int) -> None:

@@ -46,3 +46,19 @@ def test_gpu_rollout_kernels_match_torch() -> None:
     checks.check_kernels("cuda", torch.bfloat16, 0.02)
     checks.check_7b_shapes("cuda", torch.bfloat16, 0.02)
     checks.check_stacked_decode("cuda", torch.bfloat16, 0.02, ms=(1, 16, 64, 128))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (fused_step imports it)")
+def test_rank_block_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shrinks' split: by rank up to 32 rows, the fewest ranks a program that
+    keep a launch at 128 programs (at most 8; the choices measured fastest on the H200 at the 7B shapes), and the
+    column split otherwise or with ``schedule.SHRINK_BY_RANK`` off."""
+    from qerl.kernels import fused_step, schedule
+
+    monkeypatch.setattr(schedule, "SHRINK_BY_RANK", True)
+    assert [fused_step.rank_block(m, 48) for m in (1, 2, 4, 8, 16, 32)] == [1, 1, 2, 4, 8, 8]
+    assert [fused_step.rank_block(m, 32) for m in (1, 4, 8, 16, 32)] == [1, 1, 2, 4, 8]
+    assert fused_step.rank_block(1, 5) == 1 and fused_step.rank_block(32, 4) == 1 and fused_step.rank_block(32, 8) == 2
+    assert fused_step.rank_block(33, 48) == 0
+    monkeypatch.setattr(schedule, "SHRINK_BY_RANK", False)
+    assert fused_step.rank_block(1, 48) == 0

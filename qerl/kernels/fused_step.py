@@ -14,7 +14,8 @@ R = 16-64 summed over the projections sharing x) is reduced by the kernel that *
 Those kernels split the row's K columns over programs (a GEMV over R x K at b=1 would otherwise be
 one SM reading ~340 KB); each program writes an fp32 partial of u, and the program that draws a
 row's last ticket sums the partials (loaded as one tile, summed in a fixed order: deterministic) and
-writes u in the activation dtype. Tickets (``backend.tickets``) are per row, zero between launches
+writes u in the activation dtype. Up to ``RANK_SPLIT_MAX_ROWS`` rows the RMSNorm kernel splits u's ranks
+instead (each program normalises the whole row and writes its ranks of u: no partials, no ticket). Tickets (``backend.tickets``) are per row, zero between launches
 (the last program resets its own). ``u`` comes back *segmented*: projection j's ``[M, r_j]`` block is
 contiguous (``flat[start_j * M : end_j * M]``), so the FP4 kernel's LoRA epilogue reads it
 without a ``.contiguous()`` copy.
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels import backend, reference
+from qerl.kernels import backend, reference, schedule
 from qerl.kernels.fp4_gemm import nibble_major, segmented
 
 #: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks. From
@@ -197,6 +198,31 @@ def _rms_norm_shrink_kernel(
     _finish_shrink(acc, row, split, tl.num_programs(1), M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
 
 
+@triton.jit
+def _rms_norm_rank_kernel(
+    h_ptr, d_ptr, w_ptr, hout_ptr, out_ptr, a_ptr, u_ptr, M, K, eps, share, R, S1, S2,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, PERMUTE: tl.constexpr,
+):  # fmt: skip
+    """Program (row, rank block): the whole row's residual sum and RMSNorm, then ``RB`` ranks of u from it over
+    all K columns, stored as they are: no partials, no ticket. Of hout and out it stores its ``share`` of the
+    columns. A's rows are loaded first: they come from DRAM and the row from L2, so the two latencies overlap."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    a = _load_a(a_ptr + blk * RB * K, K, offs, mask, R - blk * RB, RB)
+    base = row * K
+    h = _residual(h_ptr, d_ptr, base + offs, mask, HAS_DELTA)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    y = _normalise(h, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty)
+    mine = mask & (offs >= blk * share) & (offs < blk * share + share)
+    if HAS_DELTA:
+        tl.store(hout_ptr + base + offs, h, mask=mine)
+    tl.store(out_ptr + base + (nibble_major(offs) if PERMUTE else offs), y, mask=mine)
+    _store_u(u_ptr, _rank_dot(y, a), row, blk * RB + tl.arange(0, RB), M, R, S1, S2)
+
+
 def _permute(permute: bool, row: int) -> bool:
     """``permute`` checked: the Gluon K order moves elements within 256-element steps of a row."""
     if permute and row % reference.GLUON_K_STEP:
@@ -222,6 +248,39 @@ def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, 
     return out
 
 
+#: Rows up to which ``rms_norm_shrink`` splits u's ranks over programs (``_rms_norm_rank_kernel``: each program
+#: normalises the whole row and reduces ``rb`` ranks over all of it) instead of the row's columns (partials summed by
+#: the row's last program, ``_finish_shrink``), for rows of at most ``RANK_MAX_BLOCK`` columns (held in registers).
+#: Why: the column split cost a 7B step 4.0 us a launch at b=1 against 2.0 for the plain RMSNorm, in the chain of
+#: each program (benchmarks/NOTES.md, "What the shrink producers spend their time on"); a by-rank program's chain
+#: has no partial store, ticket or partial sum. H200, 7B q/k/v (R=48) / gate_up (R=32) shapes, graph-timed with A
+#: from DRAM (benchmarks/results/shrink_rank_probe.json), us, column split -> by rank (this rule's choice):
+#: b=1 3.95 -> 2.52 / 3.87 -> 2.56, b=8 4.75 -> 3.21 / 4.05 -> 2.77, b=16 5.44 -> 3.47 / 4.39 -> 2.91, b=32 6.61 ->
+#: 4.56 / 5.18 -> 3.51 (the plain RMSNorm: 2.0-2.2); the 7B engine, b=1 2.691 / 2.621 -> 2.517 ms a step, b=8
+#: 2.867 / 2.894 -> 2.821 (rollout_shrink_rank_ab.json). The same split for the SiLU shrink was 2x slower.
+RANK_SPLIT_MAX_ROWS = 32
+RANK_MAX_BLOCK = 8192
+#: Warps of a by-rank program, the programs a launch aims at and the most ranks a program takes (``rank_block``;
+#: 16 ranks of a 4096-column row would be 256 values a thread at 8 warps). The same probe: 8 warps were the fastest
+#: or within 0.25 us of 4 and 16 at every shape, and the fewest ranks a program that keep a launch at 128 programs
+#: the fastest ``rb`` or within 0.1 us.
+RANK_WARPS = 8
+RANK_TARGET_PROGRAMS = 128
+RANK_MAX_RB = 8
+
+
+def rank_block(rows: int, rank: int) -> int:
+    """Ranks per program of a by-rank shrink (a power of two: the fewest that keep ``rows`` x blocks at most
+    ``RANK_TARGET_PROGRAMS``, at most ``RANK_MAX_RB``), or 0 where the column split serves (more rows than
+    ``RANK_SPLIT_MAX_ROWS``, or ``schedule.SHRINK_BY_RANK`` off); ``rms_norm_shrink`` also bounds the row's width."""
+    if not schedule.SHRINK_BY_RANK or rows > RANK_SPLIT_MAX_ROWS:
+        return 0
+    rb = 1
+    while rb < min(rank, RANK_MAX_RB) and rows * triton.cdiv(rank, rb) > RANK_TARGET_PROGRAMS:
+        rb *= 2
+    return rb
+
+
 def rms_norm_shrink(
     h: torch.Tensor,
     delta: torch.Tensor | None,
@@ -230,25 +289,36 @@ def rms_norm_shrink(
     lora_a: torch.Tensor,
     bounds: tuple[int, int],
     permute: bool = False,
+    rb: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h + delta, weight * rmsnorm(h + delta), u) with ``u = rmsnorm(..) @ lora_a.T`` segmented at
     ``bounds`` (see module doc). h is not modified; without delta the first result is h itself.
-    ``permute`` as in ``rms_norm`` (the second result only; u is the same)."""
+    ``permute`` as in ``rms_norm`` (the second result only; u is the same). ``rb``: ranks per program of the
+    by-rank split, 0 for the column split (None: ``rank_block``'s choice)."""
     k = h.shape[-1]
     m = h.numel() // k
     rank = lora_a.shape[0]
-    rp = rank_pad(rank)
     block = triton.next_power_of_2(k)
-    # At most 8 warps: with 16 the 128-register cap spills the double-buffered A tiles (ptxas, sm_90).
-    warps = min(8, _norm_warps(block))
-    nsplit, chunk, bk = _shrink_split(m, k, rp, warps)
     h_out = torch.empty_like(h) if delta is not None else h
     out = torch.empty_like(h)
     u = torch.empty(m * rank, dtype=h.dtype, device=h.device)
+    if rb is None:
+        rb = rank_block(m, rank) if block <= RANK_MAX_BLOCK else 0
+    common = (h, delta if delta is not None else h, weight, h_out, out, lora_a, u)
+    if rb:
+        blocks = triton.cdiv(rank, rb)
+        _rms_norm_rank_kernel[(m, blocks)](
+            *common, m, k, eps, triton.cdiv(k, blocks), rank, bounds[0], bounds[1],
+            HAS_DELTA=delta is not None, BLOCK=block, RB=rb, PERMUTE=_permute(permute, k), num_warps=RANK_WARPS,
+        )  # fmt: skip
+        return h_out, out, u
+    rp = rank_pad(rank)
+    # At most 8 warps: with 16 the 128-register cap spills the double-buffered A tiles (ptxas, sm_90).
+    warps = min(8, _norm_warps(block))
+    nsplit, chunk, bk = _shrink_split(m, k, rp, warps)
     part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=h.device)
     _rms_norm_shrink_kernel[(m, nsplit)](
-        h, delta if delta is not None else h, weight, h_out, out, lora_a, u, part, backend.tickets(h.device, m),
-        m, k, eps, chunk, rank, bounds[0], bounds[1],
+        *common, part, backend.tickets(h.device, m), m, k, eps, chunk, rank, bounds[0], bounds[1],
         HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp),
         PERMUTE=_permute(permute, k), num_warps=warps,
     )  # fmt: skip
@@ -308,7 +378,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> tor
 def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, permute: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer); ``permute`` as in ``rms_norm``
-    (the first result only)."""
+    (the first result only). Always the column split: a by-rank program would gate the whole row (18,944 columns
+    at 7B) and measured 2x slower (benchmarks/NOTES.md, "Twenty-second session")."""
     k = gate.shape[-1]
     m = gate.numel() // k
     rank = lora_a.shape[0]

@@ -106,6 +106,9 @@ DIRECT_RING = os.environ.get("QERL_DECODE_DIRECT_RING", "0") != "0"
 #: rollout_rope_ab.json): b=1 2.773 / 2.677 / 2.743 ms a step, b=8 3.018 / 3.058 / 3.170, b=64 5.515 /
 #: 5.464 / 5.512. ``QERL_ROPE_IN_ATTENTION=0`` turns it off.
 ROPE_IN_ATTENTION = os.environ.get("QERL_ROPE_IN_ATTENTION", "1") != "0"
+#: Up to ``fused_step.RANK_SPLIT_MAX_ROWS`` rows the RMSNorm + LoRA shrink kernel splits u's ranks over programs,
+#: not the row's columns (``fused_step.rank_block``); ``QERL_SHRINK_BY_RANK=0`` turns it off.
+SHRINK_BY_RANK = os.environ.get("QERL_SHRINK_BY_RANK", "1") != "0"
 #: The native engine samples without top-k / top-p through one kernel (``fused_step.sample``) instead of
 #: ~10 torch launches over the whole ``[B, V]`` logits. ``QERL_FUSED_SAMPLER=0`` turns it off (its draws
 #: then come from the engine's torch generator). H200, 7B NVFP4 + LoRA, ``python -m benchmarks.rollout
