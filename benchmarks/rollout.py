@@ -29,8 +29,10 @@ the Triton kernel, on that Gluon kernel (``schedule.GLUON_DECODE``, ``qerl/kerne
 rows; ``schedule.DIRECT_DECODE``, ``qerl/kernels/fp4_direct.py``, at most 8) and on Triton again, fresh
 graphs each, in one process; each Gluon engine is first checked against the Triton one on the same prompts
 (greedy tokens of a short generate).
-``--kernel-ab rope`` does the same with the RoPE and cache write in the attention kernel
-(``schedule.ROPE_IN_ATTENTION``, on by default) off / on / off.
+``--kernel-ab rope|sampler|direct_ring|shrink_rank`` does the same (off / on / off) with the switch ``AB_SWITCHES``
+names: the RoPE and cache write in the attention kernel (``schedule.ROPE_IN_ATTENTION``), the one-kernel sampler
+(``FUSED_SAMPLER``), the 32B down's slices on the mma.sync kernel's x ring (``DIRECT_RING``), the RMSNorm shrink
+split over u's ranks (``SHRINK_BY_RANK``); the first of ``--shapes`` is timed.
 
 ``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``, with
 LoRA and with the adapter disabled.
