@@ -50,15 +50,49 @@ def test_gpu_rollout_kernels_match_torch() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (fused_step imports it)")
 def test_rank_block_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shrinks' split: by rank up to 32 rows, the fewest ranks a program that
-    keep a launch at 128 programs (at most 8; the choices measured fastest on the H200 at the 7B shapes), and the
-    column split otherwise or with ``schedule.SHRINK_BY_RANK`` off."""
+    """The shrink's split: by rank up to 32 rows of at most 8192 (padded) columns, the fewest ranks a program that keep
+    a launch at 128 programs (the choices measured fastest on the H200 at the 7B shapes), at most 128 values of A a
+    thread (8 ranks of a 4096-column row, 4 of an 8192-column one), and the column split otherwise or with
+    ``schedule.SHRINK_BY_RANK`` off."""
     from qerl.kernels import fused_step, schedule
 
     monkeypatch.setattr(schedule, "SHRINK_BY_RANK", True)
-    assert [fused_step.rank_block(m, 48) for m in (1, 2, 4, 8, 16, 32)] == [1, 1, 2, 4, 8, 8]
-    assert [fused_step.rank_block(m, 32) for m in (1, 4, 8, 16, 32)] == [1, 1, 2, 4, 8]
-    assert fused_step.rank_block(1, 5) == 1 and fused_step.rank_block(32, 4) == 1 and fused_step.rank_block(32, 8) == 2
-    assert fused_step.rank_block(33, 48) == 0
+    assert [fused_step.rank_block(m, 48, 4096) for m in (1, 2, 4, 8, 16, 32)] == [1, 1, 2, 4, 8, 8]
+    assert [fused_step.rank_block(m, 32, 4096) for m in (1, 4, 8, 16, 32)] == [1, 1, 2, 4, 8]
+    assert [fused_step.rank_block(m, 48, 8192) for m in (1, 8, 16, 32)] == [1, 4, 4, 4]  # 32B: 4 ranks at most
+    assert fused_step.rank_block(1, 5, 4096) == 1 and fused_step.rank_block(32, 4, 4096) == 1
+    assert fused_step.rank_block(32, 8, 4096) == 2
+    assert fused_step.rank_block(33, 48, 4096) == 0 and fused_step.rank_block(1, 48, 16384) == 0
     monkeypatch.setattr(schedule, "SHRINK_BY_RANK", False)
-    assert fused_step.rank_block(1, 48) == 0
+    assert fused_step.rank_block(1, 48, 4096) == 0
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (compiles for sm_90 on any machine)")
+@pytest.mark.parametrize("block", [4096, 8192])
+def test_rank_kernel_fits_registers(block: int) -> None:
+    """The by-rank RMSNorm shrink compiled for sm_90 at the most ranks ``rank_block`` gives a row of ``block`` padded
+    columns (8 at the 7B width, 4 at the 32B one) keeps A in registers (no local-memory spills); twice that at the 32B
+    width spills, which is why the rule bounds A's values a thread."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qerl.kernels import fused_step
+
+    most = fused_step.rank_block(32, 4096, block)
+    assert most == {4096: 8, 8192: 4}[block]
+
+    def spills(rb: int) -> int:
+        consts = {"HAS_DELTA": True, "BLOCK": block, "RB": rb, "PERMUTE": True}
+        ptrs = ("h_ptr", "d_ptr", "w_ptr", "hout_ptr", "out_ptr", "a_ptr", "u_ptr")
+        sig = {**dict.fromkeys(ptrs, "*bf16"), **dict.fromkeys(("M", "K", "share", "R", "S1", "S2"), "i32"), "eps": "fp32",
+               **dict.fromkeys(consts, "constexpr")}  # fmt: skip
+        compiled = triton.compile(ASTSource(fn=fused_step._rms_norm_rank_kernel, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": fused_step.RANK_WARPS})  # fmt: skip
+        return len(re.findall(r"\b(?:LDL|STL)\b", compiled.asm["sass"]))
+
+    assert spills(most) == 0
+    if block == 8192:
+        assert spills(2 * most) > 0

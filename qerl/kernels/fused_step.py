@@ -261,23 +261,26 @@ def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, 
 #: (rollout_shrink_rank_ab_b8_32.json). The same split for the SiLU shrink was 2x slower.
 RANK_SPLIT_MAX_ROWS = 32
 RANK_MAX_BLOCK = 8192
-#: Warps of a by-rank program, the programs a launch aims at and the most ranks a program takes (``rank_block``;
-#: 16 ranks of a 4096-column row would be 256 values a thread at 8 warps). The same probe: 8 warps were the fastest
-#: or within 0.25 us of 4 and 16 at every shape, and the fewest ranks a program that keep a launch at 128 programs
-#: the fastest ``rb`` or within 0.1 us.
+#: Warps of a by-rank program, the programs a launch aims at, and the most A values a thread holds (``rank_block``:
+#: ranks x row width / threads). The same probe: 8 warps were the fastest or within 0.25 us of 4 and 16 at every
+#: shape, and the fewest ranks a program that keep a launch at 128 programs the fastest ``rb`` or within 0.1 us, up
+#: to 8 ranks of the 7B row (4096 columns padded, 128 values a thread); wider rows (32B: 8192) take fewer ranks a
+#: program rather than more values a thread (offline sm_90: 8 ranks of an 8192-column row spill, 4 do not).
 RANK_WARPS = 8
 RANK_TARGET_PROGRAMS = 128
-RANK_MAX_RB = 8
+RANK_MAX_VALUES = 128
 
 
-def rank_block(rows: int, rank: int) -> int:
-    """Ranks per program of a by-rank shrink (a power of two: the fewest that keep ``rows`` x blocks at most
-    ``RANK_TARGET_PROGRAMS``, at most ``RANK_MAX_RB``), or 0 where the column split serves (more rows than
-    ``RANK_SPLIT_MAX_ROWS``, or ``schedule.SHRINK_BY_RANK`` off); ``rms_norm_shrink`` also bounds the row's width."""
-    if not schedule.SHRINK_BY_RANK or rows > RANK_SPLIT_MAX_ROWS:
+def rank_block(rows: int, rank: int, block: int) -> int:
+    """Ranks per program of a by-rank shrink over rows of ``block`` (padded) columns: a power of two, the fewest
+    that keep ``rows`` x blocks at most ``RANK_TARGET_PROGRAMS``, with at most ``RANK_MAX_VALUES`` of A a thread;
+    or 0 where the column split serves (more rows than ``RANK_SPLIT_MAX_ROWS``, rows wider than ``RANK_MAX_BLOCK``,
+    or ``schedule.SHRINK_BY_RANK`` off)."""
+    if not schedule.SHRINK_BY_RANK or rows > RANK_SPLIT_MAX_ROWS or block > RANK_MAX_BLOCK:
         return 0
+    most = max(1, RANK_MAX_VALUES * 32 * RANK_WARPS // block)
     rb = 1
-    while rb < min(rank, RANK_MAX_RB) and rows * triton.cdiv(rank, rb) > RANK_TARGET_PROGRAMS:
+    while rb < min(rank, most) and rows * triton.cdiv(rank, rb) > RANK_TARGET_PROGRAMS:
         rb *= 2
     return rb
 
@@ -304,7 +307,7 @@ def rms_norm_shrink(
     out = torch.empty_like(h)
     u = torch.empty(m * rank, dtype=h.dtype, device=h.device)
     if rb is None:
-        rb = rank_block(m, rank) if block <= RANK_MAX_BLOCK else 0
+        rb = rank_block(m, rank, block)
     common = (h, delta if delta is not None else h, weight, h_out, out, lora_a, u)
     if rb:
         blocks = triton.cdiv(rank, rb)
