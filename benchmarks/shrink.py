@@ -34,7 +34,7 @@ def measure(rank: int, bounds: tuple[int, int], m: int, a_copies: list[torch.Ten
         return fused_step.rms_norm_shrink(h, d, w, 1e-6, a, bounds, permute=True, rb=rb)
 
     ref = shrink(a_copies[0], 0)
-    row = {"R": rank, "rows": m, "rank_block_rule": fused_step.rank_block(m, rank, 1 << (K - 1).bit_length()),
+    row = {"R": rank, "rows": m, "rank_block_rule": fused_step.rank_block(m, rank, K),
            "plain_norm_us": graph_time([lambda: fused_step.rms_norm(h, None, w, 1e-6, permute=True)]) * 1e6,
            "column_split_us": graph_time([lambda a=a: shrink(a, 0) for a in a_copies]) * 1e6, "by_rank": {}}  # fmt: skip
     default_warps = fused_step.RANK_WARPS

@@ -132,6 +132,13 @@ def _residual(h_ptr, d_ptr, offs, mask, HAS_DELTA: tl.constexpr):
 
 
 @triton.jit
+def _rstd(h, n, eps):
+    """transformers' RMSNorm scale of a row held whole (masked columns read as 0): 1 / sqrt(mean(h^2) + eps), fp32."""
+    hf = h.to(tl.float32)
+    return tl.rsqrt(tl.sum(hf * hf, axis=0) / n + eps)
+
+
+@triton.jit
 def _normalise(h, rstd, w_ptr, cols, mask, DT: tl.constexpr):
     """transformers' RMSNorm tail: (h * rstd) rounded to the activation dtype, times the weight."""
     y = (h.to(tl.float32) * rstd).to(DT).to(tl.float32)
@@ -154,8 +161,7 @@ def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.co
     h = _residual(h_ptr, d_ptr, base + offs, mask, HAS_DELTA)
     if HAS_DELTA:
         tl.store(h_ptr + base + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+    rstd = _rstd(h, n_cols, eps)
     dest = nibble_major(offs) if PERMUTE else offs
     tl.store(out_ptr + base + dest, _normalise(h, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
 
@@ -179,8 +185,7 @@ def _rms_norm_shrink_kernel(
     cols = split * chunk + tl.arange(0, BK)
     a = _load_a(a_ptr, K, cols, cols < K, R, RP)  # in flight while the row is reduced
     offs = tl.arange(0, BLOCK)
-    hf = _residual(h_ptr, d_ptr, base + offs, offs < K, HAS_DELTA).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    rstd = _rstd(_residual(h_ptr, d_ptr, base + offs, offs < K, HAS_DELTA), K, eps)
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros([RP], tl.float32)
     for k0 in range(0, chunk, BK):
@@ -213,9 +218,7 @@ def _rms_norm_rank_kernel(
     a = _load_a(a_ptr + blk * RB * K, K, offs, mask, R - blk * RB, RB)
     base = row * K
     h = _residual(h_ptr, d_ptr, base + offs, mask, HAS_DELTA)
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    y = _normalise(h, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty)
+    y = _normalise(h, _rstd(h, K, eps), w_ptr, offs, mask, out_ptr.dtype.element_ty)
     mine = mask & (offs >= blk * share) & (offs < blk * share + share)
     if HAS_DELTA:
         tl.store(hout_ptr + base + offs, h, mask=mine)
@@ -271,11 +274,12 @@ RANK_TARGET_PROGRAMS = 128
 RANK_MAX_VALUES = 128
 
 
-def rank_block(rows: int, rank: int, block: int) -> int:
-    """Ranks per program of a by-rank shrink over rows of ``block`` (padded) columns: a power of two, the fewest
-    that keep ``rows`` x blocks at most ``RANK_TARGET_PROGRAMS``, with at most ``RANK_MAX_VALUES`` of A a thread;
-    or 0 where the column split serves (more rows than ``RANK_SPLIT_MAX_ROWS``, rows wider than ``RANK_MAX_BLOCK``,
-    or ``schedule.SHRINK_BY_RANK`` off)."""
+def rank_block(rows: int, rank: int, k: int) -> int:
+    """Ranks per program of a by-rank shrink over rows of ``k`` columns (``block``: padded to a power of two): a
+    power of two, the fewest that keep ``rows`` x blocks at most ``RANK_TARGET_PROGRAMS``, with at most
+    ``RANK_MAX_VALUES`` of A a thread; or 0 where the column split serves (more rows than ``RANK_SPLIT_MAX_ROWS``,
+    rows wider than ``RANK_MAX_BLOCK``, or ``schedule.SHRINK_BY_RANK`` off)."""
+    block = triton.next_power_of_2(k)
     if not schedule.SHRINK_BY_RANK or rows > RANK_SPLIT_MAX_ROWS or block > RANK_MAX_BLOCK:
         return 0
     most = max(1, RANK_MAX_VALUES * 32 * RANK_WARPS // block)
@@ -307,7 +311,7 @@ def rms_norm_shrink(
     out = torch.empty_like(h)
     u = torch.empty(m * rank, dtype=h.dtype, device=h.device)
     if rb is None:
-        rb = rank_block(m, rank, block)
+        rb = rank_block(m, rank, k)
     common = (h, delta if delta is not None else h, weight, h_out, out, lora_a, u)
     if rb:
         blocks = triton.cdiv(rank, rb)
