@@ -7,6 +7,7 @@ row itself is small and comes from L2). Every by-rank setting is also checked ag
 residual and the normalised row bitwise equal, u's largest difference relative to its largest value.
 
     python -m benchmarks.shrink --out benchmarks/results/shrink_rank_probe.json
+    python -m benchmarks.shrink --rows 32 48 64 --out benchmarks/results/shrink_rank_probe_48_64.json
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def measure(rank: int, bounds: tuple[int, int], m: int, a_copies: list[torch.Ten
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="decode rows to time")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         copies = max(8, (96 << 20) // (rank * K * 2))
         a_copies = [torch.randn(rank, K, device=dev, dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
         w = (torch.randn(K, device=dev) * 0.3 + 1).to(torch.bfloat16)
-        for m in ROWS:
+        for m in args.rows:
             row = measure(rank, bounds, m, a_copies, w)
             best = min((v["us"], k) for k, v in row["by_rank"].items())
             print(f"R={rank} rows={m}: plain {row['plain_norm_us']:.2f} us, columns {row['column_split_us']:.2f}, "

@@ -225,7 +225,7 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
             group = _group(ranks, a.float())
             _, ref_x, ref_u = decoder.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
             args = (h.to(device), d.to(device), w.to(device), 1e-6, a.to(device), group.lora_bounds)
-            for rb in (None, 0):  # the default (by rank up to 32 rows) and the column split
+            for rb in (None, 0):  # the default (by rank up to 64 rows) and the column split
                 _, x, flat = fused_step.rms_norm_shrink(*args, rb=rb)
                 assert torch.equal(flat, fused_step.rms_norm_shrink(*args, rb=rb)[2]), "rms_norm_shrink not repeatable"
                 _close(x, ref_x, tol, "7b rms_norm_shrink output")

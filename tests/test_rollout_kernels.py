@@ -50,7 +50,7 @@ def test_gpu_rollout_kernels_match_torch() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (fused_step imports it)")
 def test_rank_block_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shrink's split: by rank up to 32 rows of at most 8192 (padded) columns, the fewest ranks a program that keep
+    """The shrink's split: by rank up to 64 rows of at most 8192 (padded) columns, the fewest ranks a program that keep
     a launch at 128 programs (the choices measured fastest on the H200 at the 7B shapes), at most 128 values of A a
     thread (8 ranks of a 4096-column row, 4 of an 8192-column one), and the column split otherwise or with
     ``schedule.SHRINK_BY_RANK`` off."""
@@ -62,7 +62,8 @@ def test_rank_block_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [fused_step.rank_block(m, 48, 8192) for m in (1, 8, 16, 32)] == [1, 4, 4, 4]  # 32B: 4 ranks at most
     assert fused_step.rank_block(1, 5, 4096) == 1 and fused_step.rank_block(32, 4, 4096) == 1
     assert fused_step.rank_block(32, 8, 4096) == 2
-    assert fused_step.rank_block(33, 48, 4096) == 0 and fused_step.rank_block(1, 48, 16384) == 0
+    assert [fused_step.rank_block(m, 48, 4096) for m in (48, 64)] == [8, 8]  # measured at 48 / 64 rows: 8 ranks
+    assert fused_step.rank_block(65, 48, 4096) == 0 and fused_step.rank_block(1, 48, 16384) == 0
     monkeypatch.setattr(schedule, "SHRINK_BY_RANK", False)
     assert fused_step.rank_block(1, 48, 4096) == 0
 

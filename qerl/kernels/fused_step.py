@@ -261,8 +261,10 @@ def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, 
 #: b=1 3.95 -> 2.52 / 3.87 -> 2.56, b=8 4.75 -> 3.21 / 4.05 -> 2.77, b=16 5.44 -> 3.47 / 4.39 -> 2.91, b=32 6.61 ->
 #: 4.56 / 5.18 -> 3.51 (the plain RMSNorm: 2.0-2.2); the 7B engine, b=1 2.691 / 2.621 -> 2.517 ms a step
 #: (rollout_shrink_rank_ab.json), b=8 2.884 / 2.860 -> 2.776, b=16 3.256 / 3.187 -> 3.086, b=32 3.662 / 3.643 -> 3.525
-#: (rollout_shrink_rank_ab_b8_32.json). The same split for the SiLU shrink was 2x slower.
-RANK_SPLIT_MAX_ROWS = 32
+#: (rollout_shrink_rank_ab_b8_32.json); at 48 / 64 rows 11.17 -> 6.13 / 13.18 -> 7.26 and 6.12 -> 4.39 / 9.28 -> 4.49
+#: (shrink_rank_probe_48_64.json), which moved ``decoder.FUSED_LORA_MAX_ROWS`` to 64 with it. The same split for the
+#: SiLU shrink was 2x slower.
+RANK_SPLIT_MAX_ROWS = 64
 RANK_MAX_BLOCK = 8192
 #: Warps of a by-rank program, the programs a launch aims at, and the most A values a thread holds (``rank_block``:
 #: ranks x row width / threads). The same probe: 8 warps were the fastest or within 0.25 us of 4 and 16 at every

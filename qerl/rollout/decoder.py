@@ -38,11 +38,13 @@ from qerl import kernels
 from qerl.kernels import backend, reference, schedule
 from qerl.rollout.layers import Group, Norm, Proj
 
-#: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input.
-#: Each row re-reads A from L2 (344 KB for q/k/v at r=16 on 7B), so from ~48 rows one cuBLAS matmul
-#: per group is the cheaper way: 7B step 3.78 vs 4.21 ms at b=16, 4.73 vs 5.00 at b=32, but 7.10 vs
-#: 6.98 at b=48 and 7.14 vs 6.96 at b=64 (H200; benchmarks/NOTES.md, "the LoRA shrink threshold").
-FUSED_LORA_MAX_ROWS = 32
+#: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input (above, one
+#: cuBLAS matmul per group). With the column-split RMSNorm shrink (each row's programs re-read A from L2) cuBLAS
+#: won from 48 rows (7B step 7.10 vs 6.98 ms at b=48, 7.14 vs 6.96 at b=64); with the RMSNorm shrink split over
+#: u's ranks up to 64 rows (``fused_step.RANK_SPLIT_MAX_ROWS``) the fused path wins there too: H200, 7B NVFP4 +
+#: LoRA r16, 256 tokens, cuBLAS above 32 / fused up to 64, A/B/A/B (benchmarks/results/rollout_fused64_ab.json):
+#: b=48 5.067 / 4.889 / 5.062 / 4.866 ms a step, b=64 5.015 / 4.850 / 5.034 / 4.822 (-3.7% at both).
+FUSED_LORA_MAX_ROWS = 64
 
 
 @dataclass
