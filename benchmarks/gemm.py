@@ -7,8 +7,13 @@ that rotate over enough weight copies to overflow the 60 MB L2 (decode reads wei
 real model step); the per-call time is the median replay time / R.
 
     python -m benchmarks.gemm --out benchmarks/results   # writes kernels.json, kernels_speedup.png
+    python -m benchmarks.gemm --plot benchmarks/results/kernels.json   # only the PNG again
 
-The summary holds the targets of issue 3 for the 7B down_proj shape (N=3584, K=18944).
+The summary holds the targets of issue 3 for the 7B down_proj shape (N=3584, K=18944). Where vLLM is
+importable (the GPU machine with the vLLM bundle on the path), every forward row also times vLLM's Marlin
+NVFP4 GEMM (``apply_fp4_marlin_linear`` on weights from vLLM's own ``rand_marlin_weight_nvfp4_like``, copies
+rotated like ours, its output checked against x @ its reference weight), and the summary gets the same three
+decode figures for it: the issue's "Marlin-class" peer measured beside ours in one run.
 """
 
 from __future__ import annotations
@@ -16,11 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import Layer, command, copy_bandwidth, graph_time, save_figure, utc_now, versions, write_json
+from benchmarks.common import (
+    ROTATE_BYTES,
+    Layer,
+    command,
+    copy_bandwidth,
+    graph_time,
+    save_figure,
+    utc_now,
+    versions,
+    write_json,
+)
 from qerl.kernels import backend
 from qerl.kernels import schedule as sch
 
@@ -36,7 +52,40 @@ MS = (1, 4, 16, 32, 64, 256, 1024, 4096)
 SUMMARY_SHAPE = ("qwen2.5-7b", "down")
 
 
-def measure(layer: Layer, m: int, copy_bw: float) -> dict:
+class Marlin:
+    """vLLM's Marlin NVFP4 GEMM on an (n, k) weight: copies of vLLM's own repacked random NVFP4 weights (its test
+    helper ``rand_marlin_weight_nvfp4_like``), enough to overflow L2 like ``Layer``'s, and one call per copy."""
+
+    def __init__(self, n: int, k: int) -> None:
+        from vllm.model_executor.layers.quantization.utils import marlin_utils, marlin_utils_fp4
+
+        self.n, self.k, self.apply = n, k, marlin_utils_fp4.apply_fp4_marlin_linear
+        self.workspace = marlin_utils.marlin_make_workspace_new(torch.device("cuda"))
+        copies = max(1, -(-ROTATE_BYTES // (n * k // 2)))
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        # (reference weight [k, n], packed, scales, global scale); only the first copy keeps its reference
+        self.copies = [marlin_utils_fp4.rand_marlin_weight_nvfp4_like(w, 16) for _ in range(copies)]
+        self.copies[1:] = [(None, *c[1:]) for c in self.copies[1:]]
+
+    def fns(self, x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+        return [lambda c=c: self.apply(x, c[1], c[2], c[3], self.workspace, self.n, self.k) for c in self.copies]
+
+    def rel_err(self, x: torch.Tensor) -> float:
+        """Its output against x @ the reference weight its helper returned (the check that the timed call is right)."""
+        want = x.float() @ self.copies[0][0].float()
+        return ((self.fns(x)[0]().float() - want).abs().max() / want.abs().max()).item()
+
+
+def marlin_peer(n: int, k: int) -> Marlin | None:
+    """vLLM's Marlin for this shape, or None where vLLM is not importable."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return None
+    return Marlin(n, k)
+
+
+def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) -> dict:
     from qerl.kernels import fp4_gemm as fg  # Triton: GPU machines only
 
     n, k = layer.n, layer.k
@@ -55,6 +104,11 @@ def measure(layer: Layer, m: int, copy_bw: float) -> dict:
             "bf16_time_us": tb * 1e6, "bf16_GBps": (2 * n * k + act_bytes) / tb / 1e9, "bf16_TFLOPs": flops / tb / 1e12,
             "speedup_vs_bf16": tb / t,
         }
+    if marlin is not None:
+        tm, fwd = graph_time(marlin.fns(x)), row["fwd"]
+        fwd.update({"vllm_marlin_time_us": tm * 1e6, "vllm_marlin_weight_bw_fraction_of_copy": layer.packed_bytes / tm / copy_bw,
+                    "vllm_marlin_speedup_vs_bf16": fwd["bf16_time_us"] / (tm * 1e6),
+                    "speedup_vs_vllm_marlin": tm * 1e6 / fwd["time_us"], "vllm_marlin_rel_err": marlin.rel_err(x)})  # fmt: skip
     return row
 
 
@@ -97,13 +151,20 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in {(r["model"], r["layer"]) for r in rows}:
             pts = sorted((x["M"], x[kind]["speedup_vs_bf16"]) for x in rows if (x["model"], x["layer"]) == r)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1, label=f"{r[0]} {r[1]}")
+        peer = sorted((x["M"], x[kind]["vllm_marlin_speedup_vs_bf16"]) for x in rows
+                      if (x["model"], x["layer"]) == SUMMARY_SHAPE and "vllm_marlin_speedup_vs_bf16" in x[kind])  # fmt: skip
+        if peer:
+            ax.plot([p[0] for p in peer], [p[1] for p in peer], "k--", marker="x", ms=4, lw=1.2,
+                    label=f"vLLM Marlin NVFP4, {SUMMARY_SHAPE[0]} {SUMMARY_SHAPE[1]}")  # fmt: skip
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")
-        ax.set_title(f"NVFP4 Triton {kind} vs torch bf16 matmul (H200)")
+        ax.set_title(f"NVFP4 {kind} vs torch bf16 matmul (H200)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("speedup (bf16 time / nvfp4 time)")
-    axes[1].legend(fontsize=6, ncol=2)
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -123,10 +184,14 @@ def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, c
         "m1024_fwd_ratio": pick[1024]["fwd"]["speedup_vs_bf16"],
         "m1024_bwd_ratio": pick[1024]["bwd"]["speedup_vs_bf16"],
     }
+    if "vllm_marlin_time_us" in pick[1]["fwd"]:
+        summary["vllm_marlin"] = {"m1_bw_fraction": pick[1]["fwd"]["vllm_marlin_weight_bw_fraction_of_copy"],
+                                  **{f"m{m}_speedup": pick[m]["fwd"]["vllm_marlin_speedup_vs_bf16"] for m in (1, 16, 64)},
+                                  **{f"ours_over_marlin_m{m}": pick[m]["fwd"]["speedup_vs_vllm_marlin"] for m in (1, 16, 64)}}  # fmt: skip
     result = {
         "date": utc_now(),
         "device": torch.cuda.get_device_name(),
-        "versions": {**versions("triton"), "cuda": torch.version.cuda},
+        "versions": {**versions("triton", "vllm"), "cuda": torch.version.cuda},
         "command": command("benchmarks.gemm"),
         "method": "CUDA graph of R calls rotating over weight copies (>256 MB), median of 15 replays / R; "
                   "baseline: F.linear(x, W_bf16) and grad_y @ W_bf16 on the dequantized weight, same run; "
@@ -145,7 +210,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results", help="folder for kernels.json and kernels_speedup.png")
     ap.add_argument("--quick", action="store_true", help="only the summary shape (smoke run)")
+    ap.add_argument("--plot", type=Path, help="only redraw the PNG beside an existing kernels.json (any machine)")
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text())["rows"], args.plot.with_name("kernels_speedup.png"))
+        return
     if not torch.cuda.is_available() or not backend.HAS_TRITON:
         sys.exit("benchmarks/gemm.py: needs a CUDA device and triton")
     out = Path(args.out)
@@ -166,8 +235,9 @@ def main() -> None:
     for model, name in order:
         n, k = MODELS[model][name]
         if (n, k) not in done:  # q/o and gate/up share shapes: measure once, report under both names
-            layer = Layer(n, k)
-            done[(n, k)] = [measure(layer, m, copy_bw) for m in MS]
+            layer, marlin = Layer(n, k), marlin_peer(n, k)
+            done[(n, k)] = [measure(layer, m, copy_bw, marlin) for m in MS]
+            del marlin
             if (model, name) == SUMMARY_SHAPE:
                 sweep_rows = sweep(layer)
                 for s in sweep_rows:
@@ -176,9 +246,10 @@ def main() -> None:
             torch.cuda.empty_cache()
         for r in done[(n, k)]:
             rows.append({"model": model, "layer": name, **r})
+            peer = f"  marlin {r['fwd']['vllm_marlin_time_us']:9.1f} us" if "vllm_marlin_time_us" in r["fwd"] else ""
             print(f"{model:12s} {name:8s} M={r['M']:5d}  fwd {r['fwd']['time_us']:9.1f} us x{r['fwd']['speedup_vs_bf16']:.2f}"
                   f"  bwd {r['bwd']['time_us']:9.1f} us x{r['bwd']['speedup_vs_bf16']:.2f}  "
-                  f"wbw {r['fwd']['weight_bw_fraction_of_copy']:.2f}", flush=True)
+                  f"wbw {r['fwd']['weight_bw_fraction_of_copy']:.2f}{peer}", flush=True)
         summary = write(out, rows, sweep_rows, copy_bw, complete=len(rows) == total)
     print(json.dumps(summary, indent=1))
 
