@@ -34,6 +34,10 @@ names: the RoPE and cache write in the attention kernel (``schedule.ROPE_IN_ATTE
 (``FUSED_SAMPLER``), the 32B down's slices on the mma.sync kernel's x ring (``DIRECT_RING``), the RMSNorm shrink
 split over u's ranks (``SHRINK_BY_RANK``); the first of ``--shapes`` is timed.
 
+``--ab-constant MODULE.NAME=BASE:VARIANT ...`` does the same for module constants set together (e.g.
+``qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64 qerl.kernels.fused_step.RANK_SPLIT_MAX_ROWS=32:64``, the
+twenty-third session's fusion A/B), so a threshold's A/B needs no script of its own.
+
 ``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``, with
 LoRA and with the adapter disabled.
 
@@ -48,12 +52,16 @@ LoRA and with the adapter disabled.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import gc
+import importlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -314,10 +322,78 @@ AB_SWITCHES = {"gluon": ("GLUON_DECODE", "triton"), "direct": ("DIRECT_DECODE", 
                "direct_ring": ("DIRECT_RING", "tma_for_ring"), "shrink_rank": ("SHRINK_BY_RANK", "column_split")}
 
 
+#: What an A/B sets: (module, attribute, value) triples, applied together around one engine's build and timing.
+Setting = list[tuple[ModuleType, str, object]]
+
+
+def parse_ab_constants(specs: list[str]) -> tuple[Setting, Setting]:
+    """``--ab-constant MODULE.NAME=BASE:VARIANT ...`` -> (the base settings, the variant's). Each value is a Python
+    literal of the attribute's own type (int, float or bool), so a typo in a name or a value is an error up front,
+    not a run that silently timed the default twice; ValueError names the spec and what was expected."""
+    base: Setting = []
+    variant: Setting = []
+    for spec in specs:
+        target, _, values = spec.partition("=")
+        path, _, name = target.rpartition(".")
+        a, sep, b = values.partition(":")
+        expected = "MODULE.NAME=BASE:VARIANT, e.g. qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64"
+        if not (path and name and sep):
+            raise ValueError(f"--ab-constant {spec!r}: expected {expected}")
+        try:
+            module = importlib.import_module(path)
+        except ImportError as err:
+            raise ValueError(f"--ab-constant {spec!r}: cannot import {path} ({err})") from None
+        if not hasattr(module, name):
+            raise ValueError(f"--ab-constant {spec!r}: {path} has no attribute {name}")
+        kind = type(getattr(module, name))
+        try:
+            parsed = [ast.literal_eval(v.strip()) for v in (a, b)]
+        except (ValueError, SyntaxError):
+            parsed = []
+        if kind not in (bool, int, float) or len(parsed) != 2 or any(type(v) is not kind for v in parsed):
+            raise ValueError(f"--ab-constant {spec!r}: expected two {kind.__name__} literals after '=' ({expected})")
+        base.append((module, name, parsed[0]))
+        variant.append((module, name, parsed[1]))
+    return base, variant
+
+
+@contextlib.contextmanager
+def applied(settings: Setting) -> Iterator[None]:
+    """``settings`` in force inside the block; every attribute back to what it was after it."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+    try:
+        for module, name, value in settings:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def kernel_ab(args: argparse.Namespace) -> dict:
-    """``--kernel-ab K``: ms/step with K's switch off / on / off (``AB_SWITCHES``), same process, on the first of
-    ``--shapes``."""
+    """``--kernel-ab K``: K's ``schedule`` switch off / on / off (``AB_SWITCHES``)."""
     from qerl.kernels import schedule
+
+    switch, base = AB_SWITCHES[args.kernel_ab]
+    return engine_ab(args, base, [(schedule, switch, False)], args.kernel_ab, [(schedule, switch, True)])
+
+
+def constant_ab(args: argparse.Namespace) -> dict:
+    """``--ab-constant``: the named module attributes at their BASE / VARIANT / BASE values."""
+    base, variant = parse_ab_constants(args.ab_constant)
+
+    def label(settings: Setting) -> str:
+        return ",".join(f"{name}={value}" for _, name, value in settings)
+
+    return engine_ab(args, label(base), base, label(variant), variant)
+
+
+def engine_ab(
+    args: argparse.Namespace, base: str, base_settings: Setting, variant: str, variant_settings: Setting
+) -> dict:
+    """ms/step of the NVFP4 + LoRA engine under ``base`` / ``variant`` / ``base`` settings at each of ``--batches``, a
+    fresh engine (graphs, compiled launches) for each, in one process, on the first of ``--shapes``; each engine's
+    greedy tokens compared with the first base engine's on the same prompts."""
     from qerl.rollout import SamplingParams
     from qerl.rollout.native import NativeEngine
 
@@ -326,19 +402,14 @@ def kernel_ab(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
-    switch, base = AB_SWITCHES[args.kernel_ab]
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         reference_tokens = None
-        for variant in (base, args.kernel_ab, base):
-            default = getattr(schedule, switch)
-            setattr(schedule, switch, variant != base)
-            try:
+        for name, settings in ((base, base_settings), (variant, variant_settings), (base, base_settings)):
+            with applied(settings):
                 engine = NativeEngine(model, 0)
                 tokens = engine.generate(prompts, greedy).completion_ids
                 ms, t_one = ms_per_step(engine, prompts, args.tokens)
-            finally:
-                setattr(schedule, switch, default)
             reference_tokens = reference_tokens or tokens
             same = sum(t == r for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)
             # Tokens before a row's first difference: a wrong kernel diverges at the first decode step
@@ -349,12 +420,12 @@ def kernel_ab(args: argparse.Namespace) -> dict:
             del engine
             gc.collect()
             torch.cuda.empty_cache()
-            rows.append(dict(shape=shape, batch=b, variant=variant, tokens=args.tokens, ms_per_step=round(ms, 4),
+            rows.append(dict(shape=shape, batch=b, variant=name, tokens=args.tokens, ms_per_step=round(ms, 4),
                              prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_base=same,
                              greedy_common_prefix_tokens=prefix, greedy_tokens=greedy.max_new_tokens))  # fmt: skip
-            print(f"{shape} nvfp4+lora {variant:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to {base}'s {same:.2f}, "
-                  f"common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
-    return {"benchmark": f"rollout decode, {base} vs {args.kernel_ab} (ms/step)", "date": utc_now(), **environment(),
+            print(f"{shape} nvfp4+lora {name:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to {base}'s "
+                  f"{same:.2f}, common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
+    return {"benchmark": f"rollout decode, {base} vs {variant} (ms/step)", "date": utc_now(), **environment(),
             "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip
 
 
@@ -460,8 +531,10 @@ def main() -> None:
     parser.add_argument("--lora-sweep", action="store_true", help="only the 7B NVFP4 LoRA cost sweep (see above)")
     parser.add_argument("--kernel-ab", choices=list(AB_SWITCHES),
                         help="only the A/B of that engine switch (see above)")
+    parser.add_argument("--ab-constant", nargs="+", metavar="MODULE.NAME=BASE:VARIANT",
+                        help="only the A/B of these module constants, set together (see above)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
-                        help="with --lora-sweep, --kernel-ab or --profile")
+                        help="with --lora-sweep, --kernel-ab, --ab-constant or --profile")
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
     parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
     parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
@@ -481,6 +554,11 @@ def main() -> None:
         write_json(args.out, result)
         print(json.dumps(result["summary"], indent=2))
         return
+    if args.ab_constant:  # fail now, not after the model is built
+        try:
+            parse_ab_constants(args.ab_constant)
+        except ValueError as err:
+            sys.exit(f"benchmarks/rollout.py: {err}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/rollout.py: needs a CUDA device (use --plot for an existing JSON)")
     if args.out is None:
@@ -489,8 +567,8 @@ def main() -> None:
         write_json(args.out, {"date": utc_now(), **environment(), "command": common.command("benchmarks.rollout"),
                               "profile": profile(args)})
         return
-    if args.kernel_ab:
-        write_json(args.out, kernel_ab(args))
+    if args.kernel_ab or args.ab_constant:
+        write_json(args.out, kernel_ab(args) if args.kernel_ab else constant_ab(args))
         return
     result = lora_sweep(args) if args.lora_sweep else run(args)
     write_json(args.out, result)
