@@ -378,9 +378,9 @@ def kernel_ab(args: argparse.Namespace) -> dict:
     return engine_ab(args, base, [(schedule, switch, False)], args.kernel_ab, [(schedule, switch, True)])
 
 
-def constant_ab(args: argparse.Namespace) -> dict:
-    """``--ab-constant``: the named module attributes at their BASE / VARIANT / BASE values."""
-    base, variant = parse_ab_constants(args.ab_constant)
+def constant_ab(args: argparse.Namespace, base: Setting, variant: Setting) -> dict:
+    """``--ab-constant`` (parsed by ``parse_ab_constants``): the named module attributes at their BASE / VARIANT /
+    BASE values."""
 
     def label(settings: Setting) -> str:
         return ",".join(f"{name}={value}" for _, name, value in settings)
@@ -554,9 +554,10 @@ def main() -> None:
         write_json(args.out, result)
         print(json.dumps(result["summary"], indent=2))
         return
+    constants = None
     if args.ab_constant:  # fail now, not after the model is built
         try:
-            parse_ab_constants(args.ab_constant)
+            constants = parse_ab_constants(args.ab_constant)
         except ValueError as err:
             sys.exit(f"benchmarks/rollout.py: {err}")
     if not torch.cuda.is_available():
@@ -567,8 +568,8 @@ def main() -> None:
         write_json(args.out, {"date": utc_now(), **environment(), "command": common.command("benchmarks.rollout"),
                               "profile": profile(args)})
         return
-    if args.kernel_ab or args.ab_constant:
-        write_json(args.out, kernel_ab(args) if args.kernel_ab else constant_ab(args))
+    if args.kernel_ab or constants:
+        write_json(args.out, kernel_ab(args) if args.kernel_ab else constant_ab(args, *constants))
         return
     result = lora_sweep(args) if args.lora_sweep else run(args)
     write_json(args.out, result)

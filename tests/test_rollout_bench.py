@@ -200,8 +200,8 @@ def test_constant_ab_times_each_variant_under_its_settings(monkeypatch: pytest.M
     monkeypatch.setattr(bench, "ms_per_step", timing)
     monkeypatch.setattr(bench, "environment", dict)
     start = decoder.FUSED_LORA_MAX_ROWS
-    args = Namespace(shapes=["7b"], batches=[1], tokens=8, ab_constant=["qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=5:7"])
-    result = bench.constant_ab(args)
+    args = Namespace(shapes=["7b"], batches=[1], tokens=8)
+    result = bench.constant_ab(args, *bench.parse_ab_constants(["qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=5:7"]))
     assert seen == [5, 7, 5] and decoder.FUSED_LORA_MAX_ROWS == start
     rows = result["results"]
     assert [r["variant"] for r in rows] == ["FUSED_LORA_MAX_ROWS=5", "FUSED_LORA_MAX_ROWS=7", "FUSED_LORA_MAX_ROWS=5"]
