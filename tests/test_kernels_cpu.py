@@ -229,9 +229,10 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
     assert route(12, 37888, 3584) is None and route(1, 5120, 27648) == "direct"
 
 
-def _run_ptx(asm: str, word: torch.Tensor) -> torch.Tensor:
-    """A small interpreter for the integer PTX the decode snippets use, on uint32 words held in int64."""
-    regs, out, m32 = {"$1": word}, None, 0xFFFFFFFF
+def _run_ptx(asm: str, word: torch.Tensor, src: str = "$1") -> dict[str, torch.Tensor]:
+    """A small interpreter for the integer PTX the decode snippets use, on uint32 words held in int64 (the input
+    register ``src``); returns the registers it wrote. ``mov.b32 {lo, hi}, r`` splits r into its 16-bit halves."""
+    regs, m32 = {src: word}, 0xFFFFFFFF
     ops = {"mov.b32": lambda a: a, "shl.b32": lambda a, b: (a << b) & m32, "shr.u32": lambda a, b: a >> b,
            "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "mul.lo.u32": lambda a, b: (a * b) & m32}  # fmt: skip
     for line in asm.splitlines():
@@ -239,11 +240,30 @@ def _run_ptx(asm: str, word: torch.Tensor) -> torch.Tensor:
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        if rest.startswith("{"):  # mov.b32 {lo, hi}, r
+            halves, value = rest[1:].split("}")
+            lo, hi = (t.strip() for t in halves.split(","))
+            value = regs[value.strip(" ,")]
+            regs[lo], regs[hi] = value & 0xFFFF, value >> 16
+            continue
         dst, *srcs = (t.strip() for t in rest.split(","))
-        value = ops[op](*(regs[t] if t in regs else int(t, 0) for t in srcs))
-        regs[dst] = value
-        out = value if dst == "$0" else out
-    return out
+        regs[dst] = ops[op](*(regs[t] if t in regs else int(t, 0) for t in srcs))
+    return regs
+
+
+def _code_table(fp16: bool) -> torch.Tensor:
+    """The 16-bit pattern of each fp4 code's value times the decode's bias (2^-126 bf16, 2^-14 fp16)."""
+    dtype, bias = (torch.float16, 2.0**-14) if fp16 else (torch.bfloat16, 2.0**-126)
+    codes = torch.tensor(nvfp4.E2M1_VALUES + tuple(-v for v in nvfp4.E2M1_VALUES), dtype=torch.float64)
+    return (codes * bias).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _every_word() -> torch.Tensor:
+    """Words whose halves take all 65,536 patterns each, the other half shuffled."""
+    g = torch.Generator().manual_seed(0)
+    lo = torch.arange(65536, dtype=torch.int64)
+    hi = torch.randperm(65536, generator=g).to(torch.int64)
+    return torch.cat([lo | (hi << 16), hi | (lo << 16)])
 
 
 @pytest.mark.parametrize("fp16", [False, True])
@@ -253,18 +273,25 @@ def test_nibble_asm_decodes_every_code(fp16: bool) -> None:
     patterns of each half, the other half shuffled, against the fp4 code table."""
     from qerl.kernels import fp4_gemm
 
-    g = torch.Generator().manual_seed(0)
-    lo = torch.arange(65536, dtype=torch.int64)
-    hi = torch.randperm(65536, generator=g).to(torch.int64)
-    word = torch.cat([lo | (hi << 16), hi | (lo << 16)])
-    dtype, bias = (torch.float16, 2.0**-14) if fp16 else (torch.bfloat16, 2.0**-126)
-    codes = torch.tensor(nvfp4.E2M1_VALUES + tuple(-v for v in nvfp4.E2M1_VALUES), dtype=torch.float64)
-    table = (codes * bias).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    word, table = _every_word(), _code_table(fp16)
     for i in range(4):
-        got = _run_ptx(fp4_gemm._nibble_asm(i, fp16), word)
+        got = _run_ptx(fp4_gemm._nibble_asm(i, fp16), word)["$0"]
         for half in (0, 16):
             code = (word >> (half + 4 * i)) & 0xF
             assert torch.equal((got >> half) & 0xFFFF, table[code]), (i, half)
+
+
+def test_word_nibble_asm_decodes_every_code() -> None:
+    """``fp4_direct``'s decode of an int32 word of two int16 elements (``_word_nibble_asm``: ``_nibble_asm``'s bits,
+    its bf16 pair handed back as two halves) gives element 0's code ``i`` in ``$0`` and element 1's in ``$1``."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import fp4_direct
+
+    word, table = _every_word(), _code_table(False)
+    for i in range(4):
+        regs = _run_ptx(fp4_direct._word_nibble_asm(i), word, src="$2")
+        for out, half in (("$0", 0), ("$1", 16)):
+            assert torch.equal(regs[out], table[(word >> (half + 4 * i)) & 0xF]), (i, out)
 
 
 def test_nibble_major_order() -> None:
@@ -365,7 +392,7 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "STEPS": fd.MAX_STEPS, "RING": ring,
                  "SPLIT": True, "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "num_warps": fd.WARPS}  # fmt: skip
     signature = {
-        "x_ptr": "*bf16", "h_ptr": "*i16", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+        "x_ptr": "*bf16", "h_ptr": "*i32", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
         "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
         "lora_scale": "fp32", **dict.fromkeys(constants, "constexpr"),
     }  # fmt: skip
@@ -443,8 +470,8 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     assert (bound["Y1"], bound["Y2"], bound["S1"], bound["S2"], bound["stride_lb"], bound["R"]) == (100, 150, 8, 16, rank, rank)
     assert bound["lora_scale"] == 0.5 and bound["SPLIT"] and bound["HAS_BIAS"] and bound["HAS_LORA"]
     if kernel == "direct":
-        assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 4, k // 16)
-        assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int16
+        assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 8, k // 16)
+        assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int32
         assert bound["STEPS"] == bound["steps_per_split"] and bound["CH"] == fp4_direct.SPLIT_CHUNK and not bound["RING"]
         # x goes through a ring of at most MAX_STEPS K steps: a slice of MAX_STEPS + 1 steps stays one slice.
         k = 256 * (fp4_direct.MAX_STEPS + 1)

@@ -18,20 +18,27 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
   so nibble ``i``'s slice of x for a K step is 64 contiguous elements; a program cp.asyncs its x slice
   into a shared-memory ring of up to ``MAX_STEPS`` K steps (4 KB each; a longer slice refills it) and
   reads each nibble's B operand with 16-byte LDS (x from global memory inside the loop missed L1 every step);
-* the decode is ``fp4_gemm._nibble`` (3 instructions per bf16 pair) times the fp8 block scale converted
-  once per (row, group) (``fp4_gluon._scale_layout``): exact, as in the other kernels;
+* the weights are loaded and carried across the K loop as int32 words (two int16 elements, the pair a bf16
+  A register holds: ``_word_layout``) and decoded by ``fp4_gemm._nibble_asm``'s 3 instructions per bf16 pair on
+  the word itself (``_word_nibble``), times the fp8 block scale converted once per (row, group)
+  (``fp4_gluon._scale_layout``): exact, as in the other kernels. Carried as int16 elements, the next step's
+  weights were re-paired by PRMTs at the end of each iteration, and the step waited there: Nsight Compute's
+  source view (H200, 7B down, M=1) put 23% of the kernel's stall samples on that copy (benchmarks/NOTES.md,
+  "Twenty-fourth session");
 * split-K with the same ticket reduction as the other decode kernels (partials read ``SPLIT_CHUNK`` per
   round trip), and their epilogue (bias, segmented outputs); the LoRA expand (``mma.sync`` over rank chunks)
   is done by each tile's last slice before its K loop, off the split-K tail (the ring build: in the epilogue).
 
-61 registers without LoRA, 66 / 72 / 96 with rank chunks of 16 / 32 / 64, no spills (sm_90, triton 3.6):
-7 programs of 4 warps per SM up to rank 32. H200
-(benchmarks/results/decode_gluon_nibble_mul.json): the 7B decode GEMMs at M=1 in 62.4 us summed against
-76.8 for the Triton kernel, 7B down in 17.1-17.6 us against a 9.0 us floor (51-53% of copy bandwidth,
-kernels.json); M=8 66.9 vs 79.5; the ring's refill let the 32B GEMMs keep ``decode_split``'s 10-20-step
-slices: -7% / -10% summed at M = 1 / 8 (decode_direct_ring.json). The K loop is 3.3 SASS instructions per
-weight, ~45% of them on the half-rate ALU pipe; Nsight Compute: issuing on 58% of active cycles, SMs idle on
-21% (benchmarks/NOTES.md, "A decode kernel without shared memory" and the sections after it).
+About 62-70 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM up to rank 32. The K loop
+is 395 SASS instructions per step of 128 weights a thread (3.1 per weight; 422 with int16 elements), ~45% of
+them on the half-rate ALU pipe. Floor, 7B down at M=1: 38.2 MB at 4.25 TB/s = 9.0 us. H200: the 7B decode GEMMs
+with LoRA summed 61.96 -> 59.85 us at M=1 and 65.79 -> 63.76 at M=8 for the int32 words (bitwise equal; the 7B
+engine step 2.505 -> 2.441 ms at b=1, 2.772 -> 2.716 at b=8; direct_words_probe.json,
+rollout_direct_words_ab.json); 7B down 16.6-18.2 us in two kernels.json runs of the same code (50-54% of copy
+bandwidth); 76.8 us summed at M=1 for the Triton kernel (decode_gluon_nibble_mul.json). The ring's refill let
+the 32B GEMMs keep ``decode_split``'s 10-20-step slices: -7% / -10% summed at M = 1 / 8 (decode_direct_ring.json).
+Nsight Compute: issuing on 58% of active cycles, SMs idle on 21% (benchmarks/NOTES.md, "A decode kernel without
+shared memory" and the sections after it).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
+from .fp4_gemm import _check_act, _check_weight, _nibble_asm, segmented
 from .fp4_gluon import _scale_layout, launch_tail, split_k_sum, store_tile, tile_offsets
 from .schedule import _cdiv, _sm_count, decode_split
 
@@ -95,6 +102,49 @@ def _stage_x(x_s, x_ptr, stride_xm, M, c0, last, BM: gl.constexpr, HW: gl.conste
     async_copy.commit_group()
 
 
+@gluon.constexpr_function
+def _word_layout(a_linear):
+    """The int32 [BN, HW / 2] layout of the A operand's int16 elements taken in pairs (``a_linear``, its linear
+    layout, has the pair as its first register basis): a thread's word j holds its elements 2j and 2j + 1."""
+
+    def half(basis):
+        return [basis[0], basis[1] // 2]
+
+    assert a_linear.reg_bases[0] == [0, 1], a_linear
+    return gl.DistributedLinearLayout(
+        reg_bases=[half(b) for b in a_linear.reg_bases[1:]],
+        lane_bases=[half(b) for b in a_linear.lane_bases],
+        warp_bases=[half(b) for b in a_linear.warp_bases],
+        block_bases=[half(b) for b in a_linear.block_bases],
+        shape=[a_linear.shape[0], a_linear.shape[1] // 2],
+    )
+
+
+def _word_nibble_asm(i: int) -> str:
+    """``fp4_gemm._nibble_asm(i)`` on an int32 word, its bf16 pair returned as two halves."""
+    asm = _nibble_asm(i, False).replace("$1", "$2").replace("and.b32 $0, t,", "and.b32 t, t,")
+    return asm[: asm.rindex("}")] + "mov.b32 {$0, $1}, t;\n}"
+
+
+_WNIB_0, _WNIB_1, _WNIB_2, _WNIB_3 = (gl.constexpr(_word_nibble_asm(i)) for i in range(4))
+
+
+@gluon.jit
+def _word_nibble(w, i: gl.constexpr, a_l: gl.constexpr):
+    """Code ``i`` of every int16 element of the int32 words ``w`` [BN, HW / 2] as the bf16 A operand [BN, HW]."""
+    if i == 0:
+        asm: gl.constexpr = _WNIB_0
+    elif i == 1:
+        asm: gl.constexpr = _WNIB_1
+    elif i == 2:
+        asm: gl.constexpr = _WNIB_2
+    else:
+        asm: gl.constexpr = _WNIB_3
+    lo, hi = gl.inline_asm_elementwise(asm, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    both = gl.join(lo, hi)
+    return gl.convert_layout(gl.reshape(both, [both.shape[0], 2 * both.shape[1]]), a_l, assert_trivial=True)
+
+
 @gluon.jit
 def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr,
                    u_ptr, lb_ptr, M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
@@ -117,8 +167,9 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     FACTOR: gl.constexpr = 3.3230699894622896e35
 
     k_steps = K // (4 * HW)
-    rows_h = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l)), 1)
-    h_ptrs = h_ptr + rows_h * stride_h + gl.expand_dims(gl.arange(0, HW, layout=gl.SliceLayout(0, a_l)), 0)
+    w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BN, HW]))
+    rows_h = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)), 1)
+    h_ptrs = h_ptr + rows_h * stride_h + gl.expand_dims(gl.arange(0, HW // 2, layout=gl.SliceLayout(0, w_l)), 0)
     h_mask = rows_h < N
     rows_s = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)), 1)
     s_ptrs = s_ptr + rows_s * stride_s + gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, s_l)), 0)
@@ -135,7 +186,7 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     first = pid_k * steps_per_split
     last = gl.minimum(first + steps_per_split, k_steps) - 1
     _stage_x(x_s, x_ptr, stride_xm, M, first, last, BM, HW, STEPS, num_warps)
-    h = gl.load(h_ptrs + first * HW, mask=h_mask, other=0)
+    h = gl.load(h_ptrs + first * (HW // 2), mask=h_mask, other=0)
     sc = gl.load(s_ptrs + first * G, mask=s_mask, other=0.0)
 
     async_copy.wait_group(0)
@@ -162,14 +213,14 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
                 async_copy.wait_group(0)
                 gl.thread_barrier()
         ahead = gl.minimum(kt + 1, last)
-        h_next = gl.load(h_ptrs + ahead * HW, mask=h_mask, other=0)
+        h_next = gl.load(h_ptrs + ahead * (HW // 2), mask=h_mask, other=0)
         sc_next = gl.load(s_ptrs + ahead * G, mask=s_mask, other=0.0)
         s = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
         sb = gl.convert_layout(gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l,
                                assert_trivial=True)  # fmt: skip
         for i in gl.static_range(4):
             x_i = x_s.index(slot).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l)
-            acc = mma_v2(_nibble(h, i, False) * sb, x_i, acc)
+            acc = mma_v2(_word_nibble(h, i, a_l) * sb, x_i, acc)
         h = h_next
         sc = sc_next
 
@@ -261,7 +312,7 @@ def matmul(
     split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, bn * BM, k_steps, split, slots, PROGRAM_STEPS,
                                          bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()
-    h = weight_packed.contiguous().view(torch.int16)
+    h = weight_packed.contiguous().view(torch.int32)
     s = weight_scale.contiguous()
     steps = _cdiv(k_steps, split)  # per slice
     _direct_kernel[(tiles, split)](
