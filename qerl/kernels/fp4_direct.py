@@ -126,20 +126,19 @@ def _word_nibble_asm(i: int) -> str:
     return asm[: asm.rindex("}")] + "mov.b32 {$0, $1}, t;\n}"
 
 
-_WNIB_0, _WNIB_1, _WNIB_2, _WNIB_3 = (gl.constexpr(_word_nibble_asm(i)) for i in range(4))
+_WORD_NIBBLE_ASM = tuple(_word_nibble_asm(i) for i in range(4))
+
+
+@gluon.constexpr_function
+def _word_asm(i):
+    """Nibble ``i``'s ``_word_nibble_asm``, looked up at compile time."""
+    return _WORD_NIBBLE_ASM[i]
 
 
 @gluon.jit
 def _word_nibble(w, i: gl.constexpr, a_l: gl.constexpr):
     """Code ``i`` of every int16 element of the int32 words ``w`` [BN, HW / 2] as the bf16 A operand [BN, HW]."""
-    if i == 0:
-        asm: gl.constexpr = _WNIB_0
-    elif i == 1:
-        asm: gl.constexpr = _WNIB_1
-    elif i == 2:
-        asm: gl.constexpr = _WNIB_2
-    else:
-        asm: gl.constexpr = _WNIB_3
+    asm: gl.constexpr = _word_asm(i)
     lo, hi = gl.inline_asm_elementwise(asm, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
     both = gl.join(lo, hi)
     return gl.convert_layout(gl.reshape(both, [both.shape[0], 2 * both.shape[1]]), a_l, assert_trivial=True)
