@@ -282,14 +282,14 @@ def test_nibble_asm_decodes_every_code(fp16: bool) -> None:
 
 
 def test_word_nibble_asm_decodes_every_code() -> None:
-    """``fp4_direct``'s decode of an int32 word of two int16 elements (``_word_nibble_asm``: ``_nibble_asm``'s bits,
+    """``fp4_direct``'s decode of an int32 word of two int16 elements (``_WORD_NIBBLE_ASM``: ``_nibble_asm``'s bits,
     its bf16 pair handed back as two halves) gives element 0's code ``i`` in ``$0`` and element 1's in ``$1``."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import fp4_direct
 
     word, table = _every_word(), _code_table(False)
     for i in range(4):
-        regs = _run_ptx(fp4_direct._word_nibble_asm(i), word, src="$2")
+        regs = _run_ptx(fp4_direct._WORD_NIBBLE_ASM[i], word, src="$2")
         for out, half in (("$0", 0), ("$1", 16)):
             assert torch.equal(regs[out], table[(word >> (half + 4 * i)) & 0xF]), (i, out)
 

@@ -120,18 +120,13 @@ def _word_layout(a_linear):
     )
 
 
-def _word_nibble_asm(i: int) -> str:
-    """``fp4_gemm._nibble_asm(i)`` on an int32 word, its bf16 pair returned as two halves."""
-    asm = _nibble_asm(i, False).replace("$1", "$2").replace("and.b32 $0, t,", "and.b32 t, t,")
-    return asm[: asm.rindex("}")] + "mov.b32 {$0, $1}, t;\n}"
-
-
-_WORD_NIBBLE_ASM = tuple(_word_nibble_asm(i) for i in range(4))
+#: ``fp4_gemm._nibble_asm`` for each nibble of an int32 word, the bf16 pair handed back as two halves.
+_WORD_NIBBLE_ASM = tuple(_nibble_asm(i, False, halves=True) for i in range(4))
 
 
 @gluon.constexpr_function
 def _word_asm(i):
-    """Nibble ``i``'s ``_word_nibble_asm``, looked up at compile time."""
+    """Nibble ``i``'s ``_WORD_NIBBLE_ASM``, looked up at compile time."""
     return _WORD_NIBBLE_ASM[i]
 
 

@@ -182,8 +182,10 @@ def _bwd_kernel(
     tl.store(rows + (kcol + 4)[None, :], (acc_hi * c).to(dt), mask=mask_m[:, None] & (kcol[None, :] + 4 < K))
 
 
-def _nibble_asm(i: int, fp16: bool) -> str:
-    """PTX for nibble ``i`` of both 16-bit halves of ``$1`` -> a bf16x2 / fp16x2 pair in ``$0``.
+def _nibble_asm(i: int, fp16: bool, halves: bool = False) -> str:
+    """PTX for nibble ``i`` of both 16-bit halves of ``$1`` -> a bf16x2 / fp16x2 pair in ``$0``; with ``halves``
+    (bf16 only) the word is ``$2`` and the pair comes back as its two bf16 halves ``$0`` (low) and ``$1`` (high),
+    for a caller that holds the word itself rather than two 16-bit elements (``fp4_direct``).
 
     Code bits ``4i..4i+3`` of a half are (magnitude e1 e0 m, sign s). The sign goes to bit 15 (31)
     and the magnitude to the low two exponent bits + top mantissa bit, so the half reads as
@@ -197,8 +199,12 @@ def _nibble_asm(i: int, fp16: bool) -> str:
     """
     if not fp16:
         mask, mul = ("0x000F000F", 4096 + 64) if i % 2 == 0 else ("0x00F000F0", 256 + 4)
-        src = "shr.u32 t, $1, 8;\nand.b32 t, t, " if i >= 2 else "and.b32 t, $1, "
-        return "{\n.reg .b32 t;\n" + src + f"{mask};\nmul.lo.u32 t, t, {mul};\nand.b32 $0, t, 0x81C081C0;\n}}"
+        word = "$2" if halves else "$1"
+        src = f"shr.u32 t, {word}, 8;\nand.b32 t, t, " if i >= 2 else f"and.b32 t, {word}, "
+        out = "and.b32 t, t, 0x81C081C0;\nmov.b32 {$0, $1}, t;" if halves else "and.b32 $0, t, 0x81C081C0;"
+        return "{\n.reg .b32 t;\n" + src + f"{mask};\nmul.lo.u32 t, t, {mul};\n{out}\n}}"
+    if halves:
+        raise ValueError("_nibble_asm: halves is bf16 only")
     sign_shl = 12 - 4 * i
     mag_shift, mask = (9 - 4 * i, "0x0E000E00") if fp16 else (6 - 4 * i, "0x01C001C0")
     mag = f"shl.b32 m, $1, {mag_shift};" if mag_shift >= 0 else f"shr.u32 m, $1, {-mag_shift};"
