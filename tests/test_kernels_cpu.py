@@ -188,6 +188,25 @@ def test_gluon_decode_split_counts() -> None:
     assert sch.decode_split(592, 14, 264) == 2  # the Triton kernel's own cost split gate_up in two
 
 
+def test_direct_decode_split_counts() -> None:
+    """The mma.sync kernel's split-K counts on 132 SMs (its own program cost in ``decode_split``): one 14-step
+    ring slice per tile for 7B gate_up (28.3 / 28.6 us at M = 1 / 8 with LoRA, against 28.8 / 30.7 for 3 slices)
+    and 32B gate_up, 15 for 7B down, 7 for q/k/v, 14 for o (direct_ring_early_probe.json); the Triton kernel's
+    program cost would cut 7B gate_up in 3."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import fp4_direct as fd
+    from qerl.kernels import schedule as sch
+
+    def split(n: int, k: int, program_steps: int = fd.PROGRAM_STEPS) -> int:
+        k_steps = k // (4 * fd.HW)
+        asked = sch.decode_split(-(-n // (fd.ROWS_PER_WARP * fd.WARPS)), k_steps, 132 * fd.RESIDENT, program_steps)
+        return -(-k_steps // -(-k_steps // asked))  # the slices the launch runs
+
+    measured = {(37888, 3584): 1, (3584, 18944): 15, (4608, 3584): 7, (3584, 3584): 14, (55296, 5120): 1}
+    assert {nk: split(*nk) for nk in measured} == measured
+    assert split(37888, 3584, sch.DECODE_PROGRAM_STEPS) == 3
+
+
 def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which decode kernel ``gluon_takes`` consults: the mma.sync kernel up to 8 rows (but the TMA/wgmma kernel
     where its split-K slices would refill its x ring), the TMA/wgmma kernel above 16, and from 9 to 16 rows only
@@ -377,7 +396,8 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     from shared memory, no barrier, store or spill; the LoRA expand (one HMMA in a loop over rank chunks)
     before it, or, in the RING build, after it (two HMMA: the first rank chunk and the loop over the rest).
     With ``RING`` (slices longer than the ring) the loop also holds the ring's refill, a block its branch
-    skips on all but every STEPS-th step; without it, nothing else."""
+    skips on all but every STEPS-th step, and the next step's weight loads come before that branch (after it,
+    ptxas sank them to ~70 instructions before the loop's end); without it, nothing else."""
     import re
 
     pytest.importorskip("triton.experimental.gluon")
@@ -409,13 +429,17 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     assert sum("HMMA.16816.F32.BF16" in line for line in lines[:start]) == (0 if ring else 1)  # the LoRA expand
     skips = [m.group(1) for line in lines[start:end] for m in [re.search(r"@!?P\d BRA `?\(?(\w+)\)?;", line)] if m]
     if ring:
-        refill, body = lines[start:labels[skips[0]]], lines[labels[skips[0]]:end + 1]
+        branch = next(i for i in range(start, end) if re.search(r"@!?P\d BRA", lines[i]))
+        refill, body = lines[branch:labels[skips[0]]], lines[labels[skips[0]]:end + 1]
         assert any("LDGSTS" in line for line in refill)
+        # The next step's weights are loaded ahead of the refill's branch, at the top of the step.
+        assert sum("LDG.E.128" in line for line in lines[start:branch]) == 4
+        assert not [line for line in lines[start:branch] if re.search(r"\b(?:BAR|HMMA)\b", line)]
     else:
         assert not skips, "a branch inside the K loop"
         body = lines[start:end + 1]
+        assert sum("LDG.E.128" in line for line in body) == 4
     assert sum("HMMA.16816.F32.BF16" in line for line in body) == 16
-    assert sum("LDG.E.128" in line for line in body) == 4
     assert sum("LDS.128" in line for line in body) == 8
     assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM|LDGSTS)\b", line)], "a barrier or a store in the K loop"
     assert not re.search(r"\b(?:LDL|STL)\b", sass), "register spills"

@@ -29,8 +29,8 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
   round trip), and their epilogue (bias, segmented outputs); the LoRA expand (``mma.sync`` over rank chunks)
   is done by each tile's last slice before its K loop, off the split-K tail (the ring build: in the epilogue).
 
-About 62-70 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM up to rank 32. The K loop
-is 395 SASS instructions per step of 128 weights a thread (3.1 per weight; 422 with int16 elements), ~45% of
+About 62-72 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM up to rank 32 (the RING build,
+82: 5). The K loop is 395 SASS instructions per step of 128 weights a thread (3.1 per weight; 422 with int16 elements), ~45% of
 them on the half-rate ALU pipe. Floor, 7B down at M=1: 38.2 MB at 4.25 TB/s = 9.0 us. H200: the 7B decode GEMMs
 with LoRA summed 61.96 -> 59.85 us at M=1 and 65.79 -> 63.76 at M=8 for the int32 words (bitwise equal; the 7B
 engine step 2.505 -> 2.441 ms at b=1, 2.772 -> 2.716 at b=8; direct_words_probe.json,
@@ -174,7 +174,11 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     # past the slice repeat its last step and are never read). A slice of at most STEPS steps is one fill
     # before the loop; a longer one (``decode_split`` wants 10-20 steps for the 32B shapes) refills the ring
     # every STEPS steps instead of being cut into more, shorter programs. The refill is a block the K loop
-    # skips (66-68 registers): a loop of fills nested around the K loop compiled to 80-93, 5 programs per SM.
+    # skips: a loop of fills nested around the K loop compiled to 80-93 registers. The next step's weights are
+    # loaded before that block, so their loads stay at the top of the step and overlap a refill's wait: after
+    # it, ptxas sank them to ~70 of the loop's 487 instructions before its end, and the RING build took 36.6
+    # us on 7B gate_up at split 1 (M=1, no LoRA) against 27.4 with them first (H200,
+    # direct_ring_early_probe.json; 82 registers against 72, 5 programs per SM; the other build is unchanged).
     x_s = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BM, 4 * HW],
                                     gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
     first = pid_k * steps_per_split
@@ -199,6 +203,9 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
             acc = lora * (lora_scale * gl.load(g_ptr) / 256.0)
     for kt in range(first, last + 1):
         slot = kt - first
+        ahead = gl.minimum(kt + 1, last)
+        h_next = gl.load(h_ptrs + ahead * (HW // 2), mask=h_mask, other=0)
+        sc_next = gl.load(s_ptrs + ahead * G, mask=s_mask, other=0.0)
         if RING:  # compiled only for slices longer than the ring: the check cost 2.4% of the 7B GEMMs
             slot = slot % STEPS
             if (slot == 0) & (kt > first):  # the ring is used up: every warp is done with it, refill it
@@ -206,9 +213,6 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
                 _stage_x(x_s, x_ptr, stride_xm, M, kt, last, BM, HW, STEPS, num_warps)
                 async_copy.wait_group(0)
                 gl.thread_barrier()
-        ahead = gl.minimum(kt + 1, last)
-        h_next = gl.load(h_ptrs + ahead * (HW // 2), mask=h_mask, other=0)
-        sc_next = gl.load(s_ptrs + ahead * G, mask=s_mask, other=0.0)
         s = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
         sb = gl.convert_layout(gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l,
                                assert_trivial=True)  # fmt: skip
@@ -244,11 +248,16 @@ HW = 64
 #: ``decode_split`` schedules for; and the K steps of x a program's shared-memory ring holds (4 KB a step:
 #: 7 keeps 7 programs per SM). H200 (decode_gluon_direct_schedule.json), summed 7B
 #: decode GEMMs at M = 1 / 8: 65.1 / 70.1 us, against 65.1 / 70.7 at 8 programs and 4 steps and 65.7 / 70.8
-#: at 8 and 6: the waves these change (7B down 0.91 or 1.15) cost nothing measurable.
+#: at 8 and 6: the waves these change (7B down 0.91 or 1.15) cost nothing measurable. (The RING build, 82 registers,
+#: holds 5; ``PROGRAM_STEPS`` below was fitted with 7 for every build.)
 RESIDENT = 7
 MAX_STEPS = 7
-#: A program's fixed cost in K steps for ``decode_split`` (the Triton kernel's).
-PROGRAM_STEPS = 2
+#: A program's fixed cost in K steps for ``decode_split``, fitted on the sweep of every split of the 7B / 32B
+#: decode GEMMs (H200, direct_ring_early_probe.json, LoRA, M = 1 / 8): 4 to 6 all pick 7B gate_up's one 14-step
+#: ring slice per tile (28.3 / 28.6 us) over 3 slices (28.8 / 30.7; 4 only through the tie to fewer slices),
+#: and every other GEMM's split as 2 (the Triton kernel's) did. Summed 7B GEMMs with LoRA at their picks: 60.6
+#: -> 60.1 us at M=1, 64.9 -> 62.8 at M=8.
+PROGRAM_STEPS = 5
 #: Split-K partials the last program reads per round trip (decode_gluon_nibble_mul.json, summed 7B decode GEMMs
 #: at M = 1 / 8: 62.4 / 66.9 us against 63.0 / 68.3 one at a time; 16 took the kernel to 96 registers).
 SPLIT_CHUNK = 4
