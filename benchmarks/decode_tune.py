@@ -18,6 +18,7 @@ sweeps 2-3, has the orders measured.)
     python -m benchmarks.decode_tune --splits --out $OUT   # split-K sweep, 7B/32B shapes -> decode_splits.json
     python -m benchmarks.decode_tune --gluon --out $OUT    # the Gluon candidate vs the Triton kernel -> decode_gluon.json
     python -m benchmarks.decode_tune --gluon-splits --out $OUT  # its split-K counts at M = 64 / 128 -> decode_gluon_splits.json
+    python -m benchmarks.decode_tune --direct-splits [--engine-ab] --out $OUT  # the mma.sync kernel's -> direct_splits.json
 
 ``--gluon`` times each 7B decode GEMM at M = 1 / 8 / 16 / 32 / 64 / 128 with the Triton decode kernel (its
 default schedule), the Gluon kernel (``qerl.kernels.fp4_gluon``: TMA producer warp, wgmma consumer
@@ -28,13 +29,22 @@ each checked against float64, side by side in one run.
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
 float64 like the rest: the data for choosing split from the shape (wave quantization, NOTES.md).
+
+``--direct-splits`` does the same for the mma.sync kernel (``fp4_direct``, x pre-permuted) at M = 1 / 8, without and
+with a LoRA epilogue of the engine's rank for each GEMM (``DIRECT_RANKS``), on every 7B / 32B decode GEMM that kernel
+takes (not 32B down: ``fp4_direct.refills``); ``--engine-ab`` then times the 7B engine (b = 1 / 8, 256 tokens) with
+``decode_split``'s splits / the sweep's best split per (GEMM, M) where it beat them by > 2% (``split_table``) /
+``decode_split``'s again. The twenty-sixth session's sweeps (direct_split_probe.json, direct_ring_early_probe.json)
+were run by the probe this mode was made from (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,6 +107,16 @@ DEQUANT_BLOCKS = ((16, 64, 4), (32, 32, 4), (8, 128, 4))
 
 #: Relative error against float64 above which a candidate's time does not count (NaN never counts).
 MAX_REL_ERR = 1e-2
+#: LoRA ranks of each decode GEMM as the rollout engine stacks them at r16 (q/k/v 3 x 16, gate/up 2 x 16).
+DIRECT_RANKS = {"qkv": 48, "o": 16, "gate_up": 32, "down": 16}
+#: How much faster than ``decode_split``'s choice a split must be for ``split_table`` to take it (the sweep's noise).
+TABLE_MARGIN = 0.02
+
+
+def distinct_splits(k_steps: int, most: int = 64) -> list[int]:
+    """The split-K counts a launch over ``k_steps`` K steps really runs (asked for s, it runs ceil(k / ceil(k / s))
+    slices), for s up to ``most``."""
+    return sorted({-(-k_steps // -(-k_steps // s)) for s in range(1, min(most, k_steps) + 1)})
 
 
 def usable_us(row: dict) -> float:
@@ -191,8 +211,7 @@ def gluon_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (64, 128)) 
 
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
-    k_steps = layer.k // fp4_gluon.BK
-    splits = sorted({-(-k_steps // -(-k_steps // s)) for s in range(1, min(16, k_steps) + 1)})
+    splits = distinct_splits(layer.k // fp4_gluon.BK, 16)
     rows = []
     for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
@@ -213,7 +232,7 @@ def split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     k_steps = -(-layer.k // D().BK)
-    splits = sorted({-(-k_steps // -(-k_steps // s)) for s in range(1, min(64, k_steps) + 1)})
+    splits = distinct_splits(k_steps)
     rows = []
     for m in ms:
         asked = sch.decode_config(m, layer.n, layer.k, torch.device("cuda")).split
@@ -234,6 +253,67 @@ def split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[
         print(f"{shape:12s} M={m:3d} default split {default:3d} {dflt['us']:7.1f} us | best split {best['split']:3d} "
               f"{best['us']:7.1f} us | " + " ".join(f"{r['split']}:{r['us']:.1f}" for r in mine), flush=True)  # fmt: skip
     return rows
+
+
+def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """``--direct-splits``: the mma.sync kernel at every distinct split of ``layer``, without and with the LoRA
+    epilogue of the engine's rank for this GEMM (dense u and B), x pre-permuted: checked against float64, timed."""
+    from qerl.kernels import fp4_direct as fd
+    from qerl.kernels import reference
+
+    q0 = layer.q[0]
+    w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
+    tiles, k_steps, slots = fd._launch_shape(layer.n, layer.k, w64.device)
+    asked = sch.decode_split(tiles, k_steps, slots, fd.PROGRAM_STEPS)
+    default = -(-k_steps // -(-k_steps // asked))
+    rank = DIRECT_RANKS[shape.split("_", 1)[1]]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
+        xp = reference.nibble_major(x)
+        u = torch.randn(m, rank, device="cuda", dtype=torch.bfloat16) * 0.1
+        b = torch.randn(layer.n, rank, device="cuda", dtype=torch.bfloat16) * 0.01
+        for lora in (False, True):
+            ref = x.double() @ w64.t() + (0.5 * (u.double() @ b.double().t()) if lora else 0.0)
+            extra = {"lora_u": u, "lora_b": b, "lora_scale": 0.5} if lora else {}
+            for split in distinct_splits(k_steps):
+                def call(q: nvfp4.NVFP4Tensors, split: int = split, extra: dict = extra, xp: torch.Tensor = xp) -> torch.Tensor:
+                    return fd.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split, **extra)
+
+                err = rel(call(q0), ref)
+                t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
+                rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "lora": lora, "split": split,
+                             "default": split == default, "us": t, "rel_err": err, "steps": -(-k_steps // split),
+                             "ring": -(-k_steps // split) > fd.MAX_STEPS})  # fmt: skip
+            mine = [r for r in rows if r["M"] == m and r["lora"] == lora]
+            print(f"{shape:12s} M={m} lora={int(lora)} " + " ".join(f"{r['split']}:{r['us']:.2f}" + "*" * r["default"]
+                                                               for r in mine), flush=True)  # fmt: skip
+    return rows
+
+
+def split_table(rows: list[dict], margin: float = TABLE_MARGIN) -> dict[tuple[int, int, int], int]:
+    """``(N, K, M) -> split`` from ``direct_split_rows``' LoRA rows (the engine always runs the epilogue): the fastest
+    accurate split of each GEMM and M where it beat ``decode_split``'s by more than ``margin``."""
+    table = {}
+    for key in sorted({(r["N"], r["K"], r["M"]) for r in rows if r["lora"]}):
+        mine = [r for r in rows if r["lora"] and (r["N"], r["K"], r["M"]) == key]
+        best = min(mine, key=usable_us)
+        default = next(r for r in mine if r["default"])
+        if usable_us(best) < (1 - margin) * default["us"]:
+            table[key] = best["split"]
+    return table
+
+
+def with_split_table(matmul: Callable[..., torch.Tensor], table: dict[tuple[int, int, int], int]) -> Callable[..., torch.Tensor]:
+    """``fp4_direct.matmul`` (passed in, so a patched module attribute never calls itself) launching each ``(N, K, M)``
+    of ``table`` at its split where the caller left the split to ``decode_split``."""
+
+    def launch(x: torch.Tensor, weight_packed: torch.Tensor, *args: Any, split: int = 0, **kwargs: Any) -> torch.Tensor:
+        if split == 0:
+            split = table.get((weight_packed.shape[0], x.shape[1], x.shape[0]), 0)
+        return matmul(x, weight_packed, *args, split=split, **kwargs)
+
+    return launch
 
 
 def dequant_rows(layer: Layer, bw: float) -> list[dict]:
@@ -264,6 +344,28 @@ def dequant_rows(layer: Layer, bw: float) -> list[dict]:
     return rows
 
 
+def direct_splits(result: dict, out: Path, engine: bool) -> None:
+    """``--direct-splits`` (and ``--engine-ab``): the sweep into direct_splits.json, then the engine A/B/A of its table."""
+    from benchmarks import rollout
+    from qerl.kernels import fp4_direct as fd
+
+    result["splits"] = []
+    for shape in [s for s in MODEL_SHAPES if s != "32b_down"]:
+        layer = Layer(*MODEL_SHAPES[shape])
+        result["splits"] += direct_split_rows(layer, shape)
+        layer.free()
+        torch.cuda.empty_cache()
+        write_json(out / "direct_splits.json", result, indent=1)
+    table = split_table(result["splits"])
+    result["table"] = [{"N": n, "K": k, "M": m, "split": s} for (n, k, m), s in table.items()]
+    write_json(out / "direct_splits.json", result, indent=1)
+    print("split table:", result["table"], flush=True)
+    if engine and table:
+        args = argparse.Namespace(shapes=["7b"], batches=[1, 8], tokens=256)
+        ab = rollout.engine_ab(args, "decode_split", [], "table", [(fd, "matmul", with_split_table(fd.matmul, table))])
+        write_json(out / "direct_splits_engine_ab.json", {**ab, "command": result["command"], "table": result["table"]})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
@@ -273,6 +375,8 @@ def main() -> None:
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
     ap.add_argument("--gluon", action="store_true", help="only the Gluon candidate vs the Triton kernel (decode_gluon.json)")
     ap.add_argument("--gluon-splits", action="store_true", help="only the Gluon kernel's split-K sweep (decode_gluon_splits.json)")
+    ap.add_argument("--direct-splits", action="store_true", help="only the mma.sync kernel's split-K sweep (direct_splits.json)")
+    ap.add_argument("--engine-ab", action="store_true", help="with --direct-splits: the 7B engine with the sweep's split table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
@@ -292,6 +396,9 @@ def main() -> None:
             layer.free()
             torch.cuda.empty_cache()
             write_json(out / "decode_splits.json", result, indent=1)
+        return
+    if args.direct_splits:
+        direct_splits(result, out, args.engine_ab)
         return
     if args.gluon_splits:
         result["splits"] = []

@@ -166,6 +166,39 @@ def test_decode_tune_counts_only_accurate_rows() -> None:
         assert usable_us(row) == float("inf")
 
 
+def test_direct_split_table_takes_only_clear_lora_wins() -> None:
+    """``decode_tune --direct-splits``' table: per (N, K, M), the fastest accurate LoRA row's split, only where it beat
+    the default split by more than the margin; rows without LoRA and inaccurate rows never set it. The launcher made
+    from it passes that split where the caller left it to ``decode_split`` and leaves an explicit split alone."""
+    from benchmarks.decode_tune import TABLE_MARGIN, split_table, with_split_table
+
+    def row(n: int, m: int, split: int, us: float, lora: bool = True, default: bool = False, err: float = 1e-3) -> dict:
+        return {"N": n, "K": 3584, "M": m, "lora": lora, "split": split, "us": us, "default": default, "rel_err": err}
+
+    rows = [
+        row(3584, 1, 14, 7.2, default=True), row(3584, 1, 7, 6.8),  # a clear win: taken
+        row(3584, 8, 14, 8.0, default=True), row(3584, 8, 7, 8.0 * (1 - TABLE_MARGIN / 2)),  # within the margin
+        row(4608, 1, 7, 7.7, default=True), row(4608, 1, 5, 5.0, err=float("nan")),  # a wrong kernel cannot win
+        row(37888, 1, 3, 28.8, lora=False, default=True), row(37888, 1, 1, 20.0, lora=False),  # no LoRA: not the engine's
+    ]
+    assert split_table(rows) == {(3584, 3584, 1): 7}
+
+    calls: list[int] = []
+
+    def fake(x: object, weight_packed: object, *args: object, split: int = 0, **kwargs: object) -> None:
+        calls.append(split)
+
+    class T:
+        def __init__(self, *shape: int) -> None:
+            self.shape = shape
+
+    launch = with_split_table(fake, {(3584, 3584, 1): 7})
+    launch(T(1, 3584), T(3584, 1792))  # in the table
+    launch(T(8, 3584), T(3584, 1792))  # another M: decode_split's
+    launch(T(1, 3584), T(3584, 1792), split=2)  # asked for
+    assert calls == [7, 0, 2]
+
+
 def test_gluon_decode_split_counts() -> None:
     """The Gluon kernel's split-K counts (its own program cost per BM in ``decode_split``) are those that won
     on the H200: one slice for gate_up at M=64 (48.4 us, 2 slices 65.4) and q/k/v at M=128 (17.9 vs 22.7 us),
