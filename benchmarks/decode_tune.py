@@ -113,10 +113,14 @@ DIRECT_RANKS = {"qkv": 48, "o": 16, "gate_up": 32, "down": 16}
 TABLE_MARGIN = 0.02
 
 
+def launched_split(k_steps: int, split: int) -> int:
+    """The slices a launch over ``k_steps`` K steps asked for ``split`` really runs: ceil(k / ceil(k / split))."""
+    return -(-k_steps // -(-k_steps // split))
+
+
 def distinct_splits(k_steps: int, most: int = 64) -> list[int]:
-    """The split-K counts a launch over ``k_steps`` K steps really runs (asked for s, it runs ceil(k / ceil(k / s))
-    slices), for s up to ``most``."""
-    return sorted({-(-k_steps // -(-k_steps // s)) for s in range(1, min(most, k_steps) + 1)})
+    """The split-K counts a launch over ``k_steps`` K steps really runs (``launched_split``), asked for up to ``most``."""
+    return sorted({launched_split(k_steps, s) for s in range(1, min(most, k_steps) + 1)})
 
 
 def usable_us(row: dict) -> float:
@@ -236,7 +240,7 @@ def split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[
     rows = []
     for m in ms:
         asked = sch.decode_config(m, layer.n, layer.k, torch.device("cuda")).split
-        default = -(-k_steps // -(-k_steps // asked))  # the split the launch really uses
+        default = launched_split(k_steps, asked)
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w64.t()
         for split in splits:
@@ -264,8 +268,7 @@ def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) ->
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     tiles, k_steps, slots = fd._launch_shape(layer.n, layer.k, w64.device)
-    asked = sch.decode_split(tiles, k_steps, slots, fd.PROGRAM_STEPS)
-    default = -(-k_steps // -(-k_steps // asked))
+    default = launched_split(k_steps, sch.decode_split(tiles, k_steps, slots, fd.PROGRAM_STEPS))
     rank = DIRECT_RANKS[shape.split("_", 1)[1]]
     rows = []
     for m in ms:
@@ -282,9 +285,10 @@ def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) ->
 
                 err = rel(call(q0), ref)
                 t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
+                steps = -(-k_steps // split)
                 rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "lora": lora, "split": split,
-                             "default": split == default, "us": t, "rel_err": err, "steps": -(-k_steps // split),
-                             "ring": -(-k_steps // split) > fd.MAX_STEPS})  # fmt: skip
+                             "default": split == default, "us": t, "rel_err": err, "steps": steps,
+                             "ring": steps > fd.MAX_STEPS})  # fmt: skip
             mine = [r for r in rows if r["M"] == m and r["lora"] == lora]
             print(f"{shape:12s} M={m} lora={int(lora)} " + " ".join(f"{r['split']}:{r['us']:.2f}" + "*" * r["default"]
                                                                for r in mine), flush=True)  # fmt: skip

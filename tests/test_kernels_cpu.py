@@ -227,13 +227,13 @@ def test_direct_decode_split_counts() -> None:
     and 32B gate_up, 15 for 7B down, 7 for q/k/v, 14 for o (direct_ring_early_probe.json); the Triton kernel's
     program cost would cut 7B gate_up in 3."""
     pytest.importorskip("triton.experimental.gluon")
+    from benchmarks.decode_tune import launched_split
     from qerl.kernels import fp4_direct as fd
     from qerl.kernels import schedule as sch
 
     def split(n: int, k: int, program_steps: int = fd.PROGRAM_STEPS) -> int:
-        k_steps = k // (4 * fd.HW)
-        asked = sch.decode_split(-(-n // (fd.ROWS_PER_WARP * fd.WARPS)), k_steps, 132 * fd.RESIDENT, program_steps)
-        return -(-k_steps // -(-k_steps // asked))  # the slices the launch runs
+        tiles, k_steps, _ = fd._launch_shape(n, k, torch.device("cpu"))
+        return launched_split(k_steps, sch.decode_split(tiles, k_steps, 132 * fd.RESIDENT, program_steps))
 
     measured = {(37888, 3584): 1, (3584, 18944): 15, (4608, 3584): 7, (3584, 3584): 14, (55296, 5120): 1}
     assert {nk: split(*nk) for nk in measured} == measured

@@ -30,8 +30,8 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
   is done by each tile's last slice before its K loop, off the split-K tail (the ring build: in the epilogue).
 
 About 62-72 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM up to rank 32 (the RING build,
-82: 5). The K loop is 395 SASS instructions per step of 128 weights a thread (3.1 per weight; 422 with int16 elements), ~45% of
-them on the half-rate ALU pipe. Floor, 7B down at M=1: 38.2 MB at 4.25 TB/s = 9.0 us. H200: the 7B decode GEMMs
+82: 5). The K loop is 395 SASS instructions per step of 128 weights a thread (3.1 per weight; 422 with int16
+elements), ~45% of them on the half-rate ALU pipe. Floor, 7B down at M=1: 38.2 MB at 4.25 TB/s = 9.0 us. H200: the 7B decode GEMMs
 with LoRA summed 61.96 -> 59.85 us at M=1 and 65.79 -> 63.76 at M=8 for the int32 words (bitwise equal; the 7B
 engine step 2.505 -> 2.441 ms at b=1, 2.772 -> 2.716 at b=8; direct_words_probe.json,
 rollout_direct_words_ab.json); 7B down 16.6-18.2 us in two kernels.json runs of the same code (50-54% of copy
