@@ -281,12 +281,37 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
     assert route(12, 37888, 3584) is None and route(1, 5120, 27648) == "direct"
 
 
+def _halves(word: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit halves of uint32 ``word`` (int64) as ``dtype`` values."""
+    return tuple(((word >> s) & 0xFFFF).to(torch.int16).view(dtype) for s in (0, 16))
+
+
+def _bits(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Two 16-bit float tensors -> the uint32 (int64) words holding them, ``lo`` in the low half."""
+    lo, hi = ((t.view(torch.int16).to(torch.int64) & 0xFFFF) for t in (lo, hi))
+    return lo | (hi << 16)
+
+
+def _e4m3x2_to_f16x2(a: torch.Tensor) -> torch.Tensor:
+    """``cvt.rn.f16x2.e4m3x2``: the two e4m3 bytes of a 16-bit register -> f16 halves (low byte -> low half)."""
+    lo, hi = (((a >> s) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16) for s in (0, 8))
+    return _bits(lo, hi)
+
+
+def _mul_bf16x2(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
+    """``mul.rn.bf16x2``: each bf16 half multiplied, rounded to nearest even."""
+    b = torch.full_like(a, b) if isinstance(b, int) else b
+    (a0, a1), (b0, b1) = _halves(a, torch.bfloat16), _halves(b, torch.bfloat16)
+    return _bits((a0.double() * b0.double()).to(torch.bfloat16), (a1.double() * b1.double()).to(torch.bfloat16))
+
+
 def _run_ptx(asm: str, word: torch.Tensor, src: str = "$1") -> dict[str, torch.Tensor]:
     """A small interpreter for the integer PTX the decode snippets use, on uint32 words held in int64 (the input
     register ``src``); returns the registers it wrote. ``mov.b32 {lo, hi}, r`` splits r into its 16-bit halves."""
     regs, m32 = {src: word}, 0xFFFFFFFF
     ops = {"mov.b32": lambda a: a, "shl.b32": lambda a, b: (a << b) & m32, "shr.u32": lambda a, b: a >> b,
-           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "mul.lo.u32": lambda a, b: (a * b) & m32}  # fmt: skip
+           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "mul.lo.u32": lambda a, b: (a * b) & m32,
+           "shr.b32": lambda a, b: a >> b, "cvt.rn.f16x2.e4m3x2": _e4m3x2_to_f16x2, "mul.rn.bf16x2": _mul_bf16x2}  # fmt: skip
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
@@ -344,6 +369,23 @@ def test_word_nibble_asm_decodes_every_code() -> None:
         regs = _run_ptx(fp4_direct._WORD_NIBBLE_ASM[i], word, src="$2")
         for out, half in (("$0", 0), ("$1", 16)):
             assert torch.equal(regs[out], table[(word >> (half + 4 * i)) & 0xF]), (i, out)
+
+
+def test_scale_pair_asm_converts_every_scale() -> None:
+    """``fp4_direct``'s scale conversion (``_SCALE_PAIR_ASM``, run by the interpreter above) turns every pair of
+    non-negative e4m3 scale bytes (subnormals and zero included; NaN is no scale) into the bf16 bits of the
+    scale times 2^118, exactly, low byte in ``$0``; a negative zero byte gives zero."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import fp4_direct
+
+    byte = torch.arange(0x7F, dtype=torch.int64)  # 0x00 .. 0x7E
+    lo, hi = byte.repeat(len(byte)), byte.repeat_interleave(len(byte))
+    regs = _run_ptx(str(fp4_direct._SCALE_PAIR_ASM.value), torch.cat([lo | (hi << 8), torch.tensor([0x8080])]), src="$2")
+    value = byte.to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**118
+    want = value.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    assert torch.equal(value.to(torch.bfloat16).double(), value)  # every scale times 2^118 is exact in bf16
+    assert torch.equal(regs["$0"][:-1], want[lo]) and torch.equal(regs["$1"][:-1], want[hi])
+    assert regs["$0"][-1] == 0 and regs["$1"][-1] == 0
 
 
 def test_nibble_major_order() -> None:
@@ -443,9 +485,9 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     kernel = fd._direct_kernel
     ints = ["M", "N", "K", "stride_xm", "stride_h", "stride_s", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"]
     constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "STEPS": fd.MAX_STEPS, "RING": ring,
-                 "SPLIT": True, "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "num_warps": fd.WARPS}  # fmt: skip
+                 "SPLIT": True, "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "WHOLE": not ring, "num_warps": fd.WARPS}  # fmt: skip
     signature = {
-        "x_ptr": "*bf16", "h_ptr": "*i32", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+        "x_ptr": "*bf16", "h_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
         "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
         "lora_scale": "fp32", **dict.fromkeys(constants, "constexpr"),
     }  # fmt: skip
@@ -472,6 +514,8 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
         assert not skips, "a branch inside the K loop"
         body = lines[start:end + 1]
         assert sum("LDG.E.128" in line for line in body) == 4
+        # _pair_k: each mma's B pair is two adjacent registers of one x load, so nothing is copied into place
+        assert not [line for line in body if re.search(r"\b(?:IMAD\.MOV|MOV)\b", line)], "register copies in the K loop"
     assert sum("HMMA.16816.F32.BF16" in line for line in body) == 16
     assert sum("LDS.128" in line for line in body) == 8
     assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM|LDGSTS)\b", line)], "a barrier or a store in the K loop"
@@ -527,8 +571,10 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     assert (bound["Y1"], bound["Y2"], bound["S1"], bound["S2"], bound["stride_lb"], bound["R"]) == (100, 150, 8, 16, rank, rank)
     assert bound["lora_scale"] == 0.5 and bound["SPLIT"] and bound["HAS_BIAS"] and bound["HAS_LORA"]
     if kernel == "direct":
-        assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 8, k // 16)
-        assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int32
+        # weights as int32 words, scales as int16 pairs of e4m3 bytes (the strides in those units)
+        assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 8, k // 32)
+        assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int32 and bound["s_ptr"].dtype == torch.int16
+        assert bound["WHOLE"] == (n % 64 == 0)
         assert bound["STEPS"] == bound["steps_per_split"] and bound["CH"] == fp4_direct.SPLIT_CHUNK and not bound["RING"]
         # x goes through a ring of at most MAX_STEPS K steps: a slice of MAX_STEPS + 1 steps stays one slice.
         k = 256 * (fp4_direct.MAX_STEPS + 1)

@@ -29,9 +29,17 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
   round trip), and their epilogue (bias, segmented outputs); the LoRA expand (``mma.sync`` over rank chunks)
   is done by each tile's last slice before its K loop, off the split-K tail (the ring build: in the epilogue).
 
-About 62-72 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM up to rank 32 (the RING build,
-82: 5). The K loop is 395 SASS instructions per step of 128 weights a thread (3.1 per weight; 422 with int16
-elements), ~45% of them on the half-rate ALU pipe. Floor, 7B down at M=1: 38.2 MB at 4.25 TB/s = 9.0 us. H200: the 7B decode GEMMs
+About 60-72 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM up to rank 32 (the RING build,
+82: 5). The K loop is 337 SASS instructions per step of 128 weights a thread (2.6 per weight; 395 before the K
+pairing, the unmasked loads and the scale pairs below, 422 with int16 elements; the RING build 473), the nibble
+decode 208 of them. Three cuts, each from the offline SASS: ``_pair_k`` (24 register copies a step), unmasked loads
+where every tile's rows exist (8 zeroings), ``_scale_pairs`` (two scales in 6 instructions instead of ~11). H200,
+same process (direct_s27_probe.json): the 7B decode GEMMs summed 58.7 -> 56.8 us at M=1, 62.2 -> 60.8 at M=8, and
+the 7B engine 2.73 -> 2.66 ms a step at b=8 (rollout_direct_s27_ab.json). The RING build keeps neither the pairing
+nor the unmasked loads: with them 32B gate_up took 57.1 us against 54.1 (direct_s27_ring_probe.json). A bit-
+interleaved weight layout that decodes a word in 9 instructions instead of 13 (the loop at 290) was measured in the
+same probe and bought nothing more (56.1 / 60.7 us summed): at these sizes the loop does not wait on its issue slots.
+Floor, 7B down at M=1: 38.2 MB at 4.25 TB/s = 9.0 us; measured 16.6 us (kernels.json, 54% of copy bandwidth). The 7B decode GEMMs
 with LoRA summed 61.96 -> 59.85 us at M=1 and 65.79 -> 63.76 at M=8 for the int32 words (bitwise equal; the 7B
 engine step 2.505 -> 2.441 ms at b=1, 2.772 -> 2.716 at b=8; direct_words_probe.json,
 rollout_direct_words_ab.json); 7B down 16.6-18.2 us in two kernels.json runs of the same code (50-54% of copy
@@ -140,11 +148,65 @@ def _word_nibble(w, i: gl.constexpr, a_l: gl.constexpr):
 
 
 @gluon.jit
+def _pair_k(t, dim: gl.constexpr, layout: gl.constexpr, ON: gl.constexpr):
+    """``t`` (an mma operand in ``layout``, K along ``dim``, 64 wide) with its K axis relabelled (when ``ON``) so
+    that each ``mma.sync``'s two K halves are one thread's adjacent registers. Read as loaded, a thread's x
+    registers hold K offsets 8t..8t+7 and 8t+32..8t+39 and each mma pairs k with k+32: ptxas then copied the
+    pairs together for every mma (24 IMAD.MOV a K step, offline sm_90). Relabelled by the same bit permutation
+    on both operands (K bits 0..5 read from bits 0, 2, 5, 3, 4, 1; the sum is over the same products, in
+    another order), each mma's B pair is two adjacent registers of one 16-byte load and the moves are gone
+    (the K loop 373 instructions a step against 395; nothing moves at run time: the permute is a relabelling
+    of registers)."""
+    if ON:
+        if dim == 0:
+            u = gl.permute(gl.reshape(t, [2, 2, 2, 2, 2, 2, t.shape[1]]), (4, 1, 2, 0, 3, 5, 6))
+        else:
+            u = gl.permute(gl.reshape(t, [t.shape[0], 2, 2, 2, 2, 2, 2]), (0, 5, 2, 3, 1, 4, 6))
+        return gl.convert_layout(gl.reshape(u, t.shape), layout)
+    return t
+
+
+#: Two e4m3 scale bytes -> their bf16 pair times 2^118: e4m3 -> f16 is exact (e4m3 subnormals are f16 normals
+#: with at most 3 mantissa bits, so the f16 bits' low 3 are zero); the f16 bits shifted right 3 are the bf16 bits
+#: of the value times 2^-112 (the AND drops the sign, 0 for a scale, and the high half's bits that the shift
+#: brought down), and two exact multiplies by 2^115 (0x7900) give 2^118. 6 instructions for 2 scales, against 10-11
+#: for the fp32 path (unpack, 2 f16 -> f32, 2 FMUL, pack, and the bytes' regrouping).
+_SCALE_PAIR_ASM = gl.constexpr("""{
+.reg .b32 t, c;
+cvt.rn.f16x2.e4m3x2 t, $2;
+shr.b32 t, t, 3;
+and.b32 t, t, 0x0FFF0FFF;
+mov.b32 c, 0x79007900;
+mul.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 t, t, c;
+mov.b32 {$0, $1}, t;
+}""")
+
+
+@gluon.jit
+def _scale_pairs(sc, s_l: gl.constexpr):
+    """The int16 scale pairs ``sc`` [BN, G / 2] as the bf16 scales times 2^118 [BN, G] in ``s_l``."""
+    lo, hi = gl.inline_asm_elementwise(_SCALE_PAIR_ASM, "=h,=h,h", [sc], dtype=(gl.bfloat16, gl.bfloat16),
+                                       is_pure=True, pack=1)  # fmt: skip
+    both = gl.join(lo, hi)
+    return gl.convert_layout(gl.reshape(both, [both.shape[0], 2 * both.shape[1]]), s_l, assert_trivial=True)
+
+
+@gluon.jit
+def _load_rows(ptrs, mask, other, WHOLE: gl.constexpr):
+    """A K step's weights or scales; ``WHOLE`` (every tile's rows exist) loads them unmasked, which drops the
+    zeroing of the destination registers a masked load needs (8 of the K loop's instructions a step)."""
+    if WHOLE:
+        return gl.load(ptrs)
+    return gl.load(ptrs, mask=mask, other=other)
+
+
+@gluon.jit
 def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr,
                    u_ptr, lb_ptr, M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                    BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr, RING: gl.constexpr,
                    SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
-                   RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                   RC: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Program (BN weight rows, K slice ``program_id(1)`` of ``steps_per_split`` K steps, x through a ring of
     ``STEPS`` of them):
     acc[n, m] = sum over the slice's K steps (HW int16 elements = 4 * HW codes) and the 4 nibbles of
@@ -156,17 +218,17 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     s_l: gl.constexpr = gl.SliceLayout(2, _scale_layout(gl.to_linear_layout(a_l, [BN, HW])))
+    sp_l: gl.constexpr = _word_layout(gl.to_linear_layout(s_l, [BN, HW // 4]))  # the scale bytes in pairs
     G: gl.constexpr = HW // 4
-    # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 = e2m1 * scale * 2^-8, exact in bf16.
-    FACTOR: gl.constexpr = 3.3230699894622896e35
+    # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 (_scale_pairs) = e2m1 * scale * 2^-8, exact in bf16.
 
     k_steps = K // (4 * HW)
     w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BN, HW]))
     rows_h = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)), 1)
     h_ptrs = h_ptr + rows_h * stride_h + gl.expand_dims(gl.arange(0, HW // 2, layout=gl.SliceLayout(0, w_l)), 0)
     h_mask = rows_h < N
-    rows_s = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)), 1)
-    s_ptrs = s_ptr + rows_s * stride_s + gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, s_l)), 0)
+    rows_s = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, sp_l)), 1)
+    s_ptrs = s_ptr + rows_s * stride_s + gl.expand_dims(gl.arange(0, G // 2, layout=gl.SliceLayout(0, sp_l)), 0)
     s_mask = rows_s < N
 
     # x in shared memory, a ring of STEPS K steps (cp.async; barriers only between fills): slot q holds step
@@ -184,8 +246,8 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     first = pid_k * steps_per_split
     last = gl.minimum(first + steps_per_split, k_steps) - 1
     _stage_x(x_s, x_ptr, stride_xm, M, first, last, BM, HW, STEPS, num_warps)
-    h = gl.load(h_ptrs + first * (HW // 2), mask=h_mask, other=0)
-    sc = gl.load(s_ptrs + first * G, mask=s_mask, other=0.0)
+    h = _load_rows(h_ptrs + first * (HW // 2), h_mask, 0, WHOLE)
+    sc = _load_rows(s_ptrs + first * (G // 2), s_mask, 0, WHOLE)
 
     async_copy.wait_group(0)
     gl.thread_barrier()
@@ -204,8 +266,8 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     for kt in range(first, last + 1):
         slot = kt - first
         ahead = gl.minimum(kt + 1, last)
-        h_next = gl.load(h_ptrs + ahead * (HW // 2), mask=h_mask, other=0)
-        sc_next = gl.load(s_ptrs + ahead * G, mask=s_mask, other=0.0)
+        h_next = _load_rows(h_ptrs + ahead * (HW // 2), h_mask, 0, WHOLE)
+        sc_next = _load_rows(s_ptrs + ahead * (G // 2), s_mask, 0, WHOLE)
         if RING:  # compiled only for slices longer than the ring: the check cost 2.4% of the 7B GEMMs
             slot = slot % STEPS
             if (slot == 0) & (kt > first):  # the ring is used up: every warp is done with it, refill it
@@ -213,12 +275,12 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
                 _stage_x(x_s, x_ptr, stride_xm, M, kt, last, BM, HW, STEPS, num_warps)
                 async_copy.wait_group(0)
                 gl.thread_barrier()
-        s = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
+        s = _scale_pairs(sc, s_l)
         sb = gl.convert_layout(gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l,
                                assert_trivial=True)  # fmt: skip
         for i in gl.static_range(4):
-            x_i = x_s.index(slot).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l)
-            acc = mma_v2(_word_nibble(h, i, a_l) * sb, x_i, acc)
+            x_i = _pair_k(x_s.index(slot).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l), 0, b_l, not RING)
+            acc = mma_v2(_pair_k(_word_nibble(h, i, a_l) * sb, 1, a_l, not RING), x_i, acc)
         h = h_next
         sc = sc_next
 
@@ -316,12 +378,13 @@ def matmul(
                                          bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()
     h = weight_packed.contiguous().view(torch.int32)
-    s = weight_scale.contiguous()
+    s = weight_scale.contiguous().view(torch.int16)
     steps = _cdiv(k_steps, split)  # per slice
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
         BM=BM, BN=bn, HW=HW, STEPS=min(steps, MAX_STEPS), RING=steps > MAX_STEPS,
         SPLIT=split > 1, CH=SPLIT_CHUNK, HAS_BIAS=bias is not None,
-        HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=WARPS,
+        HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))),
+        WHOLE=N % bn == 0 and steps <= MAX_STEPS, num_warps=WARPS,
     )  # fmt: skip
     return out
