@@ -286,10 +286,14 @@ def _halves(word: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return tuple(((word >> s) & 0xFFFF).to(torch.int16).view(dtype) for s in (0, 16))
 
 
+def _u16(t: torch.Tensor) -> torch.Tensor:
+    """A 16-bit float tensor's bit patterns as non-negative int64."""
+    return t.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
 def _bits(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Two 16-bit float tensors -> the uint32 (int64) words holding them, ``lo`` in the low half."""
-    lo, hi = ((t.view(torch.int16).to(torch.int64) & 0xFFFF) for t in (lo, hi))
-    return lo | (hi << 16)
+    return _u16(lo) | (_u16(hi) << 16)
 
 
 def _e4m3x2_to_f16x2(a: torch.Tensor) -> torch.Tensor:
@@ -332,7 +336,7 @@ def _code_table(fp16: bool) -> torch.Tensor:
     """The 16-bit pattern of each fp4 code's value times the decode's bias (2^-126 bf16, 2^-14 fp16)."""
     dtype, bias = (torch.float16, 2.0**-14) if fp16 else (torch.bfloat16, 2.0**-126)
     codes = torch.tensor(nvfp4.E2M1_VALUES + tuple(-v for v in nvfp4.E2M1_VALUES), dtype=torch.float64)
-    return (codes * bias).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    return _u16((codes * bias).to(dtype))
 
 
 def _every_word() -> torch.Tensor:
@@ -382,7 +386,7 @@ def test_scale_pair_asm_converts_every_scale() -> None:
     lo, hi = byte.repeat(len(byte)), byte.repeat_interleave(len(byte))
     regs = _run_ptx(str(fp4_direct._SCALE_PAIR_ASM.value), torch.cat([lo | (hi << 8), torch.tensor([0x8080])]), src="$2")
     value = byte.to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**118
-    want = value.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    want = _u16(value.to(torch.bfloat16))
     assert torch.equal(value.to(torch.bfloat16).double(), value)  # every scale times 2^118 is exact in bf16
     assert torch.equal(regs["$0"][:-1], want[lo]) and torch.equal(regs["$1"][:-1], want[hi])
     assert regs["$0"][-1] == 0 and regs["$1"][-1] == 0

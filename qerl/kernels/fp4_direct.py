@@ -139,12 +139,18 @@ def _word_asm(i):
 
 
 @gluon.jit
+def _asm_pairs(asm: gl.constexpr, constraints: gl.constexpr, v, layout: gl.constexpr):
+    """``asm`` on each element of ``v`` [R, C], giving two bf16 halves, as the bf16 tensor [R, 2 C] in ``layout``
+    (the halves side by side: a relabelling of the registers, checked trivial at compile time)."""
+    lo, hi = gl.inline_asm_elementwise(asm, constraints, [v], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    both = gl.join(lo, hi)
+    return gl.convert_layout(gl.reshape(both, [both.shape[0], 2 * both.shape[1]]), layout, assert_trivial=True)
+
+
+@gluon.jit
 def _word_nibble(w, i: gl.constexpr, a_l: gl.constexpr):
     """Code ``i`` of every int16 element of the int32 words ``w`` [BN, HW / 2] as the bf16 A operand [BN, HW]."""
-    asm: gl.constexpr = _word_asm(i)
-    lo, hi = gl.inline_asm_elementwise(asm, "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-    both = gl.join(lo, hi)
-    return gl.convert_layout(gl.reshape(both, [both.shape[0], 2 * both.shape[1]]), a_l, assert_trivial=True)
+    return _asm_pairs(_word_asm(i), "=h,=h,r", w, a_l)
 
 
 @gluon.jit
@@ -186,10 +192,7 @@ mov.b32 {$0, $1}, t;
 @gluon.jit
 def _scale_pairs(sc, s_l: gl.constexpr):
     """The int16 scale pairs ``sc`` [BN, G / 2] as the bf16 scales times 2^118 [BN, G] in ``s_l``."""
-    lo, hi = gl.inline_asm_elementwise(_SCALE_PAIR_ASM, "=h,=h,h", [sc], dtype=(gl.bfloat16, gl.bfloat16),
-                                       is_pure=True, pack=1)  # fmt: skip
-    both = gl.join(lo, hi)
-    return gl.convert_layout(gl.reshape(both, [both.shape[0], 2 * both.shape[1]]), s_l, assert_trivial=True)
+    return _asm_pairs(_SCALE_PAIR_ASM, "=h,=h,h", sc, s_l)
 
 
 @gluon.jit
@@ -380,11 +383,12 @@ def matmul(
     h = weight_packed.contiguous().view(torch.int32)
     s = weight_scale.contiguous().view(torch.int16)
     steps = _cdiv(k_steps, split)  # per slice
+    ring = steps > MAX_STEPS
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
-        BM=BM, BN=bn, HW=HW, STEPS=min(steps, MAX_STEPS), RING=steps > MAX_STEPS,
+        BM=BM, BN=bn, HW=HW, STEPS=min(steps, MAX_STEPS), RING=ring,
         SPLIT=split > 1, CH=SPLIT_CHUNK, HAS_BIAS=bias is not None,
         HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))),
-        WHOLE=N % bn == 0 and steps <= MAX_STEPS, num_warps=WARPS,
+        WHOLE=N % bn == 0 and not ring, num_warps=WARPS,
     )  # fmt: skip
     return out
