@@ -323,9 +323,11 @@ MAX_STEPS = 7
 #: and every other GEMM's split as 2 (the Triton kernel's) did. Summed 7B GEMMs with LoRA at their picks: 60.6
 #: -> 60.1 us at M=1, 64.9 -> 62.8 at M=8.
 PROGRAM_STEPS = 5
-#: Split-K partials the last program reads per round trip (decode_gluon_nibble_mul.json, summed 7B decode GEMMs
-#: at M = 1 / 8: 62.4 / 66.9 us against 63.0 / 68.3 one at a time; 16 took the kernel to 96 registers).
-SPLIT_CHUNK = 4
+#: Split-K partials the last program reads per round trip: 8 reads 7B down's 15 in two instead of four, at the same
+#: 72 registers (offline sm_90; 16 takes 80). H200, same process, bitwise equal (direct_s28_probe.json): summed 7B
+#: decode GEMMs with LoRA 59.96 -> 59.08 us at M=1, 62.70 -> 61.81 at M=8; 7B down 16.36 -> 15.94 (M=1, no LoRA).
+#: (4 against 1 earlier: 62.4 / 66.9 against 63.0 / 68.3, decode_gluon_nibble_mul.json.)
+SPLIT_CHUNK = 8
 
 
 def refills(N: int, K: int, device: torch.device) -> bool:
