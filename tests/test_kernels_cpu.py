@@ -221,6 +221,24 @@ def test_gluon_decode_split_counts() -> None:
     assert sch.decode_split(592, 14, 264) == 2  # the Triton kernel's own cost split gate_up in two
 
 
+def test_balanced_split_only_where_the_busiest_sm_gets_lighter() -> None:
+    """``schedule.balanced_split`` on the H200's 132 SMs: one slice more for some tiles where a uniform split leaves
+    slots empty and each SM then holds at most one long program (7B down at M=64, 32B down at M=16: both faster on
+    the H200, split_race_s32.json / balanced_split_gluon_s31.json); the uniform split where more long programs than
+    SMs would stay (32B down at M=32/64: 35.6 -> 37.1 us balanced), where no slot is free, or a slice is one step."""
+    from qerl.kernels import schedule as sch
+
+    assert sch.balanced_split(56, 4, 264, 74, 132) == (4, 40)  # 7B down, BM=64: 16 tiles x 4 + 40 x 5 = 264
+    assert sch.balanced_split(80, 4, 396, 108, 132) == (4, 76)  # 32B down, BM=16
+    assert sch.balanced_split(80, 3, 264, 108, 132) == (3, 0)  # 32B down, BM=32/64: 56 x 3 long programs
+    assert sch.balanced_split(56, 7, 396, 74, 132) == (7, 0)  # 7B down, BM=16: 392 of 396 slots, no gain
+    assert sch.balanced_split(600, 1, 264, 14, 132) == (1, 0)  # no slot free
+    assert sch.balanced_split(8, 3, 264, 3, 132) == (3, 0)  # slices of one step already
+    for tiles, split, k_steps in ((56, 4, 74), (72, 3, 14), (80, 4, 108), (7, 2, 30)):
+        base, extra = sch.balanced_split(tiles, split, 264, k_steps, 132)
+        assert base == split and 0 <= extra < tiles and (extra == 0 or tiles * base + extra <= 264)
+
+
 def test_direct_decode_split_counts() -> None:
     """The mma.sync kernel's split-K counts on 132 SMs (its own program cost in ``decode_split``): one 14-step
     ring slice per tile for 7B gate_up (28.3 / 28.6 us at M = 1 / 8 with LoRA, against 28.8 / 30.7 for 3 slices)
@@ -430,12 +448,13 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
         "x_desc": desc("bf16", [bm, fgl.BK], gl.bfloat16), "h_desc": desc("i16", [fgl.BN, fgl.BK // 4], gl.int16),
         "s_desc": desc("fp8e4nv", [fgl.BN, fgl.BK // 16], gl.float8e4nv), "g_ptr": "*fp32", "y_ptr": "*bf16",
         "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
-        **dict.fromkeys(["M", "N", "K", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
+        **dict.fromkeys(["M", "N", "K", "base", "extra", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
         "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "num_warps"], "constexpr"),
+        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "FENCED", "num_warps"],
+                        "constexpr"),
     }  # fmt: skip
     constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "CH": fgl.SPLIT_CHUNK[bm], "HAS_BIAS": epilogue,
-                 "HAS_LORA": epilogue, "RC": 64, "num_warps": 4}  # fmt: skip
+                 "HAS_LORA": epilogue, "RC": 64, "FENCED": bm in fgl.FENCED_RELEASE, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
@@ -460,10 +479,19 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     wait = next(i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR" in line)
     end = next(i for i in range(wait, len(lines)) if "BRA" in lines[i])
     assert not [line for line in lines[start:end] if re.search(r"\b(?:LDL|STL)\b", line)], "register spills in the K loop"
-    # A slot's weights are released (mbarrier arrive) once they are in registers, before the step's first wgmma,
-    # and its x after the step's wgmma wait: the next step's weights are in flight during the MMAs.
+    # A slot's weights are released (mbarrier arrive) before the wgmma wait, so the next step's weights stream in
+    # during the MMAs: at a FENCED_RELEASE BM after the slot's loads behind a proxy fence, before any wgmma; at the
+    # others once the step's wgmma are issued (every load of the slot is in their A registers). Its x after the wait.
+    # Released right after the loads with neither, TMA overwrote a slot under a load in flight (split_race_s32.json).
     arrives = [i for i in range(start, end) if "SYNCS.ARRIVE" in lines[i]]
-    assert len(arrives) == 2 and arrives[0] < first and wait < arrives[1], "expected the weight release before the wgmma"
+    assert len(arrives) == 2 and arrives[0] < wait < arrives[1], "expected the weight release before the wgmma wait"
+    loads = [i for i in range(start, wait) if re.search(r"\bLDS", lines[i])]
+    if bm in fgl.FENCED_RELEASE:
+        fences = [i for i in range(start, wait) if "FENCE.VIEW.ASYNC.S" in lines[i]]
+        assert fences and max(loads) < fences[0] < arrives[0] < first, "expected loads, proxy fence, release, wgmma"
+    else:
+        assert max(loads) < max(i for i in range(start, wait) if "HGMMA" in lines[i]) < arrives[0], \
+            "expected the weight release after the wgmma are issued"
 
 
 
@@ -566,12 +594,18 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
 
     bound = bind(args, kwargs)
     steps = k // 256
-    assert grid == (-(-n // 64), 3) and y.shape == (m * n,)
+    tiles = -(-n // 64)
+    # The Gluon kernel's grid is 1-D (tile, slice) programs (``_slice_of``): an explicit split is uniform.
+    assert grid == ((tiles, 3) if kernel == "direct" else (tiles * 3,)) and y.shape == (m * n,)
     assert bound["g_ptr"] is g and bound["y_ptr"] is y and bound["bias_ptr"] is bias and bound["u_ptr"] is u
     bm = 8 if kernel == "direct" else 16  # the padded token count (the tile's BM)
     assert bound["lb_ptr"] is lora_b and bound["ticket_ptr"].dtype == torch.int32
-    assert bound["part_ptr"].shape == (3, grid[0], 64 * bm) and bound["BM"] == bm  # split x tiles x (BN x BM)
-    assert (bound["M"], bound["N"], bound["K"], bound["steps_per_split"]) == (m, n, k, -(-steps // 3))
+    assert bound["part_ptr"].shape == (3, tiles, 64 * bm) and bound["BM"] == bm  # split x tiles x (BN x BM)
+    assert (bound["M"], bound["N"], bound["K"]) == (m, n, k)
+    if kernel == "direct":
+        assert bound["steps_per_split"] == -(-steps // 3)
+    else:
+        assert (bound["base"], bound["extra"]) == (3, 0)
     assert (bound["Y1"], bound["Y2"], bound["S1"], bound["S2"], bound["stride_lb"], bound["R"]) == (100, 150, 8, 16, rank, rank)
     assert bound["lora_scale"] == 0.5 and bound["SPLIT"] and bound["HAS_BIAS"] and bound["HAS_LORA"]
     if kernel == "direct":
@@ -588,3 +622,12 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
         bound = bind(args, kwargs)
         assert grid == (-(-n // 64), 1) and bound["STEPS"] == fp4_direct.MAX_STEPS and bound["RING"]
         assert bound["steps_per_split"] == fp4_direct.MAX_STEPS + 1
+    else:
+        # The split left to the kernel at 7B down, M=64: the wave model's 4 slices, 40 of the 56 tiles in 5
+        # (schedule.balanced_split), 264 programs and room for 5 slices of partials.
+        n, k, m = 3584, 18944, 64
+        packed, scale = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
+        module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), packed, scale, g)
+        grid, args, kwargs = launches[-1]
+        bound = bind(args, kwargs)
+        assert grid == (264,) and (bound["base"], bound["extra"]) == (4, 40) and bound["part_ptr"].shape == (5, 56, 64 * 64)

@@ -58,7 +58,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .fp4_gemm import _check_act, _check_weight, _nibble_asm, segmented
-from .fp4_gluon import _scale_layout, launch_tail, split_k_sum, store_tile, tile_offsets
+from .fp4_gluon import _scale_layout, launch_tail, resolve_split, split_k_sum, store_tile, tile_offsets
 from .schedule import _cdiv, _sm_count, decode_split
 
 
@@ -294,7 +294,8 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         lb0, u0 = _lora_operands(pid_n, 0, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
     run = True
     if SPLIT:
-        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH, False)
+        acc, run = split_k_sum(acc, pid_n, pid_k, gl.num_programs(1), gl.num_programs(0), part_ptr, ticket_ptr, offs,
+                               mask, M, N, CH, False)  # fmt: skip
     if run:
         lora = acc
         if LORA_LAST:
@@ -379,12 +380,13 @@ def matmul(
                          f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
     bn = ROWS_PER_WARP * WARPS
     tiles, k_steps, slots = _launch_shape(N, K, x.device)
-    split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, bn * BM, k_steps, split, slots, PROGRAM_STEPS,
-                                         bias, lora_u, lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
+    split = resolve_split(tiles, k_steps, split, slots, PROGRAM_STEPS)
+    steps = _cdiv(k_steps, split)  # per slice
+    rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, bn * BM, split, (steps,), bias, lora_u, lora_b,
+                                  lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()
     h = weight_packed.contiguous().view(torch.int32)
     s = weight_scale.contiguous().view(torch.int16)
-    steps = _cdiv(k_steps, split)  # per slice
     ring = steps > MAX_STEPS
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,

@@ -11,8 +11,8 @@ can. Here:
 
 * a one-warp producer partition streams the K steps through TMA into a ``STAGES``-deep ring (x, the
   packed weight as int16 words of 4 codes, the fp8 scales), with mbarriers, no CTA barrier: a slot's
-  weights are released as soon as the consumer holds them in registers, its x once the step's wgmma are
-  done, so the next weights are in flight during the whole step (H200, against one release per slot after
+  weights are released as soon as the consumer's loads of them are safe from the refill (``_consumer``), its x
+  once the step's wgmma are done, so the next weights are in flight during the step (H200, against one release per slot after
   the wgmma, bitwise equal: 7B + 32B decode GEMMs summed 287.6 -> 279.5 us at M=64, 459.2 -> 451.7 at
   M=128, unchanged at 16 / 32; the 7B engine at b=128 7.606 / 7.587 -> 7.371 / 7.395 ms,
   benchmarks/results/gluon_early_release_probe.json, rollout_early_release_ab.json). Deeper weight rings
@@ -30,7 +30,9 @@ can. Here:
 
 y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs: ``fp4_gemm.matmul``'s
 decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
-ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``split_k_sum``).
+ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``split_k_sum``); up to
+``BALANCE_MAX_BM`` tokens, where the wave model's split leaves resident slots empty, some tiles take one slice
+more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down at M=64 26.5 -> 25.8 us).
 ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or
 ``DIRECT_MAX_M`` for the large GEMMs; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon
 decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
@@ -58,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import backend, reference
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
-from .schedule import _cdiv, _sm_count, decode_split
+from .schedule import _cdiv, _sm_count, balanced_split, decode_split
 
 #: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
 #: (one consumer warpgroup: wgmma M = 64).
@@ -83,6 +85,17 @@ SCHEDULE = {16: (3, 80, 3, 8), 32: (2, 80, 2, 6), 64: (2, 128, 2, 6), 128: (2, N
 #: offline sm_90). H200, 7B + 32B GEMMs (tail_ab_gemm.json): 1, 2 and 4 within 2% of each other at BM = 32 / 64,
 #: 4 the fastest at 16 (7B down 18.4 us against 18.6 / 18.8).
 SPLIT_CHUNK = {16: 4, 32: 4, 64: 2, 128: 1}
+#: The BMs whose K loop releases a weight slot right after its loads, behind a proxy fence (``_consumer``); the others
+#: release it after the step's wgmma are issued. H200, 20-60 calls each, same run (split_race_fence_s32.json): both
+#: exact (0 calls differing, the unfenced early release 59 of 60 at 7B down M=64); release-after-issue / fenced, us:
+#: BM=64 7B gate_up 50.25 / 47.37, 32B gate_up 94.63 / 90.25, the other 7B/32B GEMMs within 0.5%; BM=16 7B gate_up
+#: 32.30 / 32.92, 32B down 30.85 / 31.28; BM=128 7B qkv 17.07 / 17.46, 32B gate_up 151.5 / 155.2.
+FENCED_RELEASE = (64,)
+#: Up to this BM the split the wave model picks is balanced over the resident slots where that lightens the busiest
+#: SM (``schedule.balanced_split``). H200, uniform / balanced, us (balanced_split_gluon_s31.json, min of 2, no LoRA):
+#: 7B down M=32 21.65 / 20.99, M=64 26.73 / 26.17; 7B qkv M=32 10.27 / 9.84; 32B down M=16 35.24 / 31.55; at
+#: BM=128 (one CTA an SM) it lost (7B qkv 17.14 / 19.82), so that BM keeps the uniform split.
+BALANCE_MAX_BM = 64
 
 
 @gluon.constexpr_function
@@ -111,12 +124,11 @@ def _scale_layout(a_linear):
 
 
 @gluon.jit
-def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, first, steps,
-              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One warp: TMA loads of K step ``first + i`` into slot ``i % STAGES``, its weights and scales as soon as
-    the consumer holds the slot's previous weights in registers (``free_w``), its x once the consumer's
-    wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier."""
-    row = gl.program_id(0) * BN
+def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, row, first, steps,
+              BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One warp: TMA loads of K step ``first + i`` (weight rows from ``row``) into slot ``i % STAGES``, its weights
+    and scales as soon as the consumer has released the slot's previous weights (``free_w``), its x once
+    those wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier."""
     nbytes: gl.constexpr = x_desc.block_type.nbytes + h_desc.block_type.nbytes + s_desc.block_type.nbytes
     for i in range(steps):
         slot = i % STAGES
@@ -132,8 +144,16 @@ def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, firs
 
 @gluon.jit
 def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T."""
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FENCED: gl.constexpr):  # fmt: skip
+    """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T.
+
+    A slot's weights go back to the producer (``free_w``) once its ldmatrix / scale loads can no longer see the
+    refill: with ``FENCED`` right after those loads behind a proxy fence (the loads are generic-proxy reads, the TMA
+    refill an async-proxy write, and only ``fence.proxy.async`` orders the two), else after the step's four wgmma are
+    issued (they consume every loaded register, so the loads have landed). Released after the loads with neither (up
+    to the thirty-second session) the refill could land under a load in flight: with the balanced split, 7B down at
+    M=64 got a few weight rows of one K step wrong in 19 of 19 calls (benchmarks/results/split_race_s32.json); the
+    uniform split ran that code with the race unseen. Which release is faster depends on BM (``FENCED_RELEASE``)."""
     HW: gl.constexpr = BK // 4
     G: gl.constexpr = BK // 16
     mma: gl.constexpr = _acc_layout(BM)
@@ -147,7 +167,9 @@ def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         h = h_s.index(slot).load(a_layout)
         sc = s_s.index(slot).load(gl.SliceLayout(2, s3_layout))
-        mbarrier.arrive(free_w.index(slot))  # the weights are in registers: the next ones may land
+        if FENCED:
+            fence_async_shared()  # these generic-proxy reads of the slot, ordered before the TMA's (async proxy) refill
+            mbarrier.arrive(free_w.index(slot))
         sc = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
         sb = gl.reshape(gl.expand_dims(sc, 2).broadcast_to(BN, G, 4), [BN, HW])
         sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
@@ -155,6 +177,8 @@ def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
         for n in gl.static_range(4):
             w = _nibble(h, n, False) * sb  # the Triton kernel's decode, bf16
             acc = warpgroup_mma(w, xs.slice(n * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
+        if not FENCED:
+            mbarrier.arrive(free_w.index(slot))  # the four wgmma hold every decoded weight: the slot's loads landed
         # All four in flight while the next nibble decodes; waiting here rather than one step later
         # keeps them that way: deferring the wait makes ptxas serialise every wgmma (offline SASS: one
         # WARPGROUP.DEPBAR per HGMMA), since the decoded A registers would live across the loop edge.
@@ -212,9 +236,11 @@ def _partial_layout(num_warps):
 
 
 @gluon.jit
-def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH: gl.constexpr, VECTOR: gl.constexpr):
-    """Publish this program's fp32 partial and take a ticket: ``(sum of every slice's partial in slice
-    order, True)`` for the program that draws the tile's last ticket (it also resets the ticket, so stream
+def split_k_sum(acc, pid_n, pid_k, nsplit, tiles, part_ptr, ticket_ptr, offs, mask, M, N,
+                CH: gl.constexpr, VECTOR: gl.constexpr):  # fmt: skip
+    """Publish this program's fp32 partial (slice ``pid_k`` of the ``nsplit`` of tile ``pid_n``, one of ``tiles``)
+    and take a ticket: ``(sum of every slice's partial in slice order, True)`` for the program that draws the tile's
+    last ticket (it also resets the ticket, so stream
     order leaves the table at zero for the next launch), ``(acc, False)`` for the others (as fp4_gemm does).
     The last program reads CH partials per round trip; the sum stays in slice order, so the result depends
     on neither CH nor the partials' layout.
@@ -229,21 +255,20 @@ def split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH: gl.const
     it, 32B down at M=1 2.6 us, so it keeps y's offsets."""
     BN: gl.constexpr = acc.shape[0]
     BM: gl.constexpr = acc.shape[1]
-    nsplit = gl.num_programs(1)
     if VECTOR:
         lay: gl.constexpr = _partial_layout(gl.num_warps())
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))
         at = part_ptr + pid_n * (BN * BM) + gl.expand_dims(offs_m * BN, 0)
         at += gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, lay)), 1)
         rows = gl.expand_dims(offs_m < M, 0)
-        stride = gl.num_programs(0) * (BN * BM)  # one slice's partials
+        stride = tiles * (BN * BM)  # one slice's partials
         part = gl.convert_layout(acc, lay)
     else:
         at = part_ptr + offs
         rows = mask
         stride = M * N
         part = acc
-    gl.store(at + gl.program_id(1) * stride, part, mask=rows)
+    gl.store(at + pid_k * stride, part, mask=rows)
     gl.thread_barrier()
     ticket = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
     last = ticket == nsplit - 1
@@ -271,17 +296,36 @@ def store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_sc
 
 
 @gluon.jit
+def _slice_of(pid, tiles, base, extra):
+    """(tile, slice, the tile's slice count) of 1-D program ``pid`` under ``schedule.balanced_split``'s
+    ``(base, extra)``: the ``tiles - extra`` tiles of ``base`` (longer) slices first, slice-major, then the last
+    ``extra`` tiles of ``base + 1``, so the block scheduler's first round spreads the long programs over the SMs."""
+    n_long = tiles - extra
+    if pid < n_long * base:
+        pid_n = pid % n_long
+        pid_k = pid // n_long
+        nsplit = base
+    else:
+        q = pid - n_long * base
+        pid_n = n_long + q % extra
+        pid_k = q // extra
+        nsplit = base + 1
+    return pid_n, pid_k, nsplit
+
+
+@gluon.jit
 def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr, u_ptr, lb_ptr,
-                         M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
+                         M, N, K, base, extra, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                          SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
-                         RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """Program (weight tile, K slice): the warp-specialized K loop, then the split-K ticket epilogue."""
-    pid_n = gl.program_id(0)
-    pid_k = gl.program_id(1)
+                         RC: gl.constexpr, FENCED: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Program (weight tile, K slice: ``_slice_of``; a tile's slices split its K steps evenly): the
+    warp-specialized K loop, then the split-K ticket epilogue."""
+    tiles = gl.cdiv(N, BN)
+    pid_n, pid_k, nsplit = _slice_of(gl.program_id(0), tiles, base, extra)
     k_steps = K // BK
-    first = pid_k * steps_per_split
-    steps = gl.minimum(steps_per_split, k_steps - first)
+    first = pid_k * k_steps // nsplit
+    steps = (pid_k + 1) * k_steps // nsplit - first
     x_s = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     h_s = gl.allocate_shared_memory(h_desc.dtype, [STAGES, BN, BK // 4], h_desc.layout)
     s_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BN, BK // 16], s_desc.layout)
@@ -294,8 +338,8 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         mbarrier.init(free_x.index(i), count=1)
     fence_async_shared()
     (acc,) = gl.warp_specialize(
-        [(_consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES)),
-         (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, first, steps, BN, BK, STAGES))],
+        [(_consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES, FENCED)),
+         (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, pid_n * BN, first, steps, BK, STAGES))],
         [1], [24],
     )  # fmt: skip
     for i in gl.static_range(STAGES):
@@ -306,7 +350,7 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, _acc_layout(BM))
     run = True
     if SPLIT:
-        acc, run = split_k_sum(acc, pid_n, part_ptr, ticket_ptr, offs, mask, M, N, CH, True)
+        acc, run = split_k_sum(acc, pid_n, pid_k, nsplit, tiles, part_ptr, ticket_ptr, offs, mask, M, N, CH, True)
     if run:
         lora = acc
         if HAS_LORA:
@@ -314,34 +358,37 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, HAS_LORA)
 
 
-def launch_tail(
-    x: torch.Tensor, weight_global_scale: torch.Tensor, N: int, K: int, tiles: int, tile_size: int, k_steps: int,
-    split: int, slots: int, program_steps: int, bias: torch.Tensor | None, lora_u: torch.Tensor | None,
-    lora_b: torch.Tensor | None, lora_scale: float, out: torch.Tensor | None, out_bounds: tuple[int, int] | None,
-    lora_bounds: tuple[int, int] | None,
-) -> tuple[int, int, torch.Tensor, tuple]:
-    """Host side of the tail both Gluon decode kernels share: ``(split, rank, out, args)`` with split resolved
-    (``decode_split`` over ``slots`` resident programs when 0), y allocated (``[M, N]``, or flat segmented
-    with ``out_bounds``), the fp32 partials of a split launch (``tile_size`` = BN x BM elements a tile and slice: room
-    for either of ``split_k_sum``'s layouts) and its tickets, and the kernel arguments from ``g_ptr`` to ``lora_scale``
-    in their order."""
-    M = x.shape[0]
+def resolve_split(tiles: int, k_steps: int, split: int, slots: int, program_steps: int) -> int:
+    """The K slices a tile is cut into: ``split``, or ``decode_split``'s choice over ``slots`` resident programs when
+    0, lowered to the count that slices of ``ceil(k_steps / split)`` steps give."""
     if split <= 0:
         split = decode_split(tiles, k_steps, slots, program_steps)
-    steps_per_split = _cdiv(k_steps, split)
-    split = _cdiv(k_steps, steps_per_split)
+    return _cdiv(k_steps, _cdiv(k_steps, split))
+
+
+def launch_tail(
+    x: torch.Tensor, weight_global_scale: torch.Tensor, N: int, K: int, tiles: int, tile_size: int, slices: int,
+    schedule: tuple[int, ...], bias: torch.Tensor | None, lora_u: torch.Tensor | None, lora_b: torch.Tensor | None,
+    lora_scale: float, out: torch.Tensor | None, out_bounds: tuple[int, int] | None, lora_bounds: tuple[int, int] | None,
+) -> tuple[int, torch.Tensor, tuple]:
+    """Host side of the tail both Gluon decode kernels share: ``(rank, out, args)`` with y allocated (``[M, N]``, or
+    flat segmented with ``out_bounds``), the fp32 partials of a split launch (``slices`` a tile at most; ``tile_size``
+    = BN x BM elements a tile and slice: room for either of ``split_k_sum``'s layouts) and its tickets, and the kernel
+    arguments from ``g_ptr`` to ``lora_scale`` in their order, the kernel's split schedule (``schedule``: the mma.sync
+    kernel's steps per slice, this kernel's ``balanced_split``) after ``K``."""
+    M = x.shape[0]
     if out is None:
         out = torch.empty((M, N) if out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
     lb = None if lora_b is None else lora_b.contiguous()
     rank = 0 if lb is None else lb.shape[1]
     y1, y2 = out_bounds or (N, N)
     s1, s2 = lora_bounds or (rank, rank)
-    part = torch.empty((split, tiles, tile_size), dtype=torch.float32, device=x.device) if split > 1 else out
-    tickets = backend.tickets(x.device, tiles) if split > 1 else out
+    part = torch.empty((slices, tiles, tile_size), dtype=torch.float32, device=x.device) if slices > 1 else out
+    tickets = backend.tickets(x.device, tiles) if slices > 1 else out
     args = (weight_global_scale, out, part, tickets, out if bias is None else bias,
             out if lora_u is None else lora_u.contiguous(), out if lb is None else lb,
-            M, N, K, steps_per_split, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale))  # fmt: skip
-    return split, rank, out, args
+            M, N, K, *schedule, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale))  # fmt: skip
+    return rank, out, args
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -367,7 +414,9 @@ def matmul(
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) through the Gluon kernel; see ``supports`` for what it takes.
-    ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it)."""
+    ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it).
+    ``split``: K slices for every tile (0: ``decode_split``'s choice, balanced over the resident slots up to
+    ``BALANCE_MAX_BM``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _check_act(x)
@@ -380,9 +429,12 @@ def matmul(
     stages, maxnreg, resident, program_steps = SCHEDULE[bm]
     k_steps = K // BK
     tiles = _cdiv(N, BN)
-    split, rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, BN * bm, k_steps, split,
-                                         _sm_count(x.device) * resident, program_steps, bias, lora_u, lora_b, lora_scale,
-                                         out, out_bounds, lora_bounds)  # fmt: skip
+    slots = _sm_count(x.device) * resident
+    base = resolve_split(tiles, k_steps, split, slots, program_steps)
+    base, extra = balanced_split(tiles, base, slots, k_steps, _sm_count(x.device)) if split <= 0 and bm <= BALANCE_MAX_BM else (base, 0)
+    slices = base + (extra > 0)
+    rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, BN * bm, slices, (base, extra), bias, lora_u,
+                                  lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     xp = x.contiguous() if permuted else reference.nibble_major(x)
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
@@ -390,9 +442,9 @@ def matmul(
     h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
     s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
-    _decode_gluon_kernel[(tiles, split)](
+    _decode_gluon_kernel[(tiles * base + extra,)](
         x_desc, h_desc, s_desc, *tail,
-        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=split > 1, CH=SPLIT_CHUNK[bm], HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=slices > 1, CH=SPLIT_CHUNK[bm], HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
+        RC=min(64, max(16, triton.next_power_of_2(rank))), FENCED=bm in FENCED_RELEASE, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

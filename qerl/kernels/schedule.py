@@ -8,6 +8,7 @@ model of waves of resident programs (benchmarks/NOTES.md, "Split-K from a wave m
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -172,6 +173,37 @@ def decode_split(tiles: int, k_steps: int, slots: int, program_steps: int = DECO
         if best_cost is None or cost < best_cost:
             best, best_cost = split, cost
     return best
+
+
+def _max_sm_steps(slices: list[float], sms: int) -> float:
+    """The most K steps one SM runs when the block scheduler deals programs (``slices``: each one's K steps, in
+    launch order) round-robin over ``sms`` SMs: a one-wave launch lasts about as long as that SM."""
+    load = [0.0] * sms
+    for i, steps in enumerate(slices):
+        load[i % sms] += steps
+    return max(load)
+
+
+@functools.lru_cache(maxsize=4096)
+def balanced_split(tiles: int, split: int, slots: int, k_steps: int, sms: int) -> tuple[int, int]:
+    """``(base, extra)``: ``decode_split``'s ``split`` slices for every tile, and one slice more for the last
+    ``extra`` tiles where a uniform split leaves resident slots empty and filling them shortens the busiest SM.
+
+    Why: one wave of equal programs on fewer programs than slots leaves some SMs with fewer of them, and those
+    finish early and idle. 7B down at M=64 (56 tiles x 4 slices = 224 programs on 264 slots of 2 an SM): the
+    40 SMs holding one CTA ended their K loop at 15.8 us, the 92 holding two at 19.8 (H200, per-program
+    timestamps, benchmarks/results/timeline_s30.json). With 40 tiles in 5 slices the grid is 264 programs and
+    the kernel launches the longer slices' programs first (``fp4_gluon._slice_of``), so each SM holds at most one
+    of them. Where there are more long programs than SMs, some SM still runs two and the extra slices only add
+    partials (32B down at M=32: 56 long programs x 3 > 132 SMs, 35.6 -> 37.1 us, balanced_split_gluon_s31.json):
+    the plan is kept only when the round-robin load model (``_max_sm_steps``) says the busiest SM gets lighter.
+    ``extra`` stays below ``tiles`` (all of them would be a uniform split the wave model did not pick)."""
+    if split + 1 > k_steps or tiles * split >= slots:
+        return split, 0
+    extra = min(tiles - 1, slots - tiles * split)
+    uniform = _max_sm_steps([k_steps / split] * (tiles * split), sms)
+    balanced = _max_sm_steps([k_steps / split] * ((tiles - extra) * split) + [k_steps / (split + 1)] * (extra * (split + 1)), sms)
+    return (split, extra) if balanced < 0.99 * uniform else (split, 0)
 
 
 def decode_config(M: int, N: int, K: int, device: torch.device, cfg: DecodeConfig | None = None) -> DecodeConfig:
