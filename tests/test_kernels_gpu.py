@@ -176,9 +176,9 @@ def test_gluon_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mon
 def test_split_k_decode_is_repeatable_on_real_shapes(M: int, N: int, K: int) -> None:
     """The decode GEMMs the engine runs (Qwen2.5-7B down, 32B o: split-K over most of the SMs, the partials
     summed by the tile's last ticket), 20 calls with and without the LoRA epilogue: every output bitwise equal to the
-    first and that one within TOL of float64. A split-K race shows up here as calls that differ: a balanced split
-    tried in the thirty-first session got some tiles wrong at 7B down M=64 in 29 of 30 calls (rel. error up to
-    3.8e-2, benchmarks/results/balanced_diag_s31.json) while passing every smaller-shape test."""
+    first and that one within TOL of float64. A race shows up here as calls that differ: with the K loop's weight slot
+    released to the TMA without a proxy fence, the balanced split got some tiles wrong at 7B down M=64 in 19 of 19
+    calls (rel. error up to 3.9e-2, benchmarks/results/split_race_s32.json) while passing every smaller-shape test."""
     from qerl.kernels import fp4_gemm, reference
 
     q = _weight(N, K)
