@@ -32,7 +32,7 @@ y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs:
 decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
 ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``split_k_sum``); up to
 ``BALANCE_MAX_BM`` tokens, where the wave model's split leaves resident slots empty, some tiles take one slice
-more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down at M=64 26.5 -> 25.8 us).
+more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down at M=64 26.6 -> 26.0 us, release_landed_s32.json).
 ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or
 ``DIRECT_MAX_M`` for the large GEMMs; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon
 decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
@@ -429,9 +429,11 @@ def matmul(
     stages, maxnreg, resident, program_steps = SCHEDULE[bm]
     k_steps = K // BK
     tiles = _cdiv(N, BN)
-    slots = _sm_count(x.device) * resident
-    base = resolve_split(tiles, k_steps, split, slots, program_steps)
-    base, extra = balanced_split(tiles, base, slots, k_steps, _sm_count(x.device)) if split <= 0 and bm <= BALANCE_MAX_BM else (base, 0)
+    sms = _sm_count(x.device)
+    base = resolve_split(tiles, k_steps, split, sms * resident, program_steps)
+    extra = 0
+    if split <= 0 and bm <= BALANCE_MAX_BM:
+        base, extra = balanced_split(tiles, base, sms * resident, k_steps, sms)
     slices = base + (extra > 0)
     rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, BN * bm, slices, (base, extra), bias, lora_u,
                                   lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
