@@ -124,14 +124,15 @@ class Layer:
 
     def fwd_fns(self, x: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
         """``fp4_gemm.matmul`` per copy; where it runs a Gluon kernel (``gluon_takes``) x is handed over in that
-        kernel's K order, as the rollout engine's producers write it (no permute inside the timed call)."""
+        kernel's K order, as the rollout engine's producers write it (no permute inside the timed call), and launched as
+        the engine launches it (``pdl``: the calls of the graph overlap as the engine's chain of kernels does)."""
         from qerl.kernels import fp4_gemm as fg
         from qerl.kernels import reference
 
         permuted = config is None and fg.gluon_takes(x.shape[0], self.n, self.k, x.dtype, x.device)
         xin = reference.nibble_major(x) if permuted else x
         return [lambda q=q: fg.matmul(xin, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config,
-                                      x_permuted=permuted) for q in self.q]  # fmt: skip
+                                      x_permuted=permuted, pdl=permuted) for q in self.q]  # fmt: skip
 
     def bwd_fns(self, gy: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
         from qerl.kernels import fp4_gemm as fg

@@ -9,6 +9,10 @@ real model step); the per-call time is the median replay time / R.
     python -m benchmarks.gemm --out benchmarks/results   # writes kernels.json, kernels_speedup.png
     python -m benchmarks.gemm --plot benchmarks/results/kernels.json   # only the PNG again
 
+The decode GEMMs the Gluon kernels take are launched as the rollout engine launches them, with programmatic dependent
+launch (``qerl/kernels/pdl.py``: each call's first weight loads overlap the call before it); ``time_us_no_pdl`` is the
+same calls without it, in the same run.
+
 The summary holds the targets of issue 3 for the 7B down_proj shape (N=3584, K=18944). Where vLLM is
 importable (the GPU machine with the vLLM bundle on the path), every forward row also times vLLM's Marlin
 NVFP4 GEMM (``apply_fp4_marlin_linear`` on weights from vLLM's own ``rand_marlin_weight_nvfp4_like``, copies
@@ -107,6 +111,12 @@ def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) 
             "bf16_time_us": tb * 1e6, "bf16_GBps": (2 * n * k + act_bytes) / tb / 1e9, "bf16_TFLOPs": flops / tb / 1e12,
             "speedup_vs_bf16": tb / t,
         }
+    if row["x_in_gluon_order"] and sch.DECODE_PDL:  # the same calls launched without PDL, for the record
+        sch.DECODE_PDL = False
+        try:
+            row["fwd"]["time_us_no_pdl"] = graph_time(layer.fwd_fns(x)) * 1e6
+        finally:
+            sch.DECODE_PDL = True
     if marlin is not None:
         tm, fwd = graph_time(marlin.fns(x)), row["fwd"]
         fwd.update({"vllm_marlin_time_us": tm * 1e6, "vllm_marlin_weight_bw_fraction_of_copy": layer.packed_bytes / tm / copy_bw,
@@ -179,6 +189,10 @@ def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, c
         "shape": {"model": SUMMARY_SHAPE[0], "layer": SUMMARY_SHAPE[1], "N": pick[1]["N"], "K": pick[1]["K"]},
         "copy_bw_GBps": copy_bw / 1e9,
         "m1_bw_fraction": pick[1]["fwd"]["weight_bw_fraction_of_copy"],
+        **({"m1_bw_fraction_no_pdl": pick[1]["fwd"]["weight_bw_fraction_of_copy"] * pick[1]["fwd"]["time_us"]
+            / pick[1]["fwd"]["time_us_no_pdl"]} if "time_us_no_pdl" in pick[1]["fwd"] else {}),
+        **{f"m{m}_speedup_no_pdl": pick[m]["fwd"]["bf16_time_us"] / pick[m]["fwd"]["time_us_no_pdl"]
+           for m in (1, 16, 64) if "time_us_no_pdl" in pick[m]["fwd"]},
         "m1_speedup": pick[1]["fwd"]["speedup_vs_bf16"],
         "m16_speedup": pick[16]["fwd"]["speedup_vs_bf16"],
         "m64_speedup": pick[64]["fwd"]["speedup_vs_bf16"],
@@ -198,7 +212,8 @@ def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, c
         "command": command("benchmarks.gemm"),
         "method": "CUDA graph of R calls rotating over weight copies (>256 MB), median of 15 replays / R; "
                   "baseline: F.linear(x, W_bf16) and grad_y @ W_bf16 on the dequantized weight, same run; "
-                  "copy bandwidth = max(eager copy_, in-graph SM copy kernel)",
+                  "copy bandwidth = max(eager copy_, in-graph SM copy kernel); decode GEMMs in the Gluon K order launched "
+                  "with programmatic dependent launch as the engine launches them (time_us_no_pdl: without, same run)",
         "complete": complete,
         "summary": summary,
         "sweep_7b_down": sweep_rows,

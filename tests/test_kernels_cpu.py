@@ -424,14 +424,9 @@ def test_nibble_major_order() -> None:
             assert torch.equal(block, row * 512 + step * 256 + 4 * j + i)
 
 
-@pytest.mark.parametrize("bm,epilogue", [(16, False), (32, True), (128, True), (64, False)])
-def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
-    """The Gluon decode kernel compiles for sm_90 on any machine (Triton's bundled ptxas) with the
-    structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, one
-    wgmma wait per K step, and no register spills in the K loop at its per-BM register cap."""
-    import re
-
-    pytest.importorskip("triton.experimental.gluon")
+def _gluon_decode_sass(bm: int, epilogue: bool, pdl: bool = False) -> str:
+    """The TMA/wgmma decode kernel's sm_90 SASS at ``bm`` tokens (split-K; ``epilogue``: bias and LoRA), compiled on
+    any machine by Triton's bundled ptxas at its per-BM register cap."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -450,16 +445,28 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
         "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
         **dict.fromkeys(["M", "N", "K", "base", "extra", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
         "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "FENCED", "num_warps"],
+        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "FENCED", "PDL", "num_warps"],
                         "constexpr"),
     }  # fmt: skip
     constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "CH": fgl.SPLIT_CHUNK[bm], "HAS_BIAS": epilogue,
-                 "HAS_LORA": epilogue, "RC": 64, "FENCED": bm in fgl.FENCED_RELEASE, "num_warps": 4}  # fmt: skip
+                 "HAS_LORA": epilogue, "RC": 64, "FENCED": bm in fgl.FENCED_RELEASE, "PDL": pdl, "num_warps": 4}  # fmt: skip
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
-    compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
-    sass = compiled.asm["sass"]
+    return triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+                          target=GPUTarget("cuda", 90, 32), options=options).asm["sass"]  # fmt: skip
+
+
+@pytest.mark.parametrize("bm,epilogue", [(16, False), (32, True), (128, True), (64, False)])
+def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
+    """The Gluon decode kernel compiles for sm_90 on any machine (Triton's bundled ptxas) with the
+    structure it exists for: wgmma with the decoded weights as the register A operand, TMA loads, one
+    wgmma wait per K step, and no register spills in the K loop at its per-BM register cap."""
+    import re
+
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels import fp4_gluon as fgl
+
+    sass = _gluon_decode_sass(bm, epilogue)
     # 4 nibbles x 4 k16 chunks, A in registers
     assert len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass)) == 16
     # The LoRA expand (epilogue only) is the one wgmma with A from shared memory: 4 k16 chunks of RC = 64.
@@ -495,6 +502,30 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
 
 
 
+def _direct_decode_sass(ring: bool, pdl: bool = False) -> str:
+    """The mma.sync decode kernel's sm_90 SASS (split-K, bias, LoRA r16; ``ring``: the x ring's refill build)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from qerl.kernels import fp4_direct as fd
+
+    kernel = fd._direct_kernel
+    ints = ["M", "N", "K", "stride_xm", "stride_h", "stride_s", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"]
+    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "STEPS": fd.MAX_STEPS, "RING": ring,
+                 "SPLIT": True, "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "WHOLE": not ring, "PDL": pdl,
+                 "num_warps": fd.WARPS}  # fmt: skip
+    signature = {
+        "x_ptr": "*bf16", "h_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+        "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
+        "lora_scale": "fp32", **dict.fromkeys(constants, "constexpr"),
+    }  # fmt: skip
+    aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+               for n in ("x_ptr", "h_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_h", "stride_s")}  # fmt: skip
+    return triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": fd.WARPS}).asm["sass"]  # fmt: skip
+
+
 @pytest.mark.parametrize("ring", [False, True])
 def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     """The mma.sync decode kernel (``fp4_direct``) compiles for sm_90 on any machine with the structure it
@@ -508,25 +539,7 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     import re
 
     pytest.importorskip("triton.experimental.gluon")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from qerl.kernels import fp4_direct as fd
-
-    kernel = fd._direct_kernel
-    ints = ["M", "N", "K", "stride_xm", "stride_h", "stride_s", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"]
-    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "STEPS": fd.MAX_STEPS, "RING": ring,
-                 "SPLIT": True, "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "WHOLE": not ring, "num_warps": fd.WARPS}  # fmt: skip
-    signature = {
-        "x_ptr": "*bf16", "h_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
-        "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-        "lora_scale": "fp32", **dict.fromkeys(constants, "constexpr"),
-    }  # fmt: skip
-    aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
-               for n in ("x_ptr", "h_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_h", "stride_s")}  # fmt: skip
-    sass = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": fd.WARPS}).asm["sass"]  # fmt: skip
+    sass = _direct_decode_sass(ring)
     lines = sass.splitlines()
     labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\s*\w+:", line)}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines) for m in [re.search(r"BRA `?\(?(\w+)\)?;", line)]
@@ -553,6 +566,38 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM|LDGSTS)\b", line)], "a barrier or a store in the K loop"
     assert not re.search(r"\b(?:LDL|STL)\b", sass), "register spills"
     assert sass.count("HMMA.16816.F32.BF16") == 16 + (2 if ring else 1)
+
+
+@pytest.mark.parametrize("kernel", ["direct", "gluon16", "gluon64"])
+def test_decode_kernels_pdl_order_sm90(kernel: str) -> None:
+    """With ``PDL`` (qerl/kernels/pdl.py) a decode kernel lets its dependents launch (PREEXIT, griddepcontrol.
+    launch_dependents: the mma.sync kernel after its K loop, the TMA kernel as it starts) and loads only weights before
+    its wait for the kernel before it (ACQBULK, griddepcontrol.wait): the mma.sync kernel its first step's weight words
+    and scales (LDG), the TMA kernel its first ring of weight and scale tiles (TMA); x (cp.async / TMA), u, partials,
+    tickets and y all come after a wait. Without it, neither."""
+    import re
+
+    pytest.importorskip("triton.experimental.gluon")
+    sass = {p: _direct_decode_sass(False, p) if kernel == "direct" else _gluon_decode_sass(int(kernel[5:]), True, p)
+            for p in (False, True)}  # fmt: skip
+    assert "ACQBULK" not in sass[False] and "PREEXIT" not in sass[False]
+    lines = sass[True].splitlines()
+    waits = [i for i, line in enumerate(lines) if "ACQBULK" in line]
+    assert waits and "PREEXIT" in sass[True]
+    if kernel == "direct":
+        (wait,) = waits
+        preexit = next(i for i, line in enumerate(lines) if "PREEXIT" in line)
+        assert wait < max(i for i, line in enumerate(lines) if "HMMA" in line) < preexit, "trigger after the K loop"
+        before = lines[:wait]
+        assert sum("LDG.E.128" in line for line in before) == 4 and sum("LDG.E.U16" in line for line in before) == 4
+        assert not [line for line in before if re.search(r"\b(?:LDGSTS|STG|ATOMG|RED|LDS|LDG\.E\.(?!128|U16))", line)]
+        return
+    # Every memory access but the weight TMA follows some wait in program order, each partition's own: the
+    # producer's weight tiles (2 TMA a slot) come before its wait, its x TMA after it.
+    first_wait = waits[0]
+    assert [line for line in lines[:first_wait] if "UTMALDG" in line], "no weight TMA before the producer's wait"
+    assert not [line for line in lines[:first_wait] if re.search(r"\b(?:STG|ATOMG|LDG|LDGSTS)\b", line)]
+    assert waits[-1] < min(i for i, line in enumerate(lines) if re.search(r"\b(?:STG|ATOMG|LDG)\b", line))
 
 
 @pytest.mark.parametrize("kernel", ["direct", "gluon"])

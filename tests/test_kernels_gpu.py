@@ -194,6 +194,61 @@ def test_split_k_decode_is_repeatable_on_real_shapes(M: int, N: int, K: int) -> 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+@pytest.mark.parametrize("M", [1, 8, 32, 64])
+def test_pdl_decode_chain_matches_serial(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode step's kernels under programmatic dependent launch (``qerl/kernels/pdl.py``): a chain where each
+    GEMM reads the RMSNorm just before it (which triggers it early) and each RMSNorm the GEMM before it, with a LoRA
+    epilogue reading the shrink's u, eager and replayed from a CUDA graph, bitwise equal to the same chain launched
+    without PDL, and that within TOL of float64. Reading x, u or the tickets before the wait, or storing before it,
+    would let a GEMM see the previous call's values: the outputs of the chain's links then differ."""
+    from qerl.kernels import fp4_gemm, fused_step, reference, schedule
+
+    n = k = 1024
+    qs = [_weight(n, k) for _ in range(4)]
+    lora_a, lora_b = _rand(16, k) * 0.05, _rand(n, 16) * 0.05
+    norm_w = torch.rand(k, device="cuda", generator=_gen()).to(torch.bfloat16) + 0.5
+    h0 = _rand(M, k)
+    takes = fp4_gemm.gluon_takes(M, n, k, torch.bfloat16, h0.device)
+
+    def chain() -> list[torch.Tensor]:
+        h, outs = h0, []
+        for q in qs:
+            _, x, u = fused_step.rms_norm_shrink(h, None, norm_w, 1e-6, lora_a, (16, 16), permute=takes)
+            h = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, None, u.view(M, 16), lora_b,
+                                x_permuted=takes, pdl=True)  # fmt: skip
+            outs.append(h)
+        return outs
+
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(schedule, "DECODE_PDL", on)
+        eager = [y.clone() for y in chain()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            chain()
+            with torch.cuda.graph(graph, stream=stream):
+                outs = chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        replays = []
+        for _ in range(3):
+            graph.replay()
+            replays.append([y.clone() for y in outs])
+        torch.cuda.synchronize()
+        runs[on] = [eager, *replays]
+    serial = runs[False][0]
+    for got in runs[False] + runs[True]:
+        assert all(torch.equal(a, b) for a, b in zip(got, serial, strict=True))
+    h = h0.double()
+    for q, y in zip(qs, serial, strict=True):
+        x = reference.rms_norm(h, None, norm_w.double(), 1e-6)
+        h = x @ _w64(q).t() + (x @ lora_a.double().t()) @ lora_b.double().t()
+        assert _rel(y, h) < TOL
+        h = y.double()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("N,K", [(200, 1024), (1000, 3584), (72, 256), (130, 256 * 17)])
 def test_direct_decode(M: int, N: int, K: int) -> None:

@@ -70,11 +70,13 @@ def nvfp4_group_decode(
     lora_bounds: tuple[int, int] | None = None,
     lora_B: torch.Tensor | None = None,
     x_permuted: bool = False,
+    pdl: bool = False,
 ) -> list[torch.Tensor]:
     """One to three projections that read the same x and whose weights are stacked row-wise (``splits``
     rows each, one global scale): one launch instead of one per projection, each output a contiguous
     ``[..., N_j]`` tensor. For the rollout engine (no autograd). ``x_permuted``: x is in the Gluon
-    decode kernel's K order (see ``gluon_order``).
+    decode kernel's K order (see ``gluon_order``). ``pdl``: the weights are frozen (no kernel in flight writes them), so
+    the decode kernels may launch with programmatic dependent launch (``qerl/kernels/pdl.py``).
 
     Why: q/k/v and gate/up as separate launches cost the 7B decode step 27-42% more FP4-kernel time
     than the same GEMMs stacked (small k/v tiles, a partial last wave per launch; NOTES, "Where a
@@ -95,7 +97,7 @@ def nvfp4_group_decode(
         from qerl.kernels import fp4_gemm
 
         flat = fp4_gemm.matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, u, lora_B,
-                               out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=x_permuted)
+                               out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=x_permuted, pdl=pdl)
     elif x_permuted:
         raise ValueError("x_permuted: the Gluon K order is for the CUDA decode kernels only")
     else:

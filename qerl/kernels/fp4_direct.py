@@ -25,6 +25,8 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
   weights were re-paired by PRMTs at the end of each iteration, and the step waited there: Nsight Compute's
   source view (H200, 7B down, M=1) put 23% of the kernel's stall samples on that copy (benchmarks/NOTES.md,
   "Twenty-fourth session");
+* launched by the rollout engine with programmatic dependent launch (``pdl.py``): a slice's first weights are loaded
+  before the wait for the kernel before it, its x after, and the next kernel may launch once the K loop is done;
 * split-K with the same ticket reduction as the other decode kernels (partials read ``SPLIT_CHUNK`` per
   round trip), and their epilogue (bias, segmented outputs); the LoRA expand (``mma.sync`` over rank chunks)
   is done by each tile's last slice before its K loop, off the split-K tail (the ring build: in the epilogue).
@@ -56,6 +58,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .fp4_gemm import _check_act, _check_weight, _nibble_asm, segmented
 from .fp4_gluon import _scale_layout, launch_tail, resolve_split, split_k_sum, store_tile, tile_offsets
@@ -209,12 +212,14 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
                    u_ptr, lb_ptr, M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                    BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr, RING: gl.constexpr,
                    SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
-                   RC: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                   RC: gl.constexpr, WHOLE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Program (BN weight rows, K slice ``program_id(1)`` of ``steps_per_split`` K steps, x through a ring of
     ``STEPS`` of them):
     acc[n, m] = sum over the slice's K steps (HW int16 elements = 4 * HW codes) and the 4 nibbles of
     (nibble_i(h) * scale) @ x_i^T, then the split-K ticket epilogue. x is in the Gluon K order: x_i of step
-    kt is x[:, 4 HW kt + HW i : + HW]."""
+    kt is x[:, 4 HW kt + HW i : + HW]. ``PDL`` (``pdl.py``): the slice's first weights are loaded before the wait
+    for the kernel before this one, everything else after it; the next kernel may launch once every program has
+    finished its K loop."""
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     mma: gl.constexpr = _mma_layout(num_warps)
@@ -248,9 +253,13 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
                                     gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
     first = pid_k * steps_per_split
     last = gl.minimum(first + steps_per_split, k_steps) - 1
-    _stage_x(x_s, x_ptr, stride_xm, M, first, last, BM, HW, STEPS, num_warps)
+    if not PDL:
+        _stage_x(x_s, x_ptr, stride_xm, M, first, last, BM, HW, STEPS, num_warps)
     h = _load_rows(h_ptrs + first * (HW // 2), h_mask, 0, WHOLE)
     sc = _load_rows(s_ptrs + first * (G // 2), s_mask, 0, WHOLE)
+    if PDL:  # x is the kernel before's output: staged once it has finished (the weights are in flight meanwhile)
+        gdc_wait()
+        _stage_x(x_s, x_ptr, stride_xm, M, first, last, BM, HW, STEPS, num_warps)
 
     async_copy.wait_group(0)
     gl.thread_barrier()
@@ -287,6 +296,11 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         h = h_next
         sc = sc_next
 
+    if PDL:
+        # Here rather than at the start: the next GEMM's programs then take the slots this one's split-K tail leaves
+        # (H200, 7B decode GEMMs after their RMSNorm / SiLU shrink kernels, summed: 67.1 us at the start, 66.9 here, the
+        # committed kernel without PDL 68.5 at M=1; 73.4 / 72.8 / 75.1 at M=8; benchmarks/results/pdl_direct_trigger_s33.json).
+        gdc_launch_dependents()
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, mma)
     LORA_LAST: gl.constexpr = HAS_LORA and RING
     if LORA_LAST:
@@ -368,10 +382,12 @@ def matmul(
     out_bounds: tuple[int, int] | None = None,
     lora_bounds: tuple[int, int] | None = None,
     split: int = 0,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) for an x already in the Gluon K order (``reference.nibble_major``);
-    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice)."""
+    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice). ``pdl``: a programmatic
+    dependent launch (``pdl.py``; the caller vouches that no kernel in flight writes the weights)."""
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
     M = x.shape[0]
@@ -388,11 +404,12 @@ def matmul(
     h = weight_packed.contiguous().view(torch.int32)
     s = weight_scale.contiguous().view(torch.int16)
     ring = steps > MAX_STEPS
+    pdl = pdl and weight_packed.is_contiguous() and weight_scale.is_contiguous()  # else a copy just wrote them
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
         BM=BM, BN=bn, HW=HW, STEPS=min(steps, MAX_STEPS), RING=ring,
         SPLIT=split > 1, CH=SPLIT_CHUNK, HAS_BIAS=bias is not None,
         HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))),
-        WHOLE=N % bn == 0 and not ring, num_warps=WARPS,
+        WHOLE=N % bn == 0 and not ring, PDL=pdl, num_warps=WARPS, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from . import backend, reference, schedule
+from . import pdl as pdl_launch
 from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig, bwd_config, decode_config
 
 
@@ -478,6 +479,7 @@ def matmul(
     out_bounds: tuple[int, int] | None = None,
     lora_bounds: tuple[int, int] | None = None,
     x_permuted: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
 
@@ -491,6 +493,8 @@ def matmul(
     output columns split at the two bounds, each block a contiguous ``[M, len]``); ``lora_bounds``
     says ``lora_u`` is such a flat ``[M * r]`` buffer (as the rollout's fused shrinks write it).
     ``x_permuted``: x is in the Gluon kernels' K order (``nibble_major``); only for GEMMs ``gluon_takes``.
+    ``pdl``: the Gluon kernels launch with programmatic dependent launch where ``pdl.enabled`` (``qerl/kernels/pdl.py``);
+    the caller vouches that no kernel still in flight writes the weight (a model's frozen base weights).
     """
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
@@ -519,16 +523,17 @@ def matmul(
             return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
     if config is None and gluon_takes(M, N, K, x.dtype, x.device):
+        pdl = pdl and pdl_launch.enabled(x.device)
         if _tma_rows(M, N, K, x.device):  # gluon_takes's first case
             from . import fp4_gluon  # imports this module: loaded on first use only
 
             return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
-                                    out, out_bounds, lora_bounds, permuted=x_permuted)  # fmt: skip
+                                    out, out_bounds, lora_bounds, permuted=x_permuted, pdl=pdl)  # fmt: skip
         if x_permuted:
             from . import fp4_direct
 
             return fp4_direct.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
-                                     out, out_bounds, lora_bounds)  # fmt: skip
+                                     out, out_bounds, lora_bounds, pdl=pdl)  # fmt: skip
     elif x_permuted:
         raise ValueError(f"x in the Gluon kernels' K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
                          f"{x.dtype}, config={config}")  # fmt: skip

@@ -33,7 +33,8 @@ decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension)
 ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``split_k_sum``); up to
 ``BALANCE_MAX_BM`` tokens, where the wave model's split leaves resident slots empty, some tiles take one slice
 more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down at M=64 26.6 -> 26.0 us, release_landed_s32.json).
-``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or
+Launched by the rollout engine with programmatic dependent launch (``pdl.py``: the producer loads the first ring of
+weights before its wait for the kernel before, x after it). ``fp4_gemm.matmul`` sends it the decode GEMMs ``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or
 ``DIRECT_MAX_M`` for the large GEMMs; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon
 decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
 relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
@@ -57,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import backend, reference
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
@@ -125,12 +127,25 @@ def _scale_layout(a_linear):
 
 @gluon.jit
 def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, row, first, steps,
-              BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
     """One warp: TMA loads of K step ``first + i`` (weight rows from ``row``) into slot ``i % STAGES``, its weights
     and scales as soon as the consumer has released the slot's previous weights (``free_w``), its x once
-    those wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier."""
+    those wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier.
+    ``PDL`` (``pdl.py``): the first ring's weights before the wait for the kernel before this one, its x after."""
     nbytes: gl.constexpr = x_desc.block_type.nbytes + h_desc.block_type.nbytes + s_desc.block_type.nbytes
-    for i in range(steps):
+    start = 0
+    if PDL:  # a fresh ring's slots are free: no free_w / free_x waits for the first STAGES steps
+        for i in gl.static_range(STAGES):
+            if i < steps:
+                mbarrier.expect(ready.index(i), nbytes)
+                tma.async_copy_global_to_shared(h_desc, [row, (first + i) * (BK // 4)], ready.index(i), h_s.index(i))
+                tma.async_copy_global_to_shared(s_desc, [row, (first + i) * (BK // 16)], ready.index(i), s_s.index(i))
+        gdc_wait()
+        for i in gl.static_range(STAGES):
+            if i < steps:
+                tma.async_copy_global_to_shared(x_desc, [0, (first + i) * BK], ready.index(i), x_s.index(i))
+        start = STAGES
+    for i in range(start, steps):
         slot = i % STAGES
         phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
         kt = first + i
@@ -318,9 +333,12 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
                          M, N, K, base, extra, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                          SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
-                         RC: gl.constexpr, FENCED: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                         RC: gl.constexpr, FENCED: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Program (weight tile, K slice: ``_slice_of``; a tile's slices split its K steps evenly): the
-    warp-specialized K loop, then the split-K ticket epilogue."""
+    warp-specialized K loop, then the split-K ticket epilogue. ``PDL``: the producer waits for the kernel before
+    this one after the first weights (``_producer``), the epilogue's warps before their global reads and stores."""
+    if PDL:
+        gdc_launch_dependents()
     tiles = gl.cdiv(N, BN)
     pid_n, pid_k, nsplit = _slice_of(gl.program_id(0), tiles, base, extra)
     k_steps = K // BK
@@ -339,13 +357,16 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
     fence_async_shared()
     (acc,) = gl.warp_specialize(
         [(_consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES, FENCED)),
-         (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, pid_n * BN, first, steps, BK, STAGES))],
+         (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, pid_n * BN, first, steps, BK, STAGES,
+                      PDL))],
         [1], [24],
     )  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free_w.index(i))
         mbarrier.invalidate(free_x.index(i))
+    if PDL:
+        gdc_wait()  # returns at once (the producer's wait came before any x arrived); orders these warps' reads
 
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, _acc_layout(BM))
     run = True
@@ -411,12 +432,14 @@ def matmul(
     lora_bounds: tuple[int, int] | None = None,
     split: int = 0,
     permuted: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
     there when it dispatches here) through the Gluon kernel; see ``supports`` for what it takes.
     ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it).
     ``split``: K slices for every tile (0: ``decode_split``'s choice, balanced over the resident slots up to
-    ``BALANCE_MAX_BM``)."""
+    ``BALANCE_MAX_BM``). ``pdl``: a programmatic dependent launch (``pdl.py``; the caller vouches that no kernel in
+    flight writes the weights)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _check_act(x)
@@ -438,6 +461,7 @@ def matmul(
     rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, BN * bm, slices, (base, extra), bias, lora_u,
                                   lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     xp = x.contiguous() if permuted else reference.nibble_major(x)
+    pdl = pdl and weight_packed.is_contiguous() and weight_scale.is_contiguous()  # else a copy just wrote them
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
     x_desc = TensorDescriptor.from_tensor(xp, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
@@ -447,6 +471,7 @@ def matmul(
     _decode_gluon_kernel[(tiles * base + extra,)](
         x_desc, h_desc, s_desc, *tail,
         BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=slices > 1, CH=SPLIT_CHUNK[bm], HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))), FENCED=bm in FENCED_RELEASE, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        RC=min(64, max(16, triton.next_power_of_2(rank))), FENCED=bm in FENCED_RELEASE, PDL=pdl, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}), **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from qerl.kernels import backend, reference, schedule
+from qerl.kernels import backend, pdl, reference, schedule
 from qerl.kernels.fp4_gemm import nibble_major, segmented
 
 #: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks. From
@@ -55,6 +56,14 @@ def _shrink_split(rows: int, k: int, rp: int, warps: int) -> tuple[int, int, int
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
+
+
+@triton.jit
+def _trigger(ON: tl.constexpr):
+    """With ``ON`` (``pdl.enabled``): let the next kernel, a decode GEMM launched with PDL, be scheduled as soon as
+    every program of this one has started (``qerl/kernels/pdl.py``); it waits for this kernel before reading x."""
+    if ON:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -152,9 +161,10 @@ def _normalise(h, rstd, w_ptr, cols, mask, DT: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                     PERMUTE: tl.constexpr):  # fmt: skip
+                     PERMUTE: tl.constexpr, TRIGGER: tl.constexpr):  # fmt: skip
     """One program per row; the residual sum is written back in place; PERMUTE: the output in the
     Gluon decode kernel's K order (``fp4_gemm.nibble_major``)."""
+    _trigger(TRIGGER)
     base = tl.program_id(0).to(tl.int64) * n_cols
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -171,7 +181,7 @@ def _rms_norm_shrink_kernel(
     h_ptr, d_ptr, w_ptr, hout_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr,
     M, K, eps, chunk, R, S1, S2,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, PART_TILE: tl.constexpr,
-    PERMUTE: tl.constexpr,
+    PERMUTE: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """Program (row, split): rstd from the whole row (an L2 read), then its ``chunk`` columns:
     residual sum -> hout, normalised row -> out (PERMUTE: in the Gluon K order), and their share of
@@ -179,6 +189,7 @@ def _rms_norm_shrink_kernel(
 
     hout is a separate buffer: other programs of the row may still be reading h.
     """
+    _trigger(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     base = row * K
@@ -206,11 +217,12 @@ def _rms_norm_shrink_kernel(
 @triton.jit
 def _rms_norm_rank_kernel(
     h_ptr, d_ptr, w_ptr, hout_ptr, out_ptr, a_ptr, u_ptr, M, K, eps, share, R, S1, S2,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, PERMUTE: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, PERMUTE: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """Program (row, rank block): the whole row's residual sum and RMSNorm, then ``RB`` ranks of u from it over
     all K columns, stored as they are: no partials, no ticket. Of hout and out it stores its ``share`` of the
     columns. A's rows are loaded first: they come from DRAM and the row from L2, so the two latencies overlap."""
+    _trigger(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -246,7 +258,8 @@ def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, 
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(h.numel() // n_cols,)](
         h, delta if delta is not None else h, weight, out, n_cols, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, PERMUTE=_permute(permute, n_cols), num_warps=_norm_warps(block),
+        HAS_DELTA=delta is not None, BLOCK=block, PERMUTE=_permute(permute, n_cols), TRIGGER=pdl.enabled(h.device),
+        num_warps=_norm_warps(block),
     )  # fmt: skip
     return out
 
@@ -319,7 +332,8 @@ def rms_norm_shrink(
         blocks = triton.cdiv(rank, rb)
         _rms_norm_rank_kernel[(m, blocks)](
             *common, m, k, eps, triton.cdiv(k, blocks), rank, bounds[0], bounds[1],
-            HAS_DELTA=delta is not None, BLOCK=block, RB=rb, PERMUTE=_permute(permute, k), num_warps=RANK_WARPS,
+            HAS_DELTA=delta is not None, BLOCK=block, RB=rb, PERMUTE=_permute(permute, k), TRIGGER=pdl.enabled(h.device),
+            num_warps=RANK_WARPS,
         )  # fmt: skip
         return h_out, out, u
     rp = rank_pad(rank)
@@ -330,7 +344,7 @@ def rms_norm_shrink(
     _rms_norm_shrink_kernel[(m, nsplit)](
         *common, part, backend.tickets(h.device, m), m, k, eps, chunk, rank, bounds[0], bounds[1],
         HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp),
-        PERMUTE=_permute(permute, k), num_warps=warps,
+        PERMUTE=_permute(permute, k), TRIGGER=pdl.enabled(h.device), num_warps=warps,
     )  # fmt: skip
     return h_out, out, u
 
@@ -349,7 +363,8 @@ def _silu_gate(g_ptr, u_ptr, offs, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.constexpr, TRIGGER: tl.constexpr):
+    _trigger(TRIGGER)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dest = nibble_major(offs) if PERMUTE else offs
@@ -359,10 +374,11 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.
 @triton.jit
 def _silu_mul_shrink_kernel(
     g_ptr, up_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, M, K, chunk, R,
-    BK: tl.constexpr, RP: tl.constexpr, PART_TILE: tl.constexpr, PERMUTE: tl.constexpr,
+    BK: tl.constexpr, RP: tl.constexpr, PART_TILE: tl.constexpr, PERMUTE: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """Program (row, split): SiLU-gate ``chunk`` columns of the row (stored in the Gluon K order with
     PERMUTE) and reduce their share of u."""
+    _trigger(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     acc = tl.zeros([RP], tl.float32)
@@ -381,7 +397,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> tor
     out = torch.empty_like(gate)
     n = gate.numel()
     _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, PERMUTE=_permute(permute, gate.shape[-1]),
-                                              num_warps=4)  # fmt: skip
+                                              TRIGGER=pdl.enabled(gate.device), num_warps=4)  # fmt: skip
     return out
 
 
@@ -400,7 +416,8 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, 
     part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=gate.device)
     _silu_mul_shrink_kernel[(m, nsplit)](
         gate, up, out, lora_a, u, part, backend.tickets(gate.device, m), m, k, chunk, rank,
-        BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp), PERMUTE=_permute(permute, k), num_warps=4,
+        BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp), PERMUTE=_permute(permute, k), TRIGGER=pdl.enabled(gate.device),
+        num_warps=4,
     )
     return out, u
 
@@ -557,10 +574,11 @@ def _attn_partial_kernel(
 def _attn_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, nsplit, B, H, R,
     NSP: tl.constexpr, D: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, PERMUTE: tl.constexpr,
-    PART_TILE: tl.constexpr,
+    PART_TILE: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """Program (row*head): merge the head's split partials; with LoRA, its share of ``u = out @ A.T``
     (the head's D columns of A), summed over the row's heads by the last program."""
+    _trigger(TRIGGER)
     bh = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, NSP)
     offs_d = tl.arange(0, D)
@@ -622,8 +640,7 @@ def decode_attention(
         m, lsum, acc, out, lora_a if lora_a is not None else out, u if u is not None else out,
         part if part is not None else m, tickets if tickets is not None else m, nsplit, b, h, rank,
         NSP=triton.next_power_of_2(nsplit), D=d, HAS_LORA=lora_a is not None, RP=rp, PERMUTE=_permute(permute, h * d),
-        PART_TILE=part_tile(h, rp),
-        num_warps=4,
+        PART_TILE=part_tile(h, rp), TRIGGER=pdl.enabled(q.device), num_warps=4,
     )  # fmt: skip
     return out, u
 

@@ -110,6 +110,9 @@ ROPE_IN_ATTENTION = os.environ.get("QERL_ROPE_IN_ATTENTION", "1") != "0"
 #: Up to ``fused_step.RANK_SPLIT_MAX_ROWS`` rows the RMSNorm + LoRA shrink kernel splits u's ranks over programs,
 #: not the row's columns (``fused_step.rank_block``); ``QERL_SHRINK_BY_RANK=0`` turns it off.
 SHRINK_BY_RANK = os.environ.get("QERL_SHRINK_BY_RANK", "1") != "0"
+#: The decode GEMMs the rollout engine launches (frozen base weights) use programmatic dependent launch, and the
+#: kernels feeding them trigger it as they start (``qerl/kernels/pdl.py``); ``QERL_DECODE_PDL=0`` turns it off.
+DECODE_PDL = os.environ.get("QERL_DECODE_PDL", "1") != "0"
 #: The native engine samples without top-k / top-p through one kernel (``fused_step.sample``) instead of
 #: ~10 torch launches over the whole ``[B, V]`` logits. ``QERL_FUSED_SAMPLER=0`` turns it off (its draws
 #: then come from the engine's torch generator). H200, 7B NVFP4 + LoRA, ``python -m benchmarks.rollout

@@ -223,7 +223,8 @@ def stacked_forward(x: torch.Tensor, group: Group, lora: LoraInputs, permuted: b
     st, lora_b = group.fp4_launch()
     bias = None if st.bias is None else st.bias.to(x.dtype)
     u, bounds, lora_b = (None, None, None) if lora is None else (lora.u, lora.bounds, lora_b)
-    return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits, u, bounds, lora_b, permuted)
+    return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits, u, bounds, lora_b, permuted,
+                                      pdl=True)  # the base weights are frozen
 
 
 def decode_attention(

@@ -1,0 +1,52 @@
+"""Programmatic dependent launch (PDL, sm_90) for the decode step: a decode GEMM's programs start while the
+kernel before it on the stream is still running, load the first weights of their K slice (which no kernel of the
+step writes), and only then wait for that kernel (``griddepcontrol.wait``) before they touch x, u or any output.
+
+Why: at M=1 the mma.sync decode kernel spends ~1.9 us per call between kernels and 1-2 us while its whole wave's
+first weight requests queue in the memory system, against a 9 us floor for 7B down (benchmarks/NOTES.md,
+"Thirtieth session": per-program timelines). With PDL the next GEMM's first loads overlap the kernel before it.
+The kernels that feed a decode GEMM (``fused_step``'s RMSNorm, SiLU and attention-combine kernels, and the GEMMs
+themselves) call ``griddepcontrol.launch_dependents`` as they start (``TRIGGER``), so the GEMM is scheduled as
+soon as their programs are all resident, not after the last one exits.
+
+The contract of a PDL launch (``enabled``): its weights, scales and global scale are not written by any kernel
+still in flight on the stream (true of a model's frozen base weights, which the rollout engine passes; a weight
+quantized or copied by the kernel just before the call is not, so ``fp4_gemm.matmul`` takes PDL only when asked).
+Everything else (x, LoRA u and B, bias, tickets, partials, outputs) is read or written after the wait. Waiting is
+transitive (a kernel finishes only after its own wait returns), so the GEMM is ordered after every kernel before
+it; a kernel launched without PDL after it waits for it as usual. ``QERL_DECODE_PDL=0`` (``schedule.DECODE_PDL``)
+launches everything without it.
+
+Measured (H200, benchmarks/NOTES.md, "Thirty-third session"): the 7B engine at 256 tokens, off / on / off, 2.480 /
+2.420 / 2.447 ms a step at b=1, 2.677 / 2.607 / 2.664 at b=8, 4.872 / 4.750 / 4.909 at b=64, 7.242 / 7.261 / 7.250 at
+b=128 (rollout_pdl_ab_s33.json); a decode GEMM after another GEMM -5% to -7% (geometric mean) at M = 1..16 and 64,
++0.3% at M=32, and 7B down at M=1, the kernel target's shape, +6% (16.80 -> 17.81 us, kernels.json), while the same
+GEMM after the SiLU + shrink kernel, as the engine runs it, is 0.6 us shorter.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+from . import schedule
+
+
+@cache
+def _capable(device: torch.device) -> bool:
+    """A CUDA device of sm_90 or later, not Triton's CPU interpreter (which has no grid-dependency ops)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)  # fmt: skip
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL and trigger their dependents early: ``schedule.DECODE_PDL``
+    (read at each launch; a CUDA graph keeps what it captured) on an sm_90+ device."""
+    return schedule.DECODE_PDL and _capable(torch.device(device))
+
+
+def launch_options(device: torch.device) -> dict:
+    """Triton's launch keyword for a PDL launch on ``device`` (``launch_pdl``), or none."""
+    return {"launch_pdl": True} if enabled(device) else {}
