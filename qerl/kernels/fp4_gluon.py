@@ -35,8 +35,8 @@ ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``
 more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down at M=64 26.6 -> 26.0 us, release_landed_s32.json).
 Launched by the rollout engine with programmatic dependent launch (``pdl.py``: the producer loads the first ring of
 weights before its wait for the kernel before, x after it). ``fp4_gemm.matmul`` sends it the decode GEMMs
-``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs; ``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon
-decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
+``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs;
+``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
 relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
 Triton kernel's 119.3 / 185.3 at M = 64 / 128 (x pre-permuted, decode_gluon_candidates.json; floor 31 us:
 131 MB of weights at 4.26 TB/s), and
