@@ -62,6 +62,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .fp4_gemm import _check_act, _check_weight, _nibble_asm, segmented
 from .fp4_gluon import _scale_layout, launch_tail, resolve_split, split_k_sum, store_tile, tile_offsets
+from .pdl import gemm_launch
 from .schedule import _cdiv, _sm_count, decode_split
 
 
@@ -404,12 +405,11 @@ def matmul(
     h = weight_packed.contiguous().view(torch.int32)
     s = weight_scale.contiguous().view(torch.int16)
     ring = steps > MAX_STEPS
-    pdl = pdl and weight_packed.is_contiguous() and weight_scale.is_contiguous()  # else a copy just wrote them
     _direct_kernel[(tiles, split)](
         x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
         BM=BM, BN=bn, HW=HW, STEPS=min(steps, MAX_STEPS), RING=ring,
         SPLIT=split > 1, CH=SPLIT_CHUNK, HAS_BIAS=bias is not None,
         HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))),
-        WHOLE=N % bn == 0 and not ring, PDL=pdl, num_warps=WARPS, **({"launch_pdl": True} if pdl else {}),
+        WHOLE=N % bn == 0 and not ring, num_warps=WARPS, **gemm_launch(pdl, x.device, weight_packed, weight_scale),
     )  # fmt: skip
     return out

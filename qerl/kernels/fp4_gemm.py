@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 
 from . import backend, reference, schedule
-from . import pdl as pdl_launch
 from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig, bwd_config, decode_config
 
 
@@ -493,8 +492,9 @@ def matmul(
     output columns split at the two bounds, each block a contiguous ``[M, len]``); ``lora_bounds``
     says ``lora_u`` is such a flat ``[M * r]`` buffer (as the rollout's fused shrinks write it).
     ``x_permuted``: x is in the Gluon kernels' K order (``nibble_major``); only for GEMMs ``gluon_takes``.
-    ``pdl``: the Gluon kernels launch with programmatic dependent launch where ``pdl.enabled`` (``qerl/kernels/pdl.py``);
-    the caller vouches that no kernel still in flight writes the weight (a model's frozen base weights).
+    ``pdl``: the Gluon kernels launch with programmatic dependent launch where ``pdl.gemm_launch`` allows it
+    (``qerl/kernels/pdl.py``); the caller vouches that no kernel still in flight writes the weight (a model's frozen
+    base weights).
     """
     _check_act(x)
     N, K = _check_weight(weight_packed, weight_scale)
@@ -523,7 +523,6 @@ def matmul(
             return reference.segment(y, out_bounds)
         return y if out is None else out.copy_(y)
     if config is None and gluon_takes(M, N, K, x.dtype, x.device):
-        pdl = pdl and pdl_launch.enabled(x.device)
         if _tma_rows(M, N, K, x.device):  # gluon_takes's first case
             from . import fp4_gluon  # imports this module: loaded on first use only
 

@@ -36,8 +36,8 @@ more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down
 Launched by the rollout engine with programmatic dependent launch (``pdl.py``: the producer loads the first ring of
 weights before its wait for the kernel before, x after it). ``fp4_gemm.matmul`` sends it the decode GEMMs
 ``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs;
-``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon decode kernel, measured") it is bitwise equal to the Triton kernel at M <= 64 and within 1.3e-4
-relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
+``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon decode kernel, measured") it is bitwise
+equal to the Triton kernel at M <= 64 and within 1.3e-4 relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
 Triton kernel's 119.3 / 185.3 at M = 64 / 128 (x pre-permuted, decode_gluon_candidates.json; floor 31 us:
 131 MB of weights at 4.26 TB/s), and
 the 7B engine step (1024 tokens, its input written in this kernel's K order, split-K refit) from 7.19 to
@@ -62,6 +62,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import backend, reference
 from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
+from .pdl import gemm_launch
 from .schedule import _cdiv, _sm_count, balanced_split, decode_split
 
 #: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
@@ -126,20 +127,27 @@ def _scale_layout(a_linear):
 
 
 @gluon.jit
+def _load_weights(x_desc, h_desc, s_desc, h_s, s_s, ready, slot, row, kt, BK: gl.constexpr):
+    """K step ``kt``'s weight and scale tiles (rows from ``row``) into ``slot``, its ``ready`` barrier armed for them
+    and the step's x, which the producer issues on its own."""
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + h_desc.block_type.nbytes + s_desc.block_type.nbytes
+    mbarrier.expect(ready.index(slot), nbytes)
+    tma.async_copy_global_to_shared(h_desc, [row, kt * (BK // 4)], ready.index(slot), h_s.index(slot))
+    tma.async_copy_global_to_shared(s_desc, [row, kt * (BK // 16)], ready.index(slot), s_s.index(slot))
+
+
+@gluon.jit
 def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, row, first, steps,
               BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
     """One warp: TMA loads of K step ``first + i`` (weight rows from ``row``) into slot ``i % STAGES``, its weights
     and scales as soon as the consumer has released the slot's previous weights (``free_w``), its x once
     those wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier.
     ``PDL`` (``pdl.py``): the first ring's weights before the wait for the kernel before this one, its x after."""
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + h_desc.block_type.nbytes + s_desc.block_type.nbytes
     start = 0
     if PDL:  # a fresh ring's slots are free: no free_w / free_x waits for the first STAGES steps
         for i in gl.static_range(STAGES):
             if i < steps:
-                mbarrier.expect(ready.index(i), nbytes)
-                tma.async_copy_global_to_shared(h_desc, [row, (first + i) * (BK // 4)], ready.index(i), h_s.index(i))
-                tma.async_copy_global_to_shared(s_desc, [row, (first + i) * (BK // 16)], ready.index(i), s_s.index(i))
+                _load_weights(x_desc, h_desc, s_desc, h_s, s_s, ready, i, row, first + i, BK)
         gdc_wait()
         for i in gl.static_range(STAGES):
             if i < steps:
@@ -150,9 +158,7 @@ def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, row,
         phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
         kt = first + i
         mbarrier.wait(free_w.index(slot), phase)
-        mbarrier.expect(ready.index(slot), nbytes)
-        tma.async_copy_global_to_shared(h_desc, [row, kt * (BK // 4)], ready.index(slot), h_s.index(slot))
-        tma.async_copy_global_to_shared(s_desc, [row, kt * (BK // 16)], ready.index(slot), s_s.index(slot))
+        _load_weights(x_desc, h_desc, s_desc, h_s, s_s, ready, slot, row, kt, BK)
         mbarrier.wait(free_x.index(slot), phase)
         tma.async_copy_global_to_shared(x_desc, [0, kt * BK], ready.index(slot), x_s.index(slot))
 
@@ -461,7 +467,6 @@ def matmul(
     rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, BN * bm, slices, (base, extra), bias, lora_u,
                                   lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     xp = x.contiguous() if permuted else reference.nibble_major(x)
-    pdl = pdl and weight_packed.is_contiguous() and weight_scale.is_contiguous()  # else a copy just wrote them
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
     x_desc = TensorDescriptor.from_tensor(xp, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
@@ -471,7 +476,7 @@ def matmul(
     _decode_gluon_kernel[(tiles * base + extra,)](
         x_desc, h_desc, s_desc, *tail,
         BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=slices > 1, CH=SPLIT_CHUNK[bm], HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))), FENCED=bm in FENCED_RELEASE, PDL=pdl, num_warps=4,
-        **({"maxnreg": maxnreg} if maxnreg else {}), **({"launch_pdl": True} if pdl else {}),
+        RC=min(64, max(16, triton.next_power_of_2(rank))), FENCED=bm in FENCED_RELEASE, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}), **gemm_launch(pdl, x.device, weight_packed, weight_scale),
     )  # fmt: skip
     return out

@@ -47,6 +47,10 @@ def enabled(device: torch.device) -> bool:
     return schedule.DECODE_PDL and _capable(torch.device(device))
 
 
-def launch_options(device: torch.device) -> dict:
-    """Triton's launch keyword for a PDL launch on ``device`` (``launch_pdl``), or none."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def gemm_launch(requested: bool, device: torch.device, *weights: torch.Tensor) -> dict:
+    """The launch keywords of a decode GEMM the caller asks to launch with PDL (``requested``, vouching for frozen
+    weights): the kernel's ``PDL`` constexpr and Triton's ``launch_pdl``, on where ``enabled`` and every weight tensor
+    is already contiguous (the kernel reads them before its wait: not right after a ``.contiguous()`` copy, which would
+    be the kernel before it, still in flight)."""
+    on = requested and enabled(device) and all(w.is_contiguous() for w in weights)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
