@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernel", choices=["triton", "gluon", "direct"], default="triton",
                         help="gluon: the Gluon kernel (x pre-permuted, as the engine hands it; ncu -k regex:_decode_gluon); "
                              "direct: the mma.sync kernel for M <= 8 (fp4_direct, x pre-permuted; ncu -k regex:_direct)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="gluon / direct: the build the engine launches (programmatic dependent launch, qerl/kernels/pdl.py: "
+                             "first weights loaded before griddepcontrol.wait); ncu runs kernels one at a time, so this "
+                             "profiles that build's instruction stream, not its overlap with the kernel before it")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/profile_decode.py: needs a CUDA device")
@@ -46,12 +50,12 @@ def main(argv: list[str] | None = None) -> None:
         from qerl.kernels import fp4_gluon, reference
 
         xp = reference.nibble_major(x)
-        launch = lambda: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True)  # noqa: E731
+        launch = lambda: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True, pdl=args.pdl)  # noqa: E731
     elif args.kernel == "direct":
         from qerl.kernels import fp4_direct, reference
 
         xp = reference.nibble_major(x)
-        launch = lambda: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale)  # noqa: E731
+        launch = lambda: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, pdl=args.pdl)  # noqa: E731
     else:
         launch = lambda: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m))  # noqa: E731
     for _ in range(args.launches):

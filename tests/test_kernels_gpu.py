@@ -194,7 +194,7 @@ def test_split_k_decode_is_repeatable_on_real_shapes(M: int, N: int, K: int) -> 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
-@pytest.mark.parametrize("M", [1, 8, 32, 64])
+@pytest.mark.parametrize("M", [1, 8, 16, 64, 128])
 def test_pdl_decode_chain_matches_serial(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode step's kernels under programmatic dependent launch (``qerl/kernels/pdl.py``): a chain where each
     GEMM reads the RMSNorm just before it (which triggers it early) and each RMSNorm the GEMM before it, with a LoRA

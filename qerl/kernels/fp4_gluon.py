@@ -99,6 +99,11 @@ FENCED_RELEASE = (64,)
 #: 7B down M=32 21.65 / 20.99, M=64 26.73 / 26.17; 7B qkv M=32 10.27 / 9.84; 32B down M=16 35.24 / 31.55; at
 #: BM=128 (one CTA an SM) it lost (7B qkv 17.14 / 19.82), so that BM keeps the uniform split.
 BALANCE_MAX_BM = 64
+#: The BMs launched with programmatic dependent launch where the caller asks for it (``pdl.py``). Not 32: its split is
+#: planned for 2 CTAs an SM of the 3 that fit, and the 7B engine at b=32 lost with PDL, off / on / off 3.579 / 3.780 /
+#: 3.554 ms a step (H200, rollout_pdl_ab_b16_32_s34.json; b=16 3.159 / 3.152 / 3.093), as its GEMMs did one after
+#: another (kernels.json: 7B down 21.73 -> 24.58 us, 32B down 39.47 -> 46.44).
+PDL_BM = (16, 64, 128)
 
 
 @gluon.constexpr_function
@@ -477,6 +482,6 @@ def matmul(
         x_desc, h_desc, s_desc, *tail,
         BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=slices > 1, CH=SPLIT_CHUNK[bm], HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         RC=min(64, max(16, triton.next_power_of_2(rank))), FENCED=bm in FENCED_RELEASE, num_warps=4,
-        **({"maxnreg": maxnreg} if maxnreg else {}), **gemm_launch(pdl, x.device, weight_packed, weight_scale),
+        **({"maxnreg": maxnreg} if maxnreg else {}), **gemm_launch(pdl and bm in PDL_BM, x.device, weight_packed, weight_scale),
     )  # fmt: skip
     return out

@@ -17,11 +17,14 @@ transitive (a kernel finishes only after its own wait returns), so the GEMM is o
 it; a kernel launched without PDL after it waits for it as usual. ``QERL_DECODE_PDL=0`` (``schedule.DECODE_PDL``)
 launches everything without it.
 
-Measured (H200, benchmarks/NOTES.md, "Thirty-third session"): the 7B engine at 256 tokens, off / on / off, 2.480 /
-2.420 / 2.447 ms a step at b=1, 2.677 / 2.607 / 2.664 at b=8, 4.872 / 4.750 / 4.909 at b=64, 7.242 / 7.261 / 7.250 at
-b=128 (rollout_pdl_ab_s33.json); a decode GEMM after another GEMM -5% to -7% (geometric mean) at M = 1..16 and 64,
-+0.3% at M=32, and 7B down at M=1, the kernel target's shape, +6% (16.80 -> 17.81 us, kernels.json), while the same
-GEMM after the SiLU + shrink kernel, as the engine runs it, is 0.6 us shorter.
+Measured (H200, benchmarks/NOTES.md, "Thirty-third session" and "Thirty-fourth session"): the 7B engine at 256 tokens,
+off / on / off, 2.480 / 2.420 / 2.447 ms a step at b=1, 2.677 / 2.607 / 2.664 at b=8, 3.159 / 3.152 / 3.093 at b=16,
+4.872 / 4.750 / 4.909 at b=64, 7.242 / 7.261 / 7.250 at b=128 (rollout_pdl_ab_s33.json, rollout_pdl_ab_b16_32_s34.json);
+at b=32 it lost 6% (3.579 / 3.780 / 3.554), so the TMA/wgmma kernel's BM=32 launches take none (``fp4_gluon.PDL_BM``).
+A decode GEMM after another GEMM: -6% to -7% (geometric mean) at M = 1..16 and 64, but 7B down at M=1, the kernel
+target's shape, +6% (16.16 -> 17.21 us, kernels.json): ``fp4_direct`` requests x behind its first weights, so the
+wait for x ends when they arrive and the next step's loads go out later (with the wait first it is 16.15 us); after the
+SiLU + shrink kernel, as the engine runs it, the same GEMM is 0.85 us shorter with PDL as it is (pdl_prologue_s34.json).
 """
 
 from __future__ import annotations
