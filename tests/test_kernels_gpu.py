@@ -203,12 +203,14 @@ def test_pdl_decode_chain_matches_serial(M: int, monkeypatch: pytest.MonkeyPatch
     would let a GEMM see the previous call's values: the outputs of the chain's links then differ."""
     from qerl.kernels import fp4_gemm, fused_step, reference, schedule
 
-    n = k = 1024
+    # From 9 to GLUON_MIN_M rows the TMA/wgmma kernel takes only GEMMs of at least GLUON_MIN_WEIGHTS weights.
+    n = k = 4608 if schedule.DIRECT_MAX_M < M <= schedule.GLUON_MIN_M else 1024
     qs = [_weight(n, k) for _ in range(4)]
     lora_a, lora_b = _rand(16, k) * 0.05, _rand(n, 16) * 0.05
     norm_w = torch.rand(k, device="cuda", generator=_gen()).to(torch.bfloat16) + 0.5
     h0 = _rand(M, k)
     takes = fp4_gemm.gluon_takes(M, n, k, torch.bfloat16, h0.device)
+    assert takes, f"M={M}, N=K={n}: expected a Gluon decode kernel, the ones launched with PDL"
 
     def chain() -> list[torch.Tensor]:
         h, outs = h0, []
