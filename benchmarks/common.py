@@ -9,6 +9,7 @@ imported where a GPU path first needs them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -41,6 +42,8 @@ SHAPES = {
 }
 #: Qwen2.5's vocabulary (7B and up; untied LM head).
 VOCAB = 152064
+#: Positions the real Qwen2.5-7B/32B configs declare; the random models and vLLM's config-only dirs declare the same.
+MAX_POSITIONS = 32768
 #: Prompt tokens of every rollout benchmark row (benchmarks/rollout.py, rollout_vllm.py).
 PROMPT = 256
 #: Bytes of weight copies a timing rotates over: > 4x the H200's 60 MB L2, so every call reads HBM.
@@ -137,13 +140,19 @@ class Layer:
     def bwd_fns(self, gy: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
         from qerl.kernels import fp4_gemm as fg
 
-        return [lambda q=q: fg.matmul_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config) for q in self.q]
+        return [
+            lambda q=q: fg.matmul_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config)
+            for q in self.q
+        ]
 
     def dq_fwd_fns(self, x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
         """The large-M path: dequantize to bf16, then cuBLAS."""
         from qerl.kernels import fp4_gemm as fg
 
-        return [lambda q=q: F.linear(x, fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale)) for q in self.q]
+        return [
+            lambda q=q: F.linear(x, fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale))
+            for q in self.q
+        ]
 
     def dq_bwd_fns(self, gy: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
         from qerl.kernels import fp4_gemm as fg
@@ -154,7 +163,10 @@ class Layer:
         """The dequantize kernel alone, with program ``block`` (rows, int32 words, warps)."""
         from qerl.kernels import fp4_gemm as fg
 
-        return [lambda q=q: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block) for q in self.q]
+        return [
+            lambda q=q: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block)
+            for q in self.q
+        ]
 
     def bf16_fwd_fns(self, x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
         return [lambda w=w: F.linear(x, w) for w in self.w]
@@ -179,22 +191,32 @@ def _stop(signum: int, frame: object) -> None:
     raise _Stopped(signal.Signals(signum).name)
 
 
-def run_stoppable(cmd: list[str], **popen_kwargs: Any) -> tuple[int, str | None]:
-    """Run ``cmd`` in a process group of its own: ``(exit code, None)``, or, when this process gets a SIGTERM
-    meanwhile (``timeout``'s signal), the whole group terminated and ``(its exit code, "SIGTERM")``, so the
-    caller can keep what the child finished and stop. Without this a time limit kills only the driver: the
-    child (a vLLM engine, a training run and its own children) keeps the GPU for whatever the caller runs
-    next, and its rows are lost. Main thread only (Python's signal handlers run there)."""
+def run_stoppable_group(calls: list[tuple[list[str], dict[str, Any]]]) -> tuple[list[int], str | None]:
+    """Run every ``(cmd, popen_kwargs)`` of ``calls`` at once, each in a process group of its own: ``(their exit
+    codes, None)``, or, when this process gets a SIGTERM meanwhile (``timeout``'s signal), every group still
+    running terminated and ``(their exit codes, "SIGTERM")``, so the caller can keep what the children finished
+    and stop. Without this a time limit kills only the driver: the children (a vLLM engine, training runs and
+    their own children) keep the GPU for whatever the caller runs next, and their rows are lost. Main thread
+    only (Python's signal handlers run there)."""
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
-        child = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+        children = [subprocess.Popen(cmd, start_new_session=True, **kwargs) for cmd, kwargs in calls]
         try:
-            return child.wait(), None
+            return [child.wait() for child in children], None
         except _Stopped as stop:
-            os.killpg(child.pid, signal.SIGTERM)
-            return child.wait(), str(stop)
+            for child in children:
+                if child.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):  # it may end between poll and kill
+                        os.killpg(child.pid, signal.SIGTERM)
+            return [child.wait() for child in children], str(stop)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_stoppable(cmd: list[str], **popen_kwargs: Any) -> tuple[int, str | None]:
+    """``run_stoppable_group`` of one command: ``(exit code, None)`` or ``(exit code, "SIGTERM")``."""
+    codes, stopped = run_stoppable_group([(cmd, popen_kwargs)])
+    return codes[0], stopped
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -211,12 +233,18 @@ def random_model(
     **config: Any,
 ) -> nn.Module:
     """A random Qwen2 (or Llama, ``arch="llama"``) causal LM of ``shape`` built by ``random_causal_lm``:
-    4096 positions, rope theta 1e6, untied LM head, ``config`` on top (e.g. token ids)."""
+    32768 positions (as the real Qwen2.5 configs declare: vLLM refuses prompt + tokens beyond it), rope theta 1e6,
+    untied LM head, ``config`` on top (e.g. token ids)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     cfg = config_cls(
-        vocab_size=vocab, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False, **shape, **config
+        vocab_size=vocab,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        **shape,
+        **config,
     )
     return random_causal_lm(model_cls, cfg, nvfp4, device, dtype, seed)
 

@@ -8,10 +8,10 @@ bf16 ``F.linear`` on the dequantized weight in the same run. Then the dequantize
 (bitwise against ``nvfp4.dequantize``) and the M=1024 dequantize + cuBLAS path.
 
 The schedule with the least time summed over every (shape, M) is printed as a ``QERL_DECODE_CONFIG``
-value (``--env-file`` writes it), so a device session can run the model-level benchmarks with it
+value (``--env-file`` writes it), so the model-level benchmarks can run with it on the same machine
 before it becomes the code's default. (The kernel addresses the weight through (row, K step, tile)
-strides, so another weight order can be a candidate here without a new kernel; benchmarks/NOTES.md,
-sweeps 2-3, has the orders measured.)
+strides, so another weight order can be a candidate here without a new kernel; docs/kernels.md lists
+the orders measured.)
 
     python -m benchmarks.decode_tune --out $OUT            # prints a table, writes decode_tune.json
     python -m benchmarks.decode_tune --quick --out $OUT    # no dequantize rows (~2-3 min)
@@ -28,14 +28,13 @@ each checked against float64, side by side in one run.
 
 ``--splits`` times the default schedule at every distinct split-K count on each decode GEMM of the
 7B and 32B shapes (q/k/v and gate/up fused, as the engine runs them), M = 1 and 64, checked against
-float64 like the rest: the data for choosing split from the shape (wave quantization, NOTES.md).
+float64 like the rest: the data for choosing split from the shape (wave quantization, docs/kernels.md).
 
 ``--direct-splits`` does the same for the mma.sync kernel (``fp4_direct``, x pre-permuted) at M = 1 / 8, without and
 with a LoRA epilogue of the engine's rank for each GEMM (``DIRECT_RANKS``), on every 7B / 32B decode GEMM that kernel
 takes (not 32B down: ``fp4_direct.refills``); ``--engine-ab`` then times the 7B engine (b = 1 / 8, 256 tokens) with
 ``decode_split``'s splits / the sweep's best split per (GEMM, M) where it beat them by > 2% (``split_table``) /
-``decode_split``'s again. The twenty-sixth session's sweeps (direct_split_probe.json, direct_ring_early_probe.json)
-were run by the probe this mode was made from (benchmarks/NOTES.md).
+``decode_split``'s again.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
 D = sch.DecodeConfig
 #: Schedules around the default (BN=64 BK=256 w4 s3; split from ``sch.decode_split``). Shared memory per stage is
 #: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x (BM*BK*2 at larger M), so fewer/smaller stages
-#: fit more programs per SM. Sweep 2 (NOTES.md) found a fixed cost per K step that 3-4 programs per SM
+#: fit more programs per SM. A sweep of them found a fixed cost per K step that 3-4 programs per SM
 #: do not hide; the candidates below test more programs per SM and two warpgroups sharing one x tile.
 CANDIDATES = {
     "n64k256w4s3": D(64, 256, 4, 3),
@@ -76,7 +75,7 @@ CANDIDATES = {
 }
 #: ``--large``: schedules for the batches GRPO decodes (M = 64 and 128; BM = 64, 128; M = 16 for reference). At BM=64 the default
 #: holds 238 registers and 117 KB of shared memory, so one 4-warp program per SM issues on 25% of cycles
-#: (ncu, NOTES.md): eight warps (two warpgroups: over 128 weight rows sharing one x tile, or over the
+#: (Nsight Compute, docs/kernels.md): eight warps (two warpgroups: over 128 weight rows sharing one x tile, or over the
 #: tokens of 64 rows) and BK=128 (half the x tile and registers) are what can fill an SM there.
 LARGE_CANDIDATES = {
     "n64k256w4s3": D(64, 256, 4, 3),
@@ -267,7 +266,7 @@ def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) ->
 
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
-    tiles, k_steps, slots = fd._launch_shape(layer.n, layer.k, w64.device)
+    tiles, k_steps, slots = fd.launch_shape(layer.n, layer.k, w64.device)
     default = launched_split(k_steps, sch.decode_split(tiles, k_steps, slots, fd.PROGRAM_STEPS))
     rank = DIRECT_RANKS[shape.split("_", 1)[1]]
     rows = []
@@ -350,7 +349,7 @@ def dequant_rows(layer: Layer, bw: float) -> list[dict]:
 
 def direct_splits(result: dict, out: Path, engine: bool) -> None:
     """``--direct-splits`` (and ``--engine-ab``): the sweep into direct_splits.json, then the engine A/B/A of its table."""
-    from benchmarks import rollout
+    from benchmarks import rollout_ab
     from qerl.kernels import fp4_direct as fd
 
     result["splits"] = []
@@ -366,7 +365,7 @@ def direct_splits(result: dict, out: Path, engine: bool) -> None:
     print("split table:", result["table"], flush=True)
     if engine and table:
         args = argparse.Namespace(shapes=["7b"], batches=[1, 8], tokens=256)
-        ab = rollout.engine_ab(args, "decode_split", [], "table", [(fd, "matmul", with_split_table(fd.matmul, table))])
+        ab = rollout_ab.engine_ab(args, "decode_split", [], "table", [(fd, "matmul", with_split_table(fd.matmul, table))])
         write_json(out / "direct_splits_engine_ab.json", {**ab, "command": result["command"], "table": result["table"]})
 
 

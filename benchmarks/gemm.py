@@ -126,7 +126,7 @@ def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) 
 
 
 D = sch.DecodeConfig
-SWEEP = {  # configs tried on the summary shape, to pick the heuristics (see benchmarks/NOTES.md)
+SWEEP = {  # configs tried on the summary shape, to pick the heuristics (docs/kernels.md)
     1: [D(), D(128, 256, 4, 3), D(128, 128, 4, 4), D(64, 256, 4, 4, x_split=False)],
     16: [D(), D(128, 128, 4, 4)],
     64: [D(), D(128, 128, 4, 4)],

@@ -29,12 +29,20 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from benchmarks.common import random_model
+
+#: The recipe whose loss and optimizer settings the benchmarked step uses (QeRLConfig's own defaults are trl's).
+RECIPE = Path(__file__).resolve().parents[1] / "training" / "recipes" / "qerl_nvfp4.yaml"
+#: The recipe keys that decide what one step computes; the benchmark sets its own batch, lengths and logging.
+RECIPE_KEYS = ("loss_type", "beta", "epsilon", "epsilon_high", "max_grad_norm", "lr_scheduler_type", "warmup_steps",
+               "adam_beta1", "adam_beta2", "weight_decay", "vllm_importance_sampling_mode",
+               "vllm_importance_sampling_clip_max")  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------- trainer
 
@@ -72,15 +80,19 @@ def spread_reward(completions: list[str], **kwargs: Any) -> list[float]:
 def make_trainer(
     model: nn.Module, tokenizer: Any, prompt: dict[str, str], args: argparse.Namespace, out_dir: str
 ) -> Any:
-    """A QeRLTrainer as ``qerl.train`` builds one, with the benchmark's batch and lengths (trl insists
-    on a train_dataset: the one prompt; the step is driven without its dataloader)."""
+    """A QeRLTrainer as ``qerl.train --config training/recipes/qerl_nvfp4.yaml`` builds one (the recipe's loss and
+    optimizer settings), with the benchmark's batch and lengths (trl insists on a train_dataset: the one prompt;
+    the step is driven without its dataloader)."""
+    import yaml
     from datasets import Dataset
 
     from qerl.lora import lora_config
     from qerl.trainer import QeRLConfig, QeRLTrainer
 
     accumulation = args.local_n // args.micro_batch  # per process: its share of the group, in micro-batches
+    recipe = yaml.safe_load(RECIPE.read_text())
     config = QeRLConfig(
+        **{k: recipe[k] for k in RECIPE_KEYS},
         output_dir=out_dir, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation, num_generations=args.n,
         max_completion_length=args.tokens, max_steps=10, num_stages=10, save_strategy="no", report_to=[],

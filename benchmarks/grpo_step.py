@@ -41,9 +41,9 @@ After each configuration the whole document so far is written to ``<out>.partial
 
 Floors (per row, and ``--floors`` prints them without a device): rollout = (new tokens - 1) x bytes
 a decode step must read (weights + bf16 LoRA copies + mean KV) / 4.24 TB/s copy bandwidth (measured
-in benchmarks/results/rollout_lora_b1*.json); training passes = matmul + attention flops / 790 TFLOP/s
+in benchmarks/results/rollout_lora_b1_b8.json); training passes = matmul + attention flops / 790 TFLOP/s
 (plus, for NVFP4, the bytes of dequantizing every weight once per pass); optimizer = 40 B per fp32
-trainable parameter / 4.24 TB/s. See benchmarks/NOTES.md "GRPO step".
+trainable parameter / 4.24 TB/s. docs/performance.md has the measured step beside them.
 
     python -m benchmarks.grpo_step --out $OUT/grpo_step.json        # the H200 run (~5-7 min, predicted)
     python -m benchmarks.grpo_step --tiny --out /tmp/grpo_tiny.json  # 2-layer Llama, 16 tokens, CPU ok

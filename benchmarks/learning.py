@@ -92,23 +92,18 @@ def seed_rows(seed_dir: Path) -> dict[str, dict]:
     return {r["run"]: r for r in json.loads(path.read_text())} if path.exists() else {}
 
 
-def run_seed(out: Path, seed: int, arms: list[str], dirs: dict[str, Path], steps: int, run_timeout: int | None,
-             extra: list[str]) -> tuple[int, bool]:
-    """One call of compare_smollm2.sh for the arms this seed lacks, side by side with ``--seed seed``.
-
-    An arm that finished (exit 0) in an earlier call is not run again; its row is kept in the seed's
-    results.json, which the call rewrites with the rows of the arms it ran. Returns the call's status and
-    whether a SIGTERM stopped it (``run_stoppable``: its runs are terminated, the rows they wrote kept).
-    """
-    seed_dir = out / f"seed{seed}"
+def seed_call(seed_dir: Path, seed: int, runs: list[str], dirs: dict[str, Path], steps: int, run_timeout: int | None,
+              extra: list[str]) -> tuple[list[str], dict[str, str]] | None:
+    """The compare_smollm2.sh call (command, environment) that runs ``runs`` side by side with ``--seed seed``
+    into ``seed_dir``, leaving out the runs that finished (exit 0) in an earlier call; None when none is left.
+    The call is recorded in ``seed_dir/calls.json`` before it starts."""
     earlier = seed_rows(seed_dir)
-    pending = [a for a in arms if earlier.get(ARMS[a][0], {}).get("exit_code") != 0]
+    pending = [r for r in runs if earlier.get(r, {}).get("exit_code") != 0]
     if not pending:
-        print(f"seed {seed}: every arm finished before, skipped")
-        return 0, False
+        return None
     env = {**os.environ, "BF16_DIR": str(dirs["bf16"]), "NVFP4_DIR": str(dirs["rtn"]), "DEQUANT_DIR": str(dirs["dequant"]),
            "BEST_DIR": str(dirs["best"]), "QERL_OUT": str(seed_dir), "STEPS": str(steps), "PYTHON": sys.executable,
-           "RUNS": " ".join(ARMS[a][0] for a in pending)}
+           "RUNS": " ".join(pending)}
     if run_timeout:
         env["RUN_TIMEOUT"] = str(run_timeout)
     call = ["bash", str(COMPARE), "--seed", str(seed), *extra]
@@ -117,9 +112,27 @@ def run_seed(out: Path, seed: int, arms: list[str], dirs: dict[str, Path], steps
                   "checkpoints": {k: str(v) for k, v in dirs.items()}})
     seed_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(seed_dir / "calls.json", json.dumps(calls, indent=1))
-    status, stopped = run_stoppable(call, env=env, cwd=ROOT)
+    return call, env
+
+
+def merge_seed_rows(seed_dir: Path, earlier: dict[str, dict]) -> None:
+    """Keep the rows of runs an earlier call finished beside those the last call rewrote in results.json."""
     merged = {**earlier, **seed_rows(seed_dir)}
     atomic_write_text(seed_dir / "results.json", json.dumps(list(merged.values()), indent=1))
+
+
+def run_seed(out: Path, seed: int, arms: list[str], dirs: dict[str, Path], steps: int, run_timeout: int | None,
+             extra: list[str]) -> tuple[int, bool]:
+    """One call of compare_smollm2.sh for the arms this seed lacks (``seed_call``). Returns the call's status and
+    whether a SIGTERM stopped it (``run_stoppable``: its runs are terminated, the rows they wrote kept)."""
+    seed_dir = out / f"seed{seed}"
+    earlier = seed_rows(seed_dir)
+    call = seed_call(seed_dir, seed, [ARMS[a][0] for a in arms], dirs, steps, run_timeout, extra)
+    if call is None:
+        print(f"seed {seed}: every arm finished before, skipped")
+        return 0, False
+    status, stopped = run_stoppable(call[0], env=call[1], cwd=ROOT)
+    merge_seed_rows(seed_dir, earlier)
     return status, stopped is not None
 
 

@@ -2,8 +2,8 @@
 
 Timing lives in gemm.py / decode_tune.py; this script only gives `ncu` a short, clean program to
 read counters from (warp stall reasons, issue-slot use, DRAM throughput) for the question the timings
-cannot answer: what a K step of ``_decode_kernel`` waits on (benchmarks/NOTES.md, "Residency" and
-"Sweep 3"). On the H200 (Firecracker runtime; keep the clocks alone):
+cannot answer: what a K step of ``_decode_kernel`` waits on (docs/kernels.md, "What limits the decode
+kernels"). On the H200 (Firecracker runtime; keep the clocks alone):
 
     ncu --clock-control none -k regex:_decode_kernel -s 3 -c 1 \\
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \\

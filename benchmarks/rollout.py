@@ -24,19 +24,8 @@ holds) for LoRA with shrinks fused into the producing kernels, the same with one
 projection instead of per stacked q/k/v and gate/up group (``decoder.STACK_GROUPS = False``), LoRA
 with one cuBLAS shrink per group (``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
-``--kernel-ab gluon|direct`` times only the 7B NVFP4+LoRA engine at ``--batches`` with its decode GEMMs on
-the Triton kernel, on that Gluon kernel (``schedule.GLUON_DECODE``, ``qerl/kernels/fp4_gluon.py``, above 16
-rows; ``schedule.DIRECT_DECODE``, ``qerl/kernels/fp4_direct.py``, at most 8) and on Triton again, fresh
-graphs each, in one process; each Gluon engine is first checked against the Triton one on the same prompts
-(greedy tokens of a short generate).
-``--kernel-ab rope|sampler|direct_ring|shrink_rank`` does the same (off / on / off) with the switch ``AB_SWITCHES``
-names: the RoPE and cache write in the attention kernel (``schedule.ROPE_IN_ATTENTION``), the one-kernel sampler
-(``FUSED_SAMPLER``), the 32B down's slices on the mma.sync kernel's x ring (``DIRECT_RING``), the RMSNorm shrink
-split over u's ranks (``SHRINK_BY_RANK``); the first of ``--shapes`` is timed.
-
-``--ab-constant MODULE.NAME=BASE:VARIANT ...`` does the same for module constants set together (e.g.
-``qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64 qerl.kernels.fused_step.RANK_SPLIT_MAX_ROWS=32:64``, the
-twenty-third session's fusion A/B), so a threshold's A/B needs no script of its own.
+``--kernel-ab`` / ``--ab-constant`` time one engine setting against another in one process
+(benchmarks/rollout_ab.py says how).
 
 ``--profile`` writes only a per-kernel GPU-time profile of one eager decode step at ``--batches``, with
 LoRA and with the adapter disabled.
@@ -47,140 +36,38 @@ LoRA and with the adapter disabled.
     python -m benchmarks.rollout --out $OUT/rollout.json --vllm-rows $OUT/rollout_vllm.json
     python -m benchmarks.rollout --merge-into rollout.json --vllm-rows rollout_vllm.json --out merged.json
     python -m benchmarks.rollout --bnb-only --shapes 7b --out $OUT/rollout_bnb.json  # merge it like vLLM rows
+    python -m benchmarks.rollout --skip-hf --shapes 7b --batches 64 128 --tokens 4096 --out $OUT/t4096.json
+        # long completions: merge its native rows (and rollout_vllm.py's --tokens 4096 rows) with --vllm-rows
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import gc
-import importlib
 import json
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
 
 from benchmarks import common
-from benchmarks.common import PROMPT, SHAPES, VOCAB, utc_now, versions, write_json
+from benchmarks.common import PROMPT, SHAPES, VOCAB, utc_now, write_json
+from benchmarks.rollout_ab import AB_SWITCHES, constant_ab, kernel_ab, parse_ab_constants
+from benchmarks.rollout_models import (
+    build_bnb_model,
+    build_model,
+    copy_bandwidth,
+    environment,
+    kv_bytes_per_step,
+    ms_per_step,
+    weight_bytes,
+)
 from benchmarks.rollout_report import build_result, from_partial, merge_into, plot, with_extra_rows
 
-DEVICE = "cuda"
-
-
-def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.Module:
-    """A random Qwen2 of ``shape`` on the GPU (bf16 or NVFP4 decoder Linears) wrapped in peft LoRA."""
-    return with_lora(random_qwen2(shape, nvfp4, seed), lora_r)
-
-
-def random_qwen2(shape: str, nvfp4: bool, seed: int = 0) -> nn.Module:
-    """A random Qwen2 of ``shape`` on the GPU, decoder Linears bf16 or NVFP4 (no adapter)."""
-    return common.random_model(SHAPES[shape], VOCAB, nvfp4, torch.device(DEVICE), torch.bfloat16, seed=seed).eval()
-
-
-def with_lora(model: nn.Module, lora_r: int = 16) -> nn.Module:
-    """peft LoRA r on all seven projections, with a random (nonzero) B."""
-    from peft import get_peft_model
-
-    from qerl.lora import lora_config
-
-    peft_model = get_peft_model(model, lora_config(r=lora_r)).eval()
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.01)
-    return peft_model
-
-
-def build_bnb_model(shape: str, lora_r: int = 16, seed: int = 0) -> nn.Module:
-    """The random bf16 Qwen2 with every decoder Linear as a bitsandbytes NF4 ``Linear4bit``, + peft LoRA."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        sys.exit("benchmarks/rollout.py: --bnb needs bitsandbytes (pip install bitsandbytes)")
-    from qerl.linear import replace_linears
-
-    def nf4(name: str, lin: nn.Linear) -> nn.Module | None:
-        if name == "lm_head":
-            return None
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                              compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")  # fmt: skip
-        # Params4bit quantizes when moved to the GPU (the documented path), so hand it host data.
-        q.weight = bnb.nn.Params4bit(lin.weight.data.cpu(), requires_grad=False, quant_type="nf4").to(DEVICE)
-        if lin.bias is not None:
-            q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
-        return q
-
-    model = random_qwen2(shape, nvfp4=False, seed=seed)
-    replace_linears(model, nf4)
-    model.is_loaded_in_4bit = True  # peft dispatches its bnb LoRA layer only for models marked so
-    gc.collect()
-    torch.cuda.empty_cache()
-    return with_lora(model, lora_r)
-
-
-def weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of everything a decode step reads once except the embedding table, LoRA bytes in bf16)."""
-    total = lora = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if "embed_tokens" in name or "rotary" in name:
-            continue
-        if "lora_" in name:
-            lora += t.numel() * 2  # the engine reads bf16 copies
-        else:
-            total += t.numel() * t.element_size()
-    return total, lora
-
-
-def copy_bandwidth() -> float:
-    """The copy ceiling, bytes read + written per second (``common.copy_bandwidth``'s larger way)."""
-    return common.copy_bandwidth()["max"]
-
-
-def kv_bytes_per_step(shape: str, batch: int, tokens: int) -> float:
-    """Mean K+V bytes attention must read per decode step over a generation of ``tokens``."""
-    s = SHAPES[shape]
-    per_pos = s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * 128 * 2
-    return batch * per_pos * (PROMPT + tokens / 2)
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def ms_per_step(engine, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
-    """(decode ms/step, prefill+1-token s) for ``engine`` after a warm-up of the same shape."""
-    from qerl.rollout import SamplingParams
-
-    full = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=0)
-    one = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
-    kv_block = getattr(engine, "kv_block", None)
-    if kv_block is None:  # transformers: one warm-up run of the same shape
-        engine.generate(prompts, full)
-    else:
-        # Capture every (batch, KV-length) graph the timed run needs with a few short generates whose
-        # long prompts land in each KV bucket, largest first so the cache is sized once.
-        total = len(prompts[0]) + tokens
-        for end in range(-(-total // kv_block) * kv_block, len(prompts[0]), -kv_block):
-            long = [(p * (end // len(p) + 1))[: end - 9] for p in prompts]
-            engine.generate(long, SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
-    # The timed prompts' own prefill shape may still compile kernels (the first variant of a run once
-    # measured -0.4 ms/step because its t_one held a compile): run it once untimed.
-    engine.generate(prompts, one)
-    t_one = timed(lambda: engine.generate(prompts, one))
-    out = []
-    t_full = timed(lambda: out.append(engine.generate(prompts, full)))
-    assert all(len(c) == tokens for c in out[0].completion_ids), "a completion stopped early"
-    return (t_full - t_one) / (tokens - 1) * 1e3, t_one
+#: Batch sizes of the main run per shape (``--batches`` replaces them for every shape).
+MAIN_BATCHES = {"7b": (1, 8, 64, 128), "32b": (8, 1)}
 
 
 def profile(args: argparse.Namespace) -> dict:
@@ -316,119 +203,6 @@ def lora_sweep(args: argparse.Namespace) -> dict:
     }
 
 
-#: ``--kernel-ab`` variants: the ``schedule`` switch each has, and what runs with it off.
-AB_SWITCHES = {"gluon": ("GLUON_DECODE", "triton"), "direct": ("DIRECT_DECODE", "triton"),
-               "rope": ("ROPE_IN_ATTENTION", "rope_kernel"), "sampler": ("FUSED_SAMPLER", "torch_sampler"),
-               "direct_ring": ("DIRECT_RING", "tma_for_ring"), "shrink_rank": ("SHRINK_BY_RANK", "column_split")}
-
-
-#: What an A/B sets: (module, attribute, value) triples, applied together around one engine's build and timing.
-Setting = list[tuple[ModuleType, str, object]]
-
-
-def parse_ab_constants(specs: list[str]) -> tuple[Setting, Setting]:
-    """``--ab-constant MODULE.NAME=BASE:VARIANT ...`` -> (the base settings, the variant's). Each value is a Python
-    literal of the attribute's own type (int, float or bool), so a typo in a name or a value is an error up front,
-    not a run that silently timed the default twice; ValueError names the spec and what was expected."""
-    base: Setting = []
-    variant: Setting = []
-    for spec in specs:
-        target, _, values = spec.partition("=")
-        path, _, name = target.rpartition(".")
-        a, sep, b = values.partition(":")
-        expected = "MODULE.NAME=BASE:VARIANT, e.g. qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64"
-        if not (path and name and sep):
-            raise ValueError(f"--ab-constant {spec!r}: expected {expected}")
-        try:
-            module = importlib.import_module(path)
-        except ImportError as err:
-            raise ValueError(f"--ab-constant {spec!r}: cannot import {path} ({err})") from None
-        if not hasattr(module, name):
-            raise ValueError(f"--ab-constant {spec!r}: {path} has no attribute {name}")
-        kind = type(getattr(module, name))
-        try:
-            parsed = [ast.literal_eval(v.strip()) for v in (a, b)]
-        except (ValueError, SyntaxError):
-            parsed = []
-        if kind not in (bool, int, float) or len(parsed) != 2 or any(type(v) is not kind for v in parsed):
-            raise ValueError(f"--ab-constant {spec!r}: expected two {kind.__name__} literals after '=' ({expected})")
-        base.append((module, name, parsed[0]))
-        variant.append((module, name, parsed[1]))
-    return base, variant
-
-
-@contextlib.contextmanager
-def applied(settings: Setting) -> Iterator[None]:
-    """``settings`` in force inside the block; every attribute back to what it was after it."""
-    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
-    try:
-        for module, name, value in settings:
-            setattr(module, name, value)
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-
-
-def kernel_ab(args: argparse.Namespace) -> dict:
-    """``--kernel-ab K``: K's ``schedule`` switch off / on / off (``AB_SWITCHES``)."""
-    from qerl.kernels import schedule
-
-    switch, base = AB_SWITCHES[args.kernel_ab]
-    return engine_ab(args, base, [(schedule, switch, False)], args.kernel_ab, [(schedule, switch, True)])
-
-
-def constant_ab(args: argparse.Namespace, base: Setting, variant: Setting) -> dict:
-    """``--ab-constant`` (parsed by ``parse_ab_constants``): the named module attributes at their BASE / VARIANT /
-    BASE values."""
-
-    def label(settings: Setting) -> str:
-        return ",".join(f"{name}={value}" for _, name, value in settings)
-
-    return engine_ab(args, label(base), base, label(variant), variant)
-
-
-def engine_ab(
-    args: argparse.Namespace, base: str, base_settings: Setting, variant: str, variant_settings: Setting
-) -> dict:
-    """ms/step of the NVFP4 + LoRA engine under ``base`` / ``variant`` / ``base`` settings at each of ``--batches``, a
-    fresh engine (graphs, compiled launches) for each, in one process, on the first of ``--shapes``; each engine's
-    greedy tokens compared with the first base engine's on the same prompts."""
-    from qerl.rollout import SamplingParams
-    from qerl.rollout.native import NativeEngine
-
-    shape = args.shapes[0]
-    model = build_model(shape, nvfp4=True)
-    gen = torch.Generator().manual_seed(0)
-    rows: list[dict] = []
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
-    for b in args.batches:
-        prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
-        reference_tokens = None
-        for name, settings in ((base, base_settings), (variant, variant_settings), (base, base_settings)):
-            with applied(settings):
-                engine = NativeEngine(model, 0)
-                tokens = engine.generate(prompts, greedy).completion_ids
-                ms, t_one = ms_per_step(engine, prompts, args.tokens)
-            reference_tokens = reference_tokens or tokens
-            same = sum(t == r for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)
-            # Tokens before a row's first difference: a wrong kernel diverges at the first decode step
-            # (token 1; token 0 comes from the prefill, which never takes the decode GEMMs), while
-            # rounding-order differences flip a near-tied argmax somewhere later, if at all.
-            prefix = sum(next((i for i, (a, c) in enumerate(zip(t, r, strict=False)) if a != c), len(t))
-                         for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)  # fmt: skip
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache()
-            rows.append(dict(shape=shape, batch=b, variant=name, tokens=args.tokens, ms_per_step=round(ms, 4),
-                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_base=same,
-                             greedy_common_prefix_tokens=prefix, greedy_tokens=greedy.max_new_tokens))  # fmt: skip
-            print(f"{shape} nvfp4+lora {name:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to {base}'s "
-                  f"{same:.2f}, common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
-    return {"benchmark": f"rollout decode, {base} vs {variant} (ms/step)", "date": utc_now(), **environment(),
-            "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip
-
-
 def run(args: argparse.Namespace) -> dict:
     from qerl.rollout import get_engine
 
@@ -436,9 +210,10 @@ def run(args: argparse.Namespace) -> dict:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     rows: list[dict] = []
     gen = torch.Generator().manual_seed(0)
-    for shape, batches in (("7b", (1, 8, 64, 128)), ("32b", (8, 1))):
+    for shape, default_batches in MAIN_BATCHES.items():
         if shape not in args.shapes or args.bnb_only:
             continue
+        batches = args.batches or default_batches
         for variant in ("nvfp4", "bf16"):
             model = build_model(shape, nvfp4=variant == "nvfp4")
             wbytes, lbytes = weight_bytes(model)
@@ -503,21 +278,6 @@ def bnb_rows(rows: list[dict], gen: torch.Generator, bw: float, args: argparse.N
     torch.cuda.empty_cache()
 
 
-def environment() -> dict:
-    """Device, versions (bitsandbytes where this run used it) and the decode schedules this run used."""
-    from qerl.kernels import schedule
-
-    found = versions("transformers")
-    if "bitsandbytes" in sys.modules:
-        found["bitsandbytes"] = sys.modules["bitsandbytes"].__version__
-    return {
-        "device": torch.cuda.get_device_name(),
-        "versions": found,
-        # ``QERL_DECODE_CONFIG``, or the code's per-BM defaults.
-        "decode_config": str(schedule.ENV_DECODE or schedule.DECODE_BY_BM),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="where to write the JSON (GPU run)")
@@ -526,15 +286,26 @@ def main() -> None:
     parser.add_argument("--hf-tokens", type=int, default=32)
     parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--profile", action="store_true",
-                        help="only a per-kernel GPU-time profile of one 7B NVFP4+LoRA decode step at --batches")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="only a per-kernel GPU-time profile of one 7B NVFP4+LoRA decode step at --batches",
+    )
     parser.add_argument("--lora-sweep", action="store_true", help="only the 7B NVFP4 LoRA cost sweep (see above)")
-    parser.add_argument("--kernel-ab", choices=list(AB_SWITCHES),
-                        help="only the A/B of that engine switch (see above)")
-    parser.add_argument("--ab-constant", nargs="+", metavar="MODULE.NAME=BASE:VARIANT",
-                        help="only the A/B of these module constants, set together (see above)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
-                        help="with --lora-sweep, --kernel-ab, --ab-constant or --profile")
+    parser.add_argument("--kernel-ab", choices=list(AB_SWITCHES), help="only the A/B of that engine switch (see above)")
+    parser.add_argument(
+        "--ab-constant",
+        nargs="+",
+        metavar="MODULE.NAME=BASE:VARIANT",
+        help="only the A/B of these module constants, set together (see above)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        help="batch sizes (default: 7b 1 8 64 128 and 32b 8 1 in the main run; 1 8 64 with --lora-sweep, "
+        "--kernel-ab, --ab-constant or --profile)",
+    )
     parser.add_argument("--from-partial", type=Path, help="turn the rows of a run cut off at its limit into the JSON")
     parser.add_argument("--bandwidth-tb-s", type=float, help="with --from-partial: that run's copy bandwidth")
     parser.add_argument("--partial-note", default="run cut off at its time limit; missing rows are null")
@@ -543,6 +314,8 @@ def main() -> None:
     parser.add_argument("--vllm-rows", type=Path, nargs="+", help="benchmarks/rollout_vllm.py JSON(s) to merge in")
     parser.add_argument("--merge-into", type=Path, help="with --vllm-rows and --out: merge into this result JSON")
     args = parser.parse_args()
+    if args.batches is None and (args.lora_sweep or args.kernel_ab or args.ab_constant or args.profile):
+        args.batches = [1, 8, 64]
     if args.plot:
         print(plot(args.plot))
         return
@@ -565,8 +338,15 @@ def main() -> None:
     if args.out is None:
         sys.exit("benchmarks/rollout.py: --out PATH is required for a run")
     if args.profile:
-        write_json(args.out, {"date": utc_now(), **environment(), "command": common.command("benchmarks.rollout"),
-                              "profile": profile(args)})
+        write_json(
+            args.out,
+            {
+                "date": utc_now(),
+                **environment(),
+                "command": common.command("benchmarks.rollout"),
+                "profile": profile(args),
+            },
+        )
         return
     if args.kernel_ab or constants:
         write_json(args.out, kernel_ab(args) if args.kernel_ab else constant_ab(args, *constants))

@@ -1,5 +1,5 @@
 """The result documents of benchmarks/rollout.py: its summary ratios, the merge of rows measured by
-other calls of the same device session (vLLM rows of benchmarks/rollout_vllm.py, transformers +
+other device calls on the same machine (vLLM rows of benchmarks/rollout_vllm.py, transformers +
 NF4 rows of ``--bnb-only``), the JSON of a run cut off at its time limit, and the bar plot.
 
 Needs no device: ``python -m benchmarks.rollout --plot / --merge-into / --from-partial`` run it on
@@ -17,13 +17,16 @@ from benchmarks.common import PROMPT, SHAPES, command, save_figure, utc_now
 
 #: vLLM 0.26 NVFP4(Marlin)+LoRA r16 decode ms/step measured EARLIER on this H200 (issue 4), not in this run.
 EARLIER_VLLM_NVFP4_LORA_MS = {("7b", 1): 4.94, ("7b", 8): 4.88, ("7b", 64): 8.25, ("32b", 8): 14.7}
-#: (engine, weights) of rows that other calls of the same device session measure and merging adds:
-#: vLLM (needs its 3-part bundle) and transformers + bitsandbytes NF4 (needs a 43 MB wheel).
-MERGEABLE = {("vllm", "nvfp4"), ("vllm", "bf16"), ("hf", "nf4")}
+#: (engine, weights) of rows that other device calls on the same machine measure and merging adds:
+#: vLLM (needs its 3-part bundle), transformers + bitsandbytes NF4 (needs a 43 MB wheel), and native rows of
+#: another run of this script (e.g. ``--tokens 4096``: rows are keyed by their token count too).
+MERGEABLE = {("vllm", "nvfp4"), ("vllm", "bf16"), ("hf", "nf4"), ("native", "nvfp4"), ("native", "bf16")}
+#: Completion length of the long-completion rows and their summary keys (``over_vllm_nvfp4_lora_b*_t4096``).
+LONG_TOKENS = 4096
 
 
 def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tuple[list[dict], dict]:
-    """``rows`` plus the rows other calls of the same device session measured (``MERGEABLE``: vLLM
+    """``rows`` plus the rows other device calls on the same machine measured (``MERGEABLE``: vLLM
     rows of benchmarks/rollout_vllm.py, transformers + NF4 rows of ``--bnb-only``), replacing same-key rows.
 
     Such a row's floor/bytes fields are taken from the native row of the same configuration (same
@@ -40,9 +43,11 @@ def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tu
             data = json.loads(path.read_text())
             vrows = data["results"] if isinstance(data, dict) else data
             if not all(isinstance(r, dict) and (r.get("engine"), r.get("weights")) in MERGEABLE for r in vrows):
-                raise ValueError("rows other than vLLM or transformers+NF4 rows")
+                raise ValueError("rows other than vLLM, transformers+NF4 or native rollout rows")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            sys.exit(f"benchmarks/rollout.py: --vllm-rows {path}: expected rollout_vllm.py's or a --bnb-only JSON ({e})")
+            sys.exit(
+                f"benchmarks/rollout.py: --vllm-rows {path}: expected rollout_vllm.py's, a --bnb-only or another run's JSON ({e})"
+            )
         if isinstance(data, dict):
             for name in ("vllm", "bitsandbytes"):
                 if (data.get("versions") or {}).get(name):
@@ -54,25 +59,33 @@ def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tu
             native = merged.get(tuple(r[k] for k in key) + ("native",))
             fill = {k: native[k] for k in ("floor_ms", "weight_gb", "lora_gb", "kv_gb_mean")} if native else {}
             stamp = {"measured": data["date"]} if isinstance(data, dict) and data.get("date") else {}
-            merged[tuple(r[k] for k in key) + (r["engine"],)] = {**r, **{k: v for k, v in fill.items() if r.get(k) is None}, **stamp}
+            merged[tuple(r[k] for k in key) + (r["engine"],)] = {
+                **r,
+                **{k: v for k, v in fill.items() if r.get(k) is None},
+                **stamp,
+            }
     return list(merged.values()), env
 
 
 def build_result(rows: list[dict], bw: float, args: argparse.Namespace, env: dict, partial: str | None = None) -> dict:
     """The JSON document: ``env`` (device, versions), summary ratios (None where a row is missing), all rows."""
 
-    def ms(shape: str, engine: str, weights: str, lora: bool, b: int) -> float | None:
+    def ms(shape: str, engine: str, weights: str, lora: bool, b: int, tokens: int | None = None) -> float | None:
+        """The row's ms/step at ``tokens`` (default: the run's ``--tokens``, ``--hf-tokens`` for generate rows)."""
+        tokens = tokens or (args.hf_tokens if engine == "hf" else args.tokens)
         for r in rows:
-            if (r["shape"], r["engine"], r["weights"], r["lora"], r["batch"]) == (shape, engine, weights, lora, b):
+            if (r["shape"], r["engine"], r["weights"], r["lora"], r["batch"], r["tokens"]) == (
+                shape, engine, weights, lora, b, tokens
+            ):  # fmt: skip
                 return r["ms_per_step"]
         return None
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round(a / b, 3)
 
-    def over_vllm(shape: str, b: int) -> float | None:
+    def over_vllm(shape: str, b: int, tokens: int | None = None) -> float | None:
         """vLLM NVFP4+LoRA ms / native NVFP4+LoRA ms, both from this run's rows (None without them)."""
-        return ratio(ms(shape, "vllm", "nvfp4", True, b), ms(shape, "native", "nvfp4", True, b))
+        return ratio(ms(shape, "vllm", "nvfp4", True, b, tokens), ms(shape, "native", "nvfp4", True, b, tokens))
 
     nv = {(s, b): ms(s, "native", "nvfp4", True, b) for s, b in EARLIER_VLLM_NVFP4_LORA_MS}
     lora1, nolora1 = ms("7b", "native", "nvfp4", True, 1), ms("7b", "native", "nvfp4", False, 1)
@@ -83,6 +96,8 @@ def build_result(rows: list[dict], bw: float, args: argparse.Namespace, env: dic
         "over_vllm_nvfp4_lora_b64": over_vllm("7b", 64),
         "over_vllm_nvfp4_lora_b128": over_vllm("7b", 128),
         "over_vllm_nvfp4_lora_32b_b8": over_vllm("32b", 8),
+        f"over_vllm_nvfp4_lora_b64_t{LONG_TOKENS}": over_vllm("7b", 64, LONG_TOKENS),
+        f"over_vllm_nvfp4_lora_b128_t{LONG_TOKENS}": over_vllm("7b", 128, LONG_TOKENS),
         "nvfp4_over_bf16_b8": ratio(ms("7b", "native", "bf16", True, 8), ms("7b", "native", "nvfp4", True, 8)),
         "lora_overhead_b1": None if lora1 is None or nolora1 is None else round((lora1 - nolora1) / lora1, 4),
         "over_hf_generate_bf16_lora_b1": ratio(ms("7b", "hf", "bf16", True, 1), lora1),
@@ -140,8 +155,14 @@ def plot(path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     data = json.loads(path.read_text())
-    rows = data["results"]
-    groups = sorted({(r["shape"], r["batch"]) for r in rows}, key=lambda g: (list(SHAPES).index(g[0]), g[1]))
+    rows, base_tokens = data["results"], data["setup"]["new_tokens"]
+
+    def group_of(r: dict) -> tuple[str, int, int]:
+        """(shape, batch, tokens): rows longer than the run's own (merged ``--tokens 4096`` rows) group apart;
+        the shorter generate rows join their batch's group."""
+        return r["shape"], r["batch"], max(r["tokens"], base_tokens)
+
+    groups = sorted({group_of(r) for r in rows}, key=lambda g: (list(SHAPES).index(g[0]), g[2], g[1]))
     series = [k for k in SERIES if any((r["engine"], r["weights"], r["lora"]) == k for r in rows)]
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 5))
@@ -149,24 +170,25 @@ def plot(path: Path) -> Path:
         xs, ys = [], []
         for i, group in enumerate(groups):
             for r in rows:
-                if (r["shape"], r["batch"]) == group and (r["engine"], r["weights"], r["lora"]) == key:
+                if group_of(r) == group and (r["engine"], r["weights"], r["lora"]) == key:
                     xs.append(i - 0.4 + (j + 0.5) * width)
                     ys.append(r["ms_per_step"])
         label, colour = SERIES[key]
         ax.bar(xs, ys, width=width, color=colour, label=label)
     for i, group in enumerate(groups):
-        floor = next((r["floor_ms"] for r in rows if (r["shape"], r["batch"], r["engine"], r["weights"], r["lora"])
-                      == (*group, "native", "nvfp4", True) and r.get("floor_ms")), None)  # fmt: skip
+        floor = next((r["floor_ms"] for r in rows if (group_of(r), r["engine"], r["weights"], r["lora"])
+                      == (group, "native", "nvfp4", True) and r.get("floor_ms")), None)  # fmt: skip
         if floor:
             ax.hlines(floor, i - 0.4, i + 0.4, color="k", label="NVFP4 + LoRA floor" if i == 0 else None, zorder=3)
-        earlier = EARLIER_VLLM_NVFP4_LORA_MS.get(group)
+        earlier = EARLIER_VLLM_NVFP4_LORA_MS.get(group[:2]) if group[2] == base_tokens else None
         if earlier and ("vllm", "nvfp4", True) not in series:  # no same-run vLLM rows: the earlier numbers
             ax.scatter([i], [earlier], color="C1", marker="*", s=120, zorder=4,
                        label="vLLM NVFP4+LoRA (earlier measurement)" if i == 0 else None)  # fmt: skip
     ax.set_yscale("log")
     ax.set_ylim(top=8 * max(r["ms_per_step"] for r in rows))  # room for the legend above the bars
     ax.set_ylabel("decode ms / step (log)")
-    ax.set_xticks(range(len(groups)), [f"{shape.upper()} b={b}" for shape, b in groups])
+    ax.set_xticks(range(len(groups)), [f"{shape.upper()} b={b}" + (f"\n{t} tokens" if t != base_tokens else "")
+                                       for shape, b, t in groups])  # fmt: skip
     device = data.get("device") or "device not recorded"
     ax.set_title(f"qerl rollout decode, {device} ({data['date'][:10]}){' — PARTIAL run' if 'partial' in data else ''}")
     ax.legend(fontsize=8, ncol=2)
@@ -200,6 +222,10 @@ def from_partial(args: argparse.Namespace) -> dict:
     rows, bw = (data, args.bandwidth_tb_s) if isinstance(data, list) else (data["rows"], data["copy_bandwidth_tb_s"])
     if bw is None or args.out is None:
         sys.exit("benchmarks/rollout.py: --from-partial needs --out and the run's bandwidth (--bandwidth-tb-s)")
-    env = {k: data.get(k) for k in ("device", "versions")} if isinstance(data, dict) else {"device": None, "versions": None}
+    env = (
+        {k: data.get(k) for k in ("device", "versions")}
+        if isinstance(data, dict)
+        else {"device": None, "versions": None}
+    )
     rows, env = with_extra_rows(rows, args.vllm_rows, env)
     return build_result(rows, bw * 1e12, args, env, partial=args.partial_note)

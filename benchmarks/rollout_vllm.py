@@ -33,7 +33,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import PROMPT, SHAPES, VOCAB, command, device_name, run_stoppable, utc_now, versions, write_json
+from benchmarks.common import (
+    MAX_POSITIONS,
+    PROMPT,
+    SHAPES,
+    VOCAB,
+    command,
+    device_name,
+    run_stoppable,
+    utc_now,
+    versions,
+    write_json,
+)
 from qerl.checkpoint import quantization_config
 from qerl.fsutil import atomic_file
 from qerl.lora import DEFAULT_TARGETS
@@ -54,7 +65,7 @@ def write_model_dir(root: Path, shape: str, weights: str) -> Path:
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "vocab_size": VOCAB,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": MAX_POSITIONS,
         "rope_theta": 1e6,
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",

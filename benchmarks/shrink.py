@@ -7,7 +7,7 @@ row itself is small and comes from L2). Every by-rank setting is also checked ag
 residual and the normalised row bitwise equal, u's largest difference relative to its largest value.
 
     python -m benchmarks.shrink --out benchmarks/results/shrink_rank_probe.json
-    python -m benchmarks.shrink --rows 32 48 64 --out benchmarks/results/shrink_rank_probe_48_64.json
+    python -m benchmarks.shrink --rows 64 96 128 --out benchmarks/results/shrink_rank_probe_64_128.json
 """
 
 from __future__ import annotations
@@ -25,23 +25,23 @@ ROWS = (1, 2, 4, 8, 16, 32)
 
 
 def measure(rank: int, bounds: tuple[int, int], m: int, a_copies: list[torch.Tensor], w: torch.Tensor) -> dict:
-    from qerl.kernels import fused_step
+    from qerl.kernels import step_norm
 
     dev = w.device
     h = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
     d = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
 
     def shrink(a: torch.Tensor, rb: int) -> tuple[torch.Tensor, ...]:
-        return fused_step.rms_norm_shrink(h, d, w, 1e-6, a, bounds, permute=True, rb=rb)
+        return step_norm.rms_norm_shrink(h, d, w, 1e-6, a, bounds, permute=True, rb=rb)
 
     ref = shrink(a_copies[0], 0)
-    row = {"R": rank, "rows": m, "rank_block_rule": fused_step.rank_block(m, rank, K),
-           "plain_norm_us": graph_time([lambda: fused_step.rms_norm(h, None, w, 1e-6, permute=True)]) * 1e6,
+    row = {"R": rank, "rows": m, "rank_block_rule": step_norm.rank_block(m, rank, K),
+           "plain_norm_us": graph_time([lambda: step_norm.rms_norm(h, None, w, 1e-6, permute=True)]) * 1e6,
            "column_split_us": graph_time([lambda a=a: shrink(a, 0) for a in a_copies]) * 1e6, "by_rank": {}}  # fmt: skip
-    default_warps = fused_step.RANK_WARPS
+    default_warps = step_norm.RANK_WARPS
     try:
         for warps in (4, 8, 16):
-            fused_step.RANK_WARPS = warps
+            step_norm.RANK_WARPS = warps
             for rb in (1, 2, 4, 8):
                 got = shrink(a_copies[0], rb)
                 err = ((got[2].float() - ref[2].float()).abs().max() / ref[2].float().abs().max()).item()
@@ -49,7 +49,7 @@ def measure(rank: int, bounds: tuple[int, int], m: int, a_copies: list[torch.Ten
                     "us": graph_time([lambda a=a, rb=rb: shrink(a, rb) for a in a_copies]) * 1e6,
                     "outputs_equal": torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "u_rel_err": err}  # fmt: skip
     finally:
-        fused_step.RANK_WARPS = default_warps
+        step_norm.RANK_WARPS = default_warps
     return row
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.kernels import fused_step, reference
+from qerl.kernels import fused_step, reference, step_base, step_sampler
 from qerl.kernels.reference import nibble_major
 from qerl.linear import stack_fused_groups
 from qerl.rollout import decoder
@@ -102,8 +102,8 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
 
     # SiLU gating, with and without the down_proj shrink. Rank 200 at k=1024 splits the row into 32
     # programs whose partials the last one sums in two tiles of 16 (part_tile caps a tile at 4096 values).
-    nsplit = fused_step._shrink_split(1, 1024, fused_step.rank_pad(200), 4)[0]
-    assert fused_step.part_tile(nsplit, fused_step.rank_pad(200)) < nsplit
+    nsplit = step_base.shrink_split(1, 1024, step_base.rank_pad(200), 4)[0]
+    assert step_base.part_tile(nsplit, step_base.rank_pad(200)) < nsplit
     for m, k, r in ((1, 1000, 16), (4, 300, 5), (1, 1024, 200)):
         g, u, a = rnd(m, k), rnd(m, k), rnd(r, k, scale=0.1)
         ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([r], a.float()))
@@ -150,7 +150,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
 
 def check_sample(device: str, dtype: torch.dtype) -> None:
     """The fused sampler vs its definition: greedy = argmax and log_softmax (unprocessed); sampled = the
-    race ``argmax(x / T - log E)`` over the very E it draws (``fused_step.exponential``, read back through a
+    race ``argmax(x / T - log E)`` over the very E it draws (``step_sampler.exponential``, read back through a
     probe kernel) with the log-prob of ``log_softmax(x / T)``; the same (seed, step) gives the same tokens,
     another step others. Three 2048-column splits per row, so the cross-split combine is exercised.
     On CUDA also the law itself: 200k draws of one row against softmax(x / T)."""
@@ -161,7 +161,7 @@ def check_sample(device: str, dtype: torch.dtype) -> None:
     def probe(seed_ptr, step_ptr, out_ptr, V, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
-        tl.store(out_ptr + row * V + cols, fused_step.exponential(seed_ptr, step_ptr, row, cols, V), mask=cols < V)
+        tl.store(out_ptr + row * V + cols, step_sampler.exponential(seed_ptr, step_ptr, row, cols, V), mask=cols < V)
 
     gen = torch.Generator().manual_seed(1)
     b, v, temp = 3, 5000, 0.7

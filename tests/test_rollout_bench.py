@@ -48,7 +48,7 @@ def test_merge_fills_floors_stamps_dates_and_replaces_same_rows(rollout: ModuleT
 @pytest.mark.parametrize(
     "doc, message",
     [
-        ({"date": "d", "device": "H200", "results": [_row("native", "nvfp4", 1.0)]}, "expected rollout_vllm.py's"),
+        ({"date": "d", "device": "H200", "results": [_row("hf", "bf16", 1.0)]}, "expected rollout_vllm.py's"),
         ({"date": "d", "device": "A100", "results": [_row("vllm", "bf16", 1.0)]}, "was measured on A100"),
     ],
 )
@@ -57,6 +57,22 @@ def test_merge_refuses_foreign_rows(rollout: ModuleType, tmp_path: Path, doc: di
     extra.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match=message):
         rollout.with_extra_rows([], [extra], {"device": "H200", "versions": {}})
+
+
+def test_long_completion_rows_merge_beside_the_main_run(rollout: ModuleType, tmp_path: Path) -> None:
+    """A ``--tokens 4096`` run's native rows and vLLM's rows at 4096 tokens merge into the 1024-token result: rows are
+    keyed by their token count, the main summary keeps reading the run's own length, the t4096 keys the long rows."""
+    main = [_row("native", "nvfp4", 2.0, batch=64), _row("vllm", "nvfp4", 3.0, batch=64)]
+    long = tmp_path / "t4096.json"
+    long.write_text(json.dumps({"date": "d", "device": "H200", "results": [
+        _row("native", "nvfp4", 4.0, batch=64, tokens=4096), _row("vllm", "nvfp4", 8.0, batch=64, tokens=4096),
+        _row("native", "nvfp4", 5.0, batch=128, tokens=4096)]}))  # fmt: skip
+    rows, env = rollout.with_extra_rows(main, [long], {"device": "H200", "versions": {}})
+    assert len(rows) == 5
+    result = rollout.build_result(rows, 4e12, Namespace(tokens=1024, hf_tokens=32), env)
+    summary = result["summary"]
+    assert summary["over_vllm_nvfp4_lora_b64"] == 1.5  # the 1024-token rows, not the long ones
+    assert summary["over_vllm_nvfp4_lora_b64_t4096"] == 2.0 and summary["over_vllm_nvfp4_lora_b128_t4096"] is None
 
 
 def _sigterm_self_once(path: Path) -> None:
@@ -149,7 +165,7 @@ def test_run_stoppable_terminates_the_whole_child_group(tmp_path: Path) -> None:
 def test_ab_constants_parse_apply_and_restore() -> None:
     """``--ab-constant``: each spec becomes a (module, name, value) pair for the base and the variant, applied together
     and restored afterwards, even when the block raises."""
-    from benchmarks import rollout as bench
+    from benchmarks import rollout_ab as bench
     from qerl.rollout import decoder
 
     start = decoder.FUSED_LORA_MAX_ROWS
@@ -172,7 +188,7 @@ def test_ab_constants_parse_apply_and_restore() -> None:
     ("qerl.rollout.decoder.STACK_GROUPS=1:0", "expected two bool literals"),
 ])  # fmt: skip
 def test_ab_constants_reject_bad_specs(spec: str, says: str) -> None:
-    from benchmarks import rollout as bench
+    from benchmarks import rollout_ab as bench
 
     with pytest.raises(ValueError, match=says) as err:
         bench.parse_ab_constants([spec])
@@ -185,11 +201,12 @@ def test_constant_ab_times_each_variant_under_its_settings(monkeypatch: pytest.M
     import torch
 
     from benchmarks import common
-    from benchmarks import rollout as bench
+    from benchmarks import rollout_ab as bench
+    from benchmarks.rollout_models import with_lora
     from qerl.rollout import decoder
 
     tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    monkeypatch.setattr(bench, "build_model", lambda shape, nvfp4: bench.with_lora(
+    monkeypatch.setattr(bench, "build_model", lambda shape, nvfp4: with_lora(
         common.random_model(tiny, common.VOCAB, False, torch.device("cpu"), torch.float32)))  # fmt: skip
     seen = []
 

@@ -48,24 +48,24 @@ def test_gpu_rollout_kernels_match_torch() -> None:
     checks.check_stacked_decode("cuda", torch.bfloat16, 0.02, ms=(1, 16, 64, 128))
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (fused_step imports it)")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (step_norm imports it)")
 def test_rank_block_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shrink's split: by rank up to 64 rows of at most 8192 (padded) columns, the fewest ranks a program that keep
     a launch at 128 programs (the choices measured fastest on the H200 at the 7B shapes), at most 128 values of A a
     thread (8 ranks of a 4096-column row, 4 of an 8192-column one), and the column split otherwise or with
     ``schedule.SHRINK_BY_RANK`` off."""
-    from qerl.kernels import fused_step, schedule
+    from qerl.kernels import schedule, step_norm
 
     monkeypatch.setattr(schedule, "SHRINK_BY_RANK", True)
-    assert [fused_step.rank_block(m, 48, 4096) for m in (1, 2, 4, 8, 16, 32)] == [1, 1, 2, 4, 8, 8]
-    assert [fused_step.rank_block(m, 32, 4096) for m in (1, 4, 8, 16, 32)] == [1, 1, 2, 4, 8]
-    assert [fused_step.rank_block(m, 48, 8192) for m in (1, 8, 16, 32)] == [1, 4, 4, 4]  # 32B: 4 ranks at most
-    assert fused_step.rank_block(1, 5, 4096) == 1 and fused_step.rank_block(32, 4, 4096) == 1
-    assert fused_step.rank_block(32, 8, 4096) == 2
-    assert [fused_step.rank_block(m, 48, 4096) for m in (48, 64)] == [8, 8]  # measured at 48 / 64 rows: 8 ranks
-    assert fused_step.rank_block(65, 48, 4096) == 0 and fused_step.rank_block(1, 48, 16384) == 0
+    assert [step_norm.rank_block(m, 48, 4096) for m in (1, 2, 4, 8, 16, 32)] == [1, 1, 2, 4, 8, 8]
+    assert [step_norm.rank_block(m, 32, 4096) for m in (1, 4, 8, 16, 32)] == [1, 1, 2, 4, 8]
+    assert [step_norm.rank_block(m, 48, 8192) for m in (1, 8, 16, 32)] == [1, 4, 4, 4]  # 32B: 4 ranks at most
+    assert step_norm.rank_block(1, 5, 4096) == 1 and step_norm.rank_block(32, 4, 4096) == 1
+    assert step_norm.rank_block(32, 8, 4096) == 2
+    assert [step_norm.rank_block(m, 48, 4096) for m in (48, 64)] == [8, 8]  # measured at 48 / 64 rows: 8 ranks
+    assert step_norm.rank_block(65, 48, 4096) == 0 and step_norm.rank_block(1, 48, 16384) == 0
     monkeypatch.setattr(schedule, "SHRINK_BY_RANK", False)
-    assert fused_step.rank_block(1, 48, 4096) == 0
+    assert step_norm.rank_block(1, 48, 4096) == 0
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (compiles for sm_90 on any machine)")
@@ -80,9 +80,9 @@ def test_rank_kernel_fits_registers(block: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from qerl.kernels import fused_step
+    from qerl.kernels import step_norm
 
-    most = fused_step.rank_block(32, 4096, block)
+    most = step_norm.rank_block(32, 4096, block)
     assert most == {4096: 8, 8192: 4}[block]
 
     def spills(rb: int) -> int:
@@ -90,8 +90,8 @@ def test_rank_kernel_fits_registers(block: int) -> None:
         ptrs = ("h_ptr", "d_ptr", "w_ptr", "hout_ptr", "out_ptr", "a_ptr", "u_ptr")
         sig = {**dict.fromkeys(ptrs, "*bf16"), **dict.fromkeys(("M", "K", "share", "R", "S1", "S2"), "i32"), "eps": "fp32",
                **dict.fromkeys(consts, "constexpr")}  # fmt: skip
-        compiled = triton.compile(ASTSource(fn=fused_step._rms_norm_rank_kernel, signature=sig, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": fused_step.RANK_WARPS})  # fmt: skip
+        compiled = triton.compile(ASTSource(fn=step_norm._rms_norm_rank_kernel, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": step_norm.RANK_WARPS})  # fmt: skip
         return len(re.findall(r"\b(?:LDL|STL)\b", compiled.asm["sass"]))
 
     assert spills(most) == 0

@@ -17,10 +17,22 @@ is computed once per input (shared by q/k/v or gate/up).
 from __future__ import annotations
 
 import itertools
+from functools import cache
+from types import ModuleType
 
 import torch
 
 from qerl.kernels import ops, reference
+
+
+@cache
+def step_kernels() -> ModuleType:
+    """``qerl.kernels.fused_step``, the decode step's fused kernels, imported on first use: it needs Triton,
+    and the package imports on CPU installs without it. (Here, on top, rather than in ``backend``, which the
+    kernels themselves import.)"""
+    from qerl.kernels import fused_step
+
+    return fused_step
 
 
 def nvfp4_linear(
@@ -79,7 +91,7 @@ def nvfp4_group_decode(
     the decode kernels may launch with programmatic dependent launch (``qerl/kernels/pdl.py``).
 
     Why: q/k/v and gate/up as separate launches cost the 7B decode step 27-42% more FP4-kernel time
-    than the same GEMMs stacked (small k/v tiles, a partial last wave per launch; NOTES, "Where a
+    than the same GEMMs stacked (small k/v tiles, a partial last wave per launch; docs/kernels.md, "Where a
     b=64/128 step goes"). ``lora_u`` is ``[..., R]`` or, with ``lora_bounds``, the flat segmented
     buffer the fused shrinks write; ``lora_B`` ``[N, R]`` is block-diagonal (projection j's rows only
     see its own rank columns), so one epilogue dot applies every projection's expand.
@@ -112,7 +124,7 @@ def nvfp4_group_decode(
 
 def gluon_order(rows: int, n: int, k: int, x: torch.Tensor) -> bool:
     """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device to ``n`` outputs runs a Gluon kernel,
-    which reads x in their K order (``fp4_gemm.nibble_major``; ``fp4_gemm.gluon_takes``): the rollout engine
+    which reads x in their K order (``fp4_base.nibble_major``; ``fp4_gemm.gluon_takes``): the rollout engine
     then has the op producing x write it so (``fused_step``, ``permute=True``) instead of permuting it per call."""
     if not ops.use_triton(x):
         return False

@@ -1,7 +1,7 @@
 """When the Triton kernels of ``qerl.kernels`` run: one availability check and one switch for all of them.
 
-Every fast path in qerl (the FP4 GEMMs of ``fp4_gemm``, the fused decode-step kernels of
-``fused_step``) asks ``available(x)``; everything else falls back to ``qerl.kernels.reference``, the
+Every fast path in qerl (the FP4 GEMMs of ``fp4_gemm``, the fused decode-step kernels that
+``qerl.kernels.step_kernels()`` returns) asks ``available(x)``; everything else falls back to ``qerl.kernels.reference``, the
 plain-torch code each kernel is tested against. ``QERL_TRITON=0`` forces the reference everywhere
 (debugging, A/B timing). CPU installs without Triton never import a Triton module.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import cache
-from types import ModuleType
 
 import torch
 
@@ -34,14 +33,6 @@ def enabled() -> bool:
 def available(x: torch.Tensor) -> bool:
     """Whether the Triton kernels serve tensors on ``x``'s device (dtype rules are each op's own)."""
     return x.is_cuda and enabled()
-
-
-@cache
-def fused_step() -> ModuleType:
-    """``qerl.kernels.fused_step`` (imported on first use: it needs Triton)."""
-    from qerl.kernels import fused_step as module
-
-    return module
 
 
 def tickets(device: torch.device, needed: int) -> torch.Tensor:

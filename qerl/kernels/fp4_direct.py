@@ -3,9 +3,9 @@ scales straight from global memory into ``mma.sync`` operand registers, one K st
 its program's x slice staged in shared memory (a ring refilled every ``MAX_STEPS`` K steps of a longer
 slice), and never waits for another warp inside the K loop between fills.
 
-Why: at M = 1..8 the Triton decode kernel (``fp4_gemm._decode_kernel``) runs at ~40% of copy bandwidth,
+Why: at M = 1..8 the Triton decode kernel (``fp4_decode._decode_kernel``) runs at ~40% of copy bandwidth,
 and Nsight Compute put its cycles in the per-K-step pipeline barrier of its shared-memory ring, global
-loads into registers, and ~3 warps per scheduler to hide them (benchmarks/NOTES.md, "Nsight Compute: the
+loads into registers, and ~3 warps per scheduler to hide them (docs/kernels.md, "Nsight Compute: the
 M=1 decode kernel is issue-bound"). A wgmma needs its B operand in shared memory and a warpgroup to issue
 it; ``mma.sync`` (m16n8k16) needs neither, so here:
 
@@ -14,21 +14,20 @@ it; ``mma.sync`` (m16n8k16) needs neither, so here:
 * the A operand layout is ``DotOperandLayout(k_width=8)``: per 64-element K step a thread holds two runs
   of 8 consecutive int16 elements (32 codes each, one 16-byte load) of each of its two rows, straight
   from the checkpoint's layout (no repack);
-* x comes in the Gluon K order (``fp4_gemm.nibble_major``, as the rollout engine's producers write it),
+* x comes in the Gluon K order (``fp4_base.nibble_major``, as the rollout engine's producers write it),
   so nibble ``i``'s slice of x for a K step is 64 contiguous elements; a program cp.asyncs its x slice
   into a shared-memory ring of up to ``MAX_STEPS`` K steps (4 KB each; a longer slice refills it) and
   reads each nibble's B operand with 16-byte LDS (x from global memory inside the loop missed L1 every step);
 * the weights are loaded and carried across the K loop as int32 words (two int16 elements, the pair a bf16
-  A register holds: ``_word_layout``) and decoded by ``fp4_gemm._nibble_asm``'s 3 instructions per bf16 pair on
+  A register holds: ``_word_layout``) and decoded by ``fp4_base.nibble_asm``'s 3 instructions per bf16 pair on
   the word itself (``_word_nibble``), times the fp8 block scale converted once per (row, group)
-  (``fp4_gluon._scale_layout``): exact, as in the other kernels. Carried as int16 elements, the next step's
+  (``gluon_base.scale_layout``): exact, as in the other kernels. Carried as int16 elements, the next step's
   weights were re-paired by PRMTs at the end of each iteration, and the step waited there: Nsight Compute's
-  source view (H200, 7B down, M=1) put 23% of the kernel's stall samples on that copy (benchmarks/NOTES.md,
-  "Twenty-fourth session");
+  source view (H200, 7B down, M=1) put 23% of the kernel's stall samples on that copy (docs/kernels.md);
 * launched by the rollout engine with programmatic dependent launch (``pdl.py``): a slice's first weights are loaded
   before the wait for the kernel before it, its x after, and the next kernel may launch once the K loop is done
   (x behind the weights costs 7B down 0.4 us after another GEMM, where waiting first would not, and saves 0.85 us
-  after the engine's SiLU + shrink kernel; H200, benchmarks/results/pdl_prologue_s34.json);
+  after the engine's SiLU + shrink kernel; H200, b107c8a:benchmarks/results/pdl_prologue_s34.json);
 * split-K with the same ticket reduction as the other decode kernels (partials read ``SPLIT_CHUNK`` per
   round trip), and their epilogue (bias, segmented outputs); the LoRA expand (``mma.sync`` over rank chunks)
   is done by each tile's last slice before its K loop, off the split-K tail (the ring build: in the epilogue).
@@ -38,18 +37,18 @@ About 60-72 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per 
 pairing, the unmasked loads and the scale pairs below, 422 with int16 elements; the RING build 473), the nibble
 decode 208 of them. Three cuts, each from the offline SASS: ``_pair_k`` (24 register copies a step), unmasked loads
 where every tile's rows exist (8 zeroings), ``_scale_pairs`` (two scales in 6 instructions instead of ~11). H200,
-same process (direct_s27_probe.json): the 7B decode GEMMs summed 58.7 -> 56.8 us at M=1, 62.2 -> 60.8 at M=8, and
-the 7B engine 2.73 -> 2.66 ms a step at b=8 (rollout_direct_s27_ab.json). The RING build keeps neither the pairing
-nor the unmasked loads: with them 32B gate_up took 57.1 us against 54.1 (direct_s27_ring_probe.json). A bit-
+same process (b107c8a:benchmarks/results/direct_s27_probe.json): the 7B decode GEMMs summed 58.7 -> 56.8 us at M=1, 62.2 -> 60.8 at M=8, and
+the 7B engine 2.73 -> 2.66 ms a step at b=8 (b107c8a:benchmarks/results/rollout_direct_s27_ab.json). The RING build keeps neither the pairing
+nor the unmasked loads: with them 32B gate_up took 57.1 us against 54.1 (b107c8a:benchmarks/results/direct_s27_ring_probe.json). A bit-
 interleaved weight layout that decodes a word in 9 instructions instead of 13 (the loop at 290) was measured in the
 same probe and bought nothing more (56.1 / 60.7 us summed): at these sizes the loop does not wait on its issue slots.
 Floor, 7B down at M=1: 38.2 MB at 4.25 TB/s = 9.0 us; measured 16.6 us (kernels.json, 54% of copy bandwidth). The 7B decode GEMMs
 with LoRA summed 61.96 -> 59.85 us at M=1 and 65.79 -> 63.76 at M=8 for the int32 words (bitwise equal; the 7B
-engine step 2.505 -> 2.441 ms at b=1, 2.772 -> 2.716 at b=8; direct_words_probe.json,
-rollout_direct_words_ab.json); 7B down 16.6-18.2 us in two kernels.json runs of the same code (50-54% of copy
-bandwidth); 76.8 us summed at M=1 for the Triton kernel (decode_gluon_nibble_mul.json). The ring's refill let
-the 32B GEMMs keep ``decode_split``'s 10-20-step slices: -7% / -10% summed at M = 1 / 8 (decode_direct_ring.json).
-Nsight Compute: issuing on 58% of active cycles, SMs idle on 21% (benchmarks/NOTES.md, "A decode kernel without
+engine step 2.505 -> 2.441 ms at b=1, 2.772 -> 2.716 at b=8; b107c8a:benchmarks/results/direct_words_probe.json,
+b107c8a:benchmarks/results/rollout_direct_words_ab.json); 7B down 16.6-18.2 us in two kernels.json runs of the same code (50-54% of copy
+bandwidth); 76.8 us summed at M=1 for the Triton kernel (b107c8a:benchmarks/results/decode_gluon_nibble_mul.json). The ring's refill let
+the 32B GEMMs keep ``decode_split``'s 10-20-step slices: -7% / -10% summed at M = 1 / 8 (b107c8a:benchmarks/results/decode_direct_ring.json).
+Nsight Compute: issuing on 58% of active cycles, SMs idle on 21% (docs/kernels.md, "A decode kernel without
 shared memory" and the sections after it).
 """
 
@@ -62,10 +61,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .fp4_gemm import _check_act, _check_weight, _nibble_asm, segmented
-from .fp4_gluon import _scale_layout, launch_tail, resolve_split, split_k_sum, store_tile, tile_offsets
+from .fp4_base import check_act, check_weight, nibble_asm, segmented
+from .gluon_base import launch_tail, scale_layout, split_k_sum, store_tile, tile_offsets
 from .pdl import gemm_launch
-from .schedule import _cdiv, _sm_count, decode_split
+from .schedule import cdiv, decode_split, resolve_split, sm_count
 
 
 @gluon.constexpr_function
@@ -134,8 +133,8 @@ def _word_layout(a_linear):
     )
 
 
-#: ``fp4_gemm._nibble_asm`` for each nibble of an int32 word, the bf16 pair handed back as two halves.
-_WORD_NIBBLE_ASM = tuple(_nibble_asm(i, False, halves=True) for i in range(4))
+#: ``fp4_base.nibble_asm`` for each nibble of an int32 word, the bf16 pair handed back as two halves.
+_WORD_NIBBLE_ASM = tuple(nibble_asm(i, False, halves=True) for i in range(4))
 
 
 @gluon.constexpr_function
@@ -228,7 +227,7 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     mma: gl.constexpr = _mma_layout(num_warps)
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    s_l: gl.constexpr = gl.SliceLayout(2, _scale_layout(gl.to_linear_layout(a_l, [BN, HW])))
+    s_l: gl.constexpr = gl.SliceLayout(2, scale_layout(gl.to_linear_layout(a_l, [BN, HW])))
     sp_l: gl.constexpr = _word_layout(gl.to_linear_layout(s_l, [BN, HW // 4]))  # the scale bytes in pairs
     G: gl.constexpr = HW // 4
     # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 (_scale_pairs) = e2m1 * scale * 2^-8, exact in bf16.
@@ -251,7 +250,7 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     # loaded before that block, so their loads stay at the top of the step and overlap a refill's wait: after
     # it, ptxas sank them to ~70 of the loop's 487 instructions before its end, and the RING build took 36.6
     # us on 7B gate_up at split 1 (M=1, no LoRA) against 27.4 with them first (H200,
-    # direct_ring_early_probe.json; 82 registers against 72, 5 programs per SM; the other build is unchanged).
+    # b107c8a:benchmarks/results/direct_ring_early_probe.json; 82 registers against 72, 5 programs per SM; the other build is unchanged).
     x_s = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BM, 4 * HW],
                                     gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
     first = pid_k * steps_per_split
@@ -271,7 +270,7 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     # The LoRA expand rides on the tile's last (shortest) slice, before its K loop and in the shadow of the loads
     # above, instead of after the split-K round trips on the critical tail: it starts the slice's accumulator in
     # the weights' scale (store_tile multiplies the sum by 2^8 / g). H200, 7B decode GEMMs with their ranks
-    # (decode_direct_lora_prologue.json): -0.6 us a layer at M=1, -1.3 at M=8. The RING build keeps it in the
+    # (b107c8a:benchmarks/results/decode_direct_lora_prologue.json): -0.6 us a layer at M=1, -1.3 at M=8. The RING build keeps it in the
     # epilogue: there ptxas spilled a pointer inside the K loop (offline sm_90), and 32B gate_up at M=8 was 5% slower.
     LORA_FIRST: gl.constexpr = HAS_LORA and not RING
     if LORA_FIRST:
@@ -302,7 +301,7 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     if PDL:
         # Here rather than at the start: the next GEMM's programs then take the slots this one's split-K tail leaves
         # (H200, 7B decode GEMMs after their RMSNorm / SiLU shrink kernels, summed: 67.1 us at the start, 66.9 here, the
-        # committed kernel without PDL 68.5 at M=1; 73.4 / 72.8 / 75.1 at M=8; benchmarks/results/pdl_direct_trigger_s33.json).
+        # committed kernel without PDL 68.5 at M=1; 73.4 / 72.8 / 75.1 at M=8; b107c8a:benchmarks/results/pdl_direct_trigger_s33.json).
         gdc_launch_dependents()
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, mma)
     LORA_LAST: gl.constexpr = HAS_LORA and RING
@@ -329,22 +328,22 @@ WARPS = 4
 HW = 64
 #: Programs an SM holds (66 registers and up to 28 KB of shared memory each allow 7), the count
 #: ``decode_split`` schedules for; and the K steps of x a program's shared-memory ring holds (4 KB a step:
-#: 7 keeps 7 programs per SM). H200 (decode_gluon_direct_schedule.json), summed 7B
+#: 7 keeps 7 programs per SM). H200 (b107c8a:benchmarks/results/decode_gluon_direct_schedule.json), summed 7B
 #: decode GEMMs at M = 1 / 8: 65.1 / 70.1 us, against 65.1 / 70.7 at 8 programs and 4 steps and 65.7 / 70.8
 #: at 8 and 6: the waves these change (7B down 0.91 or 1.15) cost nothing measurable. (The RING build, 82 registers,
 #: holds 5; ``PROGRAM_STEPS`` below was fitted with 7 for every build.)
 RESIDENT = 7
 MAX_STEPS = 7
 #: A program's fixed cost in K steps for ``decode_split``, fitted on the sweep of every split of the 7B / 32B
-#: decode GEMMs (H200, direct_ring_early_probe.json, LoRA, M = 1 / 8): 4 to 6 all pick 7B gate_up's one 14-step
+#: decode GEMMs (H200, b107c8a:benchmarks/results/direct_ring_early_probe.json, LoRA, M = 1 / 8): 4 to 6 all pick 7B gate_up's one 14-step
 #: ring slice per tile (28.3 / 28.6 us) over 3 slices (28.8 / 30.7; 4 only through the tie to fewer slices),
 #: and every other GEMM's split as 2 (the Triton kernel's) did. Summed 7B GEMMs with LoRA at their picks: 60.6
 #: -> 60.1 us at M=1, 64.9 -> 62.8 at M=8.
 PROGRAM_STEPS = 5
 #: Split-K partials the last program reads per round trip: 8 reads 7B down's 15 in two instead of four, at the same
-#: 72 registers (offline sm_90; 16 takes 80). H200, same process, bitwise equal (direct_s28_probe.json): summed 7B
+#: 72 registers (offline sm_90; 16 takes 80). H200, same process, bitwise equal (b107c8a:benchmarks/results/direct_s28_probe.json): summed 7B
 #: decode GEMMs with LoRA 59.96 -> 59.08 us at M=1, 62.70 -> 61.81 at M=8; 7B down 16.36 -> 15.94 (M=1, no LoRA).
-#: (4 against 1 earlier: 62.4 / 66.9 against 63.0 / 68.3, decode_gluon_nibble_mul.json.)
+#: (4 against 1: 62.4 / 66.9 against 63.0 / 68.3, b107c8a:benchmarks/results/decode_gluon_nibble_mul.json.)
 SPLIT_CHUNK = 8
 
 
@@ -352,18 +351,18 @@ def refills(N: int, K: int, device: torch.device) -> bool:
     """Whether this GEMM is split into K slices (``decode_split``'s choice, as ``matmul`` launches it) longer than
     the x ring, so each slice refills it (the ``RING`` build); ``fp4_gemm.gluon_takes`` gives those GEMMs (the 32B
     down; no 7B GEMM) to the TMA/wgmma kernel instead. As the engine calls it (LoRA r16, x permuted; H100,
-    benchmarks/results/ring_probe.json) 32B down took 43.0 / 46.5 us here at M = 1 / 8 against 41.8 / 39.5 there
-    (H200 without LoRA, cap_probe.json: 35.4 / 41.7 against 34.7 / 34.3). A GEMM whose single slice per tile
+    b107c8a:benchmarks/results/ring_probe.json) 32B down took 43.0 / 46.5 us here at M = 1 / 8 against 41.8 / 39.5 there
+    (H200 without LoRA, b107c8a:benchmarks/results/cap_probe.json: 35.4 / 41.7 against 34.7 / 34.3). A GEMM whose single slice per tile
     refills the ring (32B gate_up) stays here: with LoRA on the H100 it took 76.0 / 72.8 us against 79.5 / 79.3."""
-    tiles, k_steps, slots = _launch_shape(N, K, device)
+    tiles, k_steps, slots = launch_shape(N, K, device)
     split = decode_split(tiles, k_steps, slots, PROGRAM_STEPS)
-    return split > 1 and _cdiv(k_steps, split) > MAX_STEPS
+    return split > 1 and cdiv(k_steps, split) > MAX_STEPS
 
 
-def _launch_shape(N: int, K: int, device: torch.device) -> tuple[int, int, int]:
+def launch_shape(N: int, K: int, device: torch.device) -> tuple[int, int, int]:
     """(weight-row tiles, K steps, resident program slots) of a launch: what ``decode_split`` plans its slices from,
     in ``matmul`` and in ``refills`` alike."""
-    return _cdiv(N, ROWS_PER_WARP * WARPS), K // (4 * HW), _sm_count(device) * RESIDENT
+    return cdiv(N, ROWS_PER_WARP * WARPS), K // (4 * HW), sm_count(device) * RESIDENT
 
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -391,16 +390,16 @@ def matmul(
     there when it dispatches here) for an x already in the Gluon K order (``reference.nibble_major``);
     see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice). ``pdl``: a programmatic
     dependent launch (``pdl.py``; the caller vouches that no kernel in flight writes the weights)."""
-    _check_act(x)
-    N, K = _check_weight(weight_packed, weight_scale)
+    check_act(x)
+    N, K = check_weight(weight_packed, weight_scale)
     M = x.shape[0]
     if not supports(M, K, x.dtype, x.device) or x.shape[1] != K:
         raise ValueError(f"the direct decode kernel takes bf16 x [1 <= M <= {BM}, {K}] on sm_90 with K % {4 * HW} == 0, "
                          f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
     bn = ROWS_PER_WARP * WARPS
-    tiles, k_steps, slots = _launch_shape(N, K, x.device)
+    tiles, k_steps, slots = launch_shape(N, K, x.device)
     split = resolve_split(tiles, k_steps, split, slots, PROGRAM_STEPS)
-    steps = _cdiv(k_steps, split)  # per slice
+    steps = cdiv(k_steps, split)  # per slice
     rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, bn * BM, split, (steps,), bias, lora_u, lora_b,
                                   lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
     x = x.contiguous()

@@ -1,11 +1,11 @@
 """A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect), for Hopper
 (sm_90) only: what ``fp4_gemm.matmul`` runs for decode GEMMs of 17..128 rows there (9..128 for GEMMs of at least
 ``schedule.GLUON_MIN_WEIGHTS`` weights, 1..128 for those ``fp4_direct.refills``), in place of
-``fp4_gemm._decode_kernel``.
+``fp4_decode._decode_kernel``.
 
 Why another kernel: Nsight Compute put the Triton decode kernel's time at M >= 64 in the CTA-wide
 barrier every K step (its shared-memory ring is read by every warp), global loads of scales and x into
-registers, and the decode's fixed-latency chains, never in the tensor cores (benchmarks/NOTES.md,
+registers, and the decode's fixed-latency chains, never in the tensor cores (docs/kernels.md,
 "Decode at the batches GRPO decodes"). Triton 3.6 cannot express the fix for a register A operand; Gluon
 can. Here:
 
@@ -15,11 +15,11 @@ can. Here:
   once the step's wgmma are done, so the next weights are in flight during the step (H200, against one release per slot after
   the wgmma, bitwise equal: 7B + 32B decode GEMMs summed 287.6 -> 279.5 us at M=64, 459.2 -> 451.7 at
   M=128, unchanged at 16 / 32; the 7B engine at b=128 7.606 / 7.587 -> 7.371 / 7.395 ms,
-  benchmarks/results/gluon_early_release_probe.json, rollout_early_release_ab.json). Deeper weight rings
-  than x rings were slower at every M (gluon_split_ring_probe.json);
+  b107c8a:benchmarks/results/gluon_early_release_probe.json, b107c8a:benchmarks/results/rollout_early_release_ab.json). Deeper weight rings
+  than x rings were slower at every M (b107c8a:benchmarks/results/gluon_split_ring_probe.json);
 * a four-warp consumer warpgroup loads each int16 weight tile from shared memory straight into the
   wgmma A-operand register layout, decodes nibble ``i`` with the same bit placement as the Triton
-  kernel (it calls ``fp4_gemm._nibble``), multiplies by the block scale and issues ``wgmma`` asynchronously
+  kernel (it calls ``fp4_base.nibble``), multiplies by the block scale and issues ``wgmma`` asynchronously
   against x in shared memory, so the decode of nibble ``i + 1`` overlaps the MMA of nibble ``i``;
 * x is taken in a permuted K order (``reference.nibble_major``; the rollout engine's producers write it so,
   other callers have it permuted per call) so each nibble's x slice is a contiguous
@@ -30,15 +30,15 @@ can. Here:
 
 y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs: ``fp4_gemm.matmul``'s
 decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
-ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``split_k_sum``); up to
+ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``gluon_base.split_k_sum``); up to
 ``BALANCE_MAX_BM`` tokens, where the wave model's split leaves resident slots empty, some tiles take one slice
-more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down at M=64 26.6 -> 26.0 us, release_landed_s32.json).
+more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down at M=64 26.6 -> 26.0 us, b107c8a:benchmarks/results/release_landed_s32.json).
 Launched by the rollout engine with programmatic dependent launch (``pdl.py``: the producer loads the first ring of
 weights before its wait for the kernel before, x after it). ``fp4_gemm.matmul`` sends it the decode GEMMs
 ``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs;
-``QERL_DECODE_GLUON=0`` turns it off). On the H200 (NOTES.md, "The Gluon decode kernel, measured") it is bitwise
+``QERL_DECODE_GLUON=0`` turns it off). On the H200 (docs/kernels.md, "The Gluon decode kernel, measured") it is bitwise
 equal to the Triton kernel at M <= 64 and within 1.3e-4 relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
-Triton kernel's 119.3 / 185.3 at M = 64 / 128 (x pre-permuted, decode_gluon_candidates.json; floor 31 us:
+Triton kernel's 119.3 / 185.3 at M = 64 / 128 (x pre-permuted, b107c8a:benchmarks/results/decode_gluon_candidates.json; floor 31 us:
 131 MB of weights at 4.26 TB/s), and
 the 7B engine step (1024 tokens, its input written in this kernel's K order, split-K refit) from 7.19 to
 5.82 ms at b=64 and 11.89 to 8.70 ms at b=128. Latency-bound at M=64 (Nsight Compute: 0.35 issues per
@@ -60,10 +60,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import backend, reference
-from .fp4_gemm import _check_act, _check_weight, _nibble, segmented
+from . import reference
+from .fp4_base import check_act, check_weight, nibble, segmented
+from .gluon_base import launch_tail, scale_layout, split_k_sum, store_tile, tile_offsets
 from .pdl import gemm_launch
-from .schedule import _cdiv, _sm_count, balanced_split, decode_split
+from .schedule import balanced_split, cdiv, resolve_split, sm_count
 
 #: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
 #: (one consumer warpgroup: wgmma M = 64).
@@ -73,35 +74,35 @@ BN = 64
 #: for ``decode_split``). From offline sm_90 compiles (triton 3.6, no spills at these caps): BM=16 80 registers
 #: x 256 threads (4 consumer + 1 producer warps, padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 2 stages,
 #: 80 registers, 51 KB -> 3 (the split still planned for 2: measured against 3 stages at 128 registers, 75 KB, 2 an
-#: SM, H200, cap_probe.json: 7B gate_up at M=32 40.3 -> 33.0 us, down 22.1 -> 21.1, q/k/v 10.2 -> 9.9, o 9.8 -> 9.4,
+#: SM, H200, b107c8a:benchmarks/results/cap_probe.json: 7B gate_up at M=32 40.3 -> 33.0 us, down 22.1 -> 21.1, q/k/v 10.2 -> 9.9, o 9.8 -> 9.4,
 #: 32B gate_up 70.6 -> 62.2, q/k/v 14.6 -> 14.0, o 12.0 -> 11.5, down 35.7 -> 35.2; planning the split for 3 lost
 #: on all but 7B down); BM=64 2 stages, 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168
 #: registers, uncapped). The fixed cost (the Triton kernel's is 2: pipeline fill, barrier setup and the split-K
 #: partials cost this kernel more) was fit on decode_gluon_splits.json (H200, 7B decode GEMMs at M = 64 / 128):
 #: 4 to 15 pick alike, 273.4 us summed against 295.3 at 2 (gate_up at M=64: 1 split, 48.4 us, instead of 2,
 #: 65.4 us). At BM=16 (9..16 rows, ``schedule.GLUON_MIN_WEIGHTS``) 8 picks the fastest split measured for every
-#: 7B and 32B GEMM it takes (decode_gluon_m16_probe.json); 6 picked 2 slices for 7B gate_up, 36.4 us against
+#: 7B and 32B GEMM it takes (b107c8a:benchmarks/results/decode_gluon_m16_probe.json); 6 picked 2 slices for 7B gate_up, 36.4 us against
 #: 31.2 for one. 2 or 4 stages at BM=16: within -4% / +9% of 3 per GEMM (same file).
 SCHEDULE = {16: (3, 80, 3, 8), 32: (2, 80, 2, 6), 64: (2, 128, 2, 6), 128: (2, None, 1, 6)}
 #: Split-K partials the last program reads per round trip, per BM (``split_k_sum``, vector partials): a partial
 #: is BM / 2 fp32 registers a thread, so these keep the loads in flight to 32-64 registers (two at BM=128 spilled,
-#: offline sm_90). H200, 7B + 32B GEMMs (tail_ab_gemm.json): 1, 2 and 4 within 2% of each other at BM = 32 / 64,
+#: offline sm_90). H200, 7B + 32B GEMMs (b107c8a:benchmarks/results/tail_ab_gemm.json): 1, 2 and 4 within 2% of each other at BM = 32 / 64,
 #: 4 the fastest at 16 (7B down 18.4 us against 18.6 / 18.8).
 SPLIT_CHUNK = {16: 4, 32: 4, 64: 2, 128: 1}
 #: The BMs whose K loop releases a weight slot right after its loads, behind a proxy fence (``_consumer``); the others
-#: release it after the step's wgmma are issued. H200, 20-60 calls each, same run (split_race_fence_s32.json): both
+#: release it after the step's wgmma are issued. H200, 20-60 calls each, same run (b107c8a:benchmarks/results/split_race_fence_s32.json): both
 #: exact (0 calls differing, the unfenced early release 59 of 60 at 7B down M=64); release-after-issue / fenced, us:
 #: BM=64 7B gate_up 50.25 / 47.37, 32B gate_up 94.63 / 90.25, the other 7B/32B GEMMs within 0.5%; BM=16 7B gate_up
 #: 32.30 / 32.92, 32B down 30.85 / 31.28; BM=128 7B qkv 17.07 / 17.46, 32B gate_up 151.5 / 155.2.
 FENCED_RELEASE = (64,)
 #: Up to this BM the split the wave model picks is balanced over the resident slots where that lightens the busiest
-#: SM (``schedule.balanced_split``). H200, uniform / balanced, us (balanced_split_gluon_s31.json, min of 2, no LoRA):
+#: SM (``schedule.balanced_split``). H200, uniform / balanced, us (b107c8a:benchmarks/results/balanced_split_gluon_s31.json, min of 2, no LoRA):
 #: 7B down M=32 21.65 / 20.99, M=64 26.73 / 26.17; 7B qkv M=32 10.27 / 9.84; 32B down M=16 35.24 / 31.55; at
 #: BM=128 (one CTA an SM) it lost (7B qkv 17.14 / 19.82), so that BM keeps the uniform split.
 BALANCE_MAX_BM = 64
 #: The BMs launched with programmatic dependent launch where the caller asks for it (``pdl.py``). Not 32: its split is
 #: planned for 2 CTAs an SM of the 3 that fit, and the 7B engine at b=32 lost with PDL, off / on / off 3.579 / 3.780 /
-#: 3.554 ms a step (H200, rollout_pdl_ab_b16_32_s34.json; b=16 3.159 / 3.152 / 3.093), as its GEMMs did one after
+#: 3.554 ms a step (H200, b107c8a:benchmarks/results/rollout_pdl_ab_b16_32_s34.json; b=16 3.159 / 3.152 / 3.093), as its GEMMs did one after
 #: another (kernels.json: 7B down 21.73 -> 24.58 us, 32B down 39.47 -> 46.44).
 PDL_BM = (16, 64, 128)
 
@@ -110,25 +111,6 @@ PDL_BM = (16, 64, 128)
 def _acc_layout(BM):
     """The accumulator's layout: one warpgroup's wgmma with BM tokens as the N dimension."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-
-
-@gluon.constexpr_function
-def _scale_layout(a_linear):
-    """The [BN, G, 4] layout whose reshape to [BN, BK/4] is the A operand's (``a_linear``, its linear
-    layout): a column basis c becomes (c // 4, c % 4), so a scale loaded in its dim-2 slice and broadcast
-    along dim 2 lands in the A layout with no data movement."""
-
-    def split(basis):
-        r, c = basis
-        return [r, c // 4, c % 4]
-
-    return gl.DistributedLinearLayout(
-        reg_bases=[split(b) for b in a_linear.reg_bases],
-        lane_bases=[split(b) for b in a_linear.lane_bases],
-        warp_bases=[split(b) for b in a_linear.warp_bases],
-        block_bases=[split(b) for b in a_linear.block_bases],
-        shape=[a_linear.shape[0], a_linear.shape[1] // 4, 4],
-    )
 
 
 @gluon.jit
@@ -176,15 +158,15 @@ def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
     A slot's weights go back to the producer (``free_w``) once its ldmatrix / scale loads can no longer see the
     refill: with ``FENCED`` right after those loads behind a proxy fence (the loads are generic-proxy reads, the TMA
     refill an async-proxy write, and only ``fence.proxy.async`` orders the two), else after the step's four wgmma are
-    issued (they consume every loaded register, so the loads have landed). Released after the loads with neither (up
-    to the thirty-second session) the refill could land under a load in flight: with the balanced split, 7B down at
-    M=64 got a few weight rows of one K step wrong in 19 of 19 calls (benchmarks/results/split_race_s32.json); the
+    issued (they consume every loaded register, so the loads have landed). Released right after the loads with neither,
+    the refill can land under a load in flight: with the balanced split, 7B down at
+    M=64 got a few weight rows of one K step wrong in 19 of 19 calls (b107c8a:benchmarks/results/split_race_s32.json); the
     uniform split ran that code with the race unseen. Which release is faster depends on BM (``FENCED_RELEASE``)."""
     HW: gl.constexpr = BK // 4
     G: gl.constexpr = BK // 16
     mma: gl.constexpr = _acc_layout(BM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    s3_layout: gl.constexpr = _scale_layout(gl.to_linear_layout(a_layout, [BN, HW]))
+    s3_layout: gl.constexpr = scale_layout(gl.to_linear_layout(a_layout, [BN, HW]))
     # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 = e2m1 * scale * 2^-8, exact in bf16.
     FACTOR: gl.constexpr = 3.3230699894622896e35
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
@@ -201,7 +183,7 @@ def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
         sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
         xs = x_s.index(slot)
         for n in gl.static_range(4):
-            w = _nibble(h, n, False) * sb  # the Triton kernel's decode, bf16
+            w = nibble(h, n, False) * sb  # the Triton kernel's decode, bf16
             acc = warpgroup_mma(w, xs.slice(n * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
         if not FENCED:
             mbarrier.arrive(free_w.index(slot))  # the four wgmma hold every decoded weight: the slot's loads landed
@@ -217,10 +199,10 @@ def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
 def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
                  BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr):  # fmt: skip
     """B[n, :] . u[m, :] for the tile as wgmma over RC-wide rank chunks staged through shared memory:
-    bf16 operands, fp32 sum, as the Triton kernel's ``tl.dot``. The first version did R fp32 rank-1
-    updates, each gathering a column of B and a segmented column of u: ~300 instructions per thread per
-    rank, 10x the tile's K loop for the 7B q/k/v group (R = 48), which made the engine slower than the
-    Triton kernel although each GEMM alone was faster (benchmarks/NOTES.md)."""
+    bf16 operands, fp32 sum, as the Triton kernel's ``tl.dot``. R fp32 rank-1 updates instead (each gathering a
+    column of B and a segmented column of u) cost ~300 instructions per thread per rank, 10x the tile's K loop for
+    the 7B q/k/v group (R = 48), and made the engine slower than with the Triton kernel although each GEMM alone
+    was faster (docs/kernels.md)."""
     mma: gl.constexpr = _acc_layout(BM)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     b_s = gl.allocate_shared_memory(gl.bfloat16, [BN, RC], gl.NVMMASharedLayout.get_default_for([BN, RC], gl.bfloat16))
@@ -240,85 +222,6 @@ def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
         gl.thread_barrier()
         lora = warpgroup_mma(b_s, u_s.permute((1, 0)), lora)
     return lora
-
-
-@gluon.jit
-def tile_offsets(pid_n, M, N, Y1, Y2, BN: gl.constexpr, BM: gl.constexpr, layout: gl.constexpr):
-    """(offs_n, offs, mask) of a decode program's transposed [BN, BM] output tile in ``layout``: ``offs``
-    in y's segmented order (``segmented``)."""
-    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
-    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
-    offs = segmented(gl.expand_dims(offs_n, 1), gl.expand_dims(offs_m, 0), M, Y1, Y2, N)
-    mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
-    return offs_n, offs, mask
-
-
-@gluon.constexpr_function
-def _partial_layout(num_warps):
-    """The vector partials' [BN, BM] layout: 4 consecutive weight rows per thread, 16 threads along BN = 64,
-    2 along the tokens, warps along the tokens (BM >= 2 x warps), so each thread's share of a partial in the
-    launch-private n-fastest order is whole 16-byte vectors."""
-    return gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])
-
-
-@gluon.jit
-def split_k_sum(acc, pid_n, pid_k, nsplit, tiles, part_ptr, ticket_ptr, offs, mask, M, N,
-                CH: gl.constexpr, VECTOR: gl.constexpr):  # fmt: skip
-    """Publish this program's fp32 partial (slice ``pid_k`` of the ``nsplit`` of tile ``pid_n``, one of ``tiles``)
-    and take a ticket: ``(sum of every slice's partial in slice order, True)`` for the program that draws the tile's
-    last ticket (it also resets the ticket, so stream
-    order leaves the table at zero for the next launch), ``(acc, False)`` for the others (as fp4_gemm does).
-    The last program reads CH partials per round trip; the sum stays in slice order, so the result depends
-    on neither CH nor the partials' layout.
-
-    The partials are private to the launch. Without ``VECTOR`` they sit at y's offsets (``offs``, slice s at
-    s x M x N) in the accumulator's layout, where a thread's elements are 4 bytes apart along n: one 4-byte
-    access each, 32 a partial per thread at BM=64. With ``VECTOR`` slice s of tile t is the [BM, BN] block at
-    (s x tiles + t) x BN x BM, n fastest, moved through ``_partial_layout`` (a shared-memory layout conversion
-    each way) in 16-byte vectors. H200, bitwise equal (benchmarks/results/tail_ab_gemm.json): the TMA/wgmma
-    kernel's 7B down at M=64 29.6 -> 26.6 us, o 14.7 -> 12.1, q/k/v 14.4 -> 12.6, M=16 down 19.5 -> 18.4; the direct
-    kernel (M <= 8, a partial is 4 values a thread and mostly masked at M=1) was 0.2-0.4 us slower with
-    it, 32B down at M=1 2.6 us, so it keeps y's offsets."""
-    BN: gl.constexpr = acc.shape[0]
-    BM: gl.constexpr = acc.shape[1]
-    if VECTOR:
-        lay: gl.constexpr = _partial_layout(gl.num_warps())
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))
-        at = part_ptr + pid_n * (BN * BM) + gl.expand_dims(offs_m * BN, 0)
-        at += gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, lay)), 1)
-        rows = gl.expand_dims(offs_m < M, 0)
-        stride = tiles * (BN * BM)  # one slice's partials
-        part = gl.convert_layout(acc, lay)
-    else:
-        at = part_ptr + offs
-        rows = mask
-        stride = M * N
-        part = acc
-    gl.store(at + pid_k * stride, part, mask=rows)
-    gl.thread_barrier()
-    ticket = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
-    last = ticket == nsplit - 1
-    if last:
-        total = gl.zeros_like(part)
-        for s0 in range(0, nsplit, CH):
-            for j in gl.static_range(CH):
-                total += gl.load(at + (s0 + j) * stride, mask=rows & (s0 + j < nsplit), other=0.0, cache_modifier=".cg")
-        acc = gl.convert_layout(total, acc.type.layout) if VECTOR else total
-        gl.store(ticket_ptr + pid_n, 0)
-    return acc, last
-
-
-@gluon.jit
-def store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale,
-               HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
-    """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * lora[n, m]) at the tile's (segmented)
-    offsets ``offs``; ``lora`` is the tile's B . u (read only with HAS_LORA)."""
-    out = acc * (256.0 / gl.load(g_ptr))
-    if HAS_BIAS:
-        out += gl.expand_dims(gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32), 1)
-    if HAS_LORA:
-        out += lora_scale * lora
-    gl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -390,39 +293,6 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, HAS_LORA)
 
 
-def resolve_split(tiles: int, k_steps: int, split: int, slots: int, program_steps: int) -> int:
-    """The K slices a tile is cut into: ``split``, or ``decode_split``'s choice over ``slots`` resident programs when
-    0, lowered to the count that slices of ``ceil(k_steps / split)`` steps give."""
-    if split <= 0:
-        split = decode_split(tiles, k_steps, slots, program_steps)
-    return _cdiv(k_steps, _cdiv(k_steps, split))
-
-
-def launch_tail(
-    x: torch.Tensor, weight_global_scale: torch.Tensor, N: int, K: int, tiles: int, tile_size: int, slices: int,
-    schedule: tuple[int, ...], bias: torch.Tensor | None, lora_u: torch.Tensor | None, lora_b: torch.Tensor | None,
-    lora_scale: float, out: torch.Tensor | None, out_bounds: tuple[int, int] | None, lora_bounds: tuple[int, int] | None,
-) -> tuple[int, torch.Tensor, tuple]:
-    """Host side of the tail both Gluon decode kernels share: ``(rank, out, args)`` with y allocated (``[M, N]``, or
-    flat segmented with ``out_bounds``), the fp32 partials of a split launch (``slices`` a tile at most; ``tile_size``
-    = BN x BM elements a tile and slice: room for either of ``split_k_sum``'s layouts) and its tickets, and the kernel
-    arguments from ``g_ptr`` to ``lora_scale`` in their order, the kernel's split schedule (``schedule``: the mma.sync
-    kernel's steps per slice, this kernel's ``balanced_split``) after ``K``."""
-    M = x.shape[0]
-    if out is None:
-        out = torch.empty((M, N) if out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
-    lb = None if lora_b is None else lora_b.contiguous()
-    rank = 0 if lb is None else lb.shape[1]
-    y1, y2 = out_bounds or (N, N)
-    s1, s2 = lora_bounds or (rank, rank)
-    part = torch.empty((slices, tiles, tile_size), dtype=torch.float32, device=x.device) if slices > 1 else out
-    tickets = backend.tickets(x.device, tiles) if slices > 1 else out
-    args = (weight_global_scale, out, part, tickets, out if bias is None else bias,
-            out if lora_u is None else lora_u.contiguous(), out if lb is None else lb,
-            M, N, K, *schedule, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale))  # fmt: skip
-    return rank, out, args
-
-
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Hopper, bf16 activations, M <= 128 and whole K steps: what this kernel covers."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and dtype == torch.bfloat16
@@ -453,8 +323,8 @@ def matmul(
     flight writes the weights)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _check_act(x)
-    N, K = _check_weight(weight_packed, weight_scale)
+    check_act(x)
+    N, K = check_weight(weight_packed, weight_scale)
     M = x.shape[0]
     if not supports(M, K, x.dtype, x.device) or x.shape[1] != K:
         raise ValueError(f"the Gluon decode kernel takes bf16 x [M <= 128, {K}] on sm_90 with K % {BK} == 0, "
@@ -462,8 +332,8 @@ def matmul(
     bm = max(16, triton.next_power_of_2(M))
     stages, maxnreg, resident, program_steps = SCHEDULE[bm]
     k_steps = K // BK
-    tiles = _cdiv(N, BN)
-    sms = _sm_count(x.device)
+    tiles = cdiv(N, BN)
+    sms = sm_count(x.device)
     base = resolve_split(tiles, k_steps, split, sms * resident, program_steps)
     extra = 0
     if split <= 0 and bm <= BALANCE_MAX_BM:

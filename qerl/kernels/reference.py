@@ -82,7 +82,7 @@ GLUON_K_STEP = 256
 
 def nibble_major(x: torch.Tensor) -> torch.Tensor:
     """x ``[..., K]`` (K a multiple of ``GLUON_K_STEP``) in the Gluon decode kernel's K order: within each
-    256-element step, element 4j + i moves to i * 64 + j (``fp4_gemm.nibble_major`` is the same map on offsets)."""
+    256-element step, element 4j + i moves to i * 64 + j (``fp4_base.nibble_major`` is the same map on offsets)."""
     *lead, k = x.shape
     return x.reshape(*lead, k // GLUON_K_STEP, GLUON_K_STEP // 4, 4).transpose(-1, -2).reshape(*lead, k).contiguous()
 

@@ -16,7 +16,7 @@ row-stacked (``layers.Stacked``) runs as one FP4 launch with every expand in its
 
 Gluon K order: on Hopper the decode GEMMs of more than 16 rows (more than 8 for GEMMs of at least
 ``schedule.GLUON_MIN_WEIGHTS`` weights), and of at most 8, run Gluon kernels that
-read x with each 256-element K step permuted (``qerl.kernels.fp4_gemm.nibble_major``). The ops producing
+read x with each 256-element K step permuted (``qerl.kernels.fp4_base.nibble_major``). The ops producing
 such a GEMM's input write it in that order (``_gluon_order`` decides per group and row count); a fused
 shrink still reduces the values in natural order, and an unfused one (above ``FUSED_LORA_MAX_ROWS``) uses
 A with the same column order (``Group.lora_a_gluon``), so nothing is permuted per call.
@@ -41,8 +41,8 @@ from qerl.rollout.layers import Group, Norm, Proj
 #: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input (above, one
 #: cuBLAS matmul per group). With the column-split RMSNorm shrink (each row's programs re-read A from L2) cuBLAS
 #: won from 48 rows (7B step 7.10 vs 6.98 ms at b=48, 7.14 vs 6.96 at b=64); with the RMSNorm shrink split over
-#: u's ranks up to 64 rows (``fused_step.RANK_SPLIT_MAX_ROWS``) the fused path wins there too: H200, 7B NVFP4 +
-#: LoRA r16, 256 tokens, cuBLAS above 32 / fused up to 64, A/B/A/B (benchmarks/results/rollout_fused64_ab.json):
+#: u's ranks up to 64 rows (``step_norm.RANK_SPLIT_MAX_ROWS``) the fused path wins there too: H200, 7B NVFP4 +
+#: LoRA r16, 256 tokens, cuBLAS above 32 / fused up to 64, A/B/A/B (git show b107c8a:benchmarks/results/rollout_fused64_ab.json):
 #: b=48 5.067 / 4.889 / 5.062 / 4.866 ms a step, b=64 5.015 / 4.850 / 5.034 / 4.822 (-3.7% at both).
 FUSED_LORA_MAX_ROWS = 64
 
@@ -52,7 +52,7 @@ class LoraU:
     """A group's LoRA shrinks ``u = x @ A.T`` (every projection's ranks side by side) in one buffer:
     ``[..., R]`` row-major (``bounds`` None: one matmul made it), or the flat segmented buffer a fused
     shrink kernel writes (``bounds`` = the group's ``lora_bounds``; projection j's ``[rows, r_j]``
-    block contiguous, as ``qerl.kernels.fp4_gemm.segmented`` lays it out)."""
+    block contiguous, as ``qerl.kernels.fp4_base.segmented`` lays it out)."""
 
     u: torch.Tensor
     bounds: tuple[int, int] | None
@@ -92,7 +92,7 @@ def _gluon_order(like: torch.Tensor, rows: int, k: int, group: Group | None) -> 
     """Whether the op producing the group's input (``rows`` x ``k``) writes it in the Gluon decode
     kernels' K order: the group runs as one FP4 launch (``group_forward``) that takes one of them
     (``kernels.gluon_order``), and its shrink, if any, has ``lora_a_gluon`` (used when the shrink is not
-    fused). This replaces a permute launch per GEMM (4 a layer: ~0.34 ms of a 7B b=64 step, NOTES.md)."""
+    fused). This replaces a permute launch per GEMM (4 a layer: ~0.34 ms of a 7B b=64 step, H200)."""
     launch = None if group is None else group.fp4_launch()
     return (launch is not None and (STACK_GROUPS or group.stacked is None)
             and (group.lora_a is None or group.lora_a_gluon is not None)
@@ -113,7 +113,7 @@ def rms_norm(
     new tensor when a fused shrink needs ``h`` unchanged while it runs.
     """
     if backend.available(h):
-        fused = backend.fused_step()
+        fused = kernels.step_kernels()
         rows = h.numel() // h.shape[-1]
         permuted = _gluon_order(h, rows, h.shape[-1], group)
         if _fuse_lora(h, rows, group):
@@ -145,7 +145,7 @@ def rope_attention(
     b, hkv = q.shape[0], k_cache.shape[1]
     if backend.available(q) and schedule.ROPE_IN_ATTENTION:
         return decode_attention(q.view(b, -1, d), k_cache, v_cache, pos, scale, group, rope=(k, v, cos, sin))
-    impl = backend.fused_step() if backend.available(q) else reference
+    impl = kernels.step_kernels() if backend.available(q) else reference
     q = impl.rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv, d)
     return decode_attention(q, k_cache, v_cache, pos, scale, group)
 
@@ -153,7 +153,7 @@ def rope_attention(
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, group: Group | None = None) -> tuple[torch.Tensor, LoraInputs]:
     """``(silu(gate) * up, lora inputs of group)``."""
     if backend.available(gate):
-        fused = backend.fused_step()
+        fused = kernels.step_kernels()
         rows = gate.numel() // gate.shape[-1]
         permuted = _gluon_order(gate, rows, gate.shape[-1], group)
         if _fuse_lora(gate, rows, group):
@@ -247,7 +247,7 @@ def decode_attention(
     if backend.available(q):
         permuted = _gluon_order(q, q.shape[0], q.shape[1] * q.shape[2], group)
         fuse = _fuse_lora(q, q.shape[0], group)
-        out, flat = backend.fused_step().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None,
+        out, flat = kernels.step_kernels().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None,
                                                           permute=permuted, rope=rope)  # fmt: skip
         return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group, permuted))
     out = reference.decode_attention(q, k_cache, v_cache, pos, scale)

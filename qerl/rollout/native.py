@@ -18,7 +18,7 @@ How a ``generate`` call runs:
    attention to the cache prefix that can hold live tokens; inside it, each row's attention loop
    stops at that row's own length.
 
-CPU runs the same step eagerly (fp32 for tests). Floors and measured speeds: benchmarks/NOTES.md.
+CPU runs the same step eagerly (fp32 for tests). Floors and measured speeds: docs/rollout.md.
 
 AQN hook: ``set_step_hook(fn)`` registers a zero-argument callable that runs at the start of every
 decode step, *inside* the captured graph on CUDA, and once before prefill. It must be capture-safe:
@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from qerl import kernels
 from qerl.kernels import backend, reference, schedule
 from qerl.rollout import decoder
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
@@ -404,7 +405,7 @@ class NativeEngine:
         top-k / top-p filter needs the sorted path (its draws come from ``state.seed``, which ``_prepare``
         takes from the engine's generator, so a seed still fixes the tokens), else the torch ops."""
         if schedule.FUSED_SAMPLER and backend.available(logits) and not filtered:
-            return backend.fused_step().sample(logits, state.temperature, state.seed, state.step, greedy)
+            return kernels.step_kernels().sample(logits, state.temperature, state.seed, state.step, greedy)
         return sample(logits, state.temperature, state.top_k, state.top_p, self._gen, greedy=greedy, filtered=filtered)
 
     def _forced_tokens(
@@ -417,7 +418,7 @@ class NativeEngine:
 
     def _finish_step(self, state: _State, slots: _Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
-        impl = backend.fused_step() if backend.available(tok) else reference
+        impl = kernels.step_kernels() if backend.available(tok) else reference
         impl.finish_step(
             tok, lp, slots.done, slots.row_id, state.stop, state.step, slots.tokens, slots.pos,
             state.out_tok, state.out_lp, self.pad_id,

@@ -1,0 +1,230 @@
+"""The decode step's attention: RoPE + the KV-cache write (``rope_and_cache``) and split-K flash-decoding over the
+static cache (``decode_attention``: a partial kernel per key chunk, a combine kernel per head that also reduces
+o_proj's LoRA shrink, ``step_base``). With ``rope=`` the partial kernel ropes q and writes this step's k / v itself,
+one launch a layer fewer (``schedule.ROPE_IN_ATTENTION``). Rounding follows transformers' modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import backend, pdl
+from .fp4_base import nibble_major
+from .step_base import TARGET_PROGRAMS, check_permute, finish_shrink, load_a, part_tile, rank_dot, rank_pad, trigger
+
+
+@triton.jit
+def _rotate_half(offs, D: tl.constexpr):
+    """``rotate_half`` as a gather: element ``offs`` of the rotated vector is ``sign * x[partner]``."""
+    return (offs + D // 2) % D, tl.where(offs < D // 2, -1.0, 1.0)
+
+
+@triton.jit
+def _rope(x, xr, cos, sin, DT: tl.constexpr):
+    """transformers' ``q * cos + rotate_half(q) * sin`` (``xr``: the rotated partner, sign applied), each op
+    rounded to the activation dtype as there."""
+    a = (x * cos).to(DT).to(tl.float32)
+    c = (xr * sin).to(DT).to(tl.float32)
+    return (a + c).to(DT)
+
+
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr,
+    skb, skh, sks, svb, svh, svs,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Program (row, j): j < H ropes q head j; then k heads (into the cache); then v heads (copied)."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs = tl.arange(0, D)
+    partner, sign = _rotate_half(offs, D)
+    pos = tl.load(pos_ptr + b)
+    dt = qo_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
+    if j < H:
+        src = q_ptr + b * (H * D) + j * D
+    elif j < H + HKV:
+        src = k_ptr + b * (HKV * D) + (j - H) * D
+    else:
+        src = v_ptr + b * (HKV * D) + (j - H - HKV) * D
+    x = tl.load(src + offs).to(tl.float32)
+    if j < H + HKV:
+        y = _rope(x, tl.load(src + partner).to(tl.float32) * sign, cos, sin, dt)
+        if j < H:
+            tl.store(qo_ptr + b * (H * D) + j * D + offs, y)
+        else:
+            tl.store(kc_ptr + b * skb + (j - H) * skh + pos * sks + offs, y)
+    else:
+        tl.store(vc_ptr + b * svb + (j - H - HKV) * svh + pos * svs + offs, x.to(dt))
+
+
+def rope_and_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> torch.Tensor:  # fmt: skip
+    """RoPE q (returned ``[B, H, D]``) and k, write k and v into cache slot ``pos`` of each row."""
+    b = q.shape[0]
+    q_out = torch.empty(b, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    _rope_cache_kernel[(b, num_heads + 2 * num_kv_heads)](
+        q, k, v, cos, sin, pos, q_out, k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=num_heads, HKV=num_kv_heads, D=head_dim, num_warps=1,
+    )  # fmt: skip
+    return q_out
+
+
+@triton.jit
+def _attn_partial_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr,
+    skb, skh, sks, svb, svh, svs, scale, chunk, nsplit,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    """Flash-decoding partials: program (row*kv-head, split) attends G query heads to one key chunk
+    of the row's valid prefix (slots <= pos). With ROPE, q comes un-rotated and every program ropes its
+    heads itself; the program whose chunk holds slot pos also ropes this step's key (``kn_ptr``) and
+    writes it and the value (``vn_ptr``) into the cache before reading its chunk (``_rope_cache_kernel``'s
+    work, bit for bit, without its launch)."""
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    kvh = bh % HKV
+    length = tl.load(pos_ptr + b) + 1
+    start = sp * chunk
+    end = tl.minimum(start + chunk, length)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    gmask = offs_g < G
+    heads = kvh * G + offs_g
+    q_rows = q_ptr + b * (HKV * G * D) + heads[:, None] * D
+    q = tl.load(q_rows + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    if ROPE:
+        dt = q_ptr.dtype.element_ty
+        partner, sign = _rotate_half(offs_d, D)
+        pos = length - 1
+        cos = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
+        q_r = tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sign[None, :]
+        q = _rope(q.to(tl.float32), q_r, cos[None, :], sin[None, :], dt)
+        if (start <= pos) & (pos < end):
+            new = b * (HKV * D) + kvh * D
+            k_r = tl.load(kn_ptr + new + partner).to(tl.float32) * sign
+            k_new = _rope(tl.load(kn_ptr + new + offs_d).to(tl.float32), k_r, cos, sin, dt)
+            tl.store(k_ptr + b * skb + kvh * skh + pos * sks + offs_d, k_new)
+            tl.store(v_ptr + b * svb + kvh * svh + pos * svs + offs_d, tl.load(vn_ptr + new + offs_d))
+            tl.debug_barrier()  # the chunk loop below reads slot pos back
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    # The loop stops at the row's own length (``pos`` is read on the device, so one compile and one
+    # CUDA graph serve every batch and KV bucket): a bucket holds up to 255 slots past a row's end, and
+    # walking them masked cost 14% of this kernel at b = 64 / 128 (H200, 7B shapes, docs/kernels.md).
+    for n0 in range(0, tl.maximum(tl.minimum(chunk, end - start), 0), BLOCK_N):
+        offs_n = start + n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        k = tl.load(
+            k_ptr + b * skb + kvh * skh + offs_n[:, None] * sks + offs_d[None, :], mask=nmask[:, None], other=0.0
+        )
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(nmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: no NaN from -inf - -inf
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr + b * svb + kvh * svh + offs_n[:, None] * svs + offs_d[None, :], mask=nmask[:, None], other=0.0
+        )
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    slot = (b * (HKV * G) + heads) * nsplit + sp
+    tl.store(m_ptr + slot, m_i, mask=gmask)
+    tl.store(l_ptr + slot, l_i, mask=gmask)
+    tl.store(acc_ptr + slot[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _attn_combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, nsplit, B, H, R,
+    NSP: tl.constexpr, D: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, PERMUTE: tl.constexpr,
+    PART_TILE: tl.constexpr, TRIGGER: tl.constexpr,
+):  # fmt: skip
+    """Program (row*head): merge the head's split partials; with LoRA, its share of ``u = out @ A.T``
+    (the head's D columns of A), summed over the row's heads by the last program."""
+    trigger(TRIGGER)
+    bh = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, NSP)
+    offs_d = tl.arange(0, D)
+    if HAS_LORA:
+        a = load_a(a_ptr, H * D, (bh % H) * D + offs_d, offs_d < D, R, RP)
+    smask = offs_s < nsplit
+    m = tl.load(m_ptr + bh * nsplit + offs_s, mask=smask, other=float("-inf"))
+    lsum = tl.load(l_ptr + bh * nsplit + offs_s, mask=smask, other=0.0)
+    w = tl.where(smask & (m > float("-inf")), tl.exp(m - tl.max(m, axis=0)), 0.0)
+    acc = tl.load(acc_ptr + (bh * nsplit + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    out = (tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)).to(out_ptr.dtype.element_ty)
+    dest = nibble_major(bh * D + offs_d) if PERMUTE else bh * D + offs_d
+    tl.store(out_ptr + dest, out)
+    if HAS_LORA:
+        finish_shrink(rank_dot(out, a), bh // H, bh % H, H, B, R, R, R, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    lora_a: torch.Tensor | None = None,
+    permute: bool = False,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
+    with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None.
+    ``permute`` as in ``rms_norm`` (out only; u is the same). ``rope = (k, v, cos, sin)``: q is not rotated
+    yet and this step's k / v (``[B, Hkv*D]``) are not in the cache: ``rope_and_cache``'s work is done here."""
+    b, h, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    g = h // hkv
+    block_n = 64 if d <= 64 else 32
+    nsplit = max(1, min(triton.cdiv(s, block_n), TARGET_PROGRAMS // max(1, b * hkv)))
+    chunk = triton.cdiv(triton.cdiv(s, nsplit), block_n) * block_n
+    nsplit = triton.cdiv(s, chunk)
+    m = torch.empty(b * h * nsplit, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    acc = torch.empty(b * h * nsplit, d, dtype=torch.float32, device=q.device)
+    kn, vn, cos, sin = rope if rope is not None else (q, q, q, q)
+    _attn_partial_kernel[(b * hkv, nsplit)](
+        q, k_cache, v_cache, pos, m, lsum, acc, kn, vn, cos, sin,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale, chunk, nsplit,
+        HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, ROPE=rope is not None, num_warps=4,
+    )  # fmt: skip
+    out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
+    rank = 0 if lora_a is None else lora_a.shape[0]
+    rp = rank_pad(rank)
+    u = part = tickets = None
+    if lora_a is not None:
+        u = torch.empty(b * rank, dtype=q.dtype, device=q.device)
+        part = torch.empty(b * h * rp, dtype=torch.float32, device=q.device)
+        tickets = backend.tickets(q.device, b)
+    _attn_combine_kernel[(b * h,)](
+        m, lsum, acc, out, lora_a if lora_a is not None else out, u if u is not None else out,
+        part if part is not None else m, tickets if tickets is not None else m, nsplit, b, h, rank,
+        NSP=triton.next_power_of_2(nsplit), D=d, HAS_LORA=lora_a is not None, RP=rp, PERMUTE=check_permute(permute, h * d),
+        PART_TILE=part_tile(h, rp), TRIGGER=pdl.enabled(q.device), num_warps=4,
+    )  # fmt: skip
+    return out, u

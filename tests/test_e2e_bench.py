@@ -1,0 +1,61 @@
+"""CPU smoke test of benchmarks/e2e.py (``--tiny``), so the end-to-end benchmark cannot rot between its H200 runs:
+the two native-engine arms train warm-up + timed steps on a 2-layer Llama checkpoint that ``prepare`` writes (bf16,
+then NVFP4 through qerl's quantizer), every timed step is split into phases that add up to it, completions are
+forced to full length, the LoRA moves, and the report's summary and plot come out of the rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import e2e
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("e2e")
+    out = root / "results" / "e2e.json"
+    assert e2e.main(["run", "--tiny", "--dir", str(root / "ckpt"), "--arms", "qerl_native_nvfp4", "qerl_native_bf16",
+                     "--batches", "b8", "--steps", "2", "--out", str(out)]) == 0  # fmt: skip
+    return json.loads(out.read_text()) | {"_out": str(out)}
+
+
+def test_checkpoints_are_real(tiny_run: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    ckpt = Path(tiny_run["_out"]).parents[1] / "ckpt"
+    assert json.loads((ckpt / "bf16" / "config.json").read_text())["max_position_embeddings"] == 32768
+    quant = json.loads((ckpt / "nvfp4" / "config.json").read_text())["quantization_config"]
+    assert quant["format"] == "nvfp4-pack-quantized"
+
+
+def test_native_arms_time_every_phase(tiny_run: dict) -> None:
+    rows = tiny_run["results"]
+    assert [(r["arm"], r["batch"]) for r in rows] == [("qerl_native_nvfp4", "b8"), ("qerl_native_bf16", "b8")]
+    for r in rows:
+        assert r["status"] == "ok", r.get("error")
+        assert r["forced_length"] and r["completion_lengths"] == [16] and r["rollout_rows"] == 8
+        assert r["lora_updated"] and r["optimizer_steps"] == 3 and len(r["timed_steps"]) == 2
+        for step in r["timed_steps"]:
+            assert step["step_s"] == pytest.approx(sum(step["phases_s"].values()), rel=1e-3, abs=1e-4)
+            assert all(step["phases_s"][p] > 0 for p in ("rollout", "logprobs", "fwd_bwd", "optimizer"))
+            assert step["phases_s"]["sync"] == 0  # the native engine reads the trainer's weights in place
+        assert set(r["floors_s"]) == {"rollout", "sync", "logprobs", "fwd_bwd", "optimizer"}
+        assert r["generated_tokens_per_s"]["rollout"] > r["generated_tokens_per_s"]["step"] > 0
+        assert r["command"].startswith("python") and "--arm" in r["command"]
+    assert Path(tiny_run["_out"]).with_suffix(".png").stat().st_size > 0
+
+
+def test_summary_ratios_point_the_right_way() -> None:
+    def row(arm: str, batch: str, step_s: float) -> dict:
+        return {"arm": arm, "batch": batch, "status": "ok", "step_s": step_s}
+
+    rows = [row("trl_vllm_bf16", "b8", 9.0), row("qerl_native_nvfp4", "b8", 4.5), row("qerl_vllm_nvfp4", "b128", 6.0),
+            row("qerl_native_nvfp4", "b128", 5.0), {**row("trl_vllm_bf16", "b128", 1.0), "status": "oom"}]  # fmt: skip
+    s = e2e.summarize(rows)
+    assert s["step_speedup_vs_trl_vllm_bf16_b8"] == 2.0 and s["step_speedup_vs_trl_vllm_bf16_b8_met"] is True
+    assert (
+        s["step_speedup_vs_vllm_rollout_nvfp4_b128"] == 1.2
+        and s["step_speedup_vs_vllm_rollout_nvfp4_b128_met"] is False
+    )
+    assert s["step_speedup_vs_trl_vllm_bf16_b128"] is None  # an arm that ran out of memory gives no ratio

@@ -1,0 +1,104 @@
+"""The figures the README and docs/ quote can be traced and re-run: every result file they cite exists (or, for a
+file that left the tree, exists at the commit they name), and every result document under benchmarks/results/
+names in its ``command`` a committed script that accepts the flags it records. Also the size limits that keep the
+docs and the results folder readable at a glance, and no history words in them (the facts and their sources, not who found them when)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+#: A cited result file: a path under benchmarks/results/, or such a path at a commit (``git show C:path``).
+CITED = re.compile(r"(?:git show ([0-9a-f]{7,40}):)?(benchmarks/results/[\w./-]*\w)")
+#: Bare result-file names in a cell or list that follows a full path, e.g. "`rollout.json`, `grpo_step_72b.json`".
+BARE = re.compile(r"`([\w-]+\.(?:json|png|txt))`")
+
+
+def cited(text: str) -> list[tuple[str | None, str]]:
+    """(commit or None, path) of every result file or folder a document cites."""
+    return [(m.group(1), m.group(2)) for m in CITED.finditer(text)]
+
+
+def script_of(command: str) -> Path | None:
+    """The committed script a result's command runs: ``-m benchmarks.X``, ``benchmarks/X.py`` or a ``training/`` one."""
+    m = re.search(r"-m\s+(benchmarks\.\w+)|(benchmarks/\w+\.py)|(training/\w+\.sh)", command)
+    if m is None:
+        return None
+    return ROOT / (m.group(1).replace(".", "/") + ".py" if m.group(1) else m.group(2) or m.group(3))
+
+
+def result_documents() -> list[Path]:
+    """The JSON documents a reader takes figures from: the folder's top level and each run folder's run.json."""
+    return sorted(RESULTS.glob("*.json")) + sorted(RESULTS.glob("*/run.json"))
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *DOCS], ids=lambda p: p.name)
+def test_every_cited_result_file_exists(doc: Path) -> None:
+    text = doc.read_text()
+    found = cited(text)
+    missing = [path for commit, path in found if commit is None and not (ROOT / path).exists()]
+    assert not missing, f"{doc.name} cites result files that do not exist: {missing}"
+    bare = {name for name in BARE.findall(text) if not (RESULTS / name).exists() and not (ROOT / name).exists()}
+    bare -= {Path(path).name for commit, path in found if commit}  # named again right after its git show
+    assert not {n for n in bare if n.startswith(("rollout", "kernels", "grpo", "decode", "shrink", "learning"))}, (
+        f"{doc.name} names result files that are not in benchmarks/results/: {sorted(bare)}"
+    )
+
+
+def test_files_cited_at_a_commit_exist_there() -> None:
+    """``git show C:benchmarks/results/X`` must work, so a figure whose file left the tree stays reproducible."""
+    git = shutil.which("git")
+    pairs = {(c, p) for doc in [ROOT / "README.md", *DOCS] for c, p in cited(doc.read_text()) if c}
+    assert pairs, "the docs cite no file at a commit: this test would check nothing"
+    if git is None or subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", next(iter(pairs))[0]],
+                                     capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("no git history here (a source export or a shallow clone)")
+    absent = [f"{c}:{p}" for c, p in sorted(pairs)
+              if subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", f"{c}:{p}"], capture_output=True).returncode]  # fmt: skip
+    assert not absent, f"not in git at the cited commit: {absent}"
+
+
+@pytest.mark.parametrize("path", result_documents(), ids=lambda p: str(p.relative_to(RESULTS)))
+def test_every_result_names_a_committed_script_and_its_flags(path: Path) -> None:
+    doc = json.loads(path.read_text())
+    command = doc.get("command") if isinstance(doc, dict) else None
+    assert isinstance(command, str) and command, f"{path.name}: no command"
+    script = script_of(command)
+    assert script is not None and script.is_file(), f"{path.name}: {command!r} names no committed script"
+    if script.suffix == ".py":
+        source = script.read_text()
+        first = command.split(";")[0]  # a merge step after ';' runs the same script
+        unknown = [f for f in re.findall(r"(?<!\S)(--[a-z][\w-]*)", first) if f'"{f}"' not in source]
+        assert not unknown, f"{path.name}: {script.name} has no flag {unknown}"
+        kernel_ab = re.search(r"--kernel-ab\s+(\w+)", first)
+        if kernel_ab:
+            from benchmarks.rollout_ab import AB_SWITCHES
+
+            assert kernel_ab.group(1) in AB_SWITCHES, f"{path.name}: --kernel-ab {kernel_ab.group(1)} is not a mode"
+
+
+def test_the_results_folder_and_the_docs_stay_small() -> None:
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    assert len(files) <= 60, f"benchmarks/results holds {len(files)} files (at most 60: one current file per benchmark)"
+    lines = sum(len(p.read_text().splitlines()) for p in DOCS)
+    assert lines < 1500, f"docs/*.md: {lines} lines"
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 350
+    assert {p.stem for p in DOCS} >= {"kernels", "rollout", "training", "quantization", "evaluation", "performance",
+                                      "architecture"}  # fmt: skip
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *DOCS, *sorted((ROOT / "benchmarks").glob("*.py"))],
+                         ids=lambda p: p.name)  # fmt: skip
+def test_no_history_words(doc: Path) -> None:
+    """Facts and their sources, not the chronology of their finding: the word is an API word only (pytest scopes)."""
+    hits = [line.strip() for line in doc.read_text().splitlines()
+            if re.search(r"\bsessions?\b", line, re.IGNORECASE) and 'scope="session"' not in line]  # fmt: skip
+    assert not hits, f"{doc.name}: {hits[:3]}"
