@@ -1,6 +1,7 @@
 """Evaluation of qerl models: ``python -m eval.gsm8k`` and ``python -m eval.math``.
 
-Modules: ``data`` (benchmark files / hub ids), ``loading`` (base model + LoRA adapter), ``results`` (resumable per-sample JSONL), ``stats`` (pass@k),
+Modules: ``data`` (benchmark files / hub ids), ``prompting`` (prompts tokenized and held to the model's
+context before any model work), ``loading`` (base model + LoRA adapter), ``results`` (resumable per-sample JSONL), ``stats`` (pass@k),
 ``runner`` (the shared loop and flags). Answer extraction and equivalence live in ``qerl.answers``,
 shared with the training rewards.
 """

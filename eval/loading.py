@@ -3,7 +3,9 @@
 The reference evaluated NVFP4 runs without ever applying the LoRA (the reference's eval script, bug (a) there): only
 the trained norms changed the output. Here the adapter goes through peft's own loader, and the
 result is checked tensor by tensor against the adapter file, so a run either evaluates exactly
-the trained weights or stops with a one-line error before any output is written.
+the trained weights or stops with a one-line error before any output is written. An adapter saved
+by ``qerl.train`` records the digest of its base model (``qerl_base.json``), which decides whether
+``--model`` is that base; the recorded name is the fallback for adapters made elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from peft import LoraConfig, PeftConfig, PeftModel
 from peft.utils import get_peft_model_state_dict
 
 from qerl.cli import UsageError
+from qerl.fingerprint import check_adapter_base
+from qerl.integrity import DamagedTensor, check_tensors
 from qerl.lora import load_adapter
 
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -77,12 +81,17 @@ def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_misma
     if not (path / "adapter_config.json").is_file():
         raise UsageError(f"--lora {adapter_dir}: no adapter_config.json (expected a peft adapter directory)")
     saved = _read_adapter_tensors(path)
+    try:
+        check_tensors(saved, f"--lora {adapter_dir}")
+    except DamagedTensor as e:
+        raise UsageError(str(e)) from None
     config = PeftConfig.from_pretrained(str(path))
     if not isinstance(config, LoraConfig):
         raise UsageError(f"--lora {adapter_dir}: a {type(config).__name__} adapter; only LoRA adapters are supported")
     recorded = config.base_model_name_or_path
     base_names = _names(getattr(model, "name_or_path", None)) | _names(model_arg)
-    if recorded and not (_names(recorded) & base_names) and not allow_base_mismatch:
+    same_content = check_adapter_base(path, model_arg, allow_base_mismatch)
+    if same_content is None and recorded and not (_names(recorded) & base_names) and not allow_base_mismatch:
         raise UsageError(
             f"--lora {adapter_dir}: adapter was made for base model {recorded!r}, but --model is {model_arg!r}; "
             "pass --allow-base-mismatch if they are the same weights"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl.cli import UsageError
-from qerl.fsutil import atomic_write_text
+from qerl.fsutil import append_whole, atomic_write_text
 
 Key = tuple[int, str, int]  # (problem index, question, sample index)
 
@@ -44,6 +44,7 @@ class ResultFile:
         self.settings = dict(settings)
         self.records: dict[Key, dict[str, Any]] = {}
         self._whole_bytes: int | None = None  # where to cut a truncated last line, if any
+        self._started = False
         self.stale = self._changed_settings()
         if path.exists() and not self.stale:
             self._load()
@@ -98,6 +99,7 @@ class ResultFile:
             self._whole_bytes = None
         if not meta.exists():
             atomic_write_text(meta, json.dumps(self.settings, indent=1) + "\n")
+        self._started = True
 
     def _move_aside(self) -> Path:
         """Rename the results and their meta to an unused ``<stem>.stale-<time><suffix>`` beside them."""
@@ -114,11 +116,11 @@ class ResultFile:
         return aside
 
     def append(self, records: list[dict[str, Any]]) -> None:
-        """Append whole lines and push them to disk, so a kill loses at most the batch in flight."""
-        with self.path.open("a", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Append whole lines and push them to disk, so a kill loses at most the batch in flight and a
+        full disk none of a line; the first append calls :meth:`start`, so that a run stopped
+        before its first result leaves nothing behind (not even the meta file)."""
+        if not self._started:
+            self.start()
+        append_whole(self.path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
         for record in records:
             self.records[record_key(record)] = record

@@ -1,8 +1,10 @@
 """The evaluation loop shared by every benchmark: arguments, generation, scoring, resumable output.
 
 Order of work is chosen so that bad input costs nothing: arguments, data and an existing output
-file are checked first, then the model and adapter are loaded (also validated), and only then is
-anything written. Work already in the output JSONL is never regenerated as long as it was made with
+file are checked first, then every prompt is tokenized and held to the model's context
+(``eval.prompting``), then the model and adapter are loaded (also validated: by content digest when
+the adapter records its base), and only then is anything written. One run at a time writes an
+output (``qerl.runlock``). Work already in the output JSONL is never regenerated as long as it was made with
 the same settings and the same model/adapter weights (by content digest); when nothing is left to
 do the model is not even loaded and the run just recounts the file.
 """
@@ -18,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from eval.data import Problem, load_problems
+from eval.prompting import LONG_PROMPT_MODES, bounded_prompts, prompt_budget, use_chat_template
 from eval.results import ResultFile
 from eval.stats import Accuracy, accuracy
 from qerl.answers import score
 from qerl.cli import ArgumentParser, UsageError
-from qerl.fingerprint import adapter_sha256, model_sha256
+from qerl.fingerprint import adapter_sha256, model_sha256, tree_sha256
 from qerl.prompts import PROMPT_STYLES
+from qerl.runlock import run_lock
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -49,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = No
                         help="insist on an NVFP4 or a dense checkpoint; auto takes what is there")
     parser.add_argument("--lora", default=None, help="peft LoRA adapter directory (LoRA + trained norms) to apply")
     parser.add_argument("--allow-base-mismatch", action="store_true",
-                        help="apply --lora even if it records a different base model name (shapes are still checked)")
+                        help="apply --lora even if it records a different base model (by digest, or by name for "
+                             "adapters without qerl_base.json; shapes are still checked)")
     parser.add_argument("--engine", choices=("native", "vllm", "hf"), default="native",
                         help="rollout engine: native (default, fastest; LoRA unmerged), hf (transformers generate, the "
                              "reference), vllm")
@@ -69,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = No
     parser.add_argument("--prompt-style", choices=sorted(PROMPT_STYLES), default="tags",
                         help="tags (default: the reference's evaluation prompt), plain (the question alone: the "
                              "reference's and qerl.train's default GSM8K training prompt) or dapo; match training")
+    parser.add_argument("--chat-template", default=None,
+                        help="Jinja chat template file for a model whose tokenizer has none (or to replace its own)")
+    parser.add_argument("--long-prompts", choices=LONG_PROMPT_MODES, default="refuse",
+                        help="a prompt longer than the model's context less --max-new-tokens: refuse the run "
+                             "(default) or cut the question to fit, with a warning")
     parser.add_argument("--output", default=None, help="results JSONL (default outputs/eval/<benchmark>-<model>.jsonl)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype (auto: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -101,22 +111,43 @@ def run_settings(bench: Benchmark, args: argparse.Namespace) -> dict[str, Any]:
     is another adapter.
 
     --samples, --limit, --batch-size and --output are left out on purpose: they choose how much work
-    is done, or how fast, so a resumed run may change them."""
+    is done, or how fast, so a resumed run may change them. A chat template file and prompt truncation
+    are recorded only when used, so that results made before those flags existed still resume."""
     keys = ("model", "load", "lora", "engine", "data", "config", "split", "question_field", "answer_field",
             "max_new_tokens", "temperature", "top_p", "seed", "prompt_style", "dtype")
     digests = {"model_sha256": model_sha256(args.model), "lora_sha256": adapter_sha256(args.lora) if args.lora else None}
-    return {"benchmark": bench.name, **{k: getattr(args, k) for k in keys}, **digests}
+    optional = {"chat_template_sha256": tree_sha256(args.chat_template) if args.chat_template else None,
+                "long_prompts": args.long_prompts if args.long_prompts != "refuse" else None}
+    return {"benchmark": bench.name, **{k: getattr(args, k) for k in keys}, **digests,
+            **{k: v for k, v in optional.items() if v is not None}}
 
 
-def _load_engine(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
-    """(engine, tokenizer, stop token ids) for the model (+ adapter) under evaluation."""
+def _load_tokenizer(args: argparse.Namespace) -> tuple[Any, int]:
+    """(tokenizer with a chat template, the model's context in positions), read without the weights."""
+    from transformers import AutoConfig
+
+    from qerl.hub import local_model_dir
+    from qerl.loader import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.model)
+        config = AutoConfig.from_pretrained(local_model_dir(args.model))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {args.model}: {str(e).strip().splitlines()[0]}") from None
+    use_chat_template(tokenizer, args.model, args.chat_template)
+    context = getattr(config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 0)
+    return tokenizer, int(context)
+
+
+def _load_engine(args: argparse.Namespace, tokenizer: Any) -> tuple[Any, list[int]]:
+    """(engine, stop token ids) for the model (+ adapter) under evaluation."""
     import torch
 
     from eval.loading import apply_adapter, load_base
     from qerl.rollout import get_engine
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = load_base(args.model, args.load, dtype, args.device)
+    model, _ = load_base(args.model, args.load, dtype, args.device)
     if args.lora:
         model = apply_adapter(model, args.lora, args.model, allow_base_mismatch=args.allow_base_mismatch)
     stop = {tokenizer.eos_token_id}
@@ -126,7 +157,7 @@ def _load_engine(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
         engine = get_engine(model, tokenizer, args.engine)
     except (ImportError, ValueError, RuntimeError) as e:
         raise UsageError(f"--engine {args.engine}: {str(e).splitlines()[0]}") from None
-    return engine, tokenizer, sorted(t for t in stop if t is not None)
+    return engine, sorted(t for t in stop if t is not None)
 
 
 def plan_engine_calls(pending: list[tuple[Problem, int]], batch_size: int) -> list[list[tuple[Problem, list[int]]]]:
@@ -150,11 +181,13 @@ def _generate(args: argparse.Namespace, bench: Benchmark, pending: list[tuple[Pr
     """Sample every pending (problem, sample) pair, scoring and appending the results of each engine call."""
     from tqdm import tqdm
 
-    from qerl.prompts import render
     from qerl.rollout import SamplingParams
 
-    engine, tokenizer, stop_ids = _load_engine(args)
-    results.start()
+    tokenizer, context = _load_tokenizer(args)
+    problems = list({problem.index: problem for problem, _ in pending}.values())
+    prompts = bounded_prompts(tokenizer, problems, args.prompt_style, prompt_budget(context, args.max_new_tokens),
+                              args.long_prompts, args.data)
+    engine, stop_ids = _load_engine(args, tokenizer)
     with tqdm(total=len(pending), desc=bench.name, unit="sample") as bar:
         for call in plan_engine_calls(pending, args.batch_size):
             first, first_samples = call[0]
@@ -162,8 +195,7 @@ def _generate(args: argparse.Namespace, bench: Benchmark, pending: list[tuple[Pr
             params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                                     stop_token_ids=stop_ids,
                                     seed=args.seed * 1_000_003 + first.index * args.samples + first_samples[0])
-            prompts = [render(tokenizer, problem.question, style=args.prompt_style) for problem, _ in call]
-            out = engine.generate(prompts, params, n=len(first_samples))
+            out = engine.generate([prompts[problem.index] for problem, _ in call], params, n=len(first_samples))
             work = [(problem, sample) for problem, samples in call for sample in samples]  # the engine's output order
             records = []
             for (problem, sample), ids, reason in zip(work, out.completion_ids, out.finish_reasons, strict=True):
@@ -192,13 +224,14 @@ def evaluate(args: argparse.Namespace, bench: Benchmark) -> Accuracy:
         limit=args.limit,
     )
     output = Path(args.output) if args.output else default_output(bench, args)
-    results = ResultFile(output, run_settings(bench, args))
-    pending = [(p, s) for p in problems for s in range(args.samples) if (p.index, p.question, s) not in results.records]
-    done = len(problems) * args.samples - len(pending)
-    if done:
-        print(f"{output}: resuming, {done} samples done, {len(pending)} to generate")
-    if pending:
-        _generate(args, bench, pending, results)
+    with run_lock(output):
+        results = ResultFile(output, run_settings(bench, args))
+        pending = [(p, s) for p in problems for s in range(args.samples) if (p.index, p.question, s) not in results.records]
+        done = len(problems) * args.samples - len(pending)
+        if done:
+            print(f"{output}: resuming, {done} samples done, {len(pending)} to generate")
+        if pending:
+            _generate(args, bench, pending, results)
     records = [[results.records[(p.index, p.question, s)] for s in range(args.samples)] for p in problems]
     result = accuracy([sum(bool(r["correct"]) for r in rs) for rs in records], args.samples)
     flat = [r for rs in records for r in rs]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from qerl.cli import ArgumentParser, UsageError, run  # noqa: E402
+from qerl.cli import ArgumentParser, UsageError, environment_error, run  # noqa: E402
 from qerl.quant.calibration import DEFAULT_MAX_TOKENS, DEFAULT_SAMPLES, Calibration  # noqa: E402
 from qerl.quantize import METHOD_BACKENDS, default_output, quantize_checkpoint  # noqa: E402
 
@@ -93,6 +93,8 @@ def _quantize(argv: list[str] | None) -> None:
                                      quantize_lm_head=args.quantize_lm_head,
                                      max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
     except (OSError, ValueError, RuntimeError, KeyError) as e:
+        if environment_error(e) is not None:
+            raise  # a full or read-only disk: qerl.cli.run reports it as "cannot write FILE: reason"
         raise UsageError(str(e)) from e
     print(f"wrote {out_dir}")
     if not args.skip_generation:

@@ -7,7 +7,7 @@ so the format lives in one place.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -83,9 +83,13 @@ def shard_files(model_dir: Path) -> list[Path]:
 
 
 class TensorIndex:
-    """Name -> file map over a checkpoint's shards, reading one tensor at a time (memory-mapped)."""
+    """Name -> file map over a checkpoint's shards, reading one tensor at a time (memory-mapped).
 
-    def __init__(self, model_dir: Path) -> None:
+    ``check(name, tensor, file)``, when given, sees every tensor read and raises on a bad one
+    (:func:`qerl.integrity.check_tensor`: finite, in range)."""
+
+    def __init__(self, model_dir: Path, check: Callable[[str, torch.Tensor, Path], None] | None = None) -> None:
+        self.check = check
         self.files: dict[str, Path] = {}
         for f in shard_files(model_dir):
             try:
@@ -107,6 +111,9 @@ class TensorIndex:
         f = self.files[name]
         try:
             with safe_open(f, framework="pt") as st:
-                return st.get_tensor(name)
+                tensor = st.get_tensor(name)
         except Exception as e:
             raise ValueError(f"{f}: could not read tensor {name!r} ({e}); is the file truncated?") from None
+        if self.check is not None:
+            self.check(name, tensor, f)
+        return tensor

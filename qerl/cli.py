@@ -14,13 +14,16 @@ stderr and exit status 2, never a traceback.
 ``UsageError`` is a ``SystemExit``, so a ``main`` called as a library function (or in a test) still
 stops with the message, and code written with the older ``raise SystemExit("message")`` is reported
 the same way by :func:`run`. Exceptions that mean bad input but come from libraries (a
-``FileNotFoundError`` for a missing path, say) are passed to :func:`run` as ``user_errors``; anything
-else is a bug and keeps its traceback.
+``FileNotFoundError`` for a missing path, say) are passed to :func:`run` as ``user_errors``. What the
+machine refuses (a full disk, a read-only file system, no permission: :data:`ENVIRONMENT_ERRNOS`) is
+one line too, whichever library raised it; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +33,9 @@ from typing import Any, NoReturn
 USAGE_EXIT = 2
 #: Exit status of a run stopped by Ctrl-C (128 + SIGINT, what shells report).
 INTERRUPTED_EXIT = 130
+#: I/O failures that are the machine's state, not a bug: reported as ``cannot write|access FILE: reason``.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
+                                errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENAMETOOLONG})
 
 
 class UsageError(SystemExit):
@@ -101,7 +107,28 @@ def run(
         return INTERRUPTED_EXIT
     except user_errors as e:
         return _fail(e)
+    except Exception as e:
+        message = environment_error(e)
+        if message is None:
+            raise
+        return _fail(message)
     return 0
+
+
+def environment_error(error: BaseException) -> str | None:
+    """``cannot write FILE: reason`` when ``error`` (or what it was raised from) is an I/O failure of
+    :data:`ENVIRONMENT_ERRNOS`, whether an ``OSError`` or a library's wrapper of one; else None."""
+    from qerl.fsutil import os_errno
+
+    seen: BaseException | None = error
+    while seen is not None:
+        code = os_errno(seen)
+        if code in ENVIRONMENT_ERRNOS:
+            name = getattr(seen, "filename", None)
+            verb = "write" if code in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG) else "access"
+            return f"cannot {verb}{f' {name}' if name else ''}: {os.strerror(code).lower()}"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _fail(message: object) -> int:
@@ -109,5 +136,5 @@ def _fail(message: object) -> int:
     return USAGE_EXIT
 
 
-__all__ = ["ArgumentParser", "StrictParsing", "UsageError", "run", "usage_errors", "one_line", "USAGE_EXIT",
-           "INTERRUPTED_EXIT"]
+__all__ = ["ArgumentParser", "StrictParsing", "UsageError", "run", "usage_errors", "one_line", "environment_error",
+           "ENVIRONMENT_ERRNOS", "USAGE_EXIT", "INTERRUPTED_EXIT"]

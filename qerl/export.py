@@ -17,8 +17,12 @@ of the LoRA delta the new codes keep (``<Q(W + d) - Q(W), d> / |d|^2``: 1 kept, 
 in ``qerl_export.json``; below one half it warns and suggests ``--format bf16``.
 
 Tensors stream one at a time (peak memory: one output shard plus a few fp32 copies of the largest
-Linear), the output appears atomically (temp dir, then rename), and an existing output is replaced
-only with ``--overwrite`` and only if this tool wrote it (its ``qerl_export.json`` marker).
+Linear), each checked as it is read (``qerl.integrity``: a NaN block scale stops the export in one
+line instead of writing NaN weights), the output appears atomically (temp dir, then rename) under its
+run lock (``qerl.runlock``), and an existing output is replaced only with ``--overwrite`` and only if
+this tool wrote it (its ``qerl_export.json`` marker). An adapter that records the digest of the model
+it was trained on (``qerl_base.json``, written by ``qerl.train``) is refused on another model unless
+``--allow-base-mismatch``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import logging
 import math
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +41,11 @@ import torch
 from safetensors import safe_open
 
 from qerl import checkpoint, hub, nvfp4, quantize
+from qerl.cli import ArgumentParser, UsageError, run
+from qerl.fingerprint import check_adapter_base
 from qerl.fsutil import atomic_directory
+from qerl.integrity import check_tensor, check_tensors
+from qerl.runlock import run_lock
 
 logger = logging.getLogger("qerl.export")
 
@@ -92,6 +101,7 @@ def read_adapter(path: Path) -> Adapter:
             state = {k: st.get_tensor(k) for k in st.keys()}
     except Exception as e:
         raise ValueError(f"{weights}: unreadable safetensors file ({e})") from None
+    check_tensors(state, weights)
     adapter = Adapter(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
@@ -137,7 +147,7 @@ class MergeStats:
 def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_bytes: int | None = None) -> MergeStats:
     """Write ``model_dir`` with ``adapter`` folded in as a dense bf16 safetensors checkpoint into ``out_dir``."""
     config = checkpoint.read_config(model_dir)
-    tensors = checkpoint.TensorIndex(model_dir)
+    tensors = checkpoint.TensorIndex(model_dir, check=check_tensor)
     packed = checkpoint.packed_layers(tensors.names())
     for layer in adapter.deltas:
         if layer not in packed and f"{layer}.weight" not in tensors:
@@ -234,9 +244,11 @@ def export(
     method: str = "rtn",
     overwrite: bool = False,
     max_shard_bytes: int | None = None,
+    allow_base_mismatch: bool = False,
 ) -> dict:
     """Merge ``lora`` into ``model`` and write ``output`` (format ``bf16`` or ``nvfp4``); returns the
-    record also written to ``output/qerl_export.json``."""
+    record also written to ``output/qerl_export.json``. ``allow_base_mismatch`` merges an adapter whose
+    ``qerl_base.json`` names other weights than ``model``'s (shapes are still checked)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format: expected one of {FORMATS}, got {fmt!r}")
     if fmt == "nvfp4" and method not in QUANT_METHODS:
@@ -244,10 +256,23 @@ def export(
     model_dir = hub.local_model_dir(model, what="--model")
     source_config = checkpoint.read_config(model_dir)
     adapter_dir, out = Path(lora), Path(output)
-    check_output(out, overwrite, (model_dir, adapter_dir))
     adapter = read_adapter(adapter_dir)
+    same_base = check_adapter_base(adapter_dir, str(model), allow_base_mismatch)
     record: dict = {"tool": "qerl.export", "model": str(model), "lora": str(adapter_dir), "format": fmt,
-                    "quantized_source": checkpoint.is_nvfp4_config(source_config)}  # fmt: skip
+                    "quantized_source": checkpoint.is_nvfp4_config(source_config), "base_verified": same_base}  # fmt: skip
+    with run_lock(out):  # checked under the lock: a run that finished meanwhile is an existing output
+        check_output(out, overwrite, (model_dir, adapter_dir))
+        _write(model_dir, adapter, out, record, fmt, method, source_config, max_shard_bytes)
+    kept = record.get("lora_delta_retained")
+    if kept is not None and kept < RETAINED_WARNING:
+        logger.warning("re-quantization kept only %.0f%% of the LoRA update (smaller than the FP4 steps); "
+                       "--format bf16 keeps all of it", 100 * kept)  # fmt: skip
+    return record
+
+
+def _write(model_dir: Path, adapter: Adapter, out: Path, record: dict, fmt: str, method: str, source_config: dict,
+           max_shard_bytes: int | None) -> None:
+    """The merge into ``out`` (atomically), its statistics added to ``record``, which is written last."""
     with atomic_directory(out) as tmp:
         if fmt == "bf16":
             stats = merge_to_dense(model_dir, adapter, tmp, max_shard_bytes)
@@ -261,15 +286,11 @@ def export(
                 record["lora_delta_retained"] = retained_share(model_dir, dense, tmp, list(adapter.deltas))
         record.update(stats.as_dict())
         (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
-    kept = record.get("lora_delta_retained")
-    if kept is not None and kept < RETAINED_WARNING:
-        logger.warning("re-quantization kept only %.0f%% of the LoRA update (smaller than the FP4 steps); "
-                       "--format bf16 keeps all of it", 100 * kept)  # fmt: skip
-    return record
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags; a mistake is one ``error:`` line (``qerl.cli``), as in every qerl command."""
+    p = ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="the checkpoint the adapter was trained on (NVFP4 or dense dir, hub id)")
     p.add_argument("--lora", required=True, help="peft adapter directory (e.g. RUN/adapter or RUN/checkpoint-N)")
     p.add_argument("--output", required=True, help="output directory (written atomically)")
@@ -277,20 +298,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method", default="rtn", choices=QUANT_METHODS, help="re-quantization method (--format nvfp4)")
     p.add_argument("--max-shard-gb", type=float, default=4.0, help="output shard size")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="merge --lora even if it records another base model's digest (shapes are still checked)")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI: 0, or 2 with ``error: <one line>`` for bad input or a full / read-only disk (``qerl.cli``)."""
+    return run(_export, argv)
+
+
+def _export(argv: Sequence[str] | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    if not args.max_shard_gb > 0:
+        raise UsageError(f"--max-shard-gb: expected a positive size, got {args.max_shard_gb}")
     try:
         record = export(args.model, args.lora, args.output, fmt=args.format, method=args.method,
-                        overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))  # fmt: skip
+                        overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                        allow_base_mismatch=args.allow_base_mismatch)  # fmt: skip
     except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, KeyError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e) or type(e).__name__) from e
     print(f"wrote {args.output}: {json.dumps(record)}")
-    return 0
 
 
 if __name__ == "__main__":

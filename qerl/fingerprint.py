@@ -8,6 +8,11 @@ modification/change times (ns); any write, rename onto it or ``touch`` changes o
 file is read again (the blind spot, a same-size rewrite in place within one tick of the kernel's
 file clock, a few ms, does not happen between a training run and its evaluation). Entries of files
 that no longer exist are dropped; losing the cache (or a concurrent writer's entry) only costs a re-read.
+
+An adapter is bound to its base the same way: training writes ``qerl_base.json`` (the base's digest)
+into the adapter it saves (its checkpoints have the run's ``run_config.json`` beside them, which holds
+the same digest), and export and evaluation refuse another base in one line
+(:func:`check_adapter_base`), whatever the two directories are called.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import json
 import os
 from pathlib import Path
 
+from qerl.cli import UsageError
 from qerl.fsutil import atomic_write_text
 
 _CACHE_NAME = "file-digests.json"
+#: Written into every adapter training saves: the digest of the model it was trained on.
+BASE_RECORD = "qerl_base.json"
 _BLOCK = 1 << 20
 
 
@@ -98,4 +106,38 @@ def adapter_sha256(path: str | os.PathLike[str]) -> str | None:
     return tree_sha256(root) if (root / "adapter_config.json").is_file() else None
 
 
-__all__ = ["adapter_sha256", "model_sha256", "tree_sha256"]
+def write_base_record(adapter_dir: str | os.PathLike[str], model: str, digest: str | None) -> None:
+    """Record in ``adapter_dir`` which model (``--model`` as given, and its content digest) it was trained on."""
+    atomic_write_text(Path(adapter_dir) / BASE_RECORD, json.dumps({"model": model, "model_sha256": digest}, indent=1) + "\n")
+
+
+def _recorded_base(adapter_dir: Path) -> tuple[str | None, str | None]:
+    """(model as given, digest) an adapter was trained on: its own ``qerl_base.json``, else, for a
+    ``checkpoint-N`` or ``adapter`` folder inside a run directory, the run's ``run_config.json``."""
+    for path, name_key in ((adapter_dir / BASE_RECORD, "model"), (adapter_dir.parent / "run_config.json", "model_name")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("model_sha256"), str):
+            return record.get(name_key), record["model_sha256"]
+    return None, None
+
+
+def check_adapter_base(adapter_dir: str | os.PathLike[str], model: str, allow_mismatch: bool = False) -> bool | None:
+    """Whether the adapter in ``adapter_dir`` was trained on ``model``, by content: True when its recorded
+    base digest (:func:`_recorded_base`) is ``model``'s, None when that cannot be known (no record, e.g. an
+    adapter made elsewhere; a hub id). A different digest raises a one-line UsageError unless ``allow_mismatch``."""
+    name, recorded = _recorded_base(Path(adapter_dir).expanduser())
+    digest = model_sha256(model) if recorded is not None else None
+    if digest is None:
+        return None
+    if digest == recorded:
+        return True
+    if allow_mismatch:
+        return False
+    raise UsageError(f"--lora {adapter_dir}: was trained on {name!r} (sha256 {recorded[:12]}), but "
+                     f"--model {model} has other weights (sha256 {digest[:12]}); pass --allow-base-mismatch to use it anyway")
+
+
+__all__ = ["BASE_RECORD", "adapter_sha256", "check_adapter_base", "model_sha256", "tree_sha256", "write_base_record"]

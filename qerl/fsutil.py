@@ -1,13 +1,20 @@
-"""Atomic outputs: a directory appears complete or not at all, whatever crashes on the way."""
+"""Atomic outputs: a directory or file appears complete or not at all, whatever crashes on the way
+(a kill, a full disk, a read-only file system), and an appended line is whole or absent."""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @contextmanager
@@ -39,9 +46,13 @@ def atomic_file(target: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``target`` to write; rename it onto ``target`` on success,
     delete it on failure, so readers only ever see the old file or the complete new one."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp{target.suffix}")
+    # A name of its own per writer: two processes writing the same target must not rename each other's file.
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-", suffix=target.suffix)
+    os.close(fd)
+    tmp = Path(name)
     try:
         yield tmp
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -52,3 +63,47 @@ def atomic_write_text(target: Path, text: str) -> Path:
     with atomic_file(target) as tmp:
         tmp.write_text(text)
     return target
+
+
+def append_whole(path: Path, text: str) -> None:
+    """Append ``text`` (whole lines) to ``path`` and push it to disk; if any of it fails (a full disk
+    half-way), cut the file back to its old length, so that readers never see part of a line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            data = memoryview(text.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with an I/O failure raised as the ``OSError`` it is: safetensors
+    reports a full disk as ``SafetensorError: ... Os { code: 28, ... }``, which names no file."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:
+        code = os_errno(e)
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
+def os_errno(error: BaseException) -> int | None:
+    """The errno behind ``error``: its own, or the one a library wrapped into its message (safetensors'
+    ``Os { code: N``, or the reason's text, as torch's writer gives it); None when it is not an I/O failure."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno
+    text = str(error)
+    found = re.search(r"Os \{ code: (\d+)", text)
+    if found:
+        return int(found.group(1))
+    return next((code for code in (errno.ENOSPC, errno.EROFS, errno.EDQUOT) if os.strerror(code) in text), None)

@@ -3,7 +3,9 @@
 An NVFP4 checkpoint's Linear layers become ``NVFP4Linear`` modules holding exactly the checkpoint's
 ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` tensors, so resident memory is the
 packed size (4.5 bits per weight). The model skeleton is built on the meta device, so a dense copy
-of the weights never exists, not even for a moment.
+of the weights never exists, not even for a moment. Every tensor is checked once where it lands
+(``qerl.integrity``): a NaN block scale stops the load with one line instead of a model that
+generates nonsense.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from qerl import checkpoint, hub
+from qerl.integrity import check_tensor
 from qerl.linear import NVFP4Linear, replace_linears, stack_fused_groups
 
 LoadMode = Literal["auto", "nvfp4", "bf16"]
@@ -65,8 +68,10 @@ def load_model(
     if load == "bf16" and quantized:
         raise ValueError(f"{model_dir}: is an NVFP4 checkpoint but --load bf16 was asked for")
     if not quantized:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        return model.to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        for name, tensor in model.state_dict().items():
+            check_tensor(name, tensor, model_dir)
+        return model
     return _load_nvfp4(model_dir, dtype, device)
 
 
@@ -119,3 +124,4 @@ def _fill_from_checkpoint(model: nn.Module, tensors: checkpoint.TensorIndex, mod
             raise ValueError(f"{model_dir}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
         with torch.no_grad():
             target.copy_(value)  # casts norms/embeddings/biases to the model dtype; packed tensors keep theirs
+        check_tensor(name, target, model_dir)

@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from qerl import arch, checkpoint, hub, nvfp4
-from qerl.fsutil import atomic_directory
+from qerl.fsutil import atomic_directory, save_safetensors
 from qerl.quant import importance, mse, target
 from qerl.quant.calibration import Calibration
 from qerl.quant.source import SourceModel, check_finite
+from qerl.runlock import run_lock
 
 Backend = Literal["auto", "qerl", "llmcompressor"]
 Method = Literal["rtn", "mse", "gptq"]
@@ -111,7 +111,7 @@ class _ShardWriter:
         if not self.pending:
             return
         index = len(self.shards)
-        save_file(self.pending, str(self.out_dir / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+        save_safetensors(self.pending, self.out_dir / f"shard-{index:05d}.tmp", metadata={"format": "pt"})
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
@@ -253,12 +253,14 @@ def quantize_checkpoint(
         raise ValueError(f"--calibration-data / --calibration-samples apply to --method gptq, not {method}")
     out_dir = Path(output) if output is not None else default_output(gguf_file or str(model))
     gguf, model_dir = _source_paths(model, gguf_file)
-    target.check_target(out_dir, [p for p in (model_dir, gguf) if p is not None], overwrite)
+    sources = [p for p in (model_dir, gguf) if p is not None]
+    target.check_target(out_dir, sources, overwrite)  # before the lock, so that bad input creates no folder
     run: Callable[[Source, Path], None] = (
         partial(quantize_llmcompressor, method=method, calibration=calibration) if backend == "llmcompressor"
         else partial(quantize_streaming, method=method, max_shard_bytes=max_shard_bytes)
     )
-    with target.target_lock(out_dir):
+    with run_lock(out_dir):
+        target.check_target(out_dir, sources, overwrite)  # again: a run that finished meanwhile wrote it
         target.remove_stale_scratch(out_dir)
         with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=target.scratch_prefix(out_dir, "src-")) as scratch:
             src = hub.convert_gguf(gguf, Path(scratch) / "bf16") if gguf is not None else model_dir

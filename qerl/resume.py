@@ -37,7 +37,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from qerl.cli import UsageError
-from qerl.fsutil import atomic_write_text
+from qerl.fsutil import append_whole, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ def save(out: Path, wanted: dict[str, Any]) -> None:
 
 
 class MetricsFile(TrainerCallback):
-    """Appends every log record (with its step) to ``output_dir/metrics.jsonl``, flushed per line.
+    """Appends every log record (with its step) to ``output_dir/metrics.jsonl``, whole lines pushed to disk
+    one by one (``qerl.fsutil.append_whole``: a full disk leaves no part of a line).
 
     At the start of training (state restored by then) rows of later steps than the one training starts
     from are dropped: they were logged by an interrupted attempt whose checkpoint did not survive, and
@@ -163,8 +164,7 @@ class MetricsFile(TrainerCallback):
             "step": state.global_step,
             **{k: v for k, v in logs.items() if isinstance(v, (int, float, str)) or v is None},
         }
-        with open(os.path.join(args.output_dir, METRICS_FILE), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_whole(Path(args.output_dir) / METRICS_FILE, json.dumps(record) + "\n")
 
 
 def _logged_step(line: str) -> int | None:

@@ -16,8 +16,13 @@ Hugging Face token is configured; otherwise it logs one note and the run stays l
 A run into an ``output_dir`` that already holds one continues it from its newest complete checkpoint,
 but only when the recorded settings (``run_config.json``: flags, data and model digests) match; a
 finished run is a no-op, and different settings are refused in one line unless ``--resume force``
-(``qerl.resume``). The run writes the final adapter to ``output_dir/adapter`` (temp dir, then
-rename), logs every step to ``output_dir/metrics.jsonl`` and draws the curves with ``qerl.plot``.
+(``qerl.resume``); settings that may change (``--save_steps``, ``--logging_steps``) take effect on the
+resumed run. The run writes the final adapter to ``output_dir/adapter`` (temp dir, then rename) with
+the base model's digest (``qerl_base.json``; checkpoints have it in ``run_config.json`` beside them),
+so that export and evaluation can refuse another base, logs every step to ``output_dir/metrics.jsonl``
+and draws the curves with ``qerl.plot``. One run at a time holds ``output_dir`` (``qerl.runlock``); ``output_dir`` may not be
+the model's directory or lie inside it. A failed save (a full disk) leaves no ``checkpoint-N`` that
+looks complete: the incomplete one is moved aside before the error is reported.
 
 Bad input (an unknown flag or recipe key, an unknown reward, a negative learning rate, a missing
 file) stops before any work with ``error: <one line>`` and exit status 2 (``qerl.cli``).
@@ -29,6 +34,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,19 +42,22 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from transformers import TrainerCallback
 from trl import TrlParser
 
 from qerl import data as qdata
+from qerl import hub
 from qerl import resume as run_record
 from qerl.answers import judge
 from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
-from qerl.fingerprint import model_sha256
+from qerl.fingerprint import model_sha256, write_base_record
 from qerl.fsutil import atomic_directory, atomic_write_text
 from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
 from qerl.prompts import encode_chat
 from qerl.rewards import get_rewards
 from qerl.rollout import SamplingParams
+from qerl.runlock import run_lock
 from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
 
 logger = logging.getLogger("qerl.train")
@@ -171,11 +180,43 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def save_adapter(trainer: QeRLTrainer, out_dir: Path) -> Path:
-    """The final adapter (and tokenizer) in ``out_dir``, written to a temp dir first then renamed."""
+def save_adapter(trainer: QeRLTrainer, out_dir: Path, model: str, digest: str | None) -> Path:
+    """The final adapter (and tokenizer) in ``out_dir``, with the record of its base model
+    (``qerl_base.json``), written to a temp dir first then renamed."""
     with atomic_directory(out_dir) as tmp:
         trainer.save_model(str(tmp))
+        write_base_record(tmp, model, digest)
     return out_dir
+
+
+class CurrentIntervals(TrainerCallback):
+    """The logging / saving intervals of *this* invocation: transformers restores ``save_steps``,
+    ``logging_steps`` and ``eval_steps`` from the checkpoint it resumes, so a changed ``--save_steps``
+    (a resumable setting, ``qerl.resume``) was reported and then ignored."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        state.compute_steps(args, state.max_steps)
+
+
+def check_output_dir(out: Path, model: str) -> None:
+    """Refuse an ``--output_dir`` that is the model's directory or inside it: the run's checkpoints,
+    metrics and adapter would be mixed into the model's files (quantize and export refuse the same)."""
+    try:
+        resolved = hub.resolve_model(model)
+    except (FileNotFoundError, ValueError):
+        return
+    if isinstance(resolved, str):
+        return
+    model_dir = Path(resolved).resolve()
+    target = out.expanduser().resolve()
+    if target == model_dir or model_dir in target.parents:
+        raise UsageError(f"--output_dir {out}: is {'the' if target == model_dir else 'inside the'} model directory "
+                         f"({model}); choose a directory outside it")
+
+
+def is_main_launch_process() -> bool:
+    """Whether this process writes the run's files: the only one, or rank 0 under ``accelerate launch``."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -186,6 +227,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             logger.warning("--%s is a reference leftover and is ignored", name.replace("_", "-"))
 
     out = Path(config.output_dir)
+    check_output_dir(out, script.model_name)
+    if not is_main_launch_process():
+        return _train(script, config, out)
+    with run_lock(out, "--output_dir"):
+        return _train(script, config, out)
+
+
+def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, Any]:
+    """The run itself, once ``out`` is this process's to write."""
     # Setup: everything here that fails is the user's input (paths, names, values), reported in one line.
     try:
         tokenizer = load_tokenizer(script.model_name)
@@ -200,8 +250,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
         rewards = get_rewards(reward_names)
         used = {k: v for k, v in dataclasses.asdict(script).items() if k not in IGNORED_REFERENCE_FLAGS}
-        wanted = run_record.run_config(used, config.to_dict(), rewards=reward_names,
-                                       model_sha256=model_sha256(script.model_name),
+        base_digest = model_sha256(script.model_name)
+        wanted = run_record.run_config(used, config.to_dict(), rewards=reward_names, model_sha256=base_digest,
                                        data_sha256=run_record.rows_sha256(train_rows, heldout_rows))
         todo = run_record.plan(out, wanted, script.resume, config.max_steps)
         if todo.finished is not None:
@@ -221,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             config.rollout_engine_kwargs = engine_kwargs
         trainer = QeRLTrainer(model, rewards, config, train_dataset=train_rows, processing_class=tokenizer,
                               peft_config=peft)
+        trainer.add_callback(CurrentIntervals())
 
     out.mkdir(parents=True, exist_ok=True)
     main_process = trainer.accelerator.is_main_process  # the one that writes files under data parallelism
@@ -242,10 +293,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         checkpoint = last_complete_checkpoint(out)
     if checkpoint:
         logger.info("resuming from %s", checkpoint)
-    result = trainer.train(resume_from_checkpoint=checkpoint)
+    try:
+        result = trainer.train(resume_from_checkpoint=checkpoint)
+    except BaseException:
+        if main_process:  # a save cut short (full disk, Ctrl-C) must not stay under its checkpoint-N name
+            _hide_incomplete_checkpoints(out)
+        raise
     summary["train_runtime_s"] = result.metrics.get("train_runtime")
     summary["global_step"] = trainer.state.global_step
-    summary["adapter"] = str(save_adapter(trainer, out / "adapter") if main_process else out / "adapter")
+    summary["adapter"] = str(save_adapter(trainer, out / "adapter", script.model_name, base_digest)
+                             if main_process else out / "adapter")
     if len(heldout_rows):
         summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, reading, script.heldout_max_tokens)
         logger.info("held-out accuracy after training: %.4f", summary["heldout_accuracy_after"])
@@ -259,6 +316,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     logger.info("run summary: %s", json.dumps(summary))
     return summary
+
+
+def _hide_incomplete_checkpoints(out: Path) -> None:
+    """Move checkpoints without their completion marker aside (``last_complete_checkpoint`` does), as
+    far as the file system still lets us; the next run would do it too."""
+    try:
+        last_complete_checkpoint(out)
+    except OSError as e:
+        logger.warning("%s: could not move an incomplete checkpoint aside (%s); the next run will", out, e)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,26 @@ def test_usage_errors_only_inside_the_block() -> None:
         raise ValueError("--rewards: unknown ['x']\nmore")
     with pytest.raises(KeyError), usage_errors(ValueError):
         raise KeyError("a bug, not bad input")
+
+
+def test_environment_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 53, item 4: a full or read-only disk is the machine's state, not a bug: ``error: cannot write
+    FILE: reason`` and status 2, whether an OSError or a library's wrapper of one; a missing file stays a bug."""
+    import errno
+    import os
+
+    def raises(error: BaseException):
+        def main(argv: list[str] | None) -> None:
+            raise error
+        return main
+
+    wrapped = RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+    for error, line in ((OSError(errno.EROFS, os.strerror(errno.EROFS), "/out/model.safetensors"),
+                         "error: cannot write /out/model.safetensors: read-only file system\n"),
+                        (wrapped, "error: cannot write: no space left on device\n"),
+                        (PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/out"),
+                         "error: cannot access /out: permission denied\n")):
+        assert run(raises(error)) == 2
+        assert capsys.readouterr().err == line
+    with pytest.raises(FileNotFoundError):
+        run(raises(FileNotFoundError(errno.ENOENT, "No such file or directory", "/x")))

@@ -47,8 +47,9 @@ def test_transformers_loads_our_checkpoint_with_same_logits(smollm2_nvfp4_dir: P
         b = theirs(ids).logits.float()
     diff = (a - b).abs().max().item()
     print(f"max |logit diff| ours vs transformers+compressed-tensors (bf16): {diff}")
-    assert diff <= 0.05 * a.abs().max().item()
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+    # Both dequantize to the same bf16 weights and run the same bf16 forward on CPU: measured 0.0, so
+    # anything but bit-equal logits is a real difference in how the checkpoint is read.
+    assert torch.equal(a, b), diff
 
 
 def test_our_loader_reads_llmcompressor_checkpoint(smollm2_dir: Path, smollm2_nvfp4_dir: Path, tmp_path: Path):

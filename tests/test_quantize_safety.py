@@ -225,7 +225,9 @@ def test_a_live_run_for_the_same_target_is_not_disturbed(tiny_llama_dir: Path, t
     busy = tmp_path / ".q.tmp-live"
     busy.mkdir()
     with open(tmp_path / ".q.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # what a running quantize holds
+        fcntl.flock(held, fcntl.LOCK_EX)  # what a running quantize holds (qerl.runlock: its PID inside)
+        held.write("4242\n")
+        held.flush()
         code, err = _run(["--model", str(tiny_llama_dir), "--output", str(out)], capsys)
-    assert code == 2 and err.count("\n") == 0 and "another quantize run" in err, err
+    assert code == 2 and err.count("\n") == 0 and "another run (PID 4242) is writing it" in err, err
     assert busy.is_dir() and not out.exists()

@@ -67,6 +67,25 @@ def test_missing_and_binary_paths(tiny_dense_dir: Path, tmp_path: Path, capsys: 
     assert not out.exists()
 
 
+def test_output_dir_in_the_model_or_held_by_another_run(tiny_dense_dir: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 53, items 6 and 1: ``--output-dir`` equal to (or inside) the model directory wrote the run
+    into the model's folder; a second training into one output dir ran alongside the first."""
+    before = sorted(p.name for p in tiny_dense_dir.iterdir())
+    for out in (tiny_dense_dir, tiny_dense_dir / "run"):
+        err = _error(["--model-name", str(tiny_dense_dir), "--output-dir", str(out), "--report-to", "none"], capsys)
+        assert err.startswith(f"error: --output_dir {out}: is ") and "model directory" in err, err
+    assert sorted(p.name for p in tiny_dense_dir.iterdir()) == before
+    from qerl.runlock import run_lock
+
+    out = tmp_path / "run"
+    with run_lock(out):
+        err = _error(["--model-name", str(tiny_dense_dir), "--dataset", "arithmetic", "--output-dir", str(out),
+                      "--report-to", "none"], capsys)
+    assert err.startswith(f"error: --output_dir {out}: another run (PID {os.getpid()}) is writing it"), err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("module", ["qerl.train", "eval.gsm8k"])
 def test_entry_points_exit_2_with_one_line(module: str, tmp_path: Path) -> None:
     """The ``python -m`` entry points themselves go through qerl.cli.run."""

@@ -111,3 +111,30 @@ def test_checkpoint_at_max_steps_is_restored_without_training(tiny_dense_dir: Pa
     assert finished["global_step"] == 2 and not (out / "checkpoint-3").exists()
     assert _step_rows(out) == [1, 2]
     assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == adapter  # the checkpoint's weights
+
+
+def test_save_steps_changed_on_resume_takes_effect(tiny_dense_dir: Path, tmp_path: Path) -> None:
+    """Issue 53, item 7: ``--save-steps`` may change on resume (RESUMABLE_KEYS); transformers restored the
+    checkpoint's interval, so the new one was reported and then ignored (only checkpoint-4 was saved)."""
+    out = tmp_path / "run"
+    main(_argv(tiny_dense_dir, out, steps=2, save_steps=2))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    main(_argv(tiny_dense_dir, out, steps=4, save_steps=1))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+
+
+def test_adapters_record_their_base(tiny_dense_dir: Path, tmp_path: Path) -> None:
+    """Issue 53, item 3: the final adapter records the digest of the model it was trained on (checkpoints
+    have the run's record beside them), which export and evaluation compare with their --model; a copy of
+    the adapter taken out of the run keeps it."""
+    import shutil
+
+    from qerl.fingerprint import BASE_RECORD, check_adapter_base, model_sha256
+
+    out = tmp_path / "run"
+    main(_argv(tiny_dense_dir, out, steps=1))
+    record = json.loads((out / "adapter" / BASE_RECORD).read_text())
+    assert record == {"model": str(tiny_dense_dir), "model_sha256": model_sha256(tiny_dense_dir)}
+    shutil.copytree(out / "adapter", tmp_path / "elsewhere")
+    for adapter in (out / "adapter", out / "checkpoint-1", tmp_path / "elsewhere"):
+        assert check_adapter_base(adapter, str(tiny_dense_dir)) is True

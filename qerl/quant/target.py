@@ -4,18 +4,16 @@
 checkpoint (its config.json carries the compressed-tensors quantization_config) that is neither the
 source model nor the working directory, nor contains them. A run killed with SIGKILL cannot remove
 its hidden ``.NAME.tmp-*`` (output being written) and ``.NAME.src-*`` (GGUF conversion) siblings;
-a later run for the same target removes them, under a per-target lock so that it never deletes the
-folders of a run that is still going.
+a later run for the same target removes them, under the target's run lock (``qerl.runlock``) so that
+it never deletes the folders of a run that is still going.
 """
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import os
 import shutil
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from qerl import checkpoint
@@ -66,7 +64,8 @@ def scratch_prefix(out_dir: Path, kind: str) -> str:
 def remove_stale_scratch(out_dir: Path) -> list[Path]:
     """Delete the hidden siblings an earlier, killed run for ``out_dir`` left; return what was removed.
 
-    Only call this while holding :func:`target_lock`: a live run for the same target holds it too.
+    Only call this while holding :func:`qerl.runlock.run_lock` on ``out_dir``: a live run for the same
+    target holds it too.
     """
     removed = []
     for kind in SCRATCH_KINDS:
@@ -76,35 +75,3 @@ def remove_stale_scratch(out_dir: Path) -> list[Path]:
                 shutil.rmtree(p)
                 removed.append(p)
     return removed
-
-
-@contextmanager
-def target_lock(out_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``out_dir``'s hidden ``.NAME.lock`` file for the duration of a run.
-
-    A second run for the same target fails at once with a one-line error instead of interleaving.
-    The lock file is removed at the end; a run that locked a file another run had just removed sees
-    the inode change and takes the lock again on the new file (the usual lock-file-with-unlink rule).
-    The kernel drops the lock of a killed process, so a stale lock file never blocks a later run.
-    """
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    path = out_dir.parent / f".{out_dir.name}.lock"
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise FileExistsError(f"another quantize run is writing {out_dir} (it holds {path})") from None
-        try:
-            current = os.stat(path).st_ino
-        except FileNotFoundError:
-            current = None
-        if current == os.fstat(fd).st_ino:
-            break
-        os.close(fd)
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)

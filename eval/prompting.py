@@ -1,0 +1,93 @@
+"""Every prompt of an evaluation, tokenized and bounded before any model work.
+
+A question longer than the model's context cannot be answered, and feeding it on costs minutes and
+gigabytes (an 8 MB question ran 12 minutes to 14 GB before this check existed). So all prompts are
+rendered first, each one's length checked against the positions the model has left beside
+``--max-new-tokens``, and a prompt over that budget is refused in one line (``--long-prompts refuse``,
+the default) or its question cut to fit with a warning naming it (``truncate``). No tokenizer call
+sees more than the budget's worth of text: a question with more characters than the budget times
+the longest vocabulary entry certainly has more tokens than the budget, so it is refused, or cut to
+that many characters before tokenizing, without reading the rest; every call stays short, so Ctrl-C
+stops the loop between questions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eval.data import Problem
+from qerl.cli import UsageError
+from qerl.prompts import render
+
+logger = logging.getLogger(__name__)
+
+LONG_PROMPT_MODES = ("refuse", "truncate")
+
+
+def use_chat_template(tokenizer: Any, model: str, template: str | None) -> None:
+    """Give ``tokenizer`` the ``--chat-template`` file's template, or check that it has its own: without
+    one, transformers fails deep in the first prompt with a ValueError traceback."""
+    if template is not None:
+        try:
+            tokenizer.chat_template = Path(template).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--chat-template {template}: cannot read it ({e.__class__.__name__}: {e})") from None
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"--model {model}: its tokenizer has no chat template (no chat_template.jinja, nor "
+                         "chat_template in tokenizer_config.json); pass --chat-template FILE, e.g. the base model's "
+                         "chat_template.jinja, to say how prompts are laid out")
+
+
+def prompt_budget(context: int, max_new_tokens: int) -> int:
+    """Tokens a prompt may have: the model's positions less the completion budget."""
+    budget = context - max_new_tokens
+    if budget < 1:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: leaves no room for a prompt in the model's "
+                         f"{context} positions (max_position_embeddings)")
+    return budget
+
+
+def bounded_prompts(tokenizer: Any, problems: Sequence[Problem], style: str, budget: int, mode: str,
+                    where: str) -> dict[int, list[int]]:
+    """Problem index -> prompt token ids, each at most ``budget`` tokens (see the module docstring)."""
+    if mode not in LONG_PROMPT_MODES:
+        raise UsageError(f"--long-prompts: expected one of {', '.join(LONG_PROMPT_MODES)}, got {mode!r}")
+    max_chars = budget * max(len(t) for t in tokenizer.get_vocab())
+    prompts = {}
+    for problem in problems:
+        question = problem.question
+        ids = render(tokenizer, question[:max_chars], style=style)
+        if len(question) <= max_chars and len(ids) <= budget:
+            prompts[problem.index] = ids
+            continue
+        if mode == "refuse":
+            size = f"{len(ids)} tokens" if len(question) <= max_chars else f"{len(question)} characters"
+            raise UsageError(f"--data {where}: record {problem.index + 1}'s prompt ({size}) is longer than the "
+                             f"{budget} tokens the model's context leaves beside --max-new-tokens; shorten it, or "
+                             "pass --long-prompts truncate")
+        prompts[problem.index] = _truncated(tokenizer, question[:max_chars], style, budget)
+        logger.warning("--data %s: record %d's question cut to fit the %d-token prompt budget (--long-prompts "
+                       "truncate)", where, problem.index + 1, budget)
+    return prompts
+
+
+def _truncated(tokenizer: Any, question: str, style: str, budget: int) -> list[int]:
+    """The prompt of ``question``'s longest token prefix that fits ``budget`` (re-rendered, since tokens can
+    merge across the cut)."""
+    tokens = tokenizer(question, add_special_tokens=False)["input_ids"]
+    keep = len(tokens)
+    ids = render(tokenizer, question, style=style)
+    while len(ids) > budget and keep > 0:
+        keep = max(0, keep - (len(ids) - budget))
+        ids = render(tokenizer, tokenizer.decode(tokens[:keep]), style=style)
+    if len(ids) > budget:
+        raise UsageError(f"the {style!r} prompt's own template is {len(ids)} tokens, more than the {budget} the model's "
+                         "context leaves beside --max-new-tokens")
+    return ids
+
+
+__all__ = ["LONG_PROMPT_MODES", "bounded_prompts", "prompt_budget", "use_chat_template"]

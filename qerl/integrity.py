@@ -1,0 +1,70 @@
+"""Integrity of loaded weights: every tensor a command reads is finite and in its format's range.
+
+A checkpoint can be valid safetensors and still hold garbage: one FP8 block scale set to NaN (byte
+0x7f) makes evaluation print nonsense, an export write NaN weights and a training run log a NaN
+gradient norm and go on, all with exit status 0. So the loader, the export and the adapter readers
+check each tensor once, where it was loaded, and stop with one line naming it.
+
+The checks are one reduction per tensor in its own dtype (no copy, no per-element Python): a
+floating-point tensor's minimum and maximum are finite exactly when all its elements are (``aminmax``
+propagates NaN; Inf is an extreme), FP8-E4M3 block scales are checked on their bytes (the format
+writes 0x00..0x7e only: 0x7f/0xff are E4M3's NaN and a set sign bit is a negative scale, so a byte
+maximum of 0x7e clears a tensor at once, and only a larger one is looked at closely), and global
+scales must be positive. The packed E2M1 codes need only their dtype: every byte is a valid pair of
+codes. On CPU (one thread, a 282 MB NVFP4 random Llama read from the page cache) the checks take 0.056 s
+of a 0.48-0.56 s load; a 7B checkpoint loaded to a GPU has not been measured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qerl.checkpoint import GLOBAL_SCALE, PACKED, SCALE
+
+#: The largest byte of a valid FP8-E4M3 block scale (448, E4M3's largest finite value, positive).
+_MAX_SCALE_BYTE = 0x7E
+
+
+class DamagedTensor(ValueError):
+    """A tensor holds values its format cannot hold (NaN, Inf, a negative scale)."""
+
+
+def check_tensor(name: str, tensor: torch.Tensor, where: object) -> None:
+    """Raise :class:`DamagedTensor` (one line naming ``where`` and ``name``) unless ``tensor`` is sound."""
+    suffix = name.rpartition(".")[2]
+    if suffix == PACKED:
+        if tensor.dtype != torch.uint8:
+            raise DamagedTensor(f"{where}: tensor {name!r} is {tensor.dtype}, expected uint8 packed E2M1 codes")
+        return
+    if suffix == SCALE and tensor.dtype == torch.float8_e4m3fn:
+        raw = tensor.view(torch.uint8)
+        if raw.numel() == 0 or int(raw.max()) <= _MAX_SCALE_BYTE:
+            return
+        bad = int((((raw & 0x7F) == 0x7F) | (raw > 0x80)).sum())  # -0.0 (0x80) is harmless
+        if bad:
+            raise DamagedTensor(f"{where}: tensor {name!r} has {bad} NaN or negative FP8 block scales; "
+                                "the checkpoint is damaged (re-quantize or re-download it)")
+        return
+    if not tensor.is_floating_point():
+        return
+    if suffix == GLOBAL_SCALE:
+        bad = int((~torch.isfinite(tensor) | (tensor <= 0)).sum())
+        if bad:
+            raise DamagedTensor(f"{where}: tensor {name!r} has {bad} global scales that are not finite and positive; "
+                                "the checkpoint is damaged (re-quantize or re-download it)")
+        return
+    if tensor.numel() == 0:
+        return
+    low, high = torch.aminmax(tensor)
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise DamagedTensor(f"{where}: tensor {name!r} has {bad} NaN or Inf values; the weights are damaged")
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], where: object) -> None:
+    """:func:`check_tensor` over a name -> tensor mapping (a state dict, an adapter file)."""
+    for name, tensor in tensors.items():
+        check_tensor(name, tensor, where)
+
+
+__all__ = ["DamagedTensor", "check_tensor", "check_tensors"]
