@@ -1,5 +1,11 @@
-"""``QeRLConfig``: the training settings, with the reference's defaults, and the defaults that can only
+"""``QeRLConfig``: trl's ``GRPOConfig`` plus the rollout engine and AQN, and the defaults that can only
 be filled in once the model is known (``with_model_defaults``).
+
+``QeRLConfig()`` keeps every trl default except the few QeRL's method or qerl's engines need otherwise
+(``TRL_DEFAULT_OVERRIDES`` lists them with the reason); the reference's DAPO recipe (bnpo loss,
+clip-higher 0.28, truncated completions masked, grad clip 0.2, cosine schedule, weight decay 0.1, one
+epoch) is spelled out in ``training/recipes/*.yaml``, where a run shows what it uses. A trl user's
+working ``GRPOConfig`` settings therefore mean the same here.
 
 Kept apart from ``qerl.trainer`` so that what a run is configured to do (defaults, validation) and how
 the trainer does it can be read separately.
@@ -8,6 +14,7 @@ the trainer does it can be read separately.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -20,6 +27,7 @@ from torch import nn
 from trl import GRPOConfig
 
 from qerl.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule
+from qerl.data import DEFAULT_COMPLETION_LENGTH  # the reference scripts' budget, which qerl.train applies per data set
 from qerl.rollout import KINDS
 
 logger = logging.getLogger(__name__)
@@ -27,47 +35,45 @@ logger = logging.getLogger(__name__)
 _BNB_OPTIMIZERS = ("8bit", "bnb", "lion_32bit", "paged_")
 #: Learning rates of the reference recipes (the reference's run scripts): NVFP4+LoRA, bf16 LoRA.
 LR_NVFP4, LR_BF16 = 1e-5, 5e-6
-#: Completion budget of the reference's scripts for data sets without a preset of their own (and its
-#: QeRLConfig default); ``qerl.data`` holds the presets (gsm8k 2048, bigmath 4096).
-DEFAULT_COMPLETION_LENGTH = 8192
+#: trl's own default, used by the trainer when ``max_completion_length`` is left unset outside the CLI.
+TRL_COMPLETION_LENGTH = 512
+#: The fields whose ``QeRLConfig`` default differs from trl's ``GRPOConfig`` default, and why.
+TRL_DEFAULT_OVERRIDES: dict[str, str] = {
+    "learning_rate": "unset: 1e-5 for NVFP4 models, 5e-6 for bf16 (the paper's LoRA rates; trl's 1e-6 is a "
+                     "full fine-tuning rate, and LoRA barely moves at it)",
+    "max_completion_length": "unset: trl's 512 in the trainer; the CLI fills in the data set's budget",
+    "vllm_importance_sampling_mode": "token_truncate: AQN shifts every token's log-prob, and trl's sequence_mask "
+                                     "would drop almost every noisy completion",
+    "vllm_importance_sampling_clip_max": "2.0 with token_truncate (FlashRL/verl's TIS cap); trl's 3.0 is its "
+                                         "sequence-level cap",
+    "bf16": "unset: on with CUDA, off on CPU (bf16 autocast is emulated, and many times slower, on CPUs)",
+    "ddp_broadcast_buffers": "False: the packed NVFP4 weights are buffers, identical on every rank; "
+                             "re-broadcasting tens of GB each forward would dominate the step",
+    "ddp_find_unused_parameters": "False: every LoRA/norm parameter is used in every forward",
+    "use_cpu": "True without CUDA, so that `accelerate launch` gives CPU processes gloo DDP",
+}
 
 
 @dataclass
 class QeRLConfig(GRPOConfig):
-    """GRPOConfig with the QeRL recipe's defaults, the rollout engine choice and AQN.
+    """GRPOConfig with trl's defaults except ``TRL_DEFAULT_OVERRIDES``, plus the rollout engine and AQN.
 
-    Defaults that differ from trl's are the reference's run scripts': epsilon_high
-    0.28, beta 0, bnpo (token-level) loss, truncated completions masked, grad clip 0.2, cosine schedule
-    with 10% warmup, AdamW betas (0.9, 0.99), weight decay 0.1, one epoch, AQN sigma 1e-2 -> 1e-4 over
-    10 stages. Three defaults depend on the model or the data and are filled in later, when those are
-    known (``with_model_defaults``; ``qerl.train`` for the data set): ``learning_rate`` (1e-5 NVFP4,
-    5e-6 bf16), ``aqn`` (on for NVFP4 models only) and ``max_completion_length`` (the reference
-    scripts' preset for the data set; 8192 when there is none).
+    Three defaults depend on the model or the data and are filled in later, when those are known
+    (``with_model_defaults``; ``qerl.train`` for the data set): ``learning_rate`` (1e-5 NVFP4, 5e-6
+    bf16), ``aqn`` (on for NVFP4 models only) and ``max_completion_length`` (trl's 512; the CLI: the
+    reference scripts' budget for the data set). The reference's DAPO recipe is in ``training/recipes``.
     """
 
     learning_rate: float | None = field(
         default=None, metadata={"help": "Peak LR; unset: 1e-5 for NVFP4 models, 5e-6 for bf16."}
     )
-    num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the data (the reference's 1; trl's 3)."})
     max_completion_length: int | None = field(
-        default=None, metadata={"help": "Completion token budget; unset: the reference scripts' preset for "
-                                        "--dataset (gsm8k 2048, bigmath 4096, else 8192)."}
+        default=None, metadata={"help": "Completion token budget; unset: trl's 512 (python -m qerl.train: the "
+                                        "reference scripts' budget for --dataset: gsm8k 2048, bigmath 4096, else 8192)."}
     )
-    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip (DAPO clip-higher)."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)."})
-    loss_type: str = field(default="bnpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo (trl's loss types)."})
-    mask_truncated_completions: bool = field(
-        default=True, metadata={"help": "Drop completions without EOS from the loss."}
-    )
-    max_grad_norm: float = field(default=0.2, metadata={"help": "Gradient clipping."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "LR schedule."})
-    warmup_steps: float = field(default=0.1, metadata={"help": "Warmup steps, or a fraction of the run if < 1."})
     warmup_ratio: float | None = field(
         default=None, metadata={"help": "Reference spelling of a fractional warmup_steps."}
     )
-    adam_beta2: float = field(default=0.99, metadata={"help": "AdamW beta2."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay."})
-    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
     bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; unset: on with CUDA, off on CPU."})
     vllm_importance_sampling_mode: str = field(
         default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.trainer docstring)."}
@@ -127,9 +133,11 @@ class QeRLConfig(GRPOConfig):
                            "--hub_token), so nothing will be uploaded; the run stays in --output_dir %s", self.output_dir)
             self.push_to_hub = False
         if any(tag in str(self.optim) for tag in _BNB_OPTIMIZERS) and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(
-                f"--optim {self.optim}: needs bitsandbytes, which is not installed (pip install bitsandbytes)"
-            )
+            # The GPU recipes ask for 8-bit AdamW; without bitsandbytes (CPU installs) a recipe must still run.
+            # Only LoRA and norm weights train, so 32-bit states cost little: ~0.3 GB at rank 16 on a 7B model.
+            logger.warning("--optim %s: bitsandbytes is not installed, using adamw_torch "
+                           "(pip install bitsandbytes for the 8-bit optimizer)", self.optim)
+            self.optim = "adamw_torch"
         super().__post_init__()
 
     @property
@@ -155,8 +163,29 @@ def with_model_defaults(args: QeRLConfig, model: Any) -> QeRLConfig:
         logger.info("AQN %s (default for a%s model; set --aqn to choose)", "on" if nvfp4 else "off",
                     "n NVFP4" if nvfp4 else " dense")
     if args.max_completion_length is None:
-        args.max_completion_length = DEFAULT_COMPLETION_LENGTH
+        args.max_completion_length = TRL_COMPLETION_LENGTH
     return args
 
 
-__all__ = ["QeRLConfig", "with_model_defaults", "LR_NVFP4", "LR_BF16", "DEFAULT_COMPLETION_LENGTH"]
+def trl_differences(args: GRPOConfig) -> dict[str, tuple[Any, Any]]:
+    """``{field: (value in args, trl's GRPOConfig default)}`` for every GRPOConfig field that differs.
+
+    Why: a run's behaviour should never differ from trl's for a reason the user cannot see; the trainer
+    logs this once at start-up. trl's defaults come from a ``GRPOConfig`` built with the same output_dir,
+    batch shape and device choice (trl's own default cannot be built on a CPU-only machine), so values trl
+    derives from those (generation batch, logging dir) are not reported.
+    """
+    same = ("output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "use_cpu")
+    reference = GRPOConfig(**{name: getattr(args, name) for name in same})
+    out = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if not f.init or f.name in same:
+            continue
+        ours, theirs = getattr(args, f.name, None), getattr(reference, f.name, None)
+        if ours != theirs:
+            out[f.name] = (ours, theirs)
+    return out
+
+
+__all__ = ["QeRLConfig", "with_model_defaults", "trl_differences", "TRL_DEFAULT_OVERRIDES", "LR_NVFP4", "LR_BF16",
+           "DEFAULT_COMPLETION_LENGTH", "TRL_COMPLETION_LENGTH"]

@@ -27,6 +27,9 @@ from qerl.answers import gsm8k_gold
 from qerl.hub import path_shaped
 from qerl.prompts import PROMPT_STYLES, SOURCE_STYLE, chat_messages, encode_chat
 
+#: The reference scripts' completion budget for a data set without a preset of its own.
+DEFAULT_COMPLETION_LENGTH = 8192
+
 
 @dataclass(frozen=True)
 class DatasetSpec:
@@ -37,7 +40,7 @@ class DatasetSpec:
     style: str  # the prompt style the reference used for it (qerl.prompts)
     rewards: tuple[str, ...]
     reading: str  # how its answers are read and judged: one of qerl.answers.READINGS
-    completion_length: int | None = None  # the reference scripts' preset; None: theirs for any other set
+    completion_length: int = DEFAULT_COMPLETION_LENGTH  # the reference scripts' budget for this set
     question_fields: tuple[str, ...] = ("question", "problem", "prompt")
     answer_fields: tuple[str, ...] = ("answer", "solution", "final_answer")
 
@@ -169,6 +172,8 @@ ARITHMETIC_LEVELS: dict[str, ArithmeticLevel] = {
     "easy": ArithmeticLevel((2,), ("+", "-"), 20, non_negative=True),
     "medium": ArithmeticLevel((2,), ("+", "-", "*"), 20, non_negative=False),
     "hard": ArithmeticLevel((2, 3), ("+", "-", "*"), 50, non_negative=False),
+    # easy's operations on three-digit operands: a harder setting where exploration matters more (benchmarks.aqn)
+    "long": ArithmeticLevel((2,), ("+", "-"), 999, non_negative=True),
 }
 #: Draws allowed per requested question before concluding that a level has too few distinct ones.
 _MAX_DRAWS_PER_QUESTION = 50  # collecting all 610 easy ones takes ~9 per question on average

@@ -6,9 +6,13 @@ dataset's columns as keyword arguments, so ``answer`` is the gold answer column 
 and leaves the row out of the mean), which only ``math_accuracy`` uses, for gold answers
 math-verify cannot parse.
 
-Scoring one completion never crashes training: every scorer runs per completion inside a guard
-that turns an exception into reward 0 plus one logged warning (``guarded`` does the same for
-whole user-supplied reward functions).
+These are called exactly as trl calls any reward function, and a user's own reward functions go to
+trl untouched (sync or ``async def``; an exception fails the step, as in trl). Only the answer
+*parsers* inside these built-in rewards are guarded: math-verify can time out or raise on odd LaTeX,
+and one unreadable completion must cost its own reward, not the run. Each such failure scores 0, is
+counted in the metric ``rewards/<name>/errors`` (through trl's ``log_metric`` keyword; logged every
+step, 0 included) and logged as one warning per batch. A malformed call (no ``answer`` column, a
+completion that is neither text nor a chat turn) raises.
 
 Reward scales follow the reference: format rewards 0.2, GSM8K correctness 2.0, math-verify
 accuracy and the DAPO ``Answer:`` score 1.0.
@@ -22,7 +26,6 @@ BigMath reward ignored the ``<answer>`` tags its own prompt asked for (see ``qer
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -52,20 +55,27 @@ def completion_text(completion: Any) -> str:
 
 
 def _score_all(
-    name: str, scorer: Callable[..., float | None], completions: Sequence[Any], golds: Sequence[Any] | None
+    name: str,
+    scorer: Callable[..., float | None],
+    completions: Sequence[Any],
+    golds: Sequence[Any] | None,
+    log_metric: Callable[[str, float], None] | None = None,
 ) -> list[float | None]:
-    """Apply ``scorer(text[, gold])`` to each completion; an exception scores 0 and logs one warning."""
+    """Apply ``scorer(text[, gold])`` to each completion; a scorer exception scores 0, is counted in
+    ``rewards/<name>/errors`` (when trl passes ``log_metric``) and logged once per batch."""
+    texts = [completion_text(c) for c in completions]  # a malformed completion is the caller's bug: raise
     out: list[float | None] = []
     failures = 0
     first_error = ""
-    for i, completion in enumerate(completions):
+    for i, text in enumerate(texts):
         try:
-            text = completion_text(completion)
             out.append(scorer(text) if golds is None else scorer(text, golds[i]))
-        except Exception as e:  # a broken completion or gold must cost one reward, not the run
+        except Exception as e:  # a parser failure (math-verify timeout, odd LaTeX) costs one reward, not the run
             failures += 1
             first_error = first_error or f"{type(e).__name__}: {e}"
             out.append(0.0)
+    if log_metric is not None:
+        log_metric(f"rewards/{name}/errors", float(failures))
     if failures:
         logger.warning("reward %s raised on %d/%d completions (scored 0); first error: %s", name, failures, len(out), first_error)
     return out
@@ -79,22 +89,27 @@ def _need_answer(name: str, answer: Sequence[Any] | None, n: int) -> Sequence[An
 
 def soft_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """0.2 when ``<think>...</think>`` is followed by ``<answer>...</answer>`` anywhere in the response."""
-    return _score_all("soft_format_reward", lambda t: FORMAT_REWARD if _SOFT_FORMAT.search(t) else 0.0, completions, None)
+    return _score_all("soft_format_reward", lambda t: FORMAT_REWARD if _SOFT_FORMAT.search(t) else 0.0, completions, None,
+                      kwargs.get("log_metric"))
 
 
 def strict_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """0.2 when the whole response is exactly the tag skeleton, each tag on its own line."""
-    return _score_all("strict_format_reward", lambda t: FORMAT_REWARD if _STRICT_FORMAT.match(t) else 0.0, completions, None)
+    return _score_all("strict_format_reward", lambda t: FORMAT_REWARD if _STRICT_FORMAT.match(t) else 0.0, completions, None,
+                      kwargs.get("log_metric"))
 
 
 def _numeric_equal(a: Fraction | None, b: Fraction | None) -> bool:
     return a is not None and b is not None and a == b
 
 
-def _judged(name: str, reading: str, scale: float, completions: Sequence[Any], answer: Sequence[Any] | None) -> list[float | None]:
+def _judged(
+    name: str, reading: str, scale: float, completions: Sequence[Any], answer: Sequence[Any] | None, kwargs: dict[str, Any]
+) -> list[float | None]:
     """``scale`` for each completion ``answers.judge`` finds correct under ``reading``, else 0."""
     golds = _need_answer(name, answer, len(completions))
-    return _score_all(name, lambda text, gold: scale if judge(text, str(gold), reading) else 0.0, completions, golds)
+    return _score_all(name, lambda text, gold: scale if judge(text, str(gold), reading) else 0.0, completions, golds,
+                      kwargs.get("log_metric"))
 
 
 def gsm8k_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
@@ -104,7 +119,7 @@ def gsm8k_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = No
     number; compared as numbers, so ``1,000``, ``$1000`` and ``1000.0`` all match ``1000``. The gold
     may be a number or a full GSM8K solution ending in ``#### N``.
     """
-    return _judged("gsm8k_accuracy", "numeric", GSM8K_REWARD, completions, answer)
+    return _judged("gsm8k_accuracy", "numeric", GSM8K_REWARD, completions, answer, kwargs)
 
 
 def last_number_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
@@ -119,7 +134,7 @@ def last_number_accuracy(completions: Sequence[Any], answer: Sequence[Any] | Non
     def score(text: str, gold: Any) -> float:
         return MATH_REWARD if _numeric_equal(to_number(text), to_number(gsm8k_gold(str(gold)))) else 0.0
 
-    return _score_all("last_number_accuracy", score, completions, golds)
+    return _score_all("last_number_accuracy", score, completions, golds, kwargs.get("log_metric"))
 
 
 def last_number_closeness(
@@ -140,7 +155,7 @@ def last_number_closeness(
             return 0.0
         return float(max(Fraction(0), 1 - abs(pred - ref) / max(abs(ref), Fraction(1))))
 
-    return _score_all("last_number_closeness", score, completions, golds)
+    return _score_all("last_number_closeness", score, completions, golds, kwargs.get("log_metric"))
 
 
 def math_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
@@ -157,34 +172,14 @@ def math_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = Non
             return None
         return MATH_REWARD if judge(text, str(gold), "math") else 0.0
 
-    return _score_all("math_accuracy", score, completions, golds)
+    return _score_all("math_accuracy", score, completions, golds, kwargs.get("log_metric"))
 
 
 def dapo_score(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
     """1.0 when the last ``Answer: X`` in the response's last 300 characters equals the gold after the
     reference's normalisation (``answers.normalize_final_answer``); 0 otherwise, as the reference's code
     returns (its docstring said -1)."""
-    return _judged("dapo_score", "dapo", DAPO_REWARD, completions, answer)
-
-
-def guarded(fn: Callable[..., list[float | None]]) -> Callable[..., list[float | None]]:
-    """Wrap any batch reward function so that an exception scores the batch 0 and logs a warning.
-
-    The name is kept (trl logs rewards per function name).
-    """
-    if getattr(fn, "__qerl_guarded__", False):
-        return fn
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, completions: Sequence[Any] = (), **kwargs: Any) -> list[float | None]:
-        try:
-            return fn(*args, completions=completions, **kwargs)
-        except Exception as e:  # a reward bug must cost this batch's reward, not the run
-            logger.warning("reward %s raised %s: %s; scoring this batch 0", getattr(fn, "__name__", fn), type(e).__name__, e)
-            return [0.0] * len(completions)
-
-    wrapper.__qerl_guarded__ = True  # type: ignore[attr-defined]
-    return wrapper
+    return _judged("dapo_score", "dapo", DAPO_REWARD, completions, answer, kwargs)
 
 
 #: Reward names accepted by ``--rewards`` / recipes.
@@ -199,10 +194,9 @@ REWARDS: dict[str, Callable[..., list[float | None]]] = {
 }
 
 
-
 def get_rewards(names: Sequence[str]) -> list[Callable[..., list[float | None]]]:
-    """Reward functions by name, each guarded."""
+    """The built-in reward functions named (``REWARDS``), as trl will call them."""
     unknown = [n for n in names if n not in REWARDS]
     if unknown:
         raise ValueError(f"--rewards: unknown {unknown}; expected names from {sorted(REWARDS)}")
-    return [guarded(REWARDS[n]) for n in names]
+    return [REWARDS[n] for n in names]

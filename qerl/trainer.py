@@ -39,10 +39,11 @@ bias the noise introduces. ``vllm_importance_sampling_correction=False`` reprodu
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,18 +53,21 @@ from torch import nn
 from transformers import TrainerCallback, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 from trl import GRPOTrainer
+from trl.trainer.utils import get_config_model_id
 
 from qerl.aqn import NormNoise, draw_seed, norm_weights
-from qerl.config import QeRLConfig, with_model_defaults
+from qerl.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.fsutil import atomic_write_text
 from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
-from qerl.rewards import guarded
 from qerl.rollout import SamplingParams, get_engine
 
 logger = logging.getLogger(__name__)
 
 #: trl versions this subclass was tested with (its hooks are private and move between releases).
 TRL_RANGE = (">=1.16.0", "<1.17")
+#: ``generation_kwargs`` keys the rollout engines honour (vLLM's names: ``SamplingParams`` fields, and
+#: ``ignore_eos``, which leaves the stop tokens out); any other key is refused in one line.
+GENERATION_KWARGS = ("min_p", "repetition_penalty", "min_tokens", "ignore_eos")
 
 
 def _check_trl_version() -> None:
@@ -157,29 +161,24 @@ class QeRLTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "qerl"]
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: QeRLConfig | None = None, **kwargs: Any) -> None:
+        if args is None:  # as trl: a default config named after the model
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = QeRLConfig(f"{name.split('/')[-1]}-GRPO")
         if not isinstance(args, QeRLConfig):
-            raise TypeError(f"QeRLTrainer: args must be a QeRLConfig, got {type(args).__name__}")
-        for name in ("tools", "rollout_func", "environment_factory"):
+            raise TypeError(f"QeRLTrainer: args must be a QeRLConfig (trl's GRPOConfig plus the rollout engine and AQN), "
+                            f"got {type(args).__name__}")
+        for name in ("tools", "environment_factory"):
             if kwargs.get(name):
-                raise ValueError(f"QeRLTrainer: {name} is not supported (single-turn text rollouts only)")
-        unsupported = [
-            name
-            for name, off in (
-                ("min_p", args.min_p is None),
-                ("repetition_penalty", args.repetition_penalty == 1.0),
-                ("generation_kwargs", not args.generation_kwargs),
-            )
-            if not off
-        ]
-        if unsupported:
-            raise ValueError(
-                f"QeRLTrainer: --{unsupported[0]} is not supported by qerl's rollout engines; leave it unset"
-            )
+                raise ValueError(f"QeRLTrainer: {name} is not supported (trl parses tool calls out of its own generation "
+                                 "loop); write a rollout_func over trainer.rollout_engine() instead")
+        unknown = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
+        if unknown:
+            raise ValueError(f"QeRLTrainer: --generation_kwargs key {unknown[0]!r} is not supported by qerl's rollout "
+                             f"engines; they honour {', '.join(GENERATION_KWARGS)}")
         args = with_model_defaults(args, model)  # LR, AQN, completion budget: on our copy, not the caller's config
         _check_trl_version()
-        funcs = reward_funcs if isinstance(reward_funcs, list) else ([] if reward_funcs is None else [reward_funcs])
-        funcs = [f if isinstance(f, (str, nn.Module)) else guarded(f) for f in funcs]
-        super().__init__(model=model, reward_funcs=funcs, args=args, **kwargs)
+        differences = trl_differences(args)  # before the trainer's Accelerator: building a config resets its state
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         upcast = keep_trainable_fp32(self.model)  # before the optimizer, the engine and AQN see them
         if upcast:
             logger.info("%d trainable bf16/fp16 parameters (e.g. %s) are kept in fp32", len(upcast), upcast[0])
@@ -196,6 +195,11 @@ class QeRLTrainer(GRPOTrainer):
         self._rollout_index = (-1, 0)  # (global step, rollouts drawn at that step): seeds the sampler
         self._resume_marker: dict[str, Any] | None = None
         self.add_callback(MetricsFile())
+        if self.rollout_func is not None:
+            self.rollout_func = self._in_rollout_mode(self.rollout_func)
+        if self.accelerator.is_main_process:
+            logger.info("settings that differ from trl's GRPOConfig defaults: %s",
+                        ", ".join(f"{k}={v!r} (trl: {d!r})" for k, (v, d) in differences.items()) or "none")
 
     # ------------------------------------------------------------------ rollout
 
@@ -258,6 +262,71 @@ class QeRLTrainer(GRPOTrainer):
         with self.noise().applied(sigma, self.state.global_step) as handle:
             yield handle
 
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The run's sampling settings for ``rollout_engine().generate``: trl's temperature, top-k/-p,
+        min-p, repetition penalty and ``generation_kwargs``, the completion budget, EOS as the stop
+        token (none with ``ignore_eos``) and a fresh seed per call (``_sampling_seed``); ``overrides``
+        replace any of them (a ``rollout_func``'s second turn may want a shorter budget, say)."""
+        extra = dict(self.args.generation_kwargs or {})
+        ignore_eos = bool(extra.pop("ignore_eos", False))
+        values: dict[str, Any] = dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            max_new_tokens=self.max_completion_length,
+            stop_token_ids=[] if ignore_eos else list(self.eos_token_ids),
+            seed=self._sampling_seed(),
+        )
+        values.update(extra)
+        values.update(overrides)
+        return SamplingParams(**values)
+
+    @contextmanager
+    def rollout_mode(self) -> Iterator[dict[str, int]]:
+        """What every rollout runs under, ours or a ``rollout_func``'s: the policy in eval mode, no
+        autograd, AQN's noise on the norms (removed bit-exactly after). Logs the rollout's time, its
+        tokens per second (the caller puts the count of generated tokens in the yielded ``["tokens"]``)
+        and the AQN stage."""
+        policy = self._policy()
+        was_training = policy.training
+        policy.eval()
+        sigma = self.current_sigma()
+        stats = {"tokens": 0}
+        start = time.perf_counter()
+        try:
+            with torch.no_grad(), self._aqn_applied(sigma):
+                yield stats
+        finally:
+            policy.train(was_training)
+        elapsed = time.perf_counter() - start
+        metrics = self._metrics["train" if was_training else "eval"]
+        metrics["rollout/seconds"].append(elapsed)
+        metrics["rollout/tokens_per_s"].append(stats["tokens"] / max(elapsed, 1e-9))
+        if self.aqn is not None:
+            metrics["aqn/sigma"].append(sigma)
+            metrics["aqn/stage"].append(float(self.aqn.stage(self.state.global_step, max(1, self.state.max_steps))))
+            metrics["aqn/changed_frac"].append(self._noise.changed_fraction if self._noise else 0.0)
+
+    def _in_rollout_mode(self, rollout_func: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        """A user's ``rollout_func`` (trl's contract) run under ``rollout_mode``, like our own rollouts."""
+
+        @functools.wraps(rollout_func)
+        def run(prompts: list[Any], trainer: QeRLTrainer) -> dict[str, Any]:
+            with self.rollout_mode() as stats:
+                out = rollout_func(prompts, trainer)
+                stats["tokens"] = sum(len(c) for c in out.get("completion_ids", []))
+            return out
+
+        return run
+
+    def _generate(self, prompts: list[Any]) -> Any:
+        """trl's ``_generate``. Before a ``rollout_func`` trl syncs its own vLLM engine's weights when
+        ``use_vllm`` (our IS gate) is on: qerl's engines read the live modules, so that sync is marked done."""
+        self._last_loaded_step = self.state.global_step
+        return super()._generate(prompts)
+
     def _generate_single_turn(
         self,
         prompt_ids: list[list[int]],
@@ -270,33 +339,10 @@ class QeRLTrainer(GRPOTrainer):
             raise ValueError("QeRLTrainer: text-only rollouts; got images/multimodal inputs")
         engine = self.rollout_engine()
         prompts, n = _group_repeats(prompt_ids)
-        params = SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k or 0,
-            max_new_tokens=self.max_completion_length,
-            stop_token_ids=list(self.eos_token_ids),
-            seed=self._sampling_seed(),
-        )
-        policy = self._policy()
-        was_training = policy.training
-        policy.eval()
-        sigma = self.current_sigma()
-        start = time.perf_counter()
-        try:
-            with torch.no_grad(), self._aqn_applied(sigma):
-                out = engine.generate(prompts, params, n=n)
-        finally:
-            policy.train(was_training)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(c) for c in out.completion_ids)
-        metrics = self._metrics["train" if was_training else "eval"]
-        metrics["rollout/seconds"].append(elapsed)
-        metrics["rollout/tokens_per_s"].append(tokens / max(elapsed, 1e-9))
-        if self.aqn is not None:
-            metrics["aqn/sigma"].append(sigma)
-            metrics["aqn/stage"].append(float(self.aqn.stage(self.state.global_step, max(1, self.state.max_steps))))
-            metrics["aqn/changed_frac"].append(self._noise.changed_fraction if self._noise else 0.0)
+        params = self.sampling_params()
+        with self.rollout_mode() as stats:
+            out = engine.generate(prompts, params, n=n)
+            stats["tokens"] = sum(len(c) for c in out.completion_ids)
         return out.completion_ids, out.logprobs
 
     # ------------------------------------------------------------------ training step

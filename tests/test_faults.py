@@ -287,6 +287,9 @@ def _signalled_at(command: Command, out: Path, at: float, sig: int = signal.SIGK
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
         try:
+            # A forked child inherits torch's intra-op thread pool in a state it cannot use from the loader's worker
+            # threads ("Invalid thread pool"); setting the thread count rebuilds it.
+            torch.set_num_threads(torch.get_num_threads())
             os._exit(run(command.main, command.argv(out)))
         finally:
             os._exit(99)

@@ -19,7 +19,8 @@ from datasets import Dataset
 from tiny_models import make_tiny_chat_model
 
 from qerl.aqn import AQNSchedule
-from qerl.config import DEFAULT_COMPLETION_LENGTH, QeRLConfig, with_model_defaults
+from qerl.config import TRL_COMPLETION_LENGTH, QeRLConfig, with_model_defaults
+from qerl.data import DEFAULT_COMPLETION_LENGTH
 from qerl.data import load_dataset
 from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import lora_config
@@ -73,25 +74,26 @@ def test_model_defaults_leave_the_callers_config_alone(tmp_path: Path) -> None:
     config = QeRLConfig(output_dir=str(tmp_path), report_to=[])
     filled = with_model_defaults(config, torch.nn.Linear(2, 2))
     assert (config.aqn, config.learning_rate, config.max_completion_length) == (None, None, None)
-    assert (filled.aqn, filled.learning_rate, filled.max_completion_length) == (False, 5e-6, DEFAULT_COMPLETION_LENGTH)
+    assert (filled.aqn, filled.learning_rate, filled.max_completion_length) == (False, 5e-6, TRL_COMPLETION_LENGTH)
 
 
-def test_config_defaults_are_the_reference_scripts(tmp_path: Path) -> None:
-    """trl's defaults would be 3 epochs, 512 completion tokens; the reference's scripts run 1 epoch and
+def test_config_defaults_are_trls_and_the_recipe_the_reference_scripts(tmp_path: Path) -> None:
+    """QeRLConfig keeps trl's epochs (3); the reference recipe runs 1 epoch. AQN's own defaults are the reference's:
     sigma 1e-2 -> 1e-4 over 10 stages (its noise scheduler and run scripts)."""
     config = QeRLConfig(output_dir=str(tmp_path), report_to=[])
-    assert (config.num_train_epochs, config.sigma_start, config.sigma_end, config.num_stages) == (1, 1e-2, 1e-4, 10)
+    assert (config.num_train_epochs, config.sigma_start, config.sigma_end, config.num_stages) == (3, 1e-2, 1e-4, 10)
     assert AQNSchedule().sigma_end == 1e-4
+    _, recipe = parse_args(["--config", "training/recipes/qerl_nvfp4.yaml", "--output-dir", str(tmp_path)])
+    assert (recipe.num_train_epochs, recipe.loss_type, recipe.epsilon_high, recipe.max_grad_norm) == (1, "bnpo", 0.28, 0.2)
 
 
 @pytest.mark.parametrize("dataset,expected", [("gsm8k", 2048), ("bigmath", 4096), ("bigmath_hard", 4096),
-                                              ("dapomath", None), ("arithmetic", None)])
-def test_completion_length_follows_the_reference_scripts(dataset: str, expected: int | None, tmp_path: Path) -> None:
-    """The scripts' presets by DATA_NAME: gsm8k 2048, bigmath 4096, anything else 8192 (None here: the
-    trainer's fallback, DEFAULT_COMPLETION_LENGTH). An explicit flag wins."""
+                                              ("dapomath", DEFAULT_COMPLETION_LENGTH), ("arithmetic", DEFAULT_COMPLETION_LENGTH)])
+def test_completion_length_follows_the_reference_scripts(dataset: str, expected: int, tmp_path: Path) -> None:
+    """The scripts' presets by DATA_NAME: gsm8k 2048, bigmath 4096, anything else 8192. An explicit flag wins."""
     base = ["--dataset", dataset, "--output-dir", str(tmp_path), "--report-to", "none"]
     _, config = parse_args(base)
-    assert config.max_completion_length == expected and config.num_train_epochs == 1
+    assert config.max_completion_length == expected
     _, config = parse_args([*base, "--max-completion-length", "96"])
     assert config.max_completion_length == 96
     assert DEFAULT_COMPLETION_LENGTH == 8192

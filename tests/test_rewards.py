@@ -1,4 +1,5 @@
-"""Rewards: format, GSM8K numeric, math-verify, DAPO ``Answer:``; failures score 0, never crash. The
+"""Rewards: format, GSM8K numeric, math-verify, DAPO ``Answer:``; a parser failure scores 0 and is counted,
+a malformed call raises. The
 correctness rewards read answers exactly as evaluation does (``qerl.answers``), and the BigMath and DAPO
 rewards as the reference's reward code did, on fixed inputs."""
 
@@ -13,7 +14,6 @@ from qerl.rewards import (
     dapo_score,
     get_rewards,
     gsm8k_accuracy,
-    guarded,
     last_number_accuracy,
     last_number_closeness,
     math_accuracy,
@@ -123,30 +123,35 @@ def test_dapo_score_reads_the_last_answer_line() -> None:
     assert dapo_score(completions, answer=gold) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
 
 
-def test_a_raising_item_scores_zero_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_parser_failure_scores_zero_is_counted_and_warns(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import qerl.rewards as rewards
+
+    def judge(text: str, gold: str, reading: str) -> bool:
+        if "boom" in text:
+            raise TimeoutError("math-verify timed out")
+        return text.strip() == gold
+
+    monkeypatch.setattr(rewards, "judge", judge)
+    metrics: list[tuple[str, float]] = []
     with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
-        out = gsm8k_accuracy([TAGGED, 12345], answer=["4", "4"])  # an int is not a completion
-    assert out == [2.0, 0.0]
-    assert "gsm8k_accuracy raised on 1/2" in caplog.text
+        out = gsm8k_accuracy(["4", "boom", "5"], answer=["4"] * 3, log_metric=lambda k, v: metrics.append((k, v)))
+    assert out == [2.0, 0.0, 0.0]
+    assert metrics == [("rewards/gsm8k_accuracy/errors", 1.0)]
+    assert "gsm8k_accuracy raised on 1/3" in caplog.text
+    metrics.clear()
+    assert soft_format_reward([TAGGED], log_metric=lambda k, v: metrics.append((k, v))) == [0.2]
+    assert metrics == [("rewards/soft_format_reward/errors", 0.0)]  # logged every step, so the curve has no gaps
 
 
-def test_guarded_turns_a_crashing_reward_into_zeros(caplog: pytest.LogCaptureFixture) -> None:
-    def broken(completions, **kwargs):
-        raise KeyError("missing column")
-
-    safe = guarded(broken)
-    assert safe.__name__ == "broken"  # trl logs rewards under the function's name
-    with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
-        assert safe(prompts=["p", "p"], completions=["a", "b"]) == [0.0, 0.0]
-    assert "broken raised KeyError" in caplog.text
-    assert guarded(safe) is safe
-
-
-def test_missing_answer_column_is_reported_not_crashing(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_malformed_call_raises() -> None:
+    with pytest.raises(TypeError, match="completion: expected a string or a list of chat messages"):
+        gsm8k_accuracy([TAGGED, 12345], answer=["4", "4"])
     (reward,) = get_rewards(["gsm8k"])
-    with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
-        assert reward(completions=["<answer>1</answer>"]) == [0.0]
-    assert "needs an 'answer' column" in caplog.text
+    assert reward is gsm8k_accuracy  # handed to trl as is: trl names, calls and logs it
+    with pytest.raises(ValueError, match="needs an 'answer' column"):
+        reward(completions=["<answer>1</answer>"])
 
 
 def test_unknown_reward_name() -> None:

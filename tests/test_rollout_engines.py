@@ -361,3 +361,39 @@ def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.Monk
             ids = torch.tensor([prompts[i] + completions[i]], device="cuda")
             ref = model(input_ids=ids).logits[0, len(prompts[i]) - 1 : -1].float()
         assert (got[i] - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+
+
+def test_repetition_penalty_and_min_tokens_match_transformers() -> None:
+    """The native engine applies transformers' definitions: the penalty over prompt and completion
+    tokens, stop tokens banned below ``min_tokens``. One prompt per call, so transformers' left padding
+    (whose pad ids its penalty would count) plays no part."""
+    model = tiny_qwen2(4)
+    free = get_engine(model, 0, kind="hf").generate(PROMPTS[:1], greedy(40))
+    for params in (
+        SamplingParams(temperature=0.0, max_new_tokens=40, repetition_penalty=1.8),
+        SamplingParams(temperature=0.0, max_new_tokens=40, repetition_penalty=0.7),
+        # the greedy path's 3rd token as a stop token: without min_tokens it would end the completion at 3
+        SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=[free.completion_ids[0][2]], min_tokens=12),
+    ):
+        for prompt in PROMPTS[:2]:
+            ref = get_engine(model, 0, kind="hf").generate([prompt], params)
+            out = NativeEngine(model, 0, check_every=4).generate([prompt], params, n=2)
+            assert out.completion_ids == ref.completion_ids * 2, params
+    base = NativeEngine(model, 0).generate(PROMPTS[:1], greedy(40)).completion_ids[0]
+    penalised = NativeEngine(model, 0).generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=40,
+                                                                             repetition_penalty=1.8)).completion_ids[0]
+    assert penalised != base  # the penalty changed this greedy path
+    stop = [free.completion_ids[0][2]]
+    early = NativeEngine(model, 0).generate(PROMPTS[:1], greedy(40, stop)).completion_ids[0]
+    late = NativeEngine(model, 0).generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=40,
+                                                                        stop_token_ids=stop, min_tokens=12)).completion_ids[0]
+    assert len(early) <= 3 and len(late) > 12 and stop[0] not in late[:12]
+
+
+def test_min_p_one_keeps_only_the_most_likely_token() -> None:
+    """min_p = 1 keeps exactly the tokens as likely as the best one: sampling at any temperature is then greedy."""
+    model = tiny_llama()
+    ref = NativeEngine(model, 0).generate(PROMPTS, greedy(24), n=2)
+    out = NativeEngine(model, 0).generate(PROMPTS, SamplingParams(temperature=1.5, max_new_tokens=24, min_p=1.0, seed=3), n=2)
+    assert out.completion_ids == ref.completion_ids
+    assert all(lp == 0.0 for row in out.logprobs for lp in row)  # a one-token distribution

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qerl.rollout.base import SamplingParams
-from qerl.rollout.sampling import make_generator, sample, sample_params
+from qerl.rollout.sampling import adjust_logits, make_generator, sample, sample_params
 
 torch.set_num_threads(1)
 
@@ -120,3 +120,36 @@ def test_tensor_knobs_match_python_knobs() -> None:
     assert torch.equal(py[0], tt[0])
     torch.testing.assert_close(py[1], tt[1])
     assert math.isfinite(float(py[1].min()))
+
+
+def min_p_reference(logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
+    """Independent float64 reference: softmax(l/T), keep p >= min_p * max p, renormalise."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    kept = torch.where(p >= min_p * p.max(), p, torch.zeros_like(p))
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("temperature,min_p,wrong", [(1.0, 0.3, 0.2), (0.7, 0.2, 0.3), (1.3, 0.12, 0.3)])
+def test_min_p_distribution_matches_its_definition(temperature: float, min_p: float, wrong: float) -> None:
+    logits = LOGITS.expand(N, -1).contiguous()
+    tokens, logprobs = sample(logits, temperature, generator=make_generator("cpu", 1), min_p=min_p)
+    counts = torch.bincount(tokens, minlength=len(PROBS))
+    expected = min_p_reference(LOGITS, temperature, min_p)
+    assert chi2_pvalue(counts, expected) > 1e-3
+    assert chi2_pvalue(counts, min_p_reference(LOGITS, temperature, wrong)) < 1e-6  # the test has power
+    torch.testing.assert_close(logprobs[:100].double(), expected.log()[tokens[:100]], atol=1e-5, rtol=0)
+
+
+def test_adjust_logits_is_the_repetition_penalty_and_min_tokens_ban() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0]])
+    seen = torch.tensor([[True, True, False, False, False]])
+    banned = torch.tensor([False, False, False, False, True])
+    out = adjust_logits(logits, seen, 2.0, banned)
+    assert out.tolist() == [[1.0, -2.0, 0.5, -3.0, float("-inf")]]  # seen: 2/2, -1*2; unseen kept; banned -inf
+    assert adjust_logits(logits, seen, 1.0, torch.zeros(5, dtype=torch.bool)).tolist() == logits.tolist()
+
+
+def test_new_sampling_params_are_validated() -> None:
+    for bad in (dict(min_p=1.5), dict(repetition_penalty=0.0), dict(min_tokens=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)

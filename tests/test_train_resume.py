@@ -29,7 +29,7 @@ def _argv(model: Path, out: Path, *extra: str, steps: int = 2, save_steps: int =
     return ["--model-name", str(model), "--dataset", "arithmetic", "--num-samples", "12", "--lora-rank", "2",
             "--max-steps", str(steps), "--save-steps", str(save_steps), "--per-device-train-batch-size", "2",
             "--num-generations", "2", "--max-completion-length", "4", "--output-dir", str(out), "--report-to", "none",
-            "--disable-tqdm", "True", "--plot", "False", "--seed", "0", *extra]
+            "--disable-tqdm", "True", "--plot", "False", "--seed", "0", "--logging-steps", "1", *extra]
 
 
 def _step_rows(out: Path) -> list[int]:

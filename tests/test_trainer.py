@@ -42,7 +42,8 @@ def make_config(out: Path, **overrides: Any) -> QeRLConfig:
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, save_steps=2, report_to=[], seed=0, num_stages=3, sigma_start=1e-2,
         sigma_end=1e-3, warmup_steps=0, learning_rate=1e-3, mask_truncated_completions=False,
-        gradient_checkpointing=False, disable_tqdm=True, aqn=True,  # AQN on the dense test model too (default: NVFP4 only)
+        gradient_checkpointing=False, disable_tqdm=True, logging_steps=1,
+        aqn=True,  # AQN on the dense test model too (default: NVFP4 only)
     )
     base.update(overrides)
     return QeRLConfig(**base)
@@ -237,11 +238,15 @@ def test_group_repeats() -> None:
 
 
 def test_config_defaults_and_errors(tmp_path: Path) -> None:
+    from qerl.config import TRL_DEFAULT_OVERRIDES, trl_differences
+
     cfg = QeRLConfig(output_dir=str(tmp_path), report_to=[])
-    assert (cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.max_grad_norm) == (0.2, 0.28, 0.0, 0.2)
-    assert cfg.mask_truncated_completions and cfg.lr_scheduler_type == "cosine" and cfg.warmup_steps == 0.1
     assert cfg.vllm_importance_sampling_mode == "token_truncate" and cfg.vllm_importance_sampling_clip_max == 2.0
     assert cfg.bf16 is torch.cuda.is_available()
+    # trl's defaults everywhere else: the reference's DAPO recipe lives in training/recipes
+    assert (cfg.loss_type, cfg.epsilon_high, cfg.mask_truncated_completions, cfg.weight_decay) == ("dapo", None, False, 0.0)
+    assert (cfg.num_train_epochs, cfg.logging_steps, cfg.max_grad_norm, cfg.lr_scheduler_type) == (3, 10, 1.0, "linear")
+    assert set(trl_differences(cfg)) <= set(TRL_DEFAULT_OVERRIDES)  # every difference is listed with its reason
     ref = QeRLConfig(output_dir=str(tmp_path), report_to=[], use_vllm=True, warmup_ratio=0.05)  # reference spellings
     assert (ref.rollout_engine, ref.use_vllm, ref.warmup_steps) == ("vllm", False, 0.05)
     for bad in (dict(rollout_engine="sglang"), dict(aqn_resample="layer"), dict(num_stages=1),
@@ -250,13 +255,16 @@ def test_config_defaults_and_errors(tmp_path: Path) -> None:
             QeRLConfig(output_dir=str(tmp_path), report_to=[], **bad)
 
 
-def test_8bit_adamw_needs_bitsandbytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_8bit_adamw_falls_back_without_bitsandbytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    with pytest.raises(ValueError, match="bitsandbytes"):
-        QeRLConfig(output_dir=str(tmp_path), report_to=[], optim="adamw_8bit")
+    with caplog.at_level("WARNING", logger="qerl.config"):
+        cfg = QeRLConfig(output_dir=str(tmp_path), report_to=[], optim="adamw_8bit")
+    assert cfg.optim == "adamw_torch"
+    assert "--optim adamw_8bit: bitsandbytes is not installed, using adamw_torch" in caplog.text
 
 
 def test_plot_writes_curves(run: dict[str, Any], tmp_path: Path) -> None:
@@ -298,7 +306,7 @@ def test_train_entry_point_end_to_end(tiny_dense_dir: Path, tmp_path: Path) -> N
         "--model-name", str(tiny_dense_dir), "--dataset", "arithmetic", "--num-samples", "12", "--heldout", "4",
         "--heldout-max-tokens", "4", "--lora-rank", "2", "--max-steps", "1", "--per-device-train-batch-size", "2",
         "--num-generations", "2", "--max-completion-length", "4", "--output-dir", str(out), "--report-to", "none",
-        "--disable-tqdm", "True", "--save-strategy", "no",
+        "--disable-tqdm", "True", "--save-strategy", "no", "--logging-steps", "1",
     ])
     assert summary["global_step"] == 1 and summary["train_rows"] == 8 and summary["heldout_rows"] == 4
     assert 0.0 <= summary["heldout_accuracy_before"] <= 1.0 and 0.0 <= summary["heldout_accuracy_after"] <= 1.0

@@ -7,7 +7,8 @@
 # same per-step batch (16 completions = 2 prompts x 8, 16/N per GPU); RUNS="qerl_nvfp4_aqn ..." picks a subset.
 # RUNS may also name the runs benchmarks/learning.py adds: dequant_lora (bf16 LoRA on DEQUANT_DIR, NVFP4_DIR's
 # weights dequantized), best_lora and qerl_best_aqn (BEST_DIR: another quantization method's checkpoint,
-# without and with AQN); learning.py runs this script once per seed (--seed S among the extra flags).
+# without and with AQN), and bf16_aqn (bf16 LoRA with AQN, for benchmarks/aqn.py); learning.py and aqn.py run this
+# script once per seed (--seed S among the extra flags).
 # Extra flags come after the common ones, so they override them (e.g. --heldout 20 --num-samples 200).
 # RUN_TIMEOUT stops a run that outlives it (SIGINT) so that the plots and the table still get written
 # from what it logged; such a run counts as failed. Exit status: nonzero if any run or the plotting failed.
@@ -42,7 +43,9 @@ limit=()
 if [[ -n "${RUN_TIMEOUT:-}" ]]; then
   limit=(timeout --signal=INT --kill-after=30 "$RUN_TIMEOUT")
 fi
-common=(--dataset arithmetic --arithmetic-level easy --num-samples 610 --heldout 200 --heldout-max-tokens 96
+# The reference's DAPO settings (bnpo, clip-higher 0.28, grad clip 0.2, cosine with 10% warmup, AdamW
+# (0.9, 0.99), weight decay 0.1) come from the 7B recipe; the flags below override what differs.
+common=(--config training/recipes/qerl_nvfp4.yaml --dataset arithmetic --arithmetic-level easy --num-samples 610 --heldout 200 --heldout-max-tokens 96
         --rewards last_number closeness --lora-rank 16 --learning-rate "${LR:-5e-5}"
         --max-steps "${STEPS:-200}" --per-device-train-batch-size "$per_device" --num-generations 8 --max-completion-length 96
         --mask-truncated-completions False --gradient-checkpointing False --optim adamw_torch
@@ -53,10 +56,11 @@ own_flags() {  # sets own=(...) for run $1; fails in one line, before any run st
     qerl_nvfp4_aqn) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn True) ;;
     nvfp4_lora) own=(--model-name "$NVFP4_DIR" --load nvfp4 --aqn False) ;;
     bf16_lora) own=(--model-name "$BF16_DIR" --load bf16 --aqn False) ;;
+    bf16_aqn) own=(--model-name "$BF16_DIR" --load bf16 --aqn True) ;;
     dequant_lora) own=(--model-name "${DEQUANT_DIR:?set DEQUANT_DIR for dequant_lora}" --load bf16 --aqn False) ;;
     best_lora) own=(--model-name "${BEST_DIR:?set BEST_DIR for best_lora}" --load nvfp4 --aqn False) ;;
     qerl_best_aqn) own=(--model-name "${BEST_DIR:?set BEST_DIR for qerl_best_aqn}" --load nvfp4 --aqn True) ;;
-    *) echo "error: RUNS: unknown run '$1' (expected qerl_nvfp4_aqn, nvfp4_lora, bf16_lora, dequant_lora, best_lora or qerl_best_aqn)" >&2
+    *) echo "error: RUNS: unknown run '$1' (expected qerl_nvfp4_aqn, nvfp4_lora, bf16_lora, bf16_aqn, dequant_lora, best_lora or qerl_best_aqn)" >&2
        exit 2 ;;
   esac
 }

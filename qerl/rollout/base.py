@@ -13,7 +13,10 @@ from typing import Protocol, runtime_checkable
 
 @dataclass
 class SamplingParams:
-    """What to sample. ``top_k=0`` and ``top_p=1.0`` switch those filters off; ``temperature=0`` is greedy."""
+    """What to sample. ``top_k=0``, ``top_p=1.0``, ``min_p=0.0``, ``repetition_penalty=1.0`` and
+    ``min_tokens=0`` switch those off; ``temperature=0`` is greedy. Their definitions are transformers'
+    and vLLM's (``qerl.rollout.sampling``); ``min_tokens`` forbids the stop tokens for the first
+    ``min_tokens`` completion tokens."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -21,6 +24,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -31,6 +37,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
 
 @dataclass

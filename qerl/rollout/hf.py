@@ -31,15 +31,18 @@ class HFEngine:
             # Always a list, even empty: a None would be filled in from the model's own eos.
             eos_token_id=list(params.stop_token_ids),
             pad_token_id=self.pad_id,
-            repetition_penalty=1.0,
+            repetition_penalty=params.repetition_penalty,
             typical_p=1.0,
             no_repeat_ngram_size=0,
             min_length=0,
+            min_new_tokens=params.min_tokens or None,
             return_dict_in_generate=True,
             output_scores=not greedy,
             output_logits=greedy,
         )
-        if getattr(self.model.generation_config, "min_p", None) is not None:
+        if params.min_p > 0:
+            cfg.min_p = params.min_p
+        elif getattr(self.model.generation_config, "min_p", None) is not None:
             cfg.min_p = 0.0  # neutralise a checkpoint default; None would be overwritten by it
         return cfg
 

@@ -42,7 +42,7 @@ from qerl.kernels import backend, reference, schedule
 from qerl.rollout import decoder
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.layers import ModelPlan
-from qerl.rollout.sampling import is_filtered, make_generator, sample
+from qerl.rollout.sampling import adjust_logits, is_filtered, make_generator, sample
 
 #: Stop-id buffer slots baked into a graph; more stop ids grow it (and recapture).
 STOP_SLOTS = 16
@@ -54,7 +54,7 @@ class StepKey(NamedTuple):
     batch: int  # slots in the bucket (a power of two)
     kv_len: int  # cache prefix attention reads (a multiple of ``kv_block``)
     greedy: bool
-    filtered: bool  # top-k / top-p active
+    filtered: bool  # anything beyond temperature: top-k / top-p / min-p, repetition penalty, min_tokens
     forced: bool  # teacher forcing (``teacher_forced_logits``): feed given tokens, record the logits
 
 
@@ -123,7 +123,14 @@ class _State:
         self.temperature = torch.ones((), dtype=torch.float32, device=dev)
         self.top_k = torch.zeros((), dtype=torch.long, device=dev)
         self.top_p = torch.ones((), dtype=torch.float32, device=dev)
+        self.min_p = torch.zeros((), dtype=torch.float32, device=dev)
+        self.penalty = torch.ones((), dtype=torch.float32, device=dev)
+        self.min_tokens = torch.zeros((), dtype=torch.long, device=dev)
         self.stop = torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev)
+        # The filtered path's token history and stop tokens (repetition penalty, min_tokens), per output row.
+        vocab = plan.lm_head.out_features
+        self.seen = torch.zeros(rows + 1, vocab, dtype=torch.bool, device=dev)
+        self.stop_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
         self.slots: dict[int, _Slots] = {}
 
     def slots_for(self, b: int) -> _Slots:
@@ -245,7 +252,9 @@ class NativeEngine:
         if force:
             tok, lp = self._forced_tokens(logits, torch.arange(rows, device=plan.device), 0)
         else:
-            tok, lp = self._sample(logits[row_prompt], state, greedy, filtered)
+            if filtered:
+                self._mark_prompts(state, prompt_ids, n)
+            tok, lp = self._sample(logits[row_prompt], state, greedy, filtered, torch.arange(rows, device=plan.device))
 
         b = _bucket(rows)
         slots = state.slots_for(b)
@@ -302,6 +311,14 @@ class NativeEngine:
         state.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
         state.top_k.fill_(params.top_k)
         state.top_p.fill_(params.top_p)
+        state.min_p.fill_(params.min_p)
+        state.penalty.fill_(params.repetition_penalty)
+        state.min_tokens.fill_(params.min_tokens)
+        state.stop_mask.zero_()
+        # A stop id outside the model's vocabulary (a tokenizer's extra EOS) can never be sampled: nothing to ban.
+        in_vocab = [t for t in params.stop_token_ids if t < state.stop_mask.numel()]
+        if in_vocab:
+            state.stop_mask[torch.tensor(in_vocab, device=plan.device)] = True
         if self._gen is None or self._gen.device != plan.device:
             self._gen = make_generator(plan.device, params.seed)
             self._drop_graphs()
@@ -396,17 +413,33 @@ class NativeEngine:
         if key.forced:
             tok, lp = self._forced_tokens(logits, slots.row_id, state.step)
         else:
-            tok, lp = self._sample(logits, state, key.greedy, key.filtered)
+            tok, lp = self._sample(logits, state, key.greedy, key.filtered, slots.row_id)
         self._finish_step(state, slots, tok, lp)
 
-    def _sample(self, logits: torch.Tensor, state: _State, greedy: bool, filtered: bool
+    def _sample(self, logits: torch.Tensor, state: _State, greedy: bool, filtered: bool, row_id: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``sampling.sample`` with the state's knobs: one fused kernel where the Triton kernels run and no
-        top-k / top-p filter needs the sorted path (its draws come from ``state.seed``, which ``_prepare``
-        takes from the engine's generator, so a seed still fixes the tokens), else the torch ops."""
+        """``sampling.sample`` with the state's knobs: one fused kernel where the Triton kernels run and
+        nothing beyond temperature shapes the distribution (its draws come from ``state.seed``, which
+        ``_prepare`` takes from the engine's generator, so a seed still fixes the tokens), else the torch
+        ops, after ``adjust_logits`` with the rows' token history (``row_id``: their output rows)."""
         if schedule.FUSED_SAMPLER and backend.available(logits) and not filtered:
             return kernels.step_kernels().sample(logits, state.temperature, state.seed, state.step, greedy)
-        return sample(logits, state.temperature, state.top_k, state.top_p, self._gen, greedy=greedy, filtered=filtered)
+        if not filtered:
+            return sample(logits, state.temperature, generator=self._gen, greedy=greedy, filtered=False)
+        banned = state.stop_mask & (state.step < state.min_tokens)
+        logits = adjust_logits(logits, state.seen[row_id], state.penalty, banned)
+        tok, lp = sample(logits, state.temperature, state.top_k, state.top_p, self._gen, min_p=state.min_p,
+                         greedy=greedy, filtered=True)
+        state.seen[row_id, tok] = True
+        return tok, lp
+
+    @staticmethod
+    def _mark_prompts(state: _State, prompt_ids: list[list[int]], n: int) -> None:
+        """Start each completion row's token history with its prompt (the repetition penalty covers it)."""
+        state.seen.zero_()
+        device = state.seen.device
+        for i, ids in enumerate(prompt_ids):
+            state.seen[i * n : (i + 1) * n, torch.tensor(ids, device=device)] = True
 
     def _forced_tokens(
         self, logits: torch.Tensor, row_id: torch.Tensor, step: int | torch.Tensor

@@ -4,14 +4,20 @@ One function, ``sample``, turns next-token logits into (token, log-prob) pairs. 
 static shapes and no host synchronisation so that the native engine can capture it inside its
 CUDA-graph decode step; the same code runs eagerly on CPU for tests.
 
-Semantics (the order matches transformers' and vLLM's warpers):
+Semantics (the order matches transformers' processors and warpers):
 
+0. ``adjust_logits`` (before everything else, as transformers' logits processors): the repetition
+   penalty divides the positive logits, and multiplies the negative ones, of every token already in
+   the prompt or the completion by ``penalty``; while fewer than ``min_tokens`` tokens are out, the
+   stop tokens get ``-inf``;
 1. temperature: ``logits / T``;
 2. top-k: keep the ``k`` largest (``k = 0`` keeps all);
 3. top-p: on the top-k-renormalised distribution, keep the smallest prefix of the sorted tokens
    whose probability mass reaches ``p`` (the token that crosses ``p`` is kept; at least one token
    always survives);
-4. draw from the renormalised survivors; the returned log-prob is the log of that processed
+4. min-p: keep the tokens whose probability is at least ``min_p`` times the largest one (relative,
+   so it does not matter which renormalised distribution it is read on);
+5. draw from the renormalised survivors; the returned log-prob is the log of that processed
    probability, which is what the trainer's importance-sampling correction compares against.
 
 ``temperature == 0`` is greedy: the token is the argmax and its log-prob is taken under the
@@ -44,8 +50,34 @@ def make_generator(device: torch.device | str, seed: int | None) -> torch.Genera
 
 
 def is_filtered(params: SamplingParams) -> bool:
-    """True when top-k or top-p removes tokens, i.e. when the sorted path is needed."""
-    return params.top_k > 0 or params.top_p < 1.0
+    """True when anything beyond temperature shapes the distribution (top-k, top-p, min-p, the
+    repetition penalty, min_tokens), i.e. when the torch path with ``adjust_logits`` is needed."""
+    return (
+        params.top_k > 0
+        or params.top_p < 1.0
+        or params.min_p > 0.0
+        or params.repetition_penalty != 1.0
+        or params.min_tokens > 0
+    )
+
+
+def adjust_logits(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    penalty: float | torch.Tensor,
+    banned: torch.Tensor,
+) -> torch.Tensor:
+    """Logits after the repetition penalty and the ``min_tokens`` ban, in fp32 (static shapes).
+
+    ``seen [B, V]`` marks the tokens of each row's prompt and completion so far: their logits ``l``
+    become ``l / penalty`` where ``l > 0`` and ``l * penalty`` otherwise (transformers'
+    ``RepetitionPenaltyLogitsProcessor``, vLLM's ``repetition_penalty``). ``banned`` (broadcast to
+    ``[B, V]``) marks tokens that get ``-inf``: the stop tokens while ``min_tokens`` is not reached.
+    """
+    x = logits.float()
+    penalised = torch.where(x > 0, x / penalty, x * penalty)
+    x = torch.where(seen, penalised, x)
+    return x.masked_fill(banned, float("-inf"))
 
 
 def processed_logprobs(
@@ -53,12 +85,13 @@ def processed_logprobs(
     temperature: float | torch.Tensor,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
+    min_p: float | torch.Tensor = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the processed distribution in *sorted* order, and the sort permutation.
 
     Returns ``(sorted_logprobs [B, V], order [B, V])``: ``sorted_logprobs[b, j]`` is the log-prob of
-    token ``order[b, j]`` (``-inf`` for filtered tokens). ``top_k``/``top_p`` may be tensors so that a
-    captured graph can read new values from the same buffers.
+    token ``order[b, j]`` (``-inf`` for filtered tokens). ``top_k``/``top_p``/``min_p`` may be tensors
+    so that a captured graph can read new values from the same buffers.
     """
     scaled = logits.float() / temperature
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
@@ -74,6 +107,9 @@ def processed_logprobs(
     sorted_logits = sorted_logits.masked_fill(
         mass_before >= torch.as_tensor(top_p, device=logits.device), float("-inf")
     )
+    # min-p: p_j >= min_p * p_0 (rank 0 is the largest), i.e. l_j - l_0 >= log(min_p); min_p = 0 keeps all.
+    floor = torch.log(torch.as_tensor(min_p, dtype=torch.float32, device=logits.device))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits - sorted_logits[:, :1] < floor, float("-inf"))
     return torch.log_softmax(sorted_logits, dim=-1), order
 
 
@@ -84,6 +120,7 @@ def sample(
     top_p: float | torch.Tensor = 1.0,
     generator: torch.Generator | None = None,
     *,
+    min_p: float | torch.Tensor = 0.0,
     greedy: bool | None = None,
     filtered: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +136,9 @@ def sample(
         token = torch.argmax(logits, dim=-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
     if filtered is None:
-        filtered = int(top_k) > 0 or float(top_p) < 1.0
+        filtered = int(top_k) > 0 or float(top_p) < 1.0 or float(min_p) > 0.0
     if filtered:
-        logp, order = processed_logprobs(logits, temperature, top_k, top_p)
+        logp, order = processed_logprobs(logits, temperature, top_k, top_p, min_p)
     else:
         logp, order = torch.log_softmax(logits.float() / temperature, dim=-1), None
     # Clamped so that a (rare) exact zero draw cannot turn -inf - log(0) into NaN.
@@ -116,5 +153,6 @@ def sample(
 def sample_params(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sample`` with the knobs read from a ``SamplingParams``."""
-    return sample(logits, params.temperature, params.top_k, params.top_p, generator)
+    """``sample`` with the knobs read from a ``SamplingParams`` (those of ``adjust_logits`` need the
+    token history and are the engine's to apply)."""
+    return sample(logits, params.temperature, params.top_k, params.top_p, generator, min_p=params.min_p)

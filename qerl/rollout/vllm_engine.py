@@ -14,7 +14,7 @@ is patched:
   ``modules_to_save``, with any AQN noise written into them) go through the model's own
   ``load_weights`` by module name.
 
-Log-probs are vLLM's ``processed_logprobs`` (after temperature/top-k/top-p), matching
+Log-probs are vLLM's ``processed_logprobs`` (after the penalties, temperature, top-k/top-p/min-p), matching
 ``RolloutOutput``'s contract. The engine runs vLLM in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here unless the caller chose otherwise): the worker then
 receives the trainer's CUDA tensors by reference through ``collective_rpc`` (vLLM's uniproc
@@ -176,6 +176,9 @@ class VLLMEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,  # 0 disables it in vLLM too
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            min_tokens=params.min_tokens,
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,  # only params.stop_token_ids end a completion, as in the other engines
