@@ -39,9 +39,17 @@ SHAPES = {
     "32b": dict(
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8
     ),
-}
+    # Qwen3-8B / -32B (their config.json): heads of 128 whatever the hidden size (32B: 64 x 128 = 8192 > 5120).
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128),
+}  # fmt: skip
 #: Qwen2.5's vocabulary (7B and up; untied LM head).
 VOCAB = 152064
+#: The shapes that are not Qwen2.5's: their model_type and vocabulary (Qwen3: 151936, untied from 8B up).
+MODEL_TYPES = {"qwen3-8b": "qwen3", "qwen3-32b": "qwen3"}
+VOCABS = {"qwen3-8b": 151936, "qwen3-32b": 151936}
 #: Positions the real Qwen2.5-7B/32B configs declare; the random models and vLLM's config-only dirs declare the same.
 MAX_POSITIONS = 32768
 #: Prompt tokens of every rollout benchmark row (benchmarks/rollout.py, rollout_vllm.py).
@@ -222,6 +230,21 @@ def run_stoppable(cmd: list[str], **popen_kwargs: Any) -> tuple[int, str | None]
 # ---------------------------------------------------------------------------------------------- models
 
 
+def model_type(shape: str) -> str:
+    """The ``model_type`` of a ``SHAPES`` entry (Qwen2.5's ``qwen2`` unless ``MODEL_TYPES`` says otherwise)."""
+    return MODEL_TYPES.get(shape, "qwen2")
+
+
+def vocab_size(shape: str) -> int:
+    """The vocabulary of a ``SHAPES`` entry."""
+    return VOCABS.get(shape, VOCAB)
+
+
+def head_dim(shape: dict[str, int]) -> int:
+    """Per-head width: the config's ``head_dim`` where it sets one (Qwen3), else hidden / heads."""
+    return shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+
+
 def random_model(
     shape: dict[str, int],
     vocab: int,
@@ -232,12 +255,21 @@ def random_model(
     seed: int = 0,
     **config: Any,
 ) -> nn.Module:
-    """A random Qwen2 (or Llama, ``arch="llama"``) causal LM of ``shape`` built by ``random_causal_lm``:
+    """A random causal LM of ``arch`` (``qwen2``, ``qwen3`` or ``llama``) and ``shape``, built by ``random_causal_lm``:
     32768 positions (as the real Qwen2.5 configs declare: vLLM refuses prompt + tokens beyond it), rope theta 1e6,
     untied LM head, ``config`` on top (e.g. token ids)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+               "llama": (LlamaConfig, LlamaForCausalLM)}  # fmt: skip
+    config_cls, model_cls = classes[arch]
     cfg = config_cls(
         vocab_size=vocab,
         max_position_embeddings=MAX_POSITIONS,

@@ -48,12 +48,13 @@ HEAD_ACTIVATIONS = 36
 def shape_counts(shape: dict[str, int], vocab: int, lora_r: int) -> dict[str, int]:
     """Parameter and byte counts of a Llama/Qwen2 shape that the floors need."""
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    head_dim = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * head_dim
-    in_out = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
+    head_dim = shape.get("head_dim", h // shape["num_attention_heads"])  # Qwen3 sets it: 32B's 64 x 128 > hidden
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    in_out = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
     return {
         "layers": layers,
         "hidden": h,
+        "attention_width": q,  # heads x head_dim: what QK^T and PV run over
         "linear_params": layers * sum(a * b for a, b in in_out),
         "lm_head_params": h * vocab,
         "lora_params": layers * lora_r * sum(a + b for a, b in in_out),
@@ -81,9 +82,9 @@ def floors(
     step_bytes = weight_bytes + c["lora_params"] * 2 + kv_mean
     seq = prompt + tokens
     # Forward flops: every token through the decoder Linears, only completion tokens through the LM
-    # head (trl scores those only), causal attention QK^T + PV = 2 * layers * hidden * seq^2 per row.
+    # head (trl scores those only), causal attention QK^T + PV = 2 * layers * heads * head_dim * seq^2 per row.
     linear = 2 * c["linear_params"] * n * seq + 2 * c["lm_head_params"] * n * tokens
-    attention = 2 * c["layers"] * c["hidden"] * seq * seq * n
+    attention = 2 * c["layers"] * c["attention_width"] * seq * seq * n
     dequant = passes * c["linear_params"] * (9 / 16 + 2) / COPY_BW if nvfp4 else 0.0  # read FP4, write bf16, per pass
     phases = {
         "rollout_s": (tokens - 1) * step_bytes / COPY_BW,

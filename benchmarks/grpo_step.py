@@ -52,6 +52,8 @@ trainable parameter / 4.24 TB/s. docs/performance.md has the measured step besid
         # the timed fwd_bwd under torch.profiler: device-busy share, top kernels, host cost of the qerl ops
     python -m benchmarks.grpo_step --shapes 72b --bases nvfp4 --steps 1 --out $OUT/grpo_step_72b.json
         # Qwen2.5-72B shape, NVFP4 only (the estimate, --floors: ~65 GB peak; target <= 80 GB)
+    python -m benchmarks.grpo_step --shapes qwen3-32b --bases nvfp4 --steps 1 --out $OUT/grpo_step_qwen3_32b.json
+        # Qwen3-32B shape (q/k norms, heads of 128): peak memory of one step on one GPU
     python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 --out $OUT/g1.json && \
     accelerate launch --config_file training/accelerate/ddp.yaml --num_processes 2 -m benchmarks.grpo_step \
         --shapes 7b --bases nvfp4 --out $OUT/g2.json --baseline $OUT/g1.json
@@ -80,7 +82,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import SHAPES as QWEN2_5_SHAPES
-from benchmarks.common import VOCAB, command, device_name, utc_now, versions, write_json
+from benchmarks.common import command, device_name, model_type, utc_now, versions, vocab_size, write_json
 from benchmarks.grpo_floors import COPY_BW, MATMUL_FLOPS, QWEN2_5_72B, floors, memory_estimate, shape_counts
 from benchmarks.grpo_harness import (
     PhaseClock,
@@ -181,8 +183,9 @@ def measure(
 
 
 def resolve_shape(name: str) -> tuple[dict[str, int], int, str]:
-    """(shape, vocabulary, architecture) of ``7b`` / ``32b`` (Qwen2.5) or ``tiny`` (2-layer Llama)."""
-    return (TINY, TINY_VOCAB, "llama") if name == "tiny" else (SHAPES[name], VOCAB, "qwen2")
+    """(shape, vocabulary, architecture) of ``7b`` / ``32b`` / ``72b`` (Qwen2.5), ``qwen3-8b`` / ``qwen3-32b`` or
+    ``tiny`` (2-layer Llama)."""
+    return (TINY, TINY_VOCAB, "llama") if name == "tiny" else (SHAPES[name], vocab_size(name), model_type(name))
 
 
 def run_config(

@@ -67,7 +67,7 @@ from benchmarks.rollout_models import (
 from benchmarks.rollout_report import build_result, from_partial, merge_into, plot, with_extra_rows
 
 #: Batch sizes of the main run per shape (``--batches`` replaces them for every shape).
-MAIN_BATCHES = {"7b": (1, 8, 64, 128), "32b": (8, 1)}
+MAIN_BATCHES = {"7b": (1, 8, 64, 128), "32b": (8, 1), "qwen3-8b": (1, 8, 64), "qwen3-32b": (1, 8)}
 
 
 def profile(args: argparse.Namespace) -> dict:
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
             native = get_engine(model, 0, kind="native")
             hf = get_engine(model, 0, kind="hf")
             for b in batches:
-                prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+                prompts = [torch.randint(0, common.vocab_size(shape), (PROMPT,), generator=gen).tolist() for _ in range(b)]
                 kv = kv_bytes_per_step(shape, b, args.tokens)
                 runs = [("native", True, native, args.tokens)]
                 if variant == "nvfp4" and shape == "7b" and b in (1, 8):

@@ -13,19 +13,21 @@ import torch
 from torch import nn
 
 from benchmarks import common
-from benchmarks.common import PROMPT, SHAPES, VOCAB, versions
+from benchmarks.common import PROMPT, SHAPES, versions
 
 DEVICE = "cuda"
 
 
 def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.Module:
-    """A random Qwen2 of ``shape`` on the GPU (bf16 or NVFP4 decoder Linears) wrapped in peft LoRA."""
-    return with_lora(random_qwen2(shape, nvfp4, seed), lora_r)
+    """A random model of ``shape`` on the GPU (bf16 or NVFP4 decoder Linears) wrapped in peft LoRA."""
+    return with_lora(random_lm(shape, nvfp4, seed), lora_r)
 
 
-def random_qwen2(shape: str, nvfp4: bool, seed: int = 0) -> nn.Module:
-    """A random Qwen2 of ``shape`` on the GPU, decoder Linears bf16 or NVFP4 (no adapter)."""
-    return common.random_model(SHAPES[shape], VOCAB, nvfp4, torch.device(DEVICE), torch.bfloat16, seed=seed).eval()
+def random_lm(shape: str, nvfp4: bool, seed: int = 0) -> nn.Module:
+    """A random model of ``shape`` (Qwen2.5, or the family ``common.MODEL_TYPES`` names) on the GPU, decoder
+    Linears bf16 or NVFP4 (no adapter)."""
+    return common.random_model(SHAPES[shape], common.vocab_size(shape), nvfp4, torch.device(DEVICE), torch.bfloat16,
+                               arch=common.model_type(shape), seed=seed).eval()  # fmt: skip
 
 
 def with_lora(model: nn.Module, lora_r: int = 16) -> nn.Module:
@@ -61,7 +63,7 @@ def build_bnb_model(shape: str, lora_r: int = 16, seed: int = 0) -> nn.Module:
             q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
         return q
 
-    model = random_qwen2(shape, nvfp4=False, seed=seed)
+    model = random_lm(shape, nvfp4=False, seed=seed)
     replace_linears(model, nf4)
     model.is_loaded_in_4bit = True  # peft dispatches its bnb LoRA layer only for models marked so
     gc.collect()

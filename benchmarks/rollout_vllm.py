@@ -37,12 +37,14 @@ from benchmarks.common import (
     MAX_POSITIONS,
     PROMPT,
     SHAPES,
-    VOCAB,
     command,
     device_name,
+    head_dim,
+    model_type,
     run_stoppable,
     utc_now,
     versions,
+    vocab_size,
     write_json,
 )
 from qerl.checkpoint import quantization_config
@@ -51,20 +53,22 @@ from qerl.lora import DEFAULT_TARGETS
 
 #: The repository root: the children run ``python -m benchmarks.rollout_vllm`` from there.
 REPO = Path(__file__).resolve().parents[1]
-BATCHES = {"7b": (1, 8, 64, 128), "32b": (1, 8)}
+BATCHES = {"7b": (1, 8, 64, 128), "32b": (1, 8), "qwen3-8b": (1, 8, 64), "qwen3-32b": (1, 8)}
+#: The architecture vLLM loads for each model_type of ``common.MODEL_TYPES``.
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 WEIGHTS = ("nvfp4", "bf16")
 LORA_R = 16
-HEAD_DIM = 128
 
 
 def write_model_dir(root: Path, shape: str, weights: str) -> Path:
-    """A config-only Qwen2 directory (vLLM's dummy loader needs no tensors, and no tokenizer here)."""
-    out = root / f"qwen2-{shape}-{weights}"
+    """A config-only directory of ``shape``'s family (vLLM's dummy loader needs no tensors, and no tokenizer here)."""
+    kind = model_type(shape)
+    out = root / f"{kind}-{shape}-{weights}"
     out.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": VOCAB,
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": vocab_size(shape),
         "max_position_embeddings": MAX_POSITIONS,
         "rope_theta": 1e6,
         "rms_norm_eps": 1e-6,
@@ -87,9 +91,10 @@ def write_adapter_dir(root: Path, shape: str, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     s = SHAPES[shape]
-    h, inter, kv = s["hidden_size"], s["intermediate_size"], s["num_key_value_heads"] * HEAD_DIM
+    h, inter, kv = s["hidden_size"], s["intermediate_size"], s["num_key_value_heads"] * head_dim(s)
+    q = s["num_attention_heads"] * head_dim(s)
     dims = {  # (in, out)
-        "q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
         "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
     }  # fmt: skip
     out = root / f"lora-{shape}-r{LORA_R}"
@@ -170,7 +175,7 @@ def run_config(args: argparse.Namespace) -> None:
         return time.perf_counter() - start, out
 
     for b in batches:
-        prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+        prompts = [torch.randint(0, vocab_size(shape), (PROMPT,), generator=gen).tolist() for _ in range(b)]
         generate(prompts, args.tokens)  # warm-up of the same shape
         generate(prompts, 1)  # and of the 1-token run's own prefill
         t_one, _ = timed(prompts, 1)
@@ -252,9 +257,10 @@ def parse_config(text: str) -> tuple[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON to write (rewritten after every row)")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128], help="7b: 1/8/64/128, 32b: 1/8")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128],
+                        help="of each shape's BATCHES (7b: 1/8/64/128, 32b: 1/8, qwen3-8b: 1/8/64, qwen3-32b: 1/8)")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--config", type=parse_config, help="(internal) run one SHAPE:WEIGHTS in this process")

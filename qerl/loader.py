@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from qerl import checkpoint, hub
+from qerl import arch, checkpoint, hub
 from qerl.integrity import check_tensor
 from qerl.linear import NVFP4Linear, replace_linears, stack_fused_groups
 
@@ -42,6 +42,14 @@ def load_tokenizer(path: str | os.PathLike[str]):
     return tok
 
 
+def check_supported(path: str | os.PathLike[str]) -> arch.Family:
+    """The family of the model at ``path`` (directory, hub id or ``smollm2-135m``) from its config.json
+    alone, or the one-line error of ``arch.check_config``: for commands that do other work (hashing,
+    data) before loading."""
+    model_dir = hub.local_model_dir(path)
+    return arch.check_config(checkpoint.read_config(model_dir), str(model_dir / "config.json"))
+
+
 def load_model(
     path: str | os.PathLike[str],
     *,
@@ -61,6 +69,7 @@ def load_model(
     dtype = dtype or default_dtype(device)
     model_dir = hub.local_model_dir(path)
     config = checkpoint.read_config(model_dir)
+    arch.check_config(config, str(model_dir / "config.json"))
     quantized = checkpoint.is_nvfp4_config(config)
     if load == "nvfp4" and not quantized:
         raise ValueError(f"{model_dir}: not an NVFP4 checkpoint (no compressed-tensors nvfp4-pack-quantized config); "

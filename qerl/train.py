@@ -52,7 +52,7 @@ from qerl.answers import judge
 from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
 from qerl.fingerprint import model_sha256, write_base_record
 from qerl.fsutil import atomic_directory, atomic_write_text
-from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
+from qerl.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
 from qerl.prompts import encode_chat
 from qerl.rewards import get_rewards
@@ -239,6 +239,7 @@ def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, 
     # Setup: everything here that fails is the user's input (paths, names, values), reported in one line.
     try:
         tokenizer = load_tokenizer(script.model_name)
+        check_supported(script.model_name)  # before hashing the model and reading the data
     except (OSError, ValueError) as e:
         raise UsageError(f"--model_name {script.model_name}: {one_line(e)}") from None
     with usage_errors(ValueError, OSError):

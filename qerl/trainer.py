@@ -55,6 +55,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotat
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
+from qerl import arch
 from qerl.aqn import NormNoise, draw_seed, norm_weights
 from qerl.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.fsutil import atomic_write_text
@@ -161,6 +162,7 @@ class QeRLTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "qerl"]
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: QeRLConfig | None = None, **kwargs: Any) -> None:
+        arch.check_model(model, "QeRLTrainer")  # before trl builds anything around the model
         if args is None:  # as trl: a default config named after the model
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = QeRLConfig(f"{name.split('/')[-1]}-GRPO")

@@ -262,7 +262,8 @@ def test_eval_every_write_fails_cleanly(models: dict[str, Path], tmp_path: Path,
 
 #: Training writes ~60 files (two checkpoints, adapter, metrics, plots) at ~6 s a run and its re-run, so
 #: its write faults are a seeded sample of this many plus the last write; the other commands cover every write.
-TRAIN_FAULTS = 10
+#: ``QERL_TRAIN_FAULTS=all`` fails every one of training's writes too (about 6 minutes on 2 cores).
+TRAIN_FAULTS = None if os.environ.get("QERL_TRAIN_FAULTS") == "all" else int(os.environ.get("QERL_TRAIN_FAULTS", "10"))
 #: Files of a training run whose content carries timings (runtimes, step times) or the output path
 #: (run_config.json, training_args.bin): checked whole, not compared by bytes.
 TRAIN_VOLATILE = frozenset({"metrics.jsonl", "trainer_state.json", "summary.json", "curves.csv", "README.md",
@@ -274,7 +275,10 @@ KILLS_PER_COMMAND = 2
 
 
 def test_train_write_faults_fail_cleanly(models: dict[str, Path], tmp_path: Path, capsys) -> None:
-    assert check_every_write(_train_command(models), tmp_path, capsys, sample=TRAIN_FAULTS) == TRAIN_FAULTS + 1
+    covered = check_every_write(_train_command(models), tmp_path, capsys, sample=TRAIN_FAULTS)
+    with capsys.disabled():
+        print(f"\ntrain: {covered} write fault points covered")
+    assert covered == TRAIN_FAULTS + 1 if TRAIN_FAULTS is not None else covered > 40
 
 
 def _signalled_at(command: Command, out: Path, at: float, sig: int = signal.SIGKILL) -> tuple[bool, int, float]:

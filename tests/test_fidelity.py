@@ -20,8 +20,7 @@ from tiny_models import make_tiny_chat_model
 
 from qerl.aqn import AQNSchedule
 from qerl.config import TRL_COMPLETION_LENGTH, QeRLConfig, with_model_defaults
-from qerl.data import DEFAULT_COMPLETION_LENGTH
-from qerl.data import load_dataset
+from qerl.data import DEFAULT_COMPLETION_LENGTH, load_dataset
 from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import lora_config
 from qerl.prompts import TAG_SYSTEM_PROMPT

@@ -99,7 +99,7 @@ def test_decode_floor_matches_the_measured_model_bytes(grpo_step: ModuleType) ->
     from the built model's tensors (b=8, 128 new tokens, same copy bandwidth)."""
     measured = json.loads((ROOT / "benchmarks" / "results" / "rollout_lora_b1_b8.json").read_text())
     row = next(r for r in measured["results"] if r["batch"] == 8 and r["variant"] == "lora_fused")
-    floor = grpo_step.floors(grpo_step.SHAPES["7b"], grpo_step.VOCAB, True, 8, 256, 128, 16)["decode_step_ms"]
+    floor = grpo_step.floors(grpo_step.SHAPES["7b"], grpo_step.vocab_size("7b"), True, 8, 256, 128, 16)["decode_step_ms"]
     scale = grpo_step.COPY_BW / (measured["copy_bandwidth_tb_s"] * 1e12)
     assert floor * scale == pytest.approx(row["floor_ms"], rel=5e-3)
 
@@ -126,13 +126,13 @@ def test_memory_estimate_reproduces_the_measured_peaks_and_fits_72b_in_80gb(grpo
     estimated peak under the 80 GB target with the benchmark's defaults (n 8, 2048 tokens, micro-batch 2)."""
     measured = json.loads((ROOT / "benchmarks" / "results" / "grpo_step.json").read_text())
     for row in (r for r in measured["results"] if r["base"] == "nvfp4"):
-        est = grpo_step.memory_estimate(grpo_step.SHAPES[row["shape"]], grpo_step.VOCAB, True, 8, 256, 2048, 16, 2)
+        est = grpo_step.memory_estimate(grpo_step.SHAPES[row["shape"]], grpo_step.vocab_size(row["shape"]), True, 8, 256, 2048, 16, 2)
         assert est["start_gb"] == pytest.approx(row["allocated_at_step_start_gb"] - row["allocated_before_build_gb"], rel=0.05)
         assert est["peak_gb"] == pytest.approx(row["peak_gb_step"] - row["allocated_before_build_gb"], rel=0.03)
     shape = grpo_step.SHAPES["72b"]
     assert (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]) == (8192, 29568, 80)
-    assert (shape["num_attention_heads"], shape["num_key_value_heads"], grpo_step.VOCAB) == (64, 8, 152064)
-    est = grpo_step.memory_estimate(shape, grpo_step.VOCAB, True, 8, 256, 2048, 16, 2)
+    assert (shape["num_attention_heads"], shape["num_key_value_heads"], grpo_step.vocab_size("72b")) == (64, 8, 152064)
+    est = grpo_step.memory_estimate(shape, grpo_step.vocab_size("72b"), True, 8, 256, 2048, 16, 2)
     assert 40 < est["weights_gb"] < 46 and est["peak_gb"] <= 70  # ~65 GB: 10+ GB of room under the target
     args = grpo_step.parse(["--shapes", "72b", "--bases", "nvfp4", "--steps", "1"])
     assert (args.shapes, args.bases, args.local_n, args.processes) == (["72b"], ["nvfp4"], 8, 1)
@@ -147,7 +147,7 @@ def test_memory_estimate_predicts_the_rows_it_was_not_fitted_on(grpo_step: Modul
     rows = [r for results, keep in held_out for r in results if (r["shape"], r["base"]) == keep]
     assert len(rows) == 2
     for row in rows:
-        est = grpo_step.memory_estimate(grpo_step.SHAPES[row["shape"]], grpo_step.VOCAB, row["base"] == "nvfp4",
+        est = grpo_step.memory_estimate(grpo_step.SHAPES[row["shape"]], grpo_step.vocab_size(row["shape"]), row["base"] == "nvfp4",
                                         row["n"], row["prompt_tokens"], row["new_tokens"], row["lora_r"],
                                         row["micro_batch"])  # fmt: skip
         assert est["peak_gb"] == pytest.approx(row["peak_gb_step"] - row["allocated_before_build_gb"], rel=0.03)

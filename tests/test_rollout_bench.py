@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +224,33 @@ def test_constant_ab_times_each_variant_under_its_settings(monkeypatch: pytest.M
     rows = result["results"]
     assert [r["variant"] for r in rows] == ["FUSED_LORA_MAX_ROWS=5", "FUSED_LORA_MAX_ROWS=7", "FUSED_LORA_MAX_ROWS=5"]
     assert all(r["greedy_rows_equal_to_base"] == 1.0 and r["ms_per_step"] == 1.0 for r in rows)
+
+
+def test_qwen3_shapes_reach_vllm_configs_adapters_and_floors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Qwen3 rows' plumbing (issue 50): vLLM's config-only dir is a Qwen3 config transformers reads with the
+    shape's head width and vocabulary; the adapter's q/o widths are heads x head_dim (32B: 8192, not the hidden
+    5120); the floors count the same Linear parameters as a real Qwen3-32B module tree (built on the meta device)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks import common, rollout_vllm
+    from benchmarks.grpo_floors import shape_counts
+
+    config = AutoConfig.from_pretrained(rollout_vllm.write_model_dir(tmp_path, "qwen3-8b", "nvfp4"))
+    assert (config.model_type, config.head_dim, config.vocab_size) == ("qwen3", 128, 151936)
+    assert config.quantization_config["format"] == "nvfp4-pack-quantized"
+
+    tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32)  # fmt: skip
+    monkeypatch.setitem(common.SHAPES, "tiny-qwen3", tiny)
+    adapter = rollout_vllm.write_adapter_dir(tmp_path, "tiny-qwen3")
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        layer = "base_model.model.model.layers.0.self_attn"
+        assert f.get_slice(f"{layer}.q_proj.lora_B.weight").get_shape() == [128, 16]
+        assert f.get_slice(f"{layer}.o_proj.lora_A.weight").get_shape() == [16, 128]
+
+    real = AutoConfig.for_model("qwen3", vocab_size=151936, tie_word_embeddings=False, **common.SHAPES["qwen3-32b"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(real)
+    linears = sum(m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in name)
+    assert shape_counts(common.SHAPES["qwen3-32b"], 151936, 16)["linear_params"] == linears

@@ -74,3 +74,47 @@ def test_without_a_venv_one_line_says_how_to_make_it(clone: Path) -> None:
     explicit = _exe(clone.parent / "mine" / "python", f'echo "mine $*" >> "{clone}/calls.log"\n')
     assert _run(clone, "quickstart.sh", PYTHON=str(explicit)).returncode == 0
     assert any(c.startswith("mine -m qerl.train") for c in _calls(clone))
+
+
+def _train_args(clone: Path, script: str, **env: str) -> list[str]:
+    """The qerl.train arguments the script passes (a fresh calls.log per run)."""
+    (clone / "calls.log").unlink(missing_ok=True)
+    assert _run(clone, script, **env).returncode == 0
+    (train,) = [c for c in _calls(clone) if c.startswith("-m qerl.train ")]
+    return train.split()
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+#: Each Qwen3 / Llama-3.1 script, its default bf16 model, and the Qwen2.5 script whose options it takes.
+FAMILY_SCRIPTS = [
+    ("qwen3-4b", "Qwen/Qwen3-4B", "qwen2.5-3b"),
+    ("qwen3-8b", "Qwen/Qwen3-8B", "qwen2.5-7b"),
+    ("qwen3-14b", "Qwen/Qwen3-14B", "qwen2.5-14b"),
+    ("qwen3-32b", "Qwen/Qwen3-32B", "qwen2.5-32b"),
+    ("llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "qwen2.5-7b"),
+]
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("tag,hub,like", FAMILY_SCRIPTS, ids=[t for t, _, _ in FAMILY_SCRIPTS])
+def test_qwen3_and_llama_scripts_take_the_qwen25_options(clone: Path, tag: str, hub: str, like: str, precision: str) -> None:
+    args = _train_args(clone, f"dapo_{tag}_{precision}_single_gpu.sh")
+    ref = _train_args(clone, f"dapo_{like}_{precision}_single_gpu.sh")
+    differ = {"--model-name", "--output-dir", "--run-name"}
+    assert [a for i, a in enumerate(args) if i == 0 or args[i - 1] not in differ] == \
+        [a for i, a in enumerate(ref) if i == 0 or ref[i - 1] not in differ]  # fmt: skip
+    run = _flag(args, "--run-name")
+    assert run.startswith(f"{tag}_{precision}_") and _flag(args, "--output-dir").endswith(f"runs/{run}")
+    default = f"qmodel/{hub.split('/')[-1]}-NVFP4A16" if precision == "nvfp4" else hub
+    assert _flag(args, "--model-name") == default
+    assert _flag(_train_args(clone, f"dapo_{tag}_{precision}_single_gpu.sh", MODEL_PATH="/data/mine"), "--model-name") == "/data/mine"
+
+
+def test_qwen25_scripts_keep_their_models_and_run_names(clone: Path) -> None:
+    args = _train_args(clone, "dapo_qwen2.5-7b_nvfp4_single_gpu.sh")
+    assert _flag(args, "--model-name") == "qmodel/Qwen2.5-7B-Instruct-NVFP4A16"
+    assert _flag(args, "--run-name") == "qwen2.5-7b_nvfp4_gsm8k_b2_r16"
+    assert _flag(_train_args(clone, "dapo_qwen2.5-32b_bf16_single_gpu.sh"), "--model-name") == "Qwen/Qwen2.5-32B-Instruct"

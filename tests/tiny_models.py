@@ -1,8 +1,8 @@
-"""The tiny random Llama / Qwen2 models the tests build, in one place.
+"""The tiny random models of every ``qerl.arch`` family the tests build, in one place.
 
 Every builder seeds torch's global generator first, so a test that names a seed gets the same
 weights on every run and machine. ``tiny_model`` is the one constructor; the others add what a
-group of tests needs: the rollout-engine variants (``tiny_llama``, ``tiny_qwen2``, ``nvfp4_lora``)
+group of tests needs: the rollout-engine variants (``tiny_llama``, ``tiny_qwen2``, ``FAMILY_MODELS``, ``nvfp4_lora``)
 and checkpoints on disk (``make_tiny_llama``, ``make_tiny_chat_model``).
 """
 
@@ -15,7 +15,17 @@ from typing import Any
 import torch
 from peft import get_peft_model
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from qerl import arch, nvfp4
 from qerl.linear import NVFP4Linear, replace_linears
@@ -29,11 +39,30 @@ TINY = dict(
 #: The rollout-engine tests' additions: 512 positions, and peaked logits (initializer range 0.2) so
 #: that greedy paths do not collapse into one loop.
 ENGINE = dict(max_position_embeddings=512, initializer_range=0.2)
-_ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+_ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+#: Each family's distinguishing config on top of ``TINY``, as its real checkpoints have it.
+#: llama3: Llama-3.2's rope_type llama3 scaling (its original context cut to 64 positions so that the
+#: tests' sequences reach the scaled low frequencies) and tied embeddings. qwen3: head_dim 32, so
+#: heads x head_dim (128) differs from hidden (64) as in Qwen3, tied embeddings. mistral: a sliding
+#: window (longer than the tests' sequences).
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("llama", dict(
+        tie_word_embeddings=True, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64))),
+    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
+    "mistral": ("mistral", dict(sliding_window=400, rope_theta=1e6)),
+}  # fmt: skip
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **config: Any) -> PreTrainedModel:
-    """A random ``arch`` ("llama" or "qwen2") causal LM of ``TINY`` updated by ``config``, in fp32,
+    """A random ``arch`` (a ``_ARCHS`` model type) causal LM of ``TINY`` updated by ``config``, in fp32,
     its weights drawn after ``torch.manual_seed(seed)``."""
     config_cls, model_cls = _ARCHS[arch]
     torch.manual_seed(seed)
@@ -52,6 +81,18 @@ def tiny_qwen2(seed: int = 0, **config: Any) -> nn.Module:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
+    return model
+
+
+def tiny_family(family: str, seed: int = 0, **config: Any) -> nn.Module:
+    """The rollout-engine tests' model of a ``FAMILY_CONFIGS`` family (``ENGINE`` sizes), in eval mode;
+    Qwen3's q_norm / k_norm weights are drawn around 1 so that a missing per-head norm shows."""
+    model_type, family_config = FAMILY_CONFIGS[family]
+    model = tiny_model(model_type, seed, **{**ENGINE, **family_config, **config}).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + 0.5 * torch.randn(p.shape))
     return model
 
 
@@ -88,7 +129,13 @@ def make_tiny_llama(
     model = tiny_model(
         "llama", seed, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, vocab_size=vocab,
         tie_word_embeddings=True, **overrides,
-    ).to(torch.bfloat16)  # fmt: skip
+    )  # fmt: skip
+    return _save_bf16(model, out_dir)
+
+
+def _save_bf16(model: PreTrainedModel, out_dir: Path) -> Path:
+    """``model`` with its matrices redrawn N(0, 0.05), saved as a bf16 safetensors directory."""
+    model = model.to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
@@ -97,10 +144,20 @@ def make_tiny_llama(
     return out_dir
 
 
-def make_tiny_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A random tiny Llama that speaks SmolLM2's vocabulary (its tokenizer and chat template copied in):
-    a model the trainer and the evaluation CLIs load and run end to end in about a second."""
-    out = make_tiny_llama(out_dir, vocab=49152, bos_token_id=1, eos_token_id=2, seed=seed)
+def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+def make_tiny_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random tiny Llama that speaks SmolLM2's vocabulary (its tokenizer and chat template copied in):
+    a model the trainer and the evaluation CLIs load and run end to end in about a second."""
+    return _copy_tokenizer(tokenizer_dir, make_tiny_llama(out_dir, vocab=49152, bos_token_id=1, eos_token_id=2, seed=seed))
+
+
+def make_tiny_family_chat_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """``make_tiny_chat_model`` for a ``FAMILY_CONFIGS`` family: the trainer, eval and export run on it."""
+    model_type, family_config = FAMILY_CONFIGS[family]
+    model = tiny_model(model_type, seed, vocab_size=49152, bos_token_id=1, eos_token_id=2, **family_config)
+    return _copy_tokenizer(tokenizer_dir, _save_bf16(model, out_dir))

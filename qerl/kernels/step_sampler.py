@@ -100,7 +100,7 @@ def _finish_step_kernel(
     tok_ptr, lp_ptr, done_ptr, row_ptr, stop_ptr, step_ptr, tokens_ptr, pos_ptr, out_tok_ptr, out_lp_ptr,
     b, n_stop, pad_id, out_stride, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One program for all rows: what ``native._finish_step`` does in ~12 torch ops."""
+    """One program for all rows: what ``NativeEngine._finish_step`` does in ~12 torch ops."""
     offs = tl.arange(0, BLOCK)
     mask = offs < b
     step = tl.load(step_ptr)

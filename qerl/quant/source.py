@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from qerl import checkpoint, nvfp4
+from qerl import arch, checkpoint, nvfp4
 
 LM_HEAD = "lm_head"
 #: Checked in slices of this many elements, so the boolean mask never costs a tensor's worth of RAM.
@@ -56,6 +56,7 @@ class SourceModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = checkpoint.read_config(src)
+        arch.check_config(config, str(src / "config.json"))  # before transformers builds anything
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
         return cls(config, model)

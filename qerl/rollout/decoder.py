@@ -1,4 +1,4 @@
-"""The small ops of the native decoder, each matching transformers' Llama/Qwen2 arithmetic.
+"""The small ops of the native decoder, each matching transformers' arithmetic for the families of ``qerl.arch``.
 
 Each op dispatches: CUDA inputs take the fused Triton kernel of ``qerl.kernels.fused_step`` when
 ``qerl.kernels.backend.available``, everything else its plain-torch twin in ``qerl.kernels.reference``
@@ -123,6 +123,19 @@ def rms_norm(
         return h, x, lora_inputs(x, group, permuted)
     x = reference.rms_norm(h, delta, norm.weight, norm.eps)
     return h, x, lora_inputs(x, group)
+
+
+def qk_norm(q: torch.Tensor, k: torch.Tensor, norms: tuple[Norm, Norm], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorms on q ``[..., H*D]`` and k ``[..., Hkv*D]``, before RoPE, as transformers
+    applies them (over each head's D values, one weight shared by every head).
+
+    Plain torch on every device, CUDA graphs included: the fused attention kernel does RoPE and the
+    cache write, and folding the norm into it would change its compiled code for every other family;
+    two small elementwise passes a layer cost far less than the matmuls around them."""
+    q_norm, k_norm = norms
+    q = reference.rms_norm(q.unflatten(-1, (-1, head_dim)), None, q_norm.weight, q_norm.eps).flatten(-2)
+    k = reference.rms_norm(k.unflatten(-1, (-1, head_dim)), None, k_norm.weight, k_norm.eps).flatten(-2)
+    return q, k
 
 
 def rope_attention(

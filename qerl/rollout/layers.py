@@ -1,4 +1,4 @@
-"""A flat, read-only view of a Llama/Qwen2 causal LM for the native engine.
+"""A flat, read-only view of a causal LM of a :data:`qerl.arch.FAMILIES` family for the native engine.
 
 ``ModelPlan.from_model`` walks the trainer's model once per ``generate`` and records *references*
 to its tensors: the packed NVFP4 buffers (or bf16 weights), the RMSNorm weights actually used in
@@ -35,12 +35,9 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside a peft ``PeftModel`` (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     lm = get_base() if callable(get_base) else model
-    model_type = getattr(getattr(lm, "config", None), "model_type", None)
-    if model_type not in arch.SUPPORTED_MODEL_TYPES or not hasattr(lm, "lm_head"):
-        raise ValueError(
-            f"native rollout engine: expected a Llama/Qwen2 causal LM (model_type in {arch.SUPPORTED_MODEL_TYPES}), "
-            f"got {type(lm).__name__} with model_type={model_type!r}; use kind='hf' instead"
-        )
+    arch.check_config(getattr(lm, "config", None) or {}, f"rollout engine ({type(lm).__name__}; kind='hf' runs any model)")
+    if not hasattr(lm, "lm_head"):
+        raise ValueError(f"native rollout engine: {type(lm).__name__} has no lm_head; expected a *ForCausalLM")
     return lm
 
 
@@ -176,6 +173,8 @@ class LayerPlan:
     mlp_norm: Norm
     gate_up: Group
     down: Group
+    #: Qwen3's per-head RMSNorms on q and k (``arch.QK_NORMS``), None for the other families.
+    qk_norms: tuple[Norm, Norm] | None = None
 
 
 def _proj(module: nn.Module) -> Proj:
@@ -268,6 +267,7 @@ class ModelPlan:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    sliding_window: int | None  # tokens a query sees (Mistral); None: the whole sequence
     dtype: torch.dtype
     device: torch.device
 
@@ -278,6 +278,7 @@ class ModelPlan:
         cfg = lm.config
         backbone = lm.model
         dtype = backbone.embed_tokens.weight.dtype
+        family = arch.FAMILIES[cfg.model_type]  # unwrap_causal_lm checked it
         old = previous.layers if previous is not None and len(previous.layers) == len(backbone.layers) else None
         layers = []
         for i, layer in enumerate(backbone.layers):
@@ -291,6 +292,7 @@ class ModelPlan:
                     mlp_norm=Norm.of(layer.post_attention_layernorm),
                     gate_up=_group([getattr(mlp, n) for n in arch.GATE_UP], dtype, None if prev is None else prev.gate_up),
                     down=_group([mlp.down_proj], dtype, None if prev is None else prev.down),
+                    qk_norms=tuple(Norm.of(getattr(attn, n)) for n in arch.QK_NORMS) if family.qk_norm else None,
                 )
             )
         act = getattr(cfg, "hidden_act", "silu")
@@ -307,6 +309,7 @@ class ModelPlan:
             num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
             head_dim=head_dim,
+            sliding_window=arch.sliding_window(cfg),
             dtype=dtype,
             device=backbone.embed_tokens.weight.device,
         )
@@ -327,6 +330,7 @@ class ModelPlan:
         ptrs: list[object] = [ptr(self.embed.weight), ptr(self.final_norm.weight), ptr(self.lm_head.weight)]
         for layer in self.layers:
             ptrs += [ptr(layer.attn_norm.weight), ptr(layer.mlp_norm.weight)]
+            ptrs += [ptr(n.weight) for n in layer.qk_norms or ()]
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 ptrs.append((ptr(group.lora_a), ptr(group.lora_b), ptr(group.lora_a_gluon), group.stacked is not None))
                 ptrs += [

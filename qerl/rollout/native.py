@@ -29,10 +29,7 @@ made between generations need no hook at all.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,113 +38,18 @@ from qerl import kernels
 from qerl.kernels import backend, reference, schedule
 from qerl.rollout import decoder
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
+from qerl.rollout.buffers import Slots, State, StepKey, bucket, round_up, side_stream
 from qerl.rollout.layers import ModelPlan
 from qerl.rollout.sampling import adjust_logits, is_filtered, make_generator, sample
 
-#: Stop-id buffer slots baked into a graph; more stop ids grow it (and recapture).
-STOP_SLOTS = 16
-
-
-class StepKey(NamedTuple):
-    """Everything static about one decode step: a captured graph per distinct key."""
-
-    batch: int  # slots in the bucket (a power of two)
-    kv_len: int  # cache prefix attention reads (a multiple of ``kv_block``)
-    greedy: bool
-    filtered: bool  # anything beyond temperature: top-k / top-p / min-p, repetition penalty, min_tokens
-    forced: bool  # teacher forcing (``teacher_forced_logits``): feed given tokens, record the logits
-
-
-def _bucket(n: int) -> int:
-    """Smallest power of two >= n."""
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
-
-
-@contextlib.contextmanager
-def _side_stream(device: torch.device) -> Iterator[None]:
-    """Run the body on a side CUDA stream ordered after and before the current one (CPU: as is).
-
-    Warm-up before graph capture must not run on the capturing (default) stream's history.
-    """
-    if device.type != "cuda":
-        yield
-        return
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        yield
-    torch.cuda.current_stream(device).wait_stream(side)
-
-
-@dataclass
-class _Slots:
-    """Per-row decode state of one batch bucket (static buffers a graph reads and writes)."""
-
-    tokens: torch.Tensor  # [b] token fed this step
-    pos: torch.Tensor  # [b] its position (= cache slot)
-    done: torch.Tensor  # [b] bool
-    row_id: torch.Tensor  # [b] output row (the trash row for padding slots)
-
-    @classmethod
-    def empty(cls, b: int, device: torch.device) -> _Slots:
-        return cls(
-            torch.zeros(b, dtype=torch.long, device=device),
-            torch.zeros(b, dtype=torch.long, device=device),
-            torch.ones(b, dtype=torch.bool, device=device),
-            torch.zeros(b, dtype=torch.long, device=device),
-        )
-
-
-class _State:
-    """The static KV cache, RoPE tables, output buffers and sampling knobs, sized (rows, seq)."""
-
-    def __init__(self, plan: ModelPlan, rows: int, seq: int) -> None:
-        dev, dt = plan.device, plan.dtype
-        n_layers = len(plan.layers)
-        self.rows, self.seq = rows, seq
-        self.k = torch.zeros(n_layers, rows, plan.num_kv_heads, seq, plan.head_dim, dtype=dt, device=dev)
-        self.v = torch.zeros_like(self.k)
-        with torch.no_grad():
-            probe = torch.empty(1, dtype=dt, device=dev)
-            cos, sin = plan.rotary(probe, torch.arange(seq, device=dev)[None])
-        self.cos, self.sin = cos[0], sin[0]  # [seq, D], the model's own rope (theta, scaling)
-        self.trash = rows  # output row that padding slots write to
-        self.out_tok = torch.zeros(rows + 1, seq, dtype=torch.long, device=dev)
-        self.out_lp = torch.zeros(rows + 1, seq, dtype=torch.float32, device=dev)
-        self.step = torch.zeros(1, dtype=torch.long, device=dev)
-        self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # the fused sampler's Philox key, per generate
-        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
-        self.top_k = torch.zeros((), dtype=torch.long, device=dev)
-        self.top_p = torch.ones((), dtype=torch.float32, device=dev)
-        self.min_p = torch.zeros((), dtype=torch.float32, device=dev)
-        self.penalty = torch.ones((), dtype=torch.float32, device=dev)
-        self.min_tokens = torch.zeros((), dtype=torch.long, device=dev)
-        self.stop = torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev)
-        # The filtered path's token history and stop tokens (repetition penalty, min_tokens), per output row.
-        vocab = plan.lm_head.out_features
-        self.seen = torch.zeros(rows + 1, vocab, dtype=torch.bool, device=dev)
-        self.stop_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        self.slots: dict[int, _Slots] = {}
-
-    def slots_for(self, b: int) -> _Slots:
-        if b not in self.slots:
-            self.slots[b] = _Slots.empty(b, self.k.device)
-        return self.slots[b]
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
 
 class NativeEngine:
-    """RolloutEngine running the trainer's Llama/Qwen2 model with a static KV cache and CUDA graphs.
+    """RolloutEngine running the trainer's model with a static KV cache and CUDA graphs.
 
     Args:
-        model: a transformers Llama/Qwen2 causal LM, optionally peft-wrapped; decoder Linears may
-            be ``NVFP4Linear``. Used in place, never copied.
+        model: a transformers causal LM of a ``qerl.arch.FAMILIES`` family, optionally peft-wrapped;
+            decoder Linears may be ``NVFP4Linear``. Used in place, never copied. A sliding-window
+            model (Mistral) rolls out up to its window: longer requests are refused, not truncated.
         tokenizer_or_pad_id: a tokenizer (for its pad id) or the pad id itself.
         cuda_graphs: capture decode steps on CUDA (ignored on CPU).
         kv_block: KV-length bucket granularity for decode attention (and graph keys).
@@ -172,7 +74,7 @@ class NativeEngine:
         self.check_every = check_every
         self.prefill_tokens = prefill_tokens
         self._hook: Callable[[], None] | None = None
-        self._state: _State | None = None
+        self._state: State | None = None
         self._graphs: dict[StepKey, Callable[[], None]] = {}  # step key -> replay of its captured graph
         self._pool = None
         self._signature: tuple | None = None
@@ -223,7 +125,7 @@ class NativeEngine:
             self._forced = None
         return [logits[i, : len(c)].clone() for i, c in enumerate(completion_ids)]
 
-    def _forced_buffers(self, plan: ModelPlan, state: _State, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forced_buffers(self, plan: ModelPlan, state: State, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per output row (trash row included): the tokens to feed and room for the logits."""
         tokens = torch.full((state.rows + 1, steps), self.pad_id, dtype=torch.long)
         for i, c in enumerate(self._forced):
@@ -238,6 +140,11 @@ class NativeEngine:
         plan.refresh_lora()
         rows = len(prompt_ids) * n
         max_len = max(len(p) for p in prompt_ids)
+        window = plan.sliding_window
+        if window is not None and max_len + params.max_new_tokens > window:
+            raise ValueError(f"native rollout engine: prompt ({max_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the model's sliding_window ({window}); the engine attends to the whole "
+                             "sequence, so shorten them or use kind='hf'")
         state = self._prepare(plan, rows, max_len + params.max_new_tokens, params)
         if force:
             self._forced = self._forced_buffers(plan, state, params.max_new_tokens)
@@ -256,7 +163,7 @@ class NativeEngine:
                 self._mark_prompts(state, prompt_ids, n)
             tok, lp = self._sample(logits[row_prompt], state, greedy, filtered, torch.arange(rows, device=plan.device))
 
-        b = _bucket(rows)
+        b = bucket(rows)
         slots = state.slots_for(b)
         slots.tokens.fill_(self.pad_id)
         slots.pos.zero_()
@@ -272,14 +179,14 @@ class NativeEngine:
 
         steps = 1
         for t in range(1, params.max_new_tokens):
-            kv_len = min(state.seq, _round_up(max_len + t, self.kv_block))
+            kv_len = min(state.seq, round_up(max_len + t, self.kv_block))
             self._run_step(plan, state, StepKey(b, kv_len, greedy, filtered, force))
             steps = t + 1
             if t % self.check_every == 0 and t + 1 < params.max_new_tokens:
                 live = (~slots.done).nonzero().flatten()
                 if live.numel() == 0:
                     break
-                if _bucket(live.numel()) < b:
+                if bucket(live.numel()) < b:
                     b, slots = self._compact(state, slots, live, kv_len)
         self.last_stats = {
             "decode_steps": float(steps - 1),
@@ -290,18 +197,18 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _prepare(self, plan: ModelPlan, rows: int, seq: int, params: SamplingParams) -> _State:
+    def _prepare(self, plan: ModelPlan, rows: int, seq: int, params: SamplingParams) -> State:
         """(Re)allocate state when it is too small or the model's tensors moved; set the knobs."""
         signature = plan.signature()
         if signature != self._signature:
             self._drop_graphs()
             self._signature = signature
-        need_rows, need_seq = _bucket(rows), _round_up(seq, self.kv_block)
+        need_rows, need_seq = bucket(rows), round_up(seq, self.kv_block)
         state = self._state
         if state is None or state.rows < need_rows or state.seq < need_seq:
             self._drop_graphs()
             self._state = None  # free the old cache before allocating the new one
-            state = self._state = _State(plan, need_rows, need_seq)
+            state = self._state = State(plan, need_rows, need_seq)
         if len(params.stop_token_ids) > state.stop.numel():
             state.stop = torch.full((len(params.stop_token_ids),), -1, dtype=torch.long, device=plan.device)
             self._drop_graphs()
@@ -332,7 +239,7 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ prefill
 
-    def _prefill(self, plan: ModelPlan, state: _State, prompt_ids: list[list[int]], n: int) -> torch.Tensor:
+    def _prefill(self, plan: ModelPlan, state: State, prompt_ids: list[list[int]], n: int) -> torch.Tensor:
         """Run all prompts (in chunks), fill the cache rows of their completions; return last logits [P, V]."""
         width = max(len(p) for p in prompt_ids)
         per_chunk = max(1, self.prefill_tokens // width)
@@ -343,7 +250,7 @@ class NativeEngine:
         return torch.cat(logits)
 
     def _prefill_chunk(
-        self, plan: ModelPlan, state: _State, chunk: list[list[int]], first: int, n: int
+        self, plan: ModelPlan, state: State, chunk: list[list[int]], first: int, n: int
     ) -> torch.Tensor:
         dev = plan.device
         p, width = len(chunk), max(len(c) for c in chunk)
@@ -383,6 +290,8 @@ class NativeEngine:
         h, x, lora = decoder.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
         for i, layer in enumerate(plan.layers):
             q, k, v = decoder.group_forward(x, layer.qkv, lora)
+            if layer.qk_norms is not None:
+                q, k = decoder.qk_norm(q, k, layer.qk_norms, plan.head_dim)
             attn, lora = attend(i, q, k, v)
             (o,) = decoder.group_forward(attn, layer.o, lora)
             h, x, lora = decoder.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
@@ -396,7 +305,7 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ decode
 
-    def _decode_step(self, plan: ModelPlan, state: _State, key: StepKey) -> None:
+    def _decode_step(self, plan: ModelPlan, state: State, key: StepKey) -> None:
         """One token for every slot of bucket ``key.batch``: static shapes, no host syncs (graph-capturable)."""
         if self._hook is not None:
             self._hook()
@@ -416,7 +325,7 @@ class NativeEngine:
             tok, lp = self._sample(logits, state, key.greedy, key.filtered, slots.row_id)
         self._finish_step(state, slots, tok, lp)
 
-    def _sample(self, logits: torch.Tensor, state: _State, greedy: bool, filtered: bool, row_id: torch.Tensor
+    def _sample(self, logits: torch.Tensor, state: State, greedy: bool, filtered: bool, row_id: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``sampling.sample`` with the state's knobs: one fused kernel where the Triton kernels run and
         nothing beyond temperature shapes the distribution (its draws come from ``state.seed``, which
@@ -434,7 +343,7 @@ class NativeEngine:
         return tok, lp
 
     @staticmethod
-    def _mark_prompts(state: _State, prompt_ids: list[list[int]], n: int) -> None:
+    def _mark_prompts(state: State, prompt_ids: list[list[int]], n: int) -> None:
         """Start each completion row's token history with its prompt (the repetition penalty covers it)."""
         state.seen.zero_()
         device = state.seen.device
@@ -449,7 +358,7 @@ class NativeEngine:
         forced_logits[row_id, step] = logits.float()
         return forced_tok[row_id, step], torch.zeros(row_id.shape[0], device=logits.device)
 
-    def _finish_step(self, state: _State, slots: _Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
+    def _finish_step(self, state: State, slots: Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
         impl = kernels.step_kernels() if backend.available(tok) else reference
         impl.finish_step(
@@ -461,7 +370,7 @@ class NativeEngine:
         """Whether decode steps are captured and replayed (else run eagerly)."""
         return self.cuda_graphs and plan.device.type == "cuda"
 
-    def _run_step(self, plan: ModelPlan, state: _State, key: StepKey) -> None:
+    def _run_step(self, plan: ModelPlan, state: State, key: StepKey) -> None:
         if not self._graphed(plan):
             self._decode_step(plan, state, key)
             return
@@ -470,7 +379,7 @@ class NativeEngine:
             replay = self._graphs[key] = self._capture(plan, state, key)
         replay()
 
-    def _capture(self, plan: ModelPlan, state: _State, key: StepKey) -> Callable[[], None]:
+    def _capture(self, plan: ModelPlan, state: State, key: StepKey) -> Callable[[], None]:
         """Warm the step up (its side effects undone), then record it; returns the replay."""
         slots = state.slots[key.batch]
         saved = [t.clone() for t in (slots.tokens, slots.pos, slots.done, state.step)]
@@ -479,7 +388,7 @@ class NativeEngine:
         # drawing from it would shift this generation's random stream.
         real_gen, self._gen = self._gen, torch.Generator(device=plan.device)
         try:
-            with _side_stream(plan.device):
+            with side_stream(plan.device):
                 for _ in range(2):  # compiles/autotunes Triton kernels, creates cuBLAS handles
                     self._decode_step(plan, state, key)
         finally:
@@ -498,10 +407,10 @@ class NativeEngine:
             step()
         return graph.replay
 
-    def _compact(self, state: _State, slots: _Slots, live: torch.Tensor, kv_len: int) -> tuple[int, _Slots]:
+    def _compact(self, state: State, slots: Slots, live: torch.Tensor, kv_len: int) -> tuple[int, Slots]:
         """Move the live rows (and their cache rows) to the front of a smaller bucket."""
         n_live = live.numel()
-        b = _bucket(n_live)
+        b = bucket(n_live)
         state.k[:, :n_live, :, :kv_len] = state.k[:, live, :, :kv_len]
         state.v[:, :n_live, :, :kv_len] = state.v[:, live, :, :kv_len]
         new = state.slots_for(b)
@@ -517,7 +426,7 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ output
 
-    def _collect(self, state: _State, rows: int, steps: int, n: int, params: SamplingParams) -> RolloutOutput:
+    def _collect(self, state: State, rows: int, steps: int, n: int, params: SamplingParams) -> RolloutOutput:
         toks = state.out_tok[:rows, :steps].cpu()
         lps = state.out_lp[:rows, :steps].cpu()
         stop = set(params.stop_token_ids)

@@ -1,0 +1,113 @@
+"""The native rollout engine on each ``qerl.arch`` family beyond Llama-2/Qwen2: Llama-3.x (rope_type llama3,
+tied embeddings), Qwen3 (per-head q/k RMSNorm before RoPE) and Mistral (sliding window). CPU in fp32; the
+GPU test (marker gpu) runs the fused kernels and CUDA graphs in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILY_CONFIGS, nvfp4_lora, tiny_family
+
+from qerl import arch
+from qerl.rollout import SamplingParams, get_engine
+from qerl.rollout.native import NativeEngine
+
+torch.set_num_threads(1)
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [1], [40, 41, 42, 43]]
+#: Long enough to pass the 64 original positions of the tiny llama3 rope, where its scaling changes the frequencies.
+COMPLETIONS = [list(range(100, 180)), [100, 101, 102], [7] * 10, list(range(30, 120))]
+FAMILIES = list(FAMILY_CONFIGS)
+
+
+def full_forward_error(model: torch.nn.Module, engine: NativeEngine, prompts: list[list[int]],
+                       completions: list[list[int]]) -> tuple[float, float]:  # fmt: skip
+    """(max |engine teacher-forced logit - transformers forward logit|, max |logit|) over every completion position."""
+    got = engine.teacher_forced_logits(prompts, completions)
+    device = next(model.parameters()).device
+    worst = scale = 0.0
+    for prompt, comp, logits in zip(prompts, completions, got, strict=True):
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([prompt + comp], device=device)).logits[0, len(prompt) - 1 : -1].float()
+        assert logits.shape == ref.shape
+        worst = max(worst, (logits - ref).abs().max().item())
+        scale = max(scale, ref.abs().max().item())
+    return worst, scale
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_teacher_forced_logits_match_full_forward_cpu(family: str) -> None:
+    """The bound the engine meets for Qwen2 (test_rollout_engines): 1e-4 in fp32, NVFP4 + LoRA + trained norms."""
+    model = nvfp4_lora(tiny_family(family, 11))
+    worst, _ = full_forward_error(model, NativeEngine(model, 0), PROMPTS, COMPLETIONS)
+    assert worst < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_greedy_and_logprobs_equal_transformers(family: str) -> None:
+    model = tiny_family(family, 3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=48)
+    ref = get_engine(model, 0, kind="hf").generate(PROMPTS, params, n=2)
+    out = get_engine(model, 0, kind="native").generate(PROMPTS, params, n=2)
+    assert out.completion_ids == ref.completion_ids
+    assert len({tuple(c) for c in out.completion_ids}) >= 3  # not a degenerate model
+    flat = [abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)]
+    assert max(flat) < 1e-4
+
+
+def test_qwen3_plan_reads_the_per_head_norms_in_place() -> None:
+    """q_norm / k_norm are read by reference (a later write is seen), and only Qwen3 has them."""
+    model = tiny_family("qwen3", 5)
+    engine = NativeEngine(model, 0)
+    before, _ = full_forward_error(model, engine, PROMPTS[:2], COMPLETIONS[:2])
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_norm.weight.mul_(-1.5)
+    worst, _ = full_forward_error(model, engine, PROMPTS[:2], COMPLETIONS[:2])
+    assert max(before, worst) < 1e-4
+    assert all(layer.qk_norms is not None for layer in engine._plan.layers)
+    llama = NativeEngine(tiny_family("llama3"), 0)
+    llama.generate([[1, 2]], SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert all(layer.qk_norms is None for layer in llama._plan.layers)
+
+
+def test_mistral_longer_than_its_sliding_window_is_refused() -> None:
+    model = tiny_family("mistral", sliding_window=32)
+    engine = NativeEngine(model, 0)
+    assert len(engine.generate([[1] * 8], SamplingParams(temperature=0.0, max_new_tokens=24)).completion_ids[0]) == 24
+    with pytest.raises(ValueError, match=r"sliding_window \(32\)"):
+        engine.generate([[1] * 8], SamplingParams(temperature=0.0, max_new_tokens=25))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_vl", "gpt2"])
+def test_unsupported_model_types_are_one_line_errors(model_type: str) -> None:
+    with pytest.raises(ValueError, match=rf"model_type '{model_type}' is not supported; .*llama, qwen2, qwen3, mistral$"):
+        arch.check_config({"model_type": model_type}, "config.json")
+    model = tiny_family("qwen3")
+    model.config.model_type = model_type
+    with pytest.raises(ValueError, match=f"model_type '{model_type}'"):
+        NativeEngine(model, 0).generate([[1]], SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_teacher_forced_logits_bf16(family: str) -> None:
+    """bf16 NVFP4 + LoRA through the fused kernels and CUDA graphs, head_dim 128 as the real models:
+    max |native - transformers| <= 5% of max |logit|, the bound of test_rollout_engines' Qwen2 test."""
+    sizes = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=128, max_position_embeddings=2048)  # fmt: skip
+    model = tiny_family(family, 12, **sizes).to(torch.bfloat16)
+    model = nvfp4_lora(model, group_scales=True)
+    with torch.no_grad():  # trained-LoRA magnitudes, not the stress-test 0.3
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.1)
+    model = model.cuda()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (17, 250, 64)]
+    completions = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (100, 40, 129)]
+    engine = NativeEngine(model, 0)
+    worst, scale = full_forward_error(model, engine, prompts, completions)
+    assert engine.last_stats["graphs"] >= 1
+    print(f"{family} teacher-forced nvfp4+LoRA: max|dlogit|={worst:.4f}, max|logit|={scale:.3f}")
+    assert worst <= 0.05 * scale
