@@ -61,8 +61,8 @@ def usage_errors(*types: type[BaseException]) -> Iterator[None]:
     only, so that the same exception types raised later, by a bug, keep their traceback."""
     try:
         yield
-    except types as e:
-        raise UsageError(one_line(e)) from e
+    except types as e:  # a full disk or a read-only output met during setup reads as it does anywhere else
+        raise UsageError(environment_error(e) or one_line(e)) from e
 
 
 class StrictParsing:

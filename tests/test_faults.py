@@ -276,8 +276,6 @@ KILLS_PER_COMMAND = 2
 
 def test_train_write_faults_fail_cleanly(models: dict[str, Path], tmp_path: Path, capsys) -> None:
     covered = check_every_write(_train_command(models), tmp_path, capsys, sample=TRAIN_FAULTS)
-    with capsys.disabled():
-        print(f"\ntrain: {covered} write fault points covered")
     assert covered == TRAIN_FAULTS + 1 if TRAIN_FAULTS is not None else covered > 40
 
 
