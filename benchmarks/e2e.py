@@ -53,19 +53,18 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    MAX_POSITIONS,
     SHAPES,
     VOCAB,
     command,
     device_name,
-    random_causal_lm,
+    random_model,
     run_stoppable,
     utc_now,
     write_json,
 )
 from benchmarks.common import versions as package_versions
 from benchmarks.grpo_floors import COPY_BW, MATMUL_FLOPS, floors, shape_counts
-from benchmarks.grpo_harness import PhaseClock, build_tokenizer, gb, sig
+from benchmarks.grpo_harness import PhaseClock, Probe, build_tokenizer, gb, sig
 
 
 @dataclass(frozen=True)
@@ -106,19 +105,16 @@ def model_shape(tiny: bool) -> tuple[dict[str, int], int, str]:
 def prepare(root: Path, tiny: bool) -> dict[str, Path]:
     """``root/bf16`` (random weights, saved as a real checkpoint with the forced-length tokenizer) and ``root/nvfp4``
     (quantized from it by ``qerl.quantize``, as the quantize CLI does); each kept if already complete."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     from qerl.fsutil import atomic_directory
     from qerl.quantize import quantize_checkpoint
 
-    shape, vocab, _ = model_shape(tiny)
+    shape, vocab, model_type = model_shape(tiny)
     dirs = {"bf16": root / "bf16", "nvfp4": root / "nvfp4"}
     if not (dirs["bf16"] / "config.json").exists():
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if tiny else (Qwen2Config, Qwen2ForCausalLM)
-        cfg = config_cls(vocab_size=vocab, max_position_embeddings=MAX_POSITIONS, rope_theta=1e6, tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0, **shape)  # fmt: skip
-        model = random_causal_lm(model_cls, cfg, False, device, torch.bfloat16)
+        # The only stop id is the tokenizer's EOS, outside the vocabulary (build_tokenizer): forced length.
+        model = random_model(shape, vocab, False, device, torch.bfloat16, model_type, bos_token_id=None, eos_token_id=None,
+                             pad_token_id=0)  # fmt: skip
         with atomic_directory(dirs["bf16"]) as tmp:  # complete or absent
             model.save_pretrained(tmp)
             build_tokenizer(vocab).save_pretrained(tmp)
@@ -176,15 +172,16 @@ class StepClock(PhaseClock):
                 "device_used_gb": gb(self.device_used_max) if self.cuda else None}  # fmt: skip
 
 
-def instrument(trainer: Any, clock: StepClock, seen: dict[str, Any]) -> None:
-    """Wrap the trainer's own methods (this instance only) so that each marks the phase it runs in."""
+def instrument(trainer: Any, clock: StepClock) -> Probe:
+    """``grpo_harness.Probe``'s phase marks on the trainer's own methods (rollout, no-grad log-probs, loss forward +
+    backward), plus the two this benchmark adds: the weight or adapter sync inside the rollout, and the optimizer
+    phase from gradient clipping on (the step runs under ``trainer.train()`` here, not ``grpo_harness.run_step``)."""
+    probe = Probe(trainer, clock.switch)
 
-    def around(owner: Any, name: str, phase: str, back: str, only_no_grad: bool = False) -> None:
+    def around(owner: Any, name: str, phase: str, back: str) -> None:
         inner = getattr(owner, name)
 
         def wrapped(*a: Any, **k: Any) -> Any:
-            if only_no_grad and torch.is_grad_enabled():  # the loss's own forward: part of fwd_bwd
-                return inner(*a, **k)
             clock.switch(phase)
             try:
                 return inner(*a, **k)
@@ -193,33 +190,12 @@ def instrument(trainer: Any, clock: StepClock, seen: dict[str, Any]) -> None:
 
         setattr(owner, name, wrapped)
 
-    generate = trainer._generate_single_turn
-
-    def rollout(*a: Any, **k: Any) -> Any:
-        clock.switch("rollout")
-        try:
-            ids, logprobs = generate(*a, **k)
-        finally:
-            clock.switch("other")
-        seen["completion_lengths"] = sorted({len(c) for c in ids})
-        seen["rollout_rows"] = len(ids)
-        return ids, logprobs
-
-    trainer._generate_single_turn = rollout
-    around(trainer, "_get_per_token_logps_and_entropies", "logprobs", "other", only_no_grad=True)
-    prepare_inputs = trainer._prepare_inputs
-
-    def prepared(*a: Any, **k: Any) -> Any:
-        out = prepare_inputs(*a, **k)
-        clock.switch("fwd_bwd")  # training_step's loss forward + backward follow
-        return out
-
-    trainer._prepare_inputs = prepared
     around(trainer, "_clip_grad_norm", "optimizer", "optimizer")
     if getattr(trainer, "vllm_generation", None) is not None:  # trl: merge, push every weight, unmerge
         around(trainer.vllm_generation, "sync_weights", "sync", "rollout")
     elif hasattr(trainer, "rollout_engine") and hasattr(trainer.rollout_engine(), "sync"):  # qerl's vLLM engine
         around(trainer.rollout_engine(), "sync", "sync", "rollout")
+    return probe
 
 
 def step_callback(clock: StepClock, warmup: int, steps: list[dict[str, Any]]) -> Any:
@@ -310,13 +286,14 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
     row["rates"] = {"copy_bw_tb_s": sig(rates["copy_bw"] / 1e12), "matmul_tflop_s": sig(rates["matmul_flops"] / 1e12),
                     "measured_same_process": rates["measured"]}  # fmt: skip
     row["floors_s"] = arm_floors(arm, args, rates)
-    clock, steps, seen = StepClock(device), [], {}
+    clock, steps = StepClock(device), []
+    probe: Probe | None = None
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as out_dir:
             trainer = build_trainer(arm, Path(args.dir) / arm.base, args, out_dir)
             row["build_s"] = round(time.perf_counter() - t0, 1)
-            instrument(trainer, clock, seen)
+            probe = instrument(trainer, clock)
             trainer.add_callback(step_callback(clock, args.warmup, steps))
             watched = next(p for name, p in trainer.model.named_parameters() if "lora_B" in name)
             before = watched.detach().clone()
@@ -329,8 +306,9 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as e:  # recorded, so that a failing arm still leaves its exact error in the results
         row.update(status="oom" if isinstance(e, torch.OutOfMemoryError) else "error", error=f"{type(e).__name__}: {e}",
                    traceback=traceback.format_exc()[-4000:])  # fmt: skip
-    row.update(seen)
-    row["forced_length"] = seen.get("completion_lengths") == [args.tokens]
+    lengths = probe.completion_lengths if probe is not None else []  # the last rollout's
+    row.update(completion_lengths=sorted(set(lengths)), rollout_rows=len(lengths))
+    row["forced_length"] = row["completion_lengths"] == [args.tokens]
     row["timed_steps"] = steps
     if steps:
         mean = {p: sig(sum(s["phases_s"][p] for s in steps) / len(steps)) for p in PHASES}

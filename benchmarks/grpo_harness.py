@@ -209,7 +209,9 @@ class Probe:
                 switch("other")
             self.rollouts += 1
             self.completion_lengths = [len(c) for c in ids]
-            self.decode_steps = trainer.rollout_engine().last_stats.get("decode_steps")
+            # The native engine counts its decode steps; trl's own trainer and the vLLM engine do not.
+            engine = trainer.rollout_engine() if hasattr(trainer, "rollout_engine") else None
+            self.decode_steps = getattr(engine, "last_stats", {}).get("decode_steps")
             return ids, lps
 
         def old_logprobs(*a: Any, **k: Any) -> Any:

@@ -26,17 +26,17 @@ from qerl.lora import load_adapter
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-def load_base(model: str, load: str, dtype: torch.dtype | None, device: str | None) -> tuple[Any, Any]:
-    """(model, tokenizer) through qerl's loader; loader errors become one line naming --model/--load."""
-    from qerl.loader import load_model, load_tokenizer
+def load_base(model: str, load: str, dtype: torch.dtype | None, device: str | None) -> Any:
+    """The model through qerl's loader, in eval mode; loader errors become one line naming --model/--load.
+    (The tokenizer is the caller's: the runner reads it first, to bound the prompts before any weight.)"""
+    from qerl.loader import load_model
 
     try:
         base = load_model(model, dtype=dtype, device=device, load=load)
-        tokenizer = load_tokenizer(model)
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {model} (--load {load}): {str(e).strip().splitlines()[0]}") from None
     base.eval()
-    return base, tokenizer
+    return base
 
 
 def _names(name_or_path: str | None) -> set[str]:

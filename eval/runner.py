@@ -147,7 +147,7 @@ def _load_engine(args: argparse.Namespace, tokenizer: Any) -> tuple[Any, list[in
     from qerl.rollout import get_engine
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, _ = load_base(args.model, args.load, dtype, args.device)
+    model = load_base(args.model, args.load, dtype, args.device)
     if args.lora:
         model = apply_adapter(model, args.lora, args.model, allow_base_mismatch=args.allow_base_mismatch)
     stop = {tokenizer.eos_token_id}

@@ -27,7 +27,6 @@ from torch import nn
 from trl import GRPOConfig
 
 from qerl.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule
-from qerl.data import DEFAULT_COMPLETION_LENGTH  # the reference scripts' budget, which qerl.train applies per data set
 from qerl.rollout import KINDS
 
 logger = logging.getLogger(__name__)
@@ -188,4 +187,4 @@ def trl_differences(args: GRPOConfig) -> dict[str, tuple[Any, Any]]:
 
 
 __all__ = ["QeRLConfig", "with_model_defaults", "trl_differences", "TRL_DEFAULT_OVERRIDES", "LR_NVFP4", "LR_BF16",
-           "DEFAULT_COMPLETION_LENGTH", "TRL_COMPLETION_LENGTH"]
+           "TRL_COMPLETION_LENGTH"]

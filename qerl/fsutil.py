@@ -65,6 +65,12 @@ def atomic_write_text(target: Path, text: str) -> Path:
     return target
 
 
+def is_within(path: Path, root: Path) -> bool:
+    """Whether ``path`` is ``root`` or lies inside it, both resolved (links and ``..`` followed)."""
+    path, root = Path(path).expanduser().resolve(), Path(root).expanduser().resolve()
+    return path == root or root in path.parents
+
+
 def append_whole(path: Path, text: str) -> None:
     """Append ``text`` (whole lines) to ``path`` and push it to disk; if any of it fails (a full disk
     half-way), cut the file back to its old length, so that readers never see part of a line."""

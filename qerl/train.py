@@ -51,7 +51,7 @@ from qerl import resume as run_record
 from qerl.answers import judge
 from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
 from qerl.fingerprint import model_sha256, write_base_record
-from qerl.fsutil import atomic_directory, atomic_write_text
+from qerl.fsutil import atomic_directory, atomic_write_text, is_within
 from qerl.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
 from qerl.prompts import encode_chat
@@ -207,10 +207,9 @@ def check_output_dir(out: Path, model: str) -> None:
         return
     if isinstance(resolved, str):
         return
-    model_dir = Path(resolved).resolve()
-    target = out.expanduser().resolve()
-    if target == model_dir or model_dir in target.parents:
-        raise UsageError(f"--output_dir {out}: is {'the' if target == model_dir else 'inside the'} model directory "
+    if is_within(out, Path(resolved)):
+        same = out.expanduser().resolve() == Path(resolved).resolve()
+        raise UsageError(f"--output_dir {out}: is {'the' if same else 'inside the'} model directory "
                          f"({model}); choose a directory outside it")
 
 

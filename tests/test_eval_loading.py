@@ -17,6 +17,7 @@ from peft import get_peft_model
 from eval.loading import apply_adapter, load_base
 from qerl.arch import NORM_MODULES
 from qerl.linear import NVFP4Linear
+from qerl.loader import load_tokenizer
 from qerl.lora import lora_config
 
 torch.set_num_threads(1)
@@ -32,7 +33,7 @@ def _logits(model, tokenizer) -> torch.Tensor:
 
 def _make_adapter(model_dir: Path, out: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Save an adapter whose LoRA and norms both matter; return (base logits, adapted logits) in memory."""
-    base, tokenizer = load_base(str(model_dir), "auto", torch.float32, "cpu")
+    base, tokenizer = load_base(str(model_dir), "auto", torch.float32, "cpu"), load_tokenizer(model_dir)
     base_logits = _logits(base, tokenizer)
     torch.manual_seed(0)
     peft_model = get_peft_model(base, lora_config(r=4, target_modules=("q_proj", "v_proj", "down_proj"), train_norms=True))
@@ -54,7 +55,7 @@ def test_loaded_adapter_changes_outputs_like_in_memory_peft(checkpoint: str, req
     model_dir = request.getfixturevalue(checkpoint)
     base_logits, adapted = _make_adapter(model_dir, tmp_path / "adapter")
 
-    fresh, tokenizer = load_base(str(model_dir), "auto", torch.float32, "cpu")
+    fresh, tokenizer = load_base(str(model_dir), "auto", torch.float32, "cpu"), load_tokenizer(model_dir)
     assert torch.equal(_logits(fresh, tokenizer), base_logits)  # the reload starts from the same base
     loaded = apply_adapter(fresh, str(tmp_path / "adapter"), str(model_dir))
 

@@ -168,7 +168,7 @@ def test_evaluation_applies_the_trained_adapter(run: dict[str, Any]) -> None:
 
     ckpt = run["out"] / "checkpoint-3"
     ids = torch.tensor([[1, 9690, 314, 216, 28, 33, 28, 47, 2]])
-    base, _ = load_base(str(run["model_dir"]), "nvfp4", torch.float32, "cpu")
+    base = load_base(str(run["model_dir"]), "nvfp4", torch.float32, "cpu")
     with torch.no_grad():
         before = base(ids).logits
         tuned = apply_adapter(base, str(ckpt), str(run["model_dir"]))

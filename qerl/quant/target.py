@@ -17,14 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qerl import checkpoint
+from qerl.fsutil import is_within
 
 #: Prefixes (after ``.NAME.``) of the hidden siblings a quantize run creates next to its target:
 #: ``qerl.fsutil.atomic_directory``'s output folder and the GGUF conversion scratch.
 SCRATCH_KINDS = ("tmp-", "src-")
-
-
-def _within(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
 
 
 def check_target(out_dir: Path, sources: Sequence[Path], overwrite: bool) -> None:
@@ -42,7 +39,7 @@ def check_target(out_dir: Path, sources: Sequence[Path], overwrite: bool) -> Non
         raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it")
     target = out_dir.resolve()
     for what, path in [("the source model", p) for p in sources] + [("the current directory", Path.cwd())]:
-        if _within(path.resolve(), target):
+        if is_within(path, target):
             raise ValueError(f"--output {out_dir} is or contains {what} ({path}); --overwrite would delete it")
     if not out_dir.is_dir() or not (out_dir / "config.json").is_file():
         raise ValueError(f"--output {out_dir} is not a checkpoint written by this tool (no config.json); "
