@@ -18,9 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 from eval.data import Problem
 from qerl.cli import UsageError
-from qerl.prompts import render
+from qerl.prompts import chat_messages, render
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +37,30 @@ def use_chat_template(tokenizer: Any, model: str, template: str | None) -> None:
             tokenizer.chat_template = Path(template).expanduser().read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--chat-template {template}: cannot read it ({e.__class__.__name__}: {e})") from None
+        _check_template(tokenizer, template)
         return
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"--model {model}: its tokenizer has no chat template (no chat_template.jinja, nor "
                          "chat_template in tokenizer_config.json); pass --chat-template FILE, e.g. the base model's "
                          "chat_template.jinja, to say how prompts are laid out")
+
+
+#: A question no template would produce by itself: the rendered probe must contain it.
+_PROBE = "What is 1234 + 5678?"
+
+
+def _check_template(tokenizer: Any, template: str) -> None:
+    """Render one probe conversation through the ``--chat-template`` file: a Jinja syntax error, a template
+    that raises, or one that drops the user's message would otherwise surface at the first question (or,
+    for the last, as an accuracy of zero)."""
+    try:
+        text = tokenizer.apply_chat_template(chat_messages(_PROBE, "tags"), add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:  # raise_exception() in a template: TemplateError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise UsageError(f"--chat-template {template}: not a usable Jinja chat template ({first})") from None
+    if _PROBE not in text:
+        raise UsageError(f"--chat-template {template}: its output does not contain the user's message "
+                         "(expected it to render each message's 'content')")
 
 
 def prompt_budget(context: int, max_new_tokens: int) -> int:

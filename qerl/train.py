@@ -52,6 +52,7 @@ from qerl.answers import judge
 from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
 from qerl.fingerprint import model_sha256, write_base_record
 from qerl.fsutil import atomic_directory, atomic_write_text, is_within
+from qerl.integrity import DamagedTensor
 from qerl.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
 from qerl.prompts import encode_chat
@@ -295,6 +296,8 @@ def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, 
         logger.info("resuming from %s", checkpoint)
     try:
         result = trainer.train(resume_from_checkpoint=checkpoint)
+    except DamagedTensor as e:  # raised while restoring ``checkpoint``, before any step
+        raise UsageError(f"{e}; move that checkpoint aside to resume from an earlier one") from None
     except BaseException:
         if main_process:  # a save cut short (full disk, Ctrl-C) must not stay under its checkpoint-N name
             _hide_incomplete_checkpoints(out)

@@ -59,6 +59,7 @@ from qerl import arch
 from qerl.aqn import NormNoise, draw_seed, norm_weights
 from qerl.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.fsutil import atomic_write_text
+from qerl.integrity import check_tensor
 from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.rollout import SamplingParams, get_engine
 
@@ -428,6 +429,14 @@ class QeRLTrainer(GRPOTrainer):
         logger.info("%s is at step %d, max_steps is %d: restored, nothing left to train",
                     checkpoint, self.state.global_step, self.args.max_steps)
         return TrainOutput(self.state.global_step, float("nan"), {})
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """transformers' restore, then the restored adapter checked as every loaded tensor is
+        (``qerl.integrity``): a checkpoint whose adapter holds NaN would otherwise train on in NaN."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        for name, param in (model or self.model).named_parameters():
+            if param.requires_grad:
+                check_tensor(name, param.detach(), resume_from_checkpoint)
 
 
 class _ResumeCheck(TrainerCallback):

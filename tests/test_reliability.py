@@ -241,6 +241,24 @@ def test_model_without_chat_template_is_one_line(chat_models, tmp_path: Path, ca
     assert gsm8k.main(argv + ["--chat-template", str(chat_models["qtiny"] / "chat_template.jinja")]).questions == 1
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("{% for m in messages %}{{ m['content'] }", "not a usable Jinja chat template"),
+    ("{{ raise_exception('no system role') }}", "no system role"),
+    ("{% for m in messages %}{{ m['role'] }}{% endfor %}", "does not contain the user's message"),
+])
+def test_broken_chat_template_file_is_one_line(chat_models, tmp_path: Path, capsys, text: str, expected: str) -> None:
+    """A --chat-template file that does not parse, raises, or drops the question is refused in one line
+    naming the file before the model loads (it used to fail at the first question, or score 0)."""
+    template = tmp_path / "broken.jinja"
+    template.write_text(text)
+    data = _data(tmp_path, [GOOD])
+    argv = ["--model", str(chat_models["qtiny"]), "--data", str(data), "--output", str(tmp_path / "r.jsonl"),
+            *EVAL_FLAGS, "--chat-template", str(template)]
+    line = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
+    assert f"--chat-template {template}" in line and expected in line, line
+    assert not (tmp_path / "r.jsonl").exists()
+
+
 def test_full_disk_mid_append_leaves_no_part_of_a_line(tmp_path: Path, monkeypatch) -> None:
     """Item 4: results and metrics are appended; a write cut short by a full disk is rolled back to the
     last whole line instead of leaving half a record for the next reader."""

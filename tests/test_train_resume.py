@@ -138,3 +138,26 @@ def test_adapters_record_their_base(tiny_dense_dir: Path, tmp_path: Path) -> Non
     shutil.copytree(out / "adapter", tmp_path / "elsewhere")
     for adapter in (out / "adapter", out / "checkpoint-1", tmp_path / "elsewhere"):
         assert check_adapter_base(adapter, str(tiny_dense_dir)) is True
+
+
+def test_damaged_checkpoint_adapter_is_refused_on_resume(tiny_dense_dir: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 53, item 2 on resume: a checkpoint whose adapter holds Inf was restored and trained on (NaN
+    losses from then on); the resume now names the checkpoint and the tensor in one line, rc 2."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "run"
+    main(_argv(tiny_dense_dir, out, steps=2))
+    weights = out / "checkpoint-2" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] = float("inf")
+    save_file(tensors, weights)
+    capsys.readouterr()
+    assert run(main, _argv(tiny_dense_dir, out, steps=3)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert str(out / "checkpoint-2") in lines[0] and "1 NaN or Inf values" in lines[0], lines[0]
+    assert name.removesuffix(".weight").rsplit(".", 1)[0].split("base_model.model.")[-1] in lines[0], lines[0]
+    assert not (out / "checkpoint-3").exists()
