@@ -25,7 +25,8 @@ advantages without reading text). Two batch shapes: ``b8`` (1 prompt x 8 complet
 
 Each arm runs ``trainer.train()`` for ``--warmup`` + ``--steps`` optimizer steps; the timed steps are split, by
 instance-level wrappers around the trainer's own methods (nothing in trl, transformers or vLLM is patched), into
-``rollout`` (prefill + decode), ``sync`` (weights or adapter into the engine), ``logprobs`` (the no-grad passes),
+``rollout`` (prefill + decode), ``sync`` (weights or adapter into the engine), ``logprobs`` (the no-grad passes:
+trl's old log-probs for the IS ratio, which qerl's trainer takes from the loss forward instead: 0 there),
 ``fwd_bwd`` (loss forward + backward over the micro-batches), ``optimizer`` (clip, step, schedule) and ``other``.
 Beside each phase: its floor from benchmarks/grpo_floors.py, rescaled to the copy bandwidth and bf16 matmul rate
 measured in the same process.
@@ -269,7 +270,9 @@ def arm_floors(arm: Arm, args: argparse.Namespace, rates: dict[str, float]) -> d
     # across groups, so the KV term is the batch's. Training floors are flop-bound (plus NVFP4 dequant bytes).
     c = shape_counts(shape, vocab, args.lora_r)
     sync_bytes = {"trl": c["linear_params"] * 2, "qerl": c["lora_params"] * 2 if arm.engine == "vllm" else 0}
-    out = {"rollout": f["rollout_s"] * bw, "logprobs": f["logprobs_s"] * flops, "fwd_bwd": f["fwd_bwd_s"] * flops,
+    # trl's old-log-prob pass; qerl's trainer takes the IS ratio from the loss forward (qerl.importance): no pass.
+    logprobs = f["logprobs_s"] * flops if arm.trainer == "trl" else 0.0
+    out = {"rollout": f["rollout_s"] * bw, "logprobs": logprobs, "fwd_bwd": f["fwd_bwd_s"] * flops,
            "optimizer": f["optimizer_s"] * bw, "sync": sync_bytes[arm.trainer] / rates["copy_bw"]}  # fmt: skip
     return {k: sig(v) for k, v in out.items()}
 

@@ -97,6 +97,7 @@ def make_trainer(
         steps_per_generation=accumulation, num_generations=args.n,
         max_completion_length=args.tokens, max_steps=10, num_stages=10, save_strategy="no", report_to=[],
         logging_steps=1, disable_tqdm=True, seed=0, gradient_checkpointing=True, mask_truncated_completions=False,
+        is_ratio_from_loss_pass=not getattr(args, "trl_logprob_pass", False),
     )  # fmt: skip
     peft = lora_config(r=args.lora_r, train_norms=True)
     trainer = QeRLTrainer(

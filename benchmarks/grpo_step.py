@@ -19,9 +19,10 @@ What it measures, per configuration (shape x base weights), in one process on on
   ``rollout``   QeRLTrainer._generate_single_turn: AQN noise in, the native engine's prefill and
                 2047 CUDA-graph decode steps, noise out;
   ``logprobs``  trl's no-grad ``_get_per_token_logps_and_entropies`` over prompt+completion: the old
-                log-probs the IS correction needs, through trl's chunked fused LM head (it never
-                builds the ``[B, T, V]`` fp32 logits; the row records that tensor's size beside the
-                phase's peak);
+                log-probs of the IS correction, through trl's chunked fused LM head (it never builds the
+                ``[B, T, V]`` fp32 logits; the row records that tensor's size beside the phase's peak).
+                0 with ``is_ratio_from_loss_pass`` (the default: the ratio comes from the loss forward,
+                qerl.importance); ``--trl-logprob-pass`` times trl's pass;
   ``fwd_bwd``   the loss forward + backward (trl's ``compute_loss`` under gradient checkpointing),
                 summed over the micro-steps;
   ``optimizer`` grad clipping, ``optimizer.step()``, scheduler step, ``zero_grad``;
@@ -350,6 +351,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=2,
         help="timed steps after the warm-up; the last one is reported (steady state), all are listed",
     )
+    parser.add_argument("--trl-logprob-pass", action="store_true",
+                        help="time trl's separate old-log-prob pass (is_ratio_from_loss_pass False) instead of taking "
+                        "the IS ratio from the loss forward")
     parser.add_argument("--tiny", action="store_true", help="2-layer tiny Llama, 16 new tokens, prompt 32 (CPU or GPU)")
     parser.add_argument("--floors", action="store_true", help="print the analytic floors and exit (no device)")
     parser.add_argument(

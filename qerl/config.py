@@ -78,6 +78,11 @@ class QeRLConfig(GRPOConfig):
         default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.trainer docstring)."}
     )
     vllm_importance_sampling_clip_max: float | None = field(default=2.0, metadata={"help": "IS cap C."})
+    is_ratio_from_loss_pass: bool = field(
+        default=True, metadata={"help": "Take the rollout IS ratio from the loss forward's log-probs when each "
+                                        "generation feeds one optimizer step, skipping trl's extra no-grad pass over "
+                                        "the batch (the same ratio: qerl.importance); False: trl's separate pass."}
+    )
     # Data parallelism (`accelerate launch`): the buffers are the frozen packed weights, identical on every
     # rank (each loads the same checkpoint), so DDP must not re-broadcast them (tens of GB) every forward;
     # every trainable tensor (LoRA, norms) is used in every forward, so DDP need not search for unused ones.

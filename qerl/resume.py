@@ -64,7 +64,7 @@ RESUMABLE_KEYS = frozenset({
     "gradient_checkpointing", "gradient_checkpointing_kwargs", "torch_empty_cache_steps",
     "vllm_gpu_memory_utilization", "dataloader_num_workers", "dataloader_pin_memory",
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
-    "local_rank",
+    "local_rank", "is_ratio_from_loss_pass",
     # the run's length (schedules stretch; the trainer warns)
     "max_steps",
 })

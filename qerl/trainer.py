@@ -59,6 +59,7 @@ from qerl import arch
 from qerl.aqn import NormNoise, draw_seed, norm_weights
 from qerl.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.fsutil import atomic_write_text
+from qerl.importance import LossPassRatio
 from qerl.integrity import check_tensor
 from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.rollout import SamplingParams, get_engine
@@ -157,7 +158,7 @@ def keep_trainable_fp32(model: nn.Module) -> list[str]:
     return upcast
 
 
-class QeRLTrainer(GRPOTrainer):
+class QeRLTrainer(LossPassRatio, GRPOTrainer):
     """GRPO/DAPO on NVFP4 (or bf16) models with LoRA, qerl rollouts and AQN."""
 
     _tag_names = ["trl", "grpo", "qerl"]

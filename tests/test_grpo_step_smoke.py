@@ -40,7 +40,8 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
     for r in rows:
         assert r["status"] == "ok", r.get("error")
         assert set(r["phases_s"]) == set(grpo_step.PHASES) == set(r["peak_gb"])
-        assert all(r["phases_s"][p] > 0 for p in ("rollout", "logprobs", "fwd_bwd", "optimizer"))
+        assert all(r["phases_s"][p] > 0 for p in ("rollout", "fwd_bwd", "optimizer"))
+        assert r["phases_s"]["logprobs"] == 0  # the IS ratio comes from the loss forward (qerl.importance)
         assert r["step_s"] == pytest.approx(sum(r["phases_s"].values()), rel=1e-3, abs=1e-3)
         assert r["forced_length"] and r["completion_lengths"] == [16] and r["decode_steps"] == 15
         assert r["gradient_checkpointing"] and r["lora_updated"]
@@ -170,3 +171,11 @@ def test_baseline_gives_the_data_parallel_throughput_ratio(grpo_step: ModuleType
         grpo_step.parse(["--shapes", "7b", "--baseline", str(baseline), "--tokens", "1024"])  # another global batch
     with pytest.raises(SystemExit):
         grpo_step.parse(["--n", "8", "--micro-batch", "8"])  # 4 per process cannot hold a micro-batch of 8
+
+
+def test_trl_logprob_pass_is_timed_on_request(grpo_step: ModuleType, tmp_path: Path) -> None:
+    """``--trl-logprob-pass`` restores trl's no-grad old-log-prob pass, so the A/B of that pass is one flag."""
+    out = tmp_path / "grpo_step.json"
+    grpo_step.main(["--tiny", "--bases", "nvfp4", "--trl-logprob-pass", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["status"] == "ok" and row["phases_s"]["logprobs"] > 0
