@@ -135,6 +135,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     _close(att, ref_att, tol, "decode_attention (shrink)")
     _close(flat.view(b, 12), ref_u.u, 2 * tol, "decode_attention u")
     check_rope_in_attention(rnd, dev, dev(a))
+    check_qk_norm_in_attention(rnd, dev, dev(a), tol)
     qw, kw, vw = rnd(b, 16, hd), rnd(b, nkv, s, hd).to(device), rnd(b, nkv, s, hd).to(device)  # 16 heads x 16 = 256
     natural = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5)[0].cpu()
     permuted = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, permute=True)[0].cpu()
@@ -207,6 +208,42 @@ def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> Non
         assert torch.equal(k2, k1) and torch.equal(v2, v1), "decode_attention(rope=): cache"
         assert torch.equal(got[0], want[0]), "decode_attention(rope=): output"
         assert lora is None or torch.equal(got[1], want[1]), "decode_attention(rope=): u"
+
+
+def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: int = 200) -> None:  # noqa: ANN001
+    """Qwen3's per-head q / k norms inside the RoPE kernels: ``rope_and_cache(qk_norm=)`` against torch's
+    ``decoder.qk_norm`` + ``reference.rope_and_cache`` (q, k cache, v cache), and ``decode_attention(rope=,
+    qk_norm=)`` bit for bit against ``rope_and_cache(qk_norm=)`` + ``decode_attention``, caches included."""
+    b, nh, nkv, hd = 3, 8, 2, 16
+    kc, vc, q, k, v = rnd(b, nkv, s, hd), rnd(b, nkv, s, hd), rnd(b, nh * hd, scale=3.0), rnd(b, nkv * hd), rnd(b, nkv * hd)
+    cos, sin, pos = rnd(s, hd), rnd(s, hd), torch.tensor([0, 117, s - 1])
+    qw, kw = 1 + 0.5 * rnd(hd).float(), 1 + 0.5 * rnd(hd).float()  # fp32, as trained norms are kept
+    norms = (Norm(qw, 1e-6), Norm(kw, 1e-5))
+    fused = (dev(qw), dev(kw), 1e-6, 1e-5)
+    kr, vr = kc.float().clone(), vc.float().clone()
+    qn, kn = decoder.qk_norm(q.float(), k.float(), norms, hd)
+    q_ref = reference.rope_and_cache(qn, kn, v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv, hd)
+    k1, v1 = dev(kc), dev(vc)
+    q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), k1, v1, nh, nkv, hd, fused)
+    _close(q1, q_ref, 2 * tol, "qk-normed rope q")
+    _close(k1, kr, 2 * tol, "qk-normed rope k cache")
+    assert torch.equal(v1.cpu().float(), vr), "qk-normed rope: v cache"
+    plain = fused_step.rope_and_cache(dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), dev(kc), dev(vc), nh, nkv, hd)
+    assert (plain.cpu().float() - q_ref).abs().max() > 10 * tol * q_ref.abs().max(), "the norms changed nothing"
+    for lora in (None, lora_a):
+        k1, v1, k2, v2 = dev(kc), dev(vc), dev(kc), dev(vc)
+        q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), k1, v1, nh, nkv, hd, fused)
+        want = fused_step.decode_attention(q1, k1, v1, dev(pos), hd**-0.5, lora)
+        got = fused_step.decode_attention(dev(q).view(b, nh, hd), k2, v2, dev(pos), hd**-0.5, lora,
+                                          rope=(dev(k), dev(v), dev(cos), dev(sin)), qk_norm=fused)  # fmt: skip
+        assert torch.equal(k2, k1) and torch.equal(v2, v1), "decode_attention(rope=, qk_norm=): cache"
+        assert torch.equal(got[0], want[0]), "decode_attention(rope=, qk_norm=): output"
+        assert lora is None or torch.equal(got[1], want[1]), "decode_attention(rope=, qk_norm=): u"
+    try:
+        fused_step.decode_attention(dev(q).view(b, nh, hd), dev(kc), dev(vc), dev(pos), hd**-0.5, qk_norm=fused)
+        raise AssertionError("decode_attention accepted qk_norm= without rope=")
+    except ValueError as err:
+        assert "rope=" in str(err)
 
 
 def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
@@ -360,6 +397,33 @@ def check_engine_interpreted() -> None:
         abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)
     )
     assert worst < 1e-4, worst
+    check_qwen3_engine_interpreted()
+
+
+def check_qwen3_engine_interpreted() -> None:
+    """A tiny NVFP4+LoRA Qwen3 (q / k norms drawn around 1) through every rollout kernel, its head norms in the
+    RoPE kernel and then in the attention kernel: greedy tokens equal transformers', log-probs within 1e-4."""
+    from test_rollout_engines import PROMPTS, greedy
+    from tiny_models import nvfp4_lora, tiny_family
+
+    from qerl.kernels import schedule
+    from qerl.rollout import get_engine
+    from qerl.rollout.native import NativeEngine
+
+    model = nvfp4_lora(tiny_family("qwen3", 3), group_scales=True)
+    prompts = PROMPTS[:3]
+    ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))
+    default = schedule.ROPE_IN_ATTENTION
+    try:
+        for rope_in_attention in (False, True):
+            schedule.ROPE_IN_ATTENTION = rope_in_attention
+            out = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
+            assert out.completion_ids == ref.completion_ids, f"qwen3 (rope in attention {rope_in_attention}): greedy"
+            worst = max(abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True)
+                        for a, b in zip(la, lb, strict=True))  # fmt: skip
+            assert worst < 1e-4, (rope_in_attention, worst)
+    finally:
+        schedule.ROPE_IN_ATTENTION = default
 
 
 if __name__ == "__main__":

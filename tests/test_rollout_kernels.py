@@ -97,3 +97,40 @@ def test_rank_kernel_fits_registers(block: int) -> None:
     assert spills(most) == 0
     if block == 8192:
         assert spills(2 * most) > 0
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (compiles for sm_90 on any machine)")
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_kernels_compile_for_sm90(qk_norm: bool) -> None:
+    """The RoPE-cache kernel and the RoPE-in-attention partial kernel at Qwen3-8B's head shape (32 / 8 heads of 128)
+    compile for sm_90 without local-memory spills, with Qwen3's head norms (weights given) and without them (None:
+    a compile-time constant, so every other family's kernels are the ones compiled before the norms existed)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qerl.kernels import step_attention
+
+    norm = ({"qw_ptr": "*fp32", "kw_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32"}, {}) if qk_norm else (
+        dict.fromkeys(("qw_ptr", "kw_ptr", "q_eps", "k_eps"), "constexpr"),
+        dict.fromkeys(("qw_ptr", "kw_ptr", "q_eps", "k_eps")))  # fmt: skip
+    strides = dict.fromkeys(("skb", "skh", "sks", "svb", "svh", "svs"), "i32")
+
+    def sass(fn: object, sig: dict[str, str], consts: dict[str, object], warps: int) -> str:
+        sig = {**sig, **norm[0], **strides, **dict.fromkeys(consts, "constexpr")}
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, **norm[1]}),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
+        return compiled.asm["sass"]
+
+    io = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr"), "*bf16")
+    rope = sass(step_attention._rope_cache_kernel, {**io, "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64"},
+                {"H": 32, "HKV": 8, "D": 128}, 1)  # fmt: skip
+    sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "kn_ptr", "vn_ptr", "cos_ptr", "sin_ptr"), "*bf16"), "pos_ptr": "*i64",
+           **dict.fromkeys(("m_ptr", "l_ptr", "acc_ptr"), "*fp32"), "scale": "fp32", "chunk": "i32", "nsplit": "i32"}
+    partial = sass(step_attention._attn_partial_kernel, sig,
+                   {"HKV": 8, "G": 4, "GP": 16, "D": 128, "BLOCK_N": 32, "IEEE": False, "ROPE": True}, 4)  # fmt: skip
+    for code in (rope, partial):
+        assert not re.findall(r"\b(?:LDL|STL)\b", code)
+    assert (code.count("MUFU.RSQ") > 0) == qk_norm  # the head norms' rsqrt, only where they are compiled in

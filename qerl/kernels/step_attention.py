@@ -1,7 +1,10 @@
 """The decode step's attention: RoPE + the KV-cache write (``rope_and_cache``) and split-K flash-decoding over the
 static cache (``decode_attention``: a partial kernel per key chunk, a combine kernel per head that also reduces
 o_proj's LoRA shrink, ``step_base``). With ``rope=`` the partial kernel ropes q and writes this step's k / v itself,
-one launch a layer fewer (``schedule.ROPE_IN_ATTENTION``). Rounding follows transformers' modules.
+one launch a layer fewer (``schedule.ROPE_IN_ATTENTION``). Qwen3's per-head q / k RMSNorms (``qk_norm=``) run inside
+whichever kernel does the RoPE, on the head it already holds: no launch and no pass over q / k of their own. Without
+them the norm weights are None, a compile-time constant: the other families' kernels are compiled as before.
+Rounding follows transformers' modules.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import triton.language as tl
 from . import backend, pdl
 from .fp4_base import nibble_major
 from .step_base import TARGET_PROGRAMS, check_permute, finish_shrink, load_a, part_tile, rank_dot, rank_pad, trigger
+
+#: Qwen3's per-head norms for the attention kernels: (q_norm weight ``[D]``, k_norm weight ``[D]``, q eps, k eps).
+QKNorm = tuple[torch.Tensor, torch.Tensor, float, float]
 
 
 @triton.jit
@@ -31,12 +37,22 @@ def _rope(x, xr, cos, sin, DT: tl.constexpr):
 
 
 @triton.jit
+def _head_norm(x, rstd, w_ptr, cols, DT: tl.constexpr):
+    """Qwen3's per-head q/k RMSNorm tail on fp32 ``x`` given its head's ``rstd`` (``rsqrt(mean(head^2) + eps)``):
+    (x * rstd) rounded to the activation dtype, times the weight at ``cols``, rounded again (transformers'
+    ``Qwen3RMSNorm``); fp32 values out, ready for the RoPE."""
+    y = (x * rstd).to(DT).to(tl.float32)
+    return (tl.load(w_ptr + cols).to(tl.float32) * y).to(DT).to(tl.float32)
+
+
+@triton.jit
 def _rope_cache_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr, q_eps, k_eps,
     skb, skh, sks, svb, svh, svs,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, j): j < H ropes q head j; then k heads (into the cache); then v heads (copied)."""
+    """Program (row, j): j < H ropes q head j; then k heads (into the cache); then v heads (copied). With the norm
+    weights ``qw_ptr`` / ``kw_ptr`` (Qwen3; None otherwise: compiled out) each q / k head is RMS-normed first."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, D)
@@ -53,7 +69,15 @@ def _rope_cache_kernel(
         src = v_ptr + b * (HKV * D) + (j - H - HKV) * D
     x = tl.load(src + offs).to(tl.float32)
     if j < H + HKV:
-        y = _rope(x, tl.load(src + partner).to(tl.float32) * sign, cos, sin, dt)
+        xr = tl.load(src + partner).to(tl.float32)
+        if qw_ptr is not None:
+            if j < H:
+                rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + q_eps)
+                x, xr = _head_norm(x, rstd, qw_ptr, offs, dt), _head_norm(xr, rstd, qw_ptr, partner, dt)
+            else:
+                rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + k_eps)
+                x, xr = _head_norm(x, rstd, kw_ptr, offs, dt), _head_norm(xr, rstd, kw_ptr, partner, dt)
+        y = _rope(x, xr * sign, cos, sin, dt)
         if j < H:
             tl.store(qo_ptr + b * (H * D) + j * D + offs, y)
         else:
@@ -65,12 +89,15 @@ def _rope_cache_kernel(
 def rope_and_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """RoPE q (returned ``[B, H, D]``) and k, write k and v into cache slot ``pos`` of each row."""
+    """RoPE q (returned ``[B, H, D]``) and k, write k and v into cache slot ``pos`` of each row; with ``qk_norm``
+    (Qwen3's ``(q weight, k weight, q eps, k eps)``) each q / k head RMS-normed before its RoPE."""
     b = q.shape[0]
     q_out = torch.empty(b, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    qw, kw, q_eps, k_eps = qk_norm if qk_norm is not None else (None, None, None, None)
     _rope_cache_kernel[(b, num_heads + 2 * num_kv_heads)](
-        q, k, v, cos, sin, pos, q_out, k_cache, v_cache,
+        q, k, v, cos, sin, pos, q_out, k_cache, v_cache, qw, kw, q_eps, k_eps,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, HKV=num_kv_heads, D=head_dim, num_warps=1,
@@ -80,7 +107,7 @@ def rope_and_cache(
 
 @triton.jit
 def _attn_partial_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_eps, k_eps,
     skb, skh, sks, svb, svh, svs, scale, chunk, nsplit,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
@@ -89,7 +116,7 @@ def _attn_partial_kernel(
     of the row's valid prefix (slots <= pos). With ROPE, q comes un-rotated and every program ropes its
     heads itself; the program whose chunk holds slot pos also ropes this step's key (``kn_ptr``) and
     writes it and the value (``vn_ptr``) into the cache before reading its chunk (``_rope_cache_kernel``'s
-    work, bit for bit, without its launch)."""
+    work, bit for bit, without its launch), Qwen3's q / k head norms included when ``qw_ptr`` is given."""
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -109,12 +136,20 @@ def _attn_partial_kernel(
         pos = length - 1
         cos = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
         sin = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
-        q_r = tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sign[None, :]
-        q = _rope(q.to(tl.float32), q_r, cos[None, :], sin[None, :], dt)
+        q_r = tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q = q.to(tl.float32)
+        if qw_ptr is not None:
+            q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) / D + q_eps)[:, None]
+            q, q_r = _head_norm(q, q_rstd, qw_ptr, offs_d[None, :], dt), _head_norm(q_r, q_rstd, qw_ptr, partner[None, :], dt)
+        q = _rope(q, q_r * sign[None, :], cos[None, :], sin[None, :], dt)
         if (start <= pos) & (pos < end):
             new = b * (HKV * D) + kvh * D
-            k_r = tl.load(kn_ptr + new + partner).to(tl.float32) * sign
-            k_new = _rope(tl.load(kn_ptr + new + offs_d).to(tl.float32), k_r, cos, sin, dt)
+            k_r = tl.load(kn_ptr + new + partner).to(tl.float32)
+            k_new = tl.load(kn_ptr + new + offs_d).to(tl.float32)
+            if qw_ptr is not None:
+                k_rstd = tl.rsqrt(tl.sum(k_new * k_new, axis=0) / D + k_eps)
+                k_new, k_r = _head_norm(k_new, k_rstd, kw_ptr, offs_d, dt), _head_norm(k_r, k_rstd, kw_ptr, partner, dt)
+            k_new = _rope(k_new, k_r * sign, cos, sin, dt)
             tl.store(k_ptr + b * skb + kvh * skh + pos * sks + offs_d, k_new)
             tl.store(v_ptr + b * svb + kvh * svh + pos * svs + offs_d, tl.load(vn_ptr + new + offs_d))
             tl.debug_barrier()  # the chunk loop below reads slot pos back
@@ -190,11 +225,15 @@ def decode_attention(
     lora_a: torch.Tensor | None = None,
     permute: bool = False,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
     with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None.
     ``permute`` as in ``rms_norm`` (out only; u is the same). ``rope = (k, v, cos, sin)``: q is not rotated
-    yet and this step's k / v (``[B, Hkv*D]``) are not in the cache: ``rope_and_cache``'s work is done here."""
+    yet and this step's k / v (``[B, Hkv*D]``) are not in the cache: ``rope_and_cache``'s work is done here,
+    ``qk_norm`` (with ``rope`` only) included."""
+    if qk_norm is not None and rope is None:
+        raise ValueError("decode_attention: qk_norm= comes with rope= (the norms precede the RoPE)")
     b, h, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -206,8 +245,9 @@ def decode_attention(
     lsum = torch.empty_like(m)
     acc = torch.empty(b * h * nsplit, d, dtype=torch.float32, device=q.device)
     kn, vn, cos, sin = rope if rope is not None else (q, q, q, q)
+    qw, kw, q_eps, k_eps = qk_norm if qk_norm is not None else (None, None, None, None)
     _attn_partial_kernel[(b * hkv, nsplit)](
-        q, k_cache, v_cache, pos, m, lsum, acc, kn, vn, cos, sin,
+        q, k_cache, v_cache, pos, m, lsum, acc, kn, vn, cos, sin, qw, kw, q_eps, k_eps,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale, chunk, nsplit,
         HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,

@@ -129,9 +129,8 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, norms: tuple[Norm, Norm], head_dim
     """Qwen3's per-head RMSNorms on q ``[..., H*D]`` and k ``[..., Hkv*D]``, before RoPE, as transformers
     applies them (over each head's D values, one weight shared by every head).
 
-    Plain torch on every device, CUDA graphs included: the fused attention kernel does RoPE and the
-    cache write, and folding the norm into it would change its compiled code for every other family;
-    two small elementwise passes a layer cost far less than the matmuls around them."""
+    In torch: the prefill (once per prompt) and every CPU step. A GPU decode step runs them inside the
+    kernel that does the RoPE (``rope_attention``): in torch they were ~14 launches a layer."""
     q_norm, k_norm = norms
     q = reference.rms_norm(q.unflatten(-1, (-1, head_dim)), None, q_norm.weight, q_norm.eps).flatten(-2)
     k = reference.rms_norm(k.unflatten(-1, (-1, head_dim)), None, k_norm.weight, k_norm.eps).flatten(-2)
@@ -149,17 +148,24 @@ def rope_attention(
     v_cache: torch.Tensor,
     scale: float,
     group: Group | None = None,
+    qk_norms: tuple[Norm, Norm] | None = None,
 ) -> tuple[torch.Tensor, LoraInputs]:
-    """RoPE of this step's q and k, k / v written at slot ``pos``, then ``decode_attention``: q ``[B, H*D]``,
-    k / v ``[B, Hkv*D]``, cos / sin the full ``[S, D]`` tables, caches ``[B, Hkv, S, D]`` views of this
-    layer cut to the attended length. On the GPU with ``schedule.ROPE_IN_ATTENTION`` the
-    attention kernel does the RoPE and the cache write itself (one launch fewer, the same bits)."""
+    """Qwen3's q / k head norms (``qk_norms``), RoPE of this step's q and k, k / v written at slot ``pos``,
+    then ``decode_attention``: q ``[B, H*D]``, k / v ``[B, Hkv*D]``, cos / sin the full ``[S, D]`` tables,
+    caches ``[B, Hkv, S, D]`` views of this layer cut to the attended length. On the GPU the kernel that
+    does the RoPE does the norms too, and with ``schedule.ROPE_IN_ATTENTION`` that kernel is the attention
+    kernel itself (one launch fewer, the same bits)."""
     d = cos.shape[-1]
     b, hkv = q.shape[0], k_cache.shape[1]
-    if backend.available(q) and schedule.ROPE_IN_ATTENTION:
-        return decode_attention(q.view(b, -1, d), k_cache, v_cache, pos, scale, group, rope=(k, v, cos, sin))
-    impl = kernels.step_kernels() if backend.available(q) else reference
-    q = impl.rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv, d)
+    if not backend.available(q):
+        if qk_norms is not None:
+            q, k = qk_norm(q, k, qk_norms, d)
+        q = reference.rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv, d)
+        return decode_attention(q, k_cache, v_cache, pos, scale, group)
+    norms = None if qk_norms is None else (qk_norms[0].weight, qk_norms[1].weight, qk_norms[0].eps, qk_norms[1].eps)
+    if schedule.ROPE_IN_ATTENTION:
+        return decode_attention(q.view(b, -1, d), k_cache, v_cache, pos, scale, group, rope=(k, v, cos, sin), qk_norm=norms)
+    q = kernels.step_kernels().rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv, d, norms)
     return decode_attention(q, k_cache, v_cache, pos, scale, group)
 
 
@@ -248,12 +254,14 @@ def decode_attention(
     scale: float,
     group: Group | None = None,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> tuple[torch.Tensor, LoraInputs]:
     """One query token per row against a static cache -> ``([B, H*D], lora inputs of group)``.
 
     q ``[B, H, D]``; caches ``[B, Hkv, S, D]`` (already holding this step's key/value); row ``i``
     attends to slots ``<= pos[i]``. GQA views q as ``[B, Hkv, G, D]`` so each cache byte is read once.
-    ``rope`` (``rope_attention``, kernels only): ``fused_step.decode_attention``'s, q not rotated yet.
+    ``rope`` and ``qk_norm`` (``rope_attention``, kernels only): ``fused_step.decode_attention``'s, q not
+    rotated yet.
     """
     if rope is not None and not backend.available(q):
         raise ValueError("decoder.decode_attention: rope= needs the fused kernels (a CUDA tensor with triton)")
@@ -261,7 +269,7 @@ def decode_attention(
         permuted = _gluon_order(q, q.shape[0], q.shape[1] * q.shape[2], group)
         fuse = _fuse_lora(q, q.shape[0], group)
         out, flat = kernels.step_kernels().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None,
-                                                          permute=permuted, rope=rope)  # fmt: skip
+                                                          permute=permuted, rope=rope, qk_norm=qk_norm)  # fmt: skip
         return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group, permuted))
     out = reference.decode_attention(q, k_cache, v_cache, pos, scale)
     return out, lora_inputs(out, group)

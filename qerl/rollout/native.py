@@ -266,6 +266,8 @@ class NativeEngine:
         hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, None]:
+            if plan.layers[i].qk_norms is not None:
+                q, k = decoder.qk_norm(q, k, plan.layers[i].qk_norms, hd)
             q = reference.apply_rope(q.view(p, width, nh, hd), cos, sin).transpose(1, 2)
             k = reference.apply_rope(k.view(p, width, nkv, hd), cos, sin).transpose(1, 2)
             v = v.view(p, width, nkv, hd).transpose(1, 2)
@@ -290,9 +292,7 @@ class NativeEngine:
         h, x, lora = decoder.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
         for i, layer in enumerate(plan.layers):
             q, k, v = decoder.group_forward(x, layer.qkv, lora)
-            if layer.qk_norms is not None:
-                q, k = decoder.qk_norm(q, k, layer.qk_norms, plan.head_dim)
-            attn, lora = attend(i, q, k, v)
+            attn, lora = attend(i, q, k, v)  # Qwen3's q / k norms included
             (o,) = decoder.group_forward(attn, layer.o, lora)
             h, x, lora = decoder.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
             gate, up = decoder.group_forward(x, layer.gate_up, lora)
@@ -316,7 +316,7 @@ class NativeEngine:
             k_cache, v_cache = state.k[i, : key.batch], state.v[i, : key.batch]
             kv = key.kv_len
             return decoder.rope_attention(q, k, v, state.cos, state.sin, slots.pos, k_cache[:, :, :kv], v_cache[:, :, :kv],
-                                          hd**-0.5, plan.layers[i].o)  # fmt: skip
+                                          hd**-0.5, plan.layers[i].o, plan.layers[i].qk_norms)  # fmt: skip
 
         logits = plan.lm_head(self._layers(plan, plan.embed(slots.tokens), attend))
         if key.forced:
