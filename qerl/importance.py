@@ -7,15 +7,16 @@ no-grad forward over the whole batch right after generation (``old_per_token_log
 consumed within one optimizer step (``gradient_accumulation_steps`` a multiple of ``steps_per_generation *
 num_iterations``: trl's own test for "aligned" steps), no weight changes between that pass and the loss forward,
 so its log-probs are the loss forward's, detached; and trl's loss already takes ``per_token_logps.detach()`` as
-the old log-probs when none are given. The extra pass is a third of the loss forward + backward's work over the
-same tokens (one forward of three), for a ratio the loss forward can give.
+the old log-probs when none are given. The extra pass is one more forward over the batch's tokens beside the three
+to four of the loss forward + backward (four under gradient checkpointing), for a ratio the loss forward can give.
 
 So :class:`LossPassRatio`, a mixin of ``QeRLTrainer``, lets trl skip that pass (its generation sees the
 correction switched off) and fills ``importance_sampling_ratio`` in each micro-batch from the log-probs the loss
 forward has just computed, before trl's loss reads it: the same formula (:func:`rollout_ratio`) on the same
-numbers, and trl's ``sampling/*`` metrics under their names, over each whole generation. ``is_ratio_from_loss_pass=False``
-restores trl's separate pass; options that are not aligned (``num_iterations`` > 1, ...) or take another loss
-path (``use_liger_kernel``) keep it regardless.
+numbers, and trl's ``sampling/*`` metrics under their names, over each whole generation.
+``is_ratio_from_loss_pass=False`` restores trl's separate pass; options that are not aligned (``num_iterations``
+> 1 with one generation per optimizer step, ...) or take another loss path (``use_liger_kernel``) keep it
+regardless.
 """
 
 from __future__ import annotations
