@@ -85,7 +85,7 @@ def load_model(
 
 
 def _load_nvfp4(model_dir: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    tensors = checkpoint.TensorIndex(model_dir)
+    tensors = checkpoint.TensorIndex(model_dir, keep_open=True)
     config = AutoConfig.from_pretrained(model_dir)
     # Drop the quantization block so transformers builds plain modules; we do the swapping.
     if hasattr(config, "quantization_config"):
@@ -95,6 +95,7 @@ def _load_nvfp4(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Pr
     _swap_quantized_linears(model, tensors, model_dir, dtype)
     model.to_empty(device=device)
     _fill_from_checkpoint(model, tensors, model_dir)
+    tensors.close()
     # Non-persistent buffers (rotary inv_freq) are not in checkpoints: recompute them the way
     # transformers does after its own meta-device loading.
     for module in model.modules():
