@@ -441,14 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     rows_dir.mkdir(parents=True, exist_ok=True)
     shared = ["--dir", str(args.dir), "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--lora-r",
               str(args.lora_r), "--micro", str(args.micro), "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
-    env = dict(os.environ)
+    # trl's colocated vLLM joins a process group of one; qerl's arms get the environment as it is.
+    group_of_one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
     for batch in args.batches:
         for arm in args.arms:
             row = rows_dir / f"{arm}_{batch}.json"
             cmd = [sys.executable, "-m", "benchmarks.e2e", "arm", *shared, *(["--tiny"] if args.tiny else []),
                    "--arm", arm, "--batch", batch, "--row", str(row)]  # fmt: skip
-            if ARMS[arm].trainer == "trl":  # trl's colocated vLLM joins a process group of one
-                env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+            env = {**os.environ, **(group_of_one if ARMS[arm].trainer == "trl" else {})}
             code, stopped = run_stoppable(cmd, env=env)
             print(f"{arm} {batch}: exit {code}", flush=True)
             if stopped:
