@@ -56,7 +56,7 @@ class LossPassRatio:
 
     def _ratio_from_loss_pass(self) -> bool:
         args = self.args
-        return bool(getattr(args, "is_ratio_from_loss_pass", False) and self.use_vllm
+        return bool(args.is_ratio_from_loss_pass and self.use_vllm
                     and self.vllm_importance_sampling_correction and not args.use_liger_kernel
                     and args.gradient_accumulation_steps % (args.steps_per_generation * self.num_iterations) == 0)
 

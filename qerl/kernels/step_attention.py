@@ -37,12 +37,20 @@ def _rope(x, xr, cos, sin, DT: tl.constexpr):
 
 
 @triton.jit
-def _head_norm(x, rstd, w_ptr, cols, DT: tl.constexpr):
-    """Qwen3's per-head q/k RMSNorm tail on fp32 ``x`` given its head's ``rstd`` (``rsqrt(mean(head^2) + eps)``):
-    (x * rstd) rounded to the activation dtype, times the weight at ``cols``, rounded again (transformers'
-    ``Qwen3RMSNorm``); fp32 values out, ready for the RoPE."""
+def _scaled(x, rstd, w_ptr, cols, DT: tl.constexpr):
+    """transformers' ``Qwen3RMSNorm`` tail: (x * rstd) rounded to the activation dtype, times the weight at
+    ``cols``, rounded again; fp32 values out."""
     y = (x * rstd).to(DT).to(tl.float32)
     return (tl.load(w_ptr + cols).to(tl.float32) * y).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _head_norm(x, xr, w_ptr, eps, cols, partner, D: tl.constexpr, AXIS: tl.constexpr, DT: tl.constexpr):
+    """Qwen3's per-head q / k RMSNorm of fp32 head(s) ``x`` (``[D]``, or ``[G, D]`` with ``AXIS`` 1) and of ``xr``,
+    their elements at the RoPE ``partner`` columns, both scaled by the head's ``rsqrt(mean(x^2) + eps)``: the
+    normed head and its normed partners, ready for ``_rope``."""
+    rstd = tl.expand_dims(tl.rsqrt(tl.sum(x * x, axis=AXIS) / D + eps), AXIS)
+    return _scaled(x, rstd, w_ptr, cols, DT), _scaled(xr, rstd, w_ptr, partner, DT)
 
 
 @triton.jit
@@ -72,11 +80,9 @@ def _rope_cache_kernel(
         xr = tl.load(src + partner).to(tl.float32)
         if qw_ptr is not None:
             if j < H:
-                rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + q_eps)
-                x, xr = _head_norm(x, rstd, qw_ptr, offs, dt), _head_norm(xr, rstd, qw_ptr, partner, dt)
+                x, xr = _head_norm(x, xr, qw_ptr, q_eps, offs, partner, D, 0, dt)
             else:
-                rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + k_eps)
-                x, xr = _head_norm(x, rstd, kw_ptr, offs, dt), _head_norm(xr, rstd, kw_ptr, partner, dt)
+                x, xr = _head_norm(x, xr, kw_ptr, k_eps, offs, partner, D, 0, dt)
         y = _rope(x, xr * sign, cos, sin, dt)
         if j < H:
             tl.store(qo_ptr + b * (H * D) + j * D + offs, y)
@@ -139,16 +145,14 @@ def _attn_partial_kernel(
         q_r = tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
         q = q.to(tl.float32)
         if qw_ptr is not None:
-            q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) / D + q_eps)[:, None]
-            q, q_r = _head_norm(q, q_rstd, qw_ptr, offs_d[None, :], dt), _head_norm(q_r, q_rstd, qw_ptr, partner[None, :], dt)
+            q, q_r = _head_norm(q, q_r, qw_ptr, q_eps, offs_d[None, :], partner[None, :], D, 1, dt)
         q = _rope(q, q_r * sign[None, :], cos[None, :], sin[None, :], dt)
         if (start <= pos) & (pos < end):
             new = b * (HKV * D) + kvh * D
             k_r = tl.load(kn_ptr + new + partner).to(tl.float32)
             k_new = tl.load(kn_ptr + new + offs_d).to(tl.float32)
             if qw_ptr is not None:
-                k_rstd = tl.rsqrt(tl.sum(k_new * k_new, axis=0) / D + k_eps)
-                k_new, k_r = _head_norm(k_new, k_rstd, kw_ptr, offs_d, dt), _head_norm(k_r, k_rstd, kw_ptr, partner, dt)
+                k_new, k_r = _head_norm(k_new, k_r, kw_ptr, k_eps, offs_d, partner, D, 0, dt)
             k_new = _rope(k_new, k_r * sign, cos, sin, dt)
             tl.store(k_ptr + b * skb + kvh * skh + pos * sks + offs_d, k_new)
             tl.store(v_ptr + b * svb + kvh * svh + pos * svs + offs_d, tl.load(vn_ptr + new + offs_d))
