@@ -65,7 +65,7 @@ from benchmarks.common import (
 )
 from benchmarks.common import versions as package_versions
 from benchmarks.grpo_floors import COPY_BW, MATMUL_FLOPS, floors, shape_counts
-from benchmarks.grpo_harness import PhaseClock, Probe, build_tokenizer, gb, sig
+from benchmarks.grpo_harness import PhaseClock, Probe, build_tokenizer, gb, load_benchmark_tokenizer, sig
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,10 @@ TARGETS = {
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
-def model_shape(tiny: bool) -> tuple[dict[str, int], int, str]:
-    """(decoder shape, vocabulary, model type): Qwen2.5-7B's, or a 2-layer Llama for CPU smoke runs."""
-    return (TINY, TINY_VOCAB, "llama") if tiny else (SHAPES["7b"], VOCAB, "qwen2")
+def model_shape(tiny: bool) -> tuple[dict[str, int], int]:
+    """(decoder shape, vocabulary): Qwen2.5-7B's, or a 2-layer Qwen2 for CPU smoke runs (the same ``model_type``, so
+    the smoke run meets what transformers does per type, e.g. its choice of tokenizer class)."""
+    return (TINY, TINY_VOCAB) if tiny else (SHAPES["7b"], VOCAB)
 
 
 def prepare(root: Path, tiny: bool) -> dict[str, Path]:
@@ -109,12 +110,12 @@ def prepare(root: Path, tiny: bool) -> dict[str, Path]:
     from qerl.fsutil import atomic_directory
     from qerl.quantize import quantize_checkpoint
 
-    shape, vocab, model_type = model_shape(tiny)
+    shape, vocab = model_shape(tiny)
     dirs = {"bf16": root / "bf16", "nvfp4": root / "nvfp4"}
     if not (dirs["bf16"] / "config.json").exists():
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The only stop id is the tokenizer's EOS, outside the vocabulary (build_tokenizer): forced length.
-        model = random_model(shape, vocab, False, device, torch.bfloat16, model_type, bos_token_id=None, eos_token_id=None,
+        model = random_model(shape, vocab, False, device, torch.bfloat16, "qwen2", bos_token_id=None, eos_token_id=None,
                              pad_token_id=0)  # fmt: skip
         with atomic_directory(dirs["bf16"]) as tmp:  # complete or absent
             model.save_pretrained(tmp)
@@ -221,7 +222,10 @@ def build_trainer(arm: Arm, ckpt: Path, args: argparse.Namespace, out_dir: str) 
     from datasets import Dataset
 
     prompts, n = BATCHES[args.batch]
-    rows = Dataset.from_list(prompt_rows(prompts, args.prompt, model_shape(args.tiny)[1]))
+    rows = prompt_rows(prompts, args.prompt, model_shape(args.tiny)[1])
+    # Every arm gets the checkpoint's tokenizer as saved (AutoTokenizer would swap in Qwen2's own class).
+    tokenizer = load_benchmark_tokenizer(ckpt, rows[0]["prompt"], args.prompt)
+    rows = Dataset.from_list(rows)
     accumulation = prompts * n // args.micro
     common = dict(output_dir=out_dir, max_steps=args.warmup + args.steps, per_device_train_batch_size=args.micro,
                   gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_generations=n,
@@ -235,15 +239,16 @@ def build_trainer(arm: Arm, ckpt: Path, args: argparse.Namespace, out_dir: str) 
         peft = LoraConfig(
             r=args.lora_r, lora_alpha=args.lora_r, target_modules=list(PROJECTIONS), task_type="CAUSAL_LM"
         )
-        return GRPOTrainer(str(ckpt), [hash_reward], config, train_dataset=rows, peft_config=peft)
-    from qerl.loader import load_model, load_tokenizer
+        return GRPOTrainer(str(ckpt), [hash_reward], config, train_dataset=rows, processing_class=tokenizer,
+                           peft_config=peft)
+    from qerl.loader import load_model
     from qerl.lora import lora_config
     from qerl.trainer import QeRLConfig, QeRLTrainer
 
     engine_kwargs = {"checkpoint": str(ckpt)} if arm.engine == "vllm" else None
     config = QeRLConfig(**common, rollout_engine=arm.engine, rollout_engine_kwargs=engine_kwargs)
     model = load_model(str(ckpt), device=config.device)
-    return QeRLTrainer(model, [hash_reward], config, train_dataset=rows, processing_class=load_tokenizer(str(ckpt)),
+    return QeRLTrainer(model, [hash_reward], config, train_dataset=rows, processing_class=tokenizer,
                        peft_config=lora_config(args.lora_r))  # fmt: skip
 
 
@@ -262,7 +267,7 @@ def measured_rates(device: torch.device) -> dict[str, float]:
 def arm_floors(arm: Arm, args: argparse.Namespace, rates: dict[str, float]) -> dict[str, float]:
     """grpo_floors' phase floors for this arm's work, at the measured rates; ``sync``: the bytes the sync must move
     at least (trl: every bf16 decoder weight once into vLLM; qerl's vLLM engine: the bf16 LoRA tensors)."""
-    shape, vocab, _ = model_shape(args.tiny)
+    shape, vocab = model_shape(args.tiny)
     prompts, n = BATCHES[args.batch]
     f = floors(shape, vocab, arm.base == "nvfp4", prompts * n, args.prompt, args.tokens, args.lora_r, args.micro)
     bw, flops = COPY_BW / rates["copy_bw"], MATMUL_FLOPS / rates["matmul_flops"]
@@ -393,7 +398,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("prepare", "run", "arm"):
         s = sub.add_parser(name)
         s.add_argument("--dir", type=Path, required=True, help="where the checkpoints live (bf16/, nvfp4/)")
-        s.add_argument("--tiny", action="store_true", help="a 2-layer Llama, short lengths: a CPU smoke run")
+        s.add_argument("--tiny", action="store_true", help="a 2-layer Qwen2, short lengths: a CPU smoke run")
         if name == "prepare":
             continue
         s.add_argument("--prompt", type=int, default=None, help="prompt tokens (256; tiny 8)")

@@ -71,6 +71,22 @@ def build_tokenizer(vocab: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="t0")
 
 
+def load_benchmark_tokenizer(path: str | Path, prompt: str, length: int) -> Any:
+    """``build_tokenizer``'s tokenizer saved beside a checkpoint, reloaded as itself; checks that ``prompt`` is
+    ``length`` ids.
+
+    Not through ``AutoTokenizer``: transformers 5 picks the class from the config's ``model_type`` for Qwen2
+    (``Qwen2Tokenizer``, a byte-level BPE) whatever the saved tokenizer is, and that one encodes every word-level
+    prompt to zero ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    got = len(tok(prompt).input_ids)
+    if got != length:
+        raise ValueError(f"{path}: its tokenizer encodes a {length}-token benchmark prompt to {got} ids")
+    return tok
+
+
 def spread_reward(completions: list[str], **kwargs: Any) -> list[float]:
     """Cheap reward with spread across a group (decoded lengths of random ids differ), so the
     advantages, hence the gradients, are non-zero."""

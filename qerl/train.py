@@ -219,6 +219,19 @@ def is_main_launch_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def end_process_group() -> None:
+    """Under ``accelerate launch``, after a run that succeeded: wait for every rank, then close the process group.
+
+    Left open, the group is torn down by the interpreter's exit in whatever order the ranks get there: rank 0, which
+    hosts the rendezvous store, can be gone while another rank's gloo threads still talk to it, and that rank aborts
+    ("terminate called without an active exception") with a non-zero exit after a good run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     script, config = parse_args(argv)
@@ -229,9 +242,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = Path(config.output_dir)
     check_output_dir(out, script.model_name)
     if not is_main_launch_process():
-        return _train(script, config, out)
-    with run_lock(out, "--output_dir"):
-        return _train(script, config, out)
+        summary = _train(script, config, out)
+    else:
+        with run_lock(out, "--output_dir"):
+            summary = _train(script, config, out)
+    end_process_group()
+    return summary
 
 
 def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, Any]:

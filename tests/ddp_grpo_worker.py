@@ -114,3 +114,6 @@ if __name__ == "__main__":
     for kind in ("engine", "fixed"):
         result = run(model_dir, str(out_dir / kind), per_device, fixed=kind == "fixed")
         torch.save(result, out_dir / f"{kind}-rank{result['process_index']}.pt")
+    from qerl.train import end_process_group
+
+    end_process_group()  # as qerl.train does: no rank exits while another still uses the group

@@ -213,7 +213,11 @@ def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> Non
 def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: int = 200) -> None:  # noqa: ANN001
     """Qwen3's per-head q / k norms inside the RoPE kernels: ``rope_and_cache(qk_norm=)`` against torch's
     ``decoder.qk_norm`` + ``reference.rope_and_cache`` (q, k cache, v cache), and ``decode_attention(rope=,
-    qk_norm=)`` bit for bit against ``rope_and_cache(qk_norm=)`` + ``decode_attention``, caches included."""
+    qk_norm=)`` against ``rope_and_cache(qk_norm=)`` + ``decode_attention``: the caches bit for bit (each kernel
+    norms a k head as one ``[D]`` vector), the output and the shrink within ``tol``. A q head's sum of squares is
+    reduced over a ``[D]`` vector by ``rope_and_cache`` and over a ``[G, D]`` tile by the attention kernel: on a GPU
+    the two trees add in different orders (the last bit of a head's rstd differs, an H100 showed it), while the
+    interpreter adds both in numpy's order."""
     b, nh, nkv, hd = 3, 8, 2, 16
     kc, vc, q, k, v = rnd(b, nkv, s, hd), rnd(b, nkv, s, hd), rnd(b, nh * hd, scale=3.0), rnd(b, nkv * hd), rnd(b, nkv * hd)
     cos, sin, pos = rnd(s, hd), rnd(s, hd), torch.tensor([0, 117, s - 1])
@@ -237,8 +241,9 @@ def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: in
         got = fused_step.decode_attention(dev(q).view(b, nh, hd), k2, v2, dev(pos), hd**-0.5, lora,
                                           rope=(dev(k), dev(v), dev(cos), dev(sin)), qk_norm=fused)  # fmt: skip
         assert torch.equal(k2, k1) and torch.equal(v2, v1), "decode_attention(rope=, qk_norm=): cache"
-        assert torch.equal(got[0], want[0]), "decode_attention(rope=, qk_norm=): output"
-        assert lora is None or torch.equal(got[1], want[1]), "decode_attention(rope=, qk_norm=): u"
+        _close(got[0], want[0], tol, "decode_attention(rope=, qk_norm=): output")
+        if lora is not None:
+            _close(got[1], want[1], 2 * tol, "decode_attention(rope=, qk_norm=): u")
     try:
         fused_step.decode_attention(dev(q).view(b, nh, hd), dev(kc), dev(vc), dev(pos), hd**-0.5, qk_norm=fused)
         raise AssertionError("decode_attention accepted qk_norm= without rope=")

@@ -1,5 +1,5 @@
 """CPU smoke test of benchmarks/e2e.py (``--tiny``), so the end-to-end benchmark cannot rot between its H200 runs:
-the two native-engine arms train warm-up + timed steps on a 2-layer Llama checkpoint that ``prepare`` writes (bf16,
+the two native-engine arms train warm-up + timed steps on a 2-layer Qwen2 checkpoint (the real run's model type) that ``prepare`` writes (bf16,
 then NVFP4 through qerl's quantizer), every timed step is split into phases that add up to it, completions are
 forced to full length, the LoRA moves, and the report's summary and plot come out of the rows."""
 
@@ -24,7 +24,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_checkpoints_are_real(tiny_run: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     ckpt = Path(tiny_run["_out"]).parents[1] / "ckpt"
-    assert json.loads((ckpt / "bf16" / "config.json").read_text())["max_position_embeddings"] == 32768
+    config = json.loads((ckpt / "bf16" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32768 and config["model_type"] == "qwen2"
     quant = json.loads((ckpt / "nvfp4" / "config.json").read_text())["quantization_config"]
     assert quant["format"] == "nvfp4-pack-quantized"
 
@@ -60,3 +61,16 @@ def test_summary_ratios_point_the_right_way() -> None:
         and s["step_speedup_vs_vllm_rollout_nvfp4_b128_met"] is False
     )
     assert s["step_speedup_vs_trl_vllm_bf16_b128"] is None  # an arm that ran out of memory gives no ratio
+
+
+def test_every_arm_gets_prompts_of_the_asked_length(tiny_run: dict) -> None:
+    """The checkpoint's saved tokenizer, reloaded for the arms, encodes each prompt to ``--prompt`` ids (AutoTokenizer
+    on a qwen2 checkpoint gives transformers' Qwen2Tokenizer, which encoded them to none), and a tokenizer that does
+    not is refused by name before any arm is built."""
+    from benchmarks.grpo_harness import load_benchmark_tokenizer
+
+    ckpt = Path(tiny_run["_out"]).parents[1] / "ckpt" / "nvfp4"
+    prompt = e2e.prompt_rows(1, 8, e2e.TINY_VOCAB)[0]["prompt"]
+    assert len(load_benchmark_tokenizer(ckpt, prompt, 8)(prompt).input_ids) == 8
+    with pytest.raises(ValueError, match=r"nvfp4: its tokenizer encodes a 9-token benchmark prompt to 8 ids"):
+        load_benchmark_tokenizer(ckpt, prompt, 9)

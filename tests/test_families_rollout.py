@@ -4,6 +4,8 @@ GPU test (marker gpu) runs the fused kernels and CUDA graphs in bf16."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny_models import FAMILY_CONFIGS, nvfp4_lora, tiny_family
@@ -88,12 +90,15 @@ def test_unsupported_model_types_are_one_line_errors(model_type: str) -> None:
         NativeEngine(model, 0).generate([[1]], SamplingParams(max_new_tokens=2))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", FAMILIES)
-def test_gpu_teacher_forced_logits_bf16(family: str) -> None:
-    """bf16 NVFP4 + LoRA through the fused kernels and CUDA graphs, head_dim 128 as the real models:
-    max |native - transformers| <= 5% of max |logit|, the bound of test_rollout_engines' Qwen2 test."""
+def bf16_errors(family: str, device: str) -> tuple[float, float]:
+    """(engine, transformers) relative errors of bf16 NVFP4 + LoRA teacher-forced logits, head_dim 128 as the real
+    models, each ``||logits - exact|| / ||exact||`` over every completion position; ``exact`` is the same model
+    (the same bf16-rounded weights, NVFP4 codes and rope tables) run by transformers in fp32 on the CPU.
+
+    Why this bound and not a share of max |logit| against transformers' bf16 logits: with random weights, Llama 3
+    and Mistral are ill-conditioned in bf16. Transformers' own bf16 forward is ~8% off the fp32 forward of the same
+    weights (max |dlogit| ~4 of ~22), so two bf16 implementations that round in different orders differ by that
+    much, whichever is right (Qwen3's q/k norms tame it: ~2%). The engine must be as exact as transformers."""
     sizes = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
                  head_dim=128, max_position_embeddings=2048)  # fmt: skip
     model = tiny_family(family, 12, **sizes).to(torch.bfloat16)
@@ -102,12 +107,43 @@ def test_gpu_teacher_forced_logits_bf16(family: str) -> None:
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.mul_(0.1)
-    model = model.cuda()
+    exact = copy.deepcopy(model).float()  # NVFP4Linear keeps its packed codes and scales as they are
+    model = model.to(device)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (17, 250, 64)]
     completions = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (100, 40, 129)]
     engine = NativeEngine(model, 0)
-    worst, scale = full_forward_error(model, engine, prompts, completions)
-    assert engine.last_stats["graphs"] >= 1
-    print(f"{family} teacher-forced nvfp4+LoRA: max|dlogit|={worst:.4f}, max|logit|={scale:.3f}")
-    assert worst <= 0.05 * scale
+    got = torch.cat(engine.teacher_forced_logits(prompts, completions)).cpu()
+    if device == "cuda":
+        assert engine.last_stats["graphs"] >= 1
+    ref, hf = [], []
+    for prompt, comp in zip(prompts, completions, strict=True):
+        ids = torch.tensor([prompt + comp])
+        with torch.no_grad():
+            ref.append(exact(input_ids=ids).logits[0, len(prompt) - 1 : -1].float())
+            hf.append(model(input_ids=ids.to(device)).logits[0, len(prompt) - 1 : -1].float().cpu())
+    ref_all, hf_all = torch.cat(ref), torch.cat(hf)
+    assert got.shape == ref_all.shape
+    norm = ref_all.norm().item()
+    return (got - ref_all).norm().item() / norm, (hf_all - ref_all).norm().item() / norm
+
+
+def check_bf16_as_exact_as_transformers(family: str, device: str) -> None:
+    ours, theirs = bf16_errors(family, device)
+    print(f"{family} bf16 nvfp4+LoRA on {device}: engine {ours:.4f}, transformers {theirs:.4f} (relative to fp32)")
+    assert ours <= 1.3 * theirs + 1e-3
+    assert ours < 0.15  # an engine bug (a wrong rope, a dropped norm) is O(1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_teacher_forced_logits_bf16_cpu(family: str) -> None:
+    """The GPU test's model and bound through the engine's torch path in bf16."""
+    check_bf16_as_exact_as_transformers(family, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_teacher_forced_logits_bf16(family: str) -> None:
+    """bf16 NVFP4 + LoRA through the fused kernels and CUDA graphs."""
+    check_bf16_as_exact_as_transformers(family, "cuda")

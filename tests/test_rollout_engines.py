@@ -7,12 +7,15 @@ import torch
 from peft import get_peft_model
 from tiny_models import nvfp4_lora, tiny_llama, tiny_model, tiny_qwen2
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from qerl.aqn import draw_seed
 from qerl.linear import stack_fused_groups
 from qerl.lora import lora_config
 from qerl.rollout import SamplingParams, get_engine
 from qerl.rollout.native import NativeEngine
 from qerl.rollout.sampling import processed_logprobs
+from qerl.rollout.vllm_engine import request_seeds
 
 torch.set_num_threads(1)
 
@@ -188,6 +191,19 @@ def test_bad_inputs_have_clear_errors() -> None:
         get_engine(model, "pad", kind="hf")
 
 
+def test_vllm_request_seeds_fit_int64_for_every_trainer_seed() -> None:
+    """vLLM stores each request's ``seed + j`` (j < n) as int64: the trainer's 63-bit draws (``aqn.draw_seed``)
+    must land there, distinct per prompt and sample."""
+    n, prompts = 16, 64
+    for seed in (0, 5, 2**63 - 1, draw_seed(2**31 - 1, 10**6, 7), 6893945078351461698816014):
+        seeds = request_seeds(seed, prompts, n)
+        streams = {s + j for s in seeds for j in range(n)}
+        assert len(streams) == prompts * n
+        assert 0 <= min(streams) and max(streams) < 2**63
+    assert request_seeds(None, 3, 4) == [None] * 3
+    assert request_seeds(9, 2, 4) == request_seeds(9, 2, 4)
+
+
 def test_vllm_engine_missing_vllm_is_a_clear_error() -> None:
     pytest.importorskip("peft")
     try:
@@ -197,6 +213,49 @@ def test_vllm_engine_missing_vllm_is_a_clear_error() -> None:
             get_engine(tiny_llama(), 0, kind="vllm", checkpoint="unused")
     else:
         pytest.skip("vllm is installed here")
+
+
+#: Every setting that takes the engine's filtered (torch) sampling path, and the fused one.
+SAMPLING_SETTINGS = {
+    "temperature": dict(temperature=0.9),
+    "top_p": dict(temperature=0.9, top_p=0.95),
+    "top_k": dict(temperature=0.9, top_k=20),
+    "min_p": dict(temperature=0.9, min_p=0.05),
+    "penalty": dict(temperature=0.9, repetition_penalty=1.3),
+    "min_tokens": dict(temperature=0.9, min_tokens=8, stop_token_ids=[3]),
+    "greedy_penalty": dict(temperature=0.0, repetition_penalty=1.3),
+}
+
+
+class HostData(TorchDispatchMode):
+    """Records the ops that build a tensor from host data (``torch.tensor(...)``, ``t[i] = True``): on CUDA each is
+    a copy from pageable host memory, which CUDA-graph capture refuses. CPU tensors show the same ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("setting", list(SAMPLING_SETTINGS))
+def test_decode_step_takes_no_host_data(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode step the engine captures as a CUDA graph, traced on CPU: no op in it brings host data in."""
+    engine = NativeEngine(tiny_llama(10), 0)
+    step = engine._decode_step
+    seen = HostData()
+
+    def traced(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with seen:
+            return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_decode_step", traced)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=3, **SAMPLING_SETTINGS[setting]), n=2)
+    assert all(len(c) == 12 or c[-1] == 3 for c in out.completion_ids)
+    assert seen.ops == [], f"{setting}: {seen.ops[:3]} in the decode step"
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -240,6 +299,33 @@ def test_gpu_graph_sampling_is_seeded_and_sees_lora_updates() -> None:
     out = engine.generate(PROMPTS, greedy(32))
     assert out.completion_ids == get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(32)).completion_ids
     assert all(engine._graphs[k] is g for k, g in graphs.items() if k in engine._graphs)  # no recapture
+
+
+@pytest.mark.parametrize("setting", list(SAMPLING_SETTINGS))
+def test_capture_warm_up_leaves_no_trace(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graph capture's warm-up steps (run here on CPU, the "graph" replaying the step eagerly) change nothing a later
+    step reads: a seeded first generation, which captures, draws what a second one, which only replays, draws, and
+    what an engine without graphs draws."""
+    engine = NativeEngine(tiny_llama(10), 0)
+    monkeypatch.setattr(engine, "_graphed", lambda plan: True)
+    monkeypatch.setattr(engine, "_record", lambda step: step)
+    params = SamplingParams(max_new_tokens=16, seed=7, **SAMPLING_SETTINGS[setting])
+    first = engine.generate(PROMPTS, params, n=2).completion_ids
+    assert engine._graphs
+    assert engine.generate(PROMPTS, params, n=2).completion_ids == first
+    assert NativeEngine(tiny_llama(10), 0).generate(PROMPTS, params, n=2).completion_ids == first
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("setting", list(SAMPLING_SETTINGS))
+def test_gpu_every_sampling_setting_is_captured_and_seeded(setting: str) -> None:
+    """Each sampling setting runs as CUDA graphs, and a seed fixes its tokens."""
+    engine = NativeEngine(tiny_llama(10).cuda(), 0)
+    params = SamplingParams(max_new_tokens=24, seed=7, **SAMPLING_SETTINGS[setting])
+    a = engine.generate(PROMPTS, params, n=2)
+    assert engine.last_stats["graphs"] >= 1
+    assert engine.generate(PROMPTS, params, n=2).completion_ids == a.completion_ids
 
 
 def test_teacher_forced_logits_match_full_forward_cpu() -> None:

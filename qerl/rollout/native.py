@@ -339,7 +339,8 @@ class NativeEngine:
         logits = adjust_logits(logits, state.seen[row_id], state.penalty, banned)
         tok, lp = sample(logits, state.temperature, state.top_k, state.top_p, self._gen, min_p=state.min_p,
                          greedy=greedy, filtered=True)
-        state.seen[row_id, tok] = True
+        # A device-side True: ``seen[row_id, tok] = True`` would copy a host scalar in, which graph capture refuses.
+        state.seen.index_put_((row_id, tok), torch.ones_like(tok, dtype=torch.bool))
         return tok, lp
 
     @staticmethod
@@ -382,7 +383,10 @@ class NativeEngine:
     def _capture(self, plan: ModelPlan, state: State, key: StepKey) -> Callable[[], None]:
         """Warm the step up (its side effects undone), then record it; returns the replay."""
         slots = state.slots[key.batch]
-        saved = [t.clone() for t in (slots.tokens, slots.pos, slots.done, state.step)]
+        # Everything a step changes that a later step reads: the token history too (the repetition penalty's),
+        # else the warm-up's tokens would count as seen and a seed would not fix the tokens of a first generation.
+        touched = (slots.tokens, slots.pos, slots.done, state.step, state.seen)
+        saved = [t.clone() for t in touched]
         # Warm up on a scratch generator: set_state() on the real one would swap the state object
         # that earlier graphs were registered with, and they would stop following manual_seed();
         # drawing from it would shift this generation's random stream.
@@ -393,7 +397,7 @@ class NativeEngine:
                     self._decode_step(plan, state, key)
         finally:
             self._gen = real_gen
-        for buf, value in zip((slots.tokens, slots.pos, slots.done, state.step), saved, strict=True):
+        for buf, value in zip(touched, saved, strict=True):
             buf.copy_(value)
         return self._record(lambda: self._decode_step(plan, state, key))
 

@@ -46,6 +46,22 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 LORA_PLACEHOLDER_PATH = "qerl-in-memory-adapter"
 
 
+#: Request seeds lie below this: vLLM keeps ``seed + j`` (the j-th of n samples) in an int64 array.
+SEED_SPAN = 2**62
+
+
+def request_seeds(seed: int | None, prompts: int, n: int) -> list[int | None]:
+    """vLLM's seed for each prompt's request (None: unseeded), inside int64 for any ``seed`` the caller draws.
+
+    One seed per prompt: vLLM seeds each request's generator with its own seed (and the j-th of n samples with
+    seed + j), so a shared seed would give identical prompts (a GRPO group sent as n=1 requests) identical
+    samples; prompts are spaced n seeds apart."""
+    if seed is None:
+        return [None] * prompts
+    base = seed % SEED_SPAN
+    return [base + i * n for i in range(prompts)]
+
+
 def _require_vllm() -> Any:
     # In-process engine core: collective_rpc then hands CUDA tensors over by reference. vLLM reads
     # this lazily (vllm/envs.py) until its first engine caches the environment, so set it first.
@@ -199,11 +215,7 @@ class VLLMEngine:
         check_prompts(prompt_ids, n)
         vllm = _require_vllm()
         self.sync()
-        # One SamplingParams per prompt: vLLM seeds each request's generator with its own seed (and the
-        # j-th of n samples with seed + j), so a shared seed would give identical prompts (a GRPO group
-        # sent as n=1 requests) identical samples; prompts are spaced n seeds apart.
-        sampling = [self._sampling(vllm, params, n, None if params.seed is None else params.seed * 1_000_003 + i * n)
-                    for i in range(len(prompt_ids))]  # fmt: skip
+        sampling = [self._sampling(vllm, params, n, seed) for seed in request_seeds(params.seed, len(prompt_ids), n)]
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_ids], sampling, lora_request=self.lora_request(), use_tqdm=False
         )
