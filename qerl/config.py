@@ -176,11 +176,19 @@ def trl_differences(args: GRPOConfig) -> dict[str, tuple[Any, Any]]:
 
     Why: a run's behaviour should never differ from trl's for a reason the user cannot see; the trainer
     logs this once at start-up. trl's defaults come from a ``GRPOConfig`` built with the same output_dir,
-    batch shape and device choice (trl's own default cannot be built on a CPU-only machine), so values trl
-    derives from those (generation batch, logging dir) are not reported.
+    batch shape (the generation batch included: without it trl refuses every optimizer batch that is not a
+    multiple of ``num_generations``, which a set generation batch makes valid) and device choice (trl's own
+    default cannot be built on a CPU-only machine), so values trl derives from those (logging dir) are not
+    reported. A reference trl still refuses only costs the report (a warning): logging never stops a run.
     """
-    same = ("output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "use_cpu")
-    reference = GRPOConfig(**{name: getattr(args, name) for name in same})
+    same = ("output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "use_cpu",
+            "steps_per_generation")
+    try:  # steps_per_generation alone: trl derives the generation batch from it and refuses both at once
+        reference = GRPOConfig(**{name: getattr(args, name) for name in same})
+    except (ValueError, TypeError) as e:
+        logger.warning("could not list the settings that differ from trl's defaults (%s)", e)
+        return {}
+    same += ("generation_batch_size",)
     out = {}
     for f in dataclasses.fields(GRPOConfig):
         if not f.init or f.name in same:
