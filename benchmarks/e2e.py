@@ -275,7 +275,7 @@ def arm_floors(arm: Arm, args: argparse.Namespace, rates: dict[str, float]) -> d
     # across groups, so the KV term is the batch's. Training floors are flop-bound (plus NVFP4 dequant bytes).
     c = shape_counts(shape, vocab, args.lora_r)
     sync_bytes = {"trl": c["linear_params"] * 2, "qerl": c["lora_params"] * 2 if arm.engine == "vllm" else 0}
-    # trl's old-log-prob pass; qerl's trainer takes the IS ratio from the loss forward (qerl.importance): no pass.
+    # trl's old-log-prob pass; qerl's trainer takes the IS ratio from the loss forward (qerl.is_ratio): no pass.
     logprobs = f["logprobs_s"] * flops if arm.trainer == "trl" else 0.0
     out = {"rollout": f["rollout_s"] * bw, "logprobs": logprobs, "fwd_bwd": f["fwd_bwd_s"] * flops,
            "optimizer": f["optimizer_s"] * bw, "sync": sync_bytes[arm.trainer] / rates["copy_bw"]}  # fmt: skip

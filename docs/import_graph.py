@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -121,6 +122,13 @@ def short(name: str) -> str:
     return name.removeprefix("qerl.") if name != "qerl" else "qerl (package)"
 
 
+def digest(graph: dict[str, set[str]]) -> str:
+    """A digest of the modules and their imports, stored in the PNG (its ``Description``) so that a test can tell
+    when the committed picture no longer matches the code."""
+    edges = "\n".join(f"{m} -> {' '.join(sorted(graph[m]))}" for m in sorted(graph))
+    return "qerl import graph sha256 " + hashlib.sha256(edges.encode()).hexdigest()
+
+
 def draw(graph: dict[str, set[str]], out: Path) -> None:
     """The floors as rows (ground at the bottom), the imports as arrows, circles in red."""
     import matplotlib
@@ -159,7 +167,7 @@ def draw(graph: dict[str, set[str]], out: Path) -> None:
     title = "qerl imports (arrows point to the imported module; blue kernels, green rollout, red quant)"
     ax.set_title(title + (f"; {len(circles(graph))} circle(s) in red" if red else "; no circles"), fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=130)
+    fig.savefig(out, dpi=130, metadata={"Description": digest(graph)})
     plt.close(fig)
 
 

@@ -81,7 +81,7 @@ class QeRLConfig(GRPOConfig):
     is_ratio_from_loss_pass: bool = field(
         default=True, metadata={"help": "Take the rollout IS ratio from the loss forward's log-probs when each "
                                         "generation feeds one optimizer step, skipping trl's extra no-grad pass over "
-                                        "the batch (the same ratio: qerl.importance); False: trl's separate pass."}
+                                        "the batch (the same ratio: qerl.is_ratio); False: trl's separate pass."}
     )
     # Data parallelism (`accelerate launch`): the buffers are the frozen packed weights, identical on every
     # rank (each loads the same checkpoint), so DDP must not re-broadcast them (tens of GB) every forward;

@@ -48,7 +48,19 @@ def rollout_ratio(train_logps: torch.Tensor, sampling_logps: torch.Tensor, mask:
 
 
 class LossPassRatio:
-    """Mixin over trl's ``GRPOTrainer``: the rollout IS ratio from the loss forward (see the module docstring)."""
+    """Mixin over trl's ``GRPOTrainer``: the rollout IS ratio from the loss forward (see the module docstring).
+
+    How it steers trl, all of it pinned by ``tests/test_trl_contract.py`` against the trl release we accept:
+
+    * ``_generate_and_score_completions``: runs trl's with ``self.vllm_importance_sampling_correction`` off, so trl
+      computes neither the old log-probs nor the ratio; then checks that the rollout gave sampling log-probs.
+    * ``_compute_loss`` -> ``_get_per_token_logps_and_entropies``: the side channel. trl's loss asks for the
+      log-probs through the second inside the first, with no way to hand the micro-batch along; so ``_compute_loss``
+      parks the micro-batch's ``inputs`` in ``self._ratio_inputs`` and the next log-prob call (the loss forward's,
+      always the first inside it) takes them back out, writes ``inputs["importance_sampling_ratio"]``, which trl's
+      loss reads right after, and clears the slot; ``_compute_loss`` clears it too, whatever happens.
+    * ``self._metrics``: the ``sampling/*`` values trl would have logged, under its names.
+    """
 
     _ratio_inputs: dict[str, Any] | None = None
     #: (log-prob differences, ratios) of the current generation's micro-batches so far.

@@ -59,7 +59,7 @@ from qerl import arch
 from qerl.aqn import NormNoise, draw_seed, norm_weights
 from qerl.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.fsutil import atomic_write_text
-from qerl.importance import LossPassRatio
+from qerl.is_ratio import LossPassRatio
 from qerl.integrity import check_tensor
 from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.rollout import SamplingParams, get_engine

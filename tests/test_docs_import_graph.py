@@ -61,3 +61,12 @@ def test_the_qerl_picture_is_drawn_from_the_code(graph_tool: ModuleType, tmp_pat
 def test_a_checkout_without_qerl_is_refused(graph_tool: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="expected a checkout with a qerl/ folder"):
         graph_tool.main(["--root", str(tmp_path)])
+
+
+def test_the_committed_picture_matches_the_code(graph_tool: ModuleType) -> None:
+    """docs/architecture.png carries the digest of the graph it was drawn from: a module added, moved or importing
+    something new makes it stale, and this names the command that redraws it."""
+    from PIL import Image
+
+    drawn = Image.open(ROOT / "docs" / "architecture.png").info.get("Description")
+    assert drawn == graph_tool.digest(graph_tool.import_graph(ROOT)), "stale picture: run python docs/import_graph.py"

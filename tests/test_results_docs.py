@@ -83,6 +83,31 @@ def test_every_result_names_a_committed_script_and_its_flags(path: Path) -> None
             from benchmarks.rollout_ab import AB_SWITCHES
 
             assert kernel_ab.group(1) in AB_SWITCHES, f"{path.name}: --kernel-ab {kernel_ab.group(1)} is not a mode"
+        # A constant that moved since the run: ``rerun`` spells the same A/B with today's names.
+        stale = [c for c in ab_constants(doc.get("rerun", first)) if not assigned_in_module(c)]
+        assert not stale, f"{path.name}: --ab-constant sets {stale}, which the code no longer assigns"
+
+
+def ab_constants(command: str) -> list[str]:
+    """The ``MODULE.NAME`` of every ``--ab-constant MODULE.NAME=A:B`` in a command."""
+    found = re.search(r"--ab-constant((?:\s+[\w.]+=\S+)+)", command)
+    return [spec.split("=")[0] for spec in found.group(1).split()] if found else []
+
+
+def assigned_in_module(qualified: str) -> bool:
+    """Whether ``qerl.x.y.NAME`` is assigned at the top level of ``qerl/x/y.py`` (what setting it at run time changes;
+    a name the module only imports would change nothing the kernels read)."""
+    import ast
+
+    module, _, name = qualified.rpartition(".")
+    path = ROOT / (module.replace(".", "/") + ".py")
+    if not path.is_file():
+        return False
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return True
+    return False
 
 
 def test_the_results_folder_and_the_docs_stay_small() -> None:

@@ -249,9 +249,14 @@ def test_config_defaults_and_errors(tmp_path: Path) -> None:
     assert set(trl_differences(cfg)) <= set(TRL_DEFAULT_OVERRIDES)  # every difference is listed with its reason
     ref = QeRLConfig(output_dir=str(tmp_path), report_to=[], use_vllm=True, warmup_ratio=0.05)  # reference spellings
     assert (ref.rollout_engine, ref.use_vllm, ref.warmup_steps) == ("vllm", False, 0.05)
-    for bad in (dict(rollout_engine="sglang"), dict(aqn_resample="layer"), dict(num_stages=1),
-                dict(rollout_engine_kwargs="{not json"), dict(aqn_schedule="step")):
-        with pytest.raises(ValueError):
+    for bad, message in (
+        (dict(rollout_engine="sglang"), r"--rollout_engine: expected one of .*'vllm'\), got 'sglang'"),
+        (dict(aqn_resample="layer"), r"--aqn_resample: expected one of \('step', 'token'\), got 'layer'"),
+        (dict(num_stages=1), r"--num_stages: expected >= 2 \(stage 0 is noise-free\), got 1"),
+        (dict(rollout_engine_kwargs="{not json"), r"--rollout_engine_kwargs: expected a JSON object, got '\{not json'"),
+        (dict(aqn_schedule="step"), r"--aqn_schedule: expected one of .*'logarithmic'\), got 'step'"),
+    ):
+        with pytest.raises(ValueError, match=message):
             QeRLConfig(output_dir=str(tmp_path), report_to=[], **bad)
 
 
@@ -309,7 +314,8 @@ def test_train_entry_point_end_to_end(tiny_dense_dir: Path, tmp_path: Path) -> N
         "--disable-tqdm", "True", "--save-strategy", "no", "--logging-steps", "1",
     ])
     assert summary["global_step"] == 1 and summary["train_rows"] == 8 and summary["heldout_rows"] == 4
-    assert 0.0 <= summary["heldout_accuracy_before"] <= 1.0 and 0.0 <= summary["heldout_accuracy_after"] <= 1.0
+    for key in ("heldout_accuracy_before", "heldout_accuracy_after"):  # a share of the 4 held-out questions
+        assert summary[key] in (0.0, 0.25, 0.5, 0.75, 1.0), (key, summary[key])
     assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "plots" / "reward.png").exists()
     assert len((out / "heldout.jsonl").read_text().splitlines()) == 4
     assert json.loads((out / "summary.json").read_text())["adapter"] == str(out / "adapter")
