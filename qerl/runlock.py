@@ -7,13 +7,21 @@ at once, in one line naming the holder's PID. The lock is ``flock`` on a hidden 
 not exist yet are locked the same way) holding the holder's PID. The kernel drops the lock of a
 process that dies, even by SIGKILL, so a dead holder's lock file is simply taken over by the next
 run (which says so); the file is removed when the run ends.
+
+The lock is keyed by what the output *is*, not how it is spelled: its path with every link and ``..``
+resolved, so ``alias`` (a link to ``runs/a``) and ``runs/a`` share one lock. The lock file is opened
+without following a link: one planted at ``.NAME.lock`` would otherwise have its target's content
+replaced by our PID (and the target deleted at the end), so a link there, or anything but a regular
+file, is refused in one line.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,9 +35,26 @@ class OutputBusy(UsageError):
     """Another live process holds the output's lock."""
 
 
-def lock_path(output: Path) -> Path:
-    """The hidden lock file beside ``output``."""
-    return output.parent / f".{output.name}.lock"
+def lock_path(output: str | os.PathLike[str]) -> Path:
+    """The hidden lock file beside ``output`` resolved (links and ``..`` followed), so that every spelling of
+    one output names one lock."""
+    resolved = Path(output).expanduser().resolve()
+    return resolved.parent / f".{resolved.name}.lock"
+
+
+def _open_lock_file(path: Path, flag: str, output: Path) -> int:
+    """``path`` opened for reading and writing (created when missing), never through a link."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise UsageError(f"{flag} {output}: its lock {path} is a symbolic link, which qerl never writes; "
+                         "remove it (the file it points to is left untouched)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{flag} {output}: its lock {path} is not a regular file; remove it")
+    return fd
 
 
 def _read_pid(fd: int) -> int | None:
@@ -50,7 +75,7 @@ def run_lock(output: str | os.PathLike[str], flag: str = "--output") -> Iterator
     output.parent.mkdir(parents=True, exist_ok=True)
     path = lock_path(output)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_file(path, flag, output)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -41,3 +41,32 @@ def test_trl_differences_never_stops_a_run(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(config, "GRPOConfig", refuse)
     assert config.trl_differences(cfg) == {}
     assert "a rule of a newer trl" in caplog.text
+
+
+# --- the run lock ------------------------------------------------------------------------------------------
+
+def test_lock_refuses_a_planted_link_and_leaves_its_target_alone(tmp_path: Path) -> None:
+    from qerl.cli import UsageError
+    from qerl.runlock import lock_path, run_lock
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    lock_path(out).symlink_to(victim)
+    with pytest.raises(UsageError, match="symbolic link"), run_lock(out):
+        pass
+    assert victim.read_text() == "precious\n" and lock_path(out).is_symlink()
+
+
+def test_lock_is_keyed_by_the_resolved_directory(tmp_path: Path) -> None:
+    """``alias`` and ``runs/real`` are one directory: a run into each at once would interleave their files."""
+    from qerl.runlock import OutputBusy, run_lock
+
+    real = tmp_path / "runs" / "real"
+    real.mkdir(parents=True)
+    (tmp_path / "alias").symlink_to(real)
+    (tmp_path / "runs-alias").symlink_to(tmp_path / "runs")
+    with run_lock(real):
+        for other in (tmp_path / "alias", tmp_path / "runs-alias" / "real", real / ".." / "real"):
+            with pytest.raises(OutputBusy), run_lock(other):
+                pass
