@@ -47,6 +47,8 @@ scheduler-cycle, 8 consumer warps per SM).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -83,7 +85,24 @@ BN = 64
 #: 65.4 us). At BM=16 (9..16 rows, ``schedule.GLUON_MIN_WEIGHTS``) 8 picks the fastest split measured for every
 #: 7B and 32B GEMM it takes (b107c8a:benchmarks/results/decode_gluon_m16_probe.json); 6 picked 2 slices for 7B gate_up, 36.4 us against
 #: 31.2 for one. 2 or 4 stages at BM=16: within -4% / +9% of 3 per GEMM (same file).
-SCHEDULE = {16: (3, 80, 3, 8), 32: (2, 80, 2, 6), 64: (2, 128, 2, 6), 128: (2, None, 1, 6)}
+
+
+class GluonSchedule(NamedTuple):
+    """How the TMA/wgmma decode kernel runs at one padded token count BM (the measurements above)."""
+
+    stages: int  #: weight / x ring stages
+    maxnreg: int | None  #: register cap per thread (None: uncapped)
+    resident: int  #: CTAs an SM holds at that cap, which ``decode_split`` plans waves with
+    program_steps: int  #: a program's fixed cost in K steps, ``decode_split``'s one parameter
+
+
+SCHEDULE = {
+    16: GluonSchedule(stages=3, maxnreg=80, resident=3, program_steps=8),
+    32: GluonSchedule(stages=2, maxnreg=80, resident=2, program_steps=6),
+    64: GluonSchedule(stages=2, maxnreg=128, resident=2, program_steps=6),
+    128: GluonSchedule(stages=2, maxnreg=None, resident=1, program_steps=6),
+}
+
 #: Split-K partials the last program reads per round trip, per BM (``split_k_sum``, vector partials): a partial
 #: is BM / 2 fp32 registers a thread, so these keep the loads in flight to 32-64 registers (two at BM=128 spilled,
 #: offline sm_90). H200, 7B + 32B GEMMs (b107c8a:benchmarks/results/tail_ab_gemm.json): 1, 2 and 4 within 2% of each other at BM = 32 / 64,
