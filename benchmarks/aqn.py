@@ -108,8 +108,14 @@ def paired(differences: list[float]) -> dict[str, Any]:
     sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
     se = sd / math.sqrt(n)
     t975 = t_quantile(0.975, n - 1)
-    return {"n": n, "mean": mean, "sd": sd, "ci95": [mean - t975 * se, mean + t975 * se],
-            "mde80": (t975 + t_quantile(0.8, n - 1)) * se, "values": differences}  # fmt: skip
+    return {
+        "n": n,
+        "mean": mean,
+        "sd": sd,
+        "ci95": [mean - t975 * se, mean + t975 * se],
+        "mde80": (t975 + t_quantile(0.8, n - 1)) * se,
+        "values": differences,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -118,11 +124,20 @@ def paired(differences: list[float]) -> dict[str, Any]:
 def run_record(run_dir: Path, row: dict[str, Any], setting: str, arm: str, seed: int) -> dict[str, Any]:
     """One finished run in a line: held-out accuracy and the per-step curves it logged (``metrics.jsonl``)."""
     steps = read_run(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
-    curve = {key: [steps[s].get(name) for s in sorted(steps)]
-             for key, name in (("reward", "reward"), ("entropy", "entropy"), ("sigma", "aqn/sigma"))}  # fmt: skip
-    return {"setting": setting, "arm": arm, "seed": seed, "exit_code": row.get("exit_code"), "steps": sorted(steps),
-            "heldout_accuracy_before": row.get("heldout_accuracy_before"),
-            "heldout_accuracy_after": row.get("heldout_accuracy_after"), **curve}  # fmt: skip
+    curve = {
+        key: [steps[s].get(name) for s in sorted(steps)]
+        for key, name in (("reward", "reward"), ("entropy", "entropy"), ("sigma", "aqn/sigma"))
+    }
+    return {
+        "setting": setting,
+        "arm": arm,
+        "seed": seed,
+        "exit_code": row.get("exit_code"),
+        "steps": sorted(steps),
+        "heldout_accuracy_before": row.get("heldout_accuracy_before"),
+        "heldout_accuracy_after": row.get("heldout_accuracy_after"),
+        **curve,
+    }
 
 
 def read_records(paths: list[Path]) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -152,8 +167,12 @@ def run_experiment(args: argparse.Namespace, extra: list[str], records_file: Pat
     """Run the (setting, seed) pairs that lack records, ``--parallel`` seeds at a time; True if a SIGTERM
     stopped it (what had finished is recorded)."""
     records = read_records([*args.records, records_file])
-    jobs = [(name, seed) for name in args.settings for seed in args.seeds
-            if not all(finished(records, name, a, seed) for a in SETTINGS[name].arms)]  # fmt: skip
+    jobs = [
+        (name, seed)
+        for name in args.settings
+        for seed in args.seeds
+        if not all(finished(records, name, a, seed) for a in SETTINGS[name].arms)
+    ]
     if not jobs:
         return False
     dirs = prepare(args.out, ["rtn", "best"], "gptq", args.gptq_dir, args.bf16_dir)
@@ -164,8 +183,9 @@ def run_experiment(args: argparse.Namespace, extra: list[str], records_file: Pat
             arms = [a for a in setting.arms if not finished(records, name, a, seed)]
             seed_dir = args.out / name / f"seed{seed}"
             earlier = seed_rows(seed_dir)
-            call = seed_call(seed_dir, seed, [ARMS[a][0] for a in arms], dirs, args.steps, args.run_timeout,
-                             [*setting.extra, *extra])  # fmt: skip
+            call = seed_call(
+                seed_dir, seed, [ARMS[a][0] for a in arms], dirs, args.steps, args.run_timeout, [*setting.extra, *extra]
+            )
             if call is not None:
                 wave.append((name, seed, seed_dir, earlier))
                 calls.append((call[0], {"env": call[1], "cwd": ROOT}))
@@ -212,30 +232,43 @@ def aggregate(records: dict[tuple[str, str, int], dict[str, Any]]) -> dict[str, 
     quantization the paired on - off differences."""
     result: dict[str, Any] = {}
     for name, setting in SETTINGS.items():
-        seeds = sorted({s for (n, _, s) in records if n == name and all(finished(records, name, a, s) for a in setting.arms)})
+        seeds = sorted(
+            {s for (n, _, s) in records if n == name and all(finished(records, name, a, s) for a in setting.arms)}
+        )
         if not seeds:
             continue
         runs = {a: [records[(name, a, s)] for s in seeds] for a in setting.arms}
         arms = {}
         for a, rs in runs.items():
-            arms[a] = {"run": ARMS[a][0], "quantization": ARMS[a][1], "aqn": ARMS[a][2],
-                       "heldout_accuracy_before": mean_se([r["heldout_accuracy_before"] for r in rs]),
-                       "heldout_accuracy_after": mean_se([r["heldout_accuracy_after"] for r in rs]),
-                       "reward_curve": curve_stats([r["reward"] for r in rs]),
-                       "entropy_curve": curve_stats([r["entropy"] for r in rs]),
-                       "sigma_applied_curve": curve_stats([[v or 0.0 for v in r["sigma"]] for r in rs])}  # fmt: skip
+            arms[a] = {
+                "run": ARMS[a][0],
+                "quantization": ARMS[a][1],
+                "aqn": ARMS[a][2],
+                "heldout_accuracy_before": mean_se([r["heldout_accuracy_before"] for r in rs]),
+                "heldout_accuracy_after": mean_se([r["heldout_accuracy_after"] for r in rs]),
+                "reward_curve": curve_stats([r["reward"] for r in rs]),
+                "entropy_curve": curve_stats([r["entropy"] for r in rs]),
+                "sigma_applied_curve": curve_stats([[v or 0.0 for v in r["sigma"]] for r in rs]),
+            }
         differences = {}
         for q in dict.fromkeys(ARMS[a][1] for a in setting.arms):
             on, off = runs[f"{q}_on"], runs[f"{q}_off"]
             pairs = list(zip(on, off, strict=True))
             differences[q] = {
-                "heldout_accuracy_after": paired([a["heldout_accuracy_after"] - b["heldout_accuracy_after"] for a, b in pairs]),
+                "heldout_accuracy_after": paired(
+                    [a["heldout_accuracy_after"] - b["heldout_accuracy_after"] for a, b in pairs]
+                ),
                 "reward_auc": paired([mean_of(a["reward"]) - mean_of(b["reward"]) for a, b in pairs]),
-                f"entropy_first_{EARLY_STEPS}": paired([mean_of(a["entropy"][:EARLY_STEPS]) - mean_of(b["entropy"][:EARLY_STEPS])
-                                                        for a, b in pairs]),  # fmt: skip
+                f"entropy_first_{EARLY_STEPS}": paired(
+                    [mean_of(a["entropy"][:EARLY_STEPS]) - mean_of(b["entropy"][:EARLY_STEPS]) for a, b in pairs]
+                ),
             }
-        result[name] = {"seeds": seeds, "planned_seeds": setting.min_seeds, "arms": arms,
-                        "aqn_on_minus_off": differences}  # fmt: skip
+        result[name] = {
+            "seeds": seeds,
+            "planned_seeds": setting.min_seeds,
+            "arms": arms,
+            "aqn_on_minus_off": differences,
+        }
     return result
 
 
@@ -259,8 +292,13 @@ def plot(result: dict[str, Any], path: Path, smooth: int = 10) -> Path:
                 mean = [sum(c[1] for c in curve[i - k + 1 : i + 1]) / k for i in range(k - 1, len(curve))]
                 se = [sum(c[2] for c in curve[i - k + 1 : i + 1]) / k for i in range(k - 1, len(curve))]
                 (line,) = ax.plot(steps, mean, label=a, linewidth=1.2, linestyle="-" if arm["aqn"] else "--")
-                ax.fill_between(steps, [m - s for m, s in zip(mean, se, strict=True)],
-                                [m + s for m, s in zip(mean, se, strict=True)], color=line.get_color(), alpha=0.12)  # fmt: skip
+                ax.fill_between(
+                    steps,
+                    [m - s for m, s in zip(mean, se, strict=True)],
+                    [m + s for m, s in zip(mean, se, strict=True)],
+                    color=line.get_color(),
+                    alpha=0.12,
+                )
             ax.set_title(f"{name}: {label} over {len(setting['seeds'])} seeds ({k}-step average, +-1 SE)")
             ax.set_xlabel("optimizer step")
             ax.grid(alpha=0.3)
@@ -307,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=2, help="seeds run at once (each runs its arms side by side)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--run-timeout", type=int, default=None, help="seconds per run (compare_smollm2.sh RUN_TIMEOUT)")
-    p.add_argument("--records", type=Path, nargs="*", default=[], help="earlier aqn_runs.jsonl files to count and merge")
+    p.add_argument(
+        "--records", type=Path, nargs="*", default=[], help="earlier aqn_runs.jsonl files to count and merge"
+    )
     p.add_argument("--gptq-dir", type=Path, default=None, help="a prepared gptq checkpoint (default: made under OUT)")
     p.add_argument("--bf16-dir", type=Path, default=None, help="the source model (default: the embedded SmolLM2)")
     p.add_argument("--aggregate-only", action="store_true")
@@ -317,11 +357,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--parallel: expected at least 1, got {args.parallel}")
     records_file = args.out / "aqn_runs.jsonl"
     stopped = False if args.aggregate_only else run_experiment(args, extra, records_file)
-    result = {"benchmark": "AQN on vs off, paired seeds, SmolLM2-135M-Instruct (training/compare_smollm2.sh setup)",
-              "date": utc_now(), "device": device_name(None if torch.cuda.is_available() else torch.device("cpu")),
-              "versions": versions("transformers", "trl", "peft"), "command": command("benchmarks.aqn", argv),
-              "steps": args.steps, "records": [str(f) for f in [*args.records, records_file]],
-              "settings": aggregate(read_records([*args.records, records_file]))}  # fmt: skip
+    result = {
+        "benchmark": "AQN on vs off, paired seeds, SmolLM2-135M-Instruct (training/compare_smollm2.sh setup)",
+        "date": utc_now(),
+        "device": device_name(None if torch.cuda.is_available() else torch.device("cpu")),
+        "versions": versions("transformers", "trl", "peft"),
+        "command": command("benchmarks.aqn", argv),
+        "steps": args.steps,
+        "records": [str(f) for f in [*args.records, records_file]],
+        "settings": aggregate(read_records([*args.records, records_file])),
+    }
     write_json(args.out / "aqn.json", result, indent=1)
     if result["settings"]:
         plot(result["settings"], args.out / "aqn.png")

@@ -40,7 +40,11 @@ def sequence_noise(m32: torch.nn.Module, m16: torch.nn.Module, seed: int) -> dic
         logprobs.append(logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0])
         largest = max(largest, logits.abs().max().item())
     diff = (logprobs[0] - logprobs[1]).abs()
-    return {"mean": round(diff.mean().item(), 5), "max": round(diff.max().item(), 4), "max_abs_logit": round(largest, 2)}
+    return {
+        "mean": round(diff.mean().item(), 5),
+        "max": round(diff.max().item(), 4),
+        "max_abs_logit": round(largest, 2),
+    }
 
 
 def main() -> None:
@@ -54,11 +58,15 @@ def main() -> None:
     from qerl.quantize import quantize_checkpoint
 
     src = embedded_model_dir()
-    result = {"benchmark": "bf16 vs fp32 teacher-forced log-probs of our forward (the vLLM test's noise floor)",
-              "date": utc_now(), "device": device_name(torch.device("cpu")),
-              "versions": versions("transformers", "compressed-tensors"), "command": command("benchmarks.bf16_noise"),
-              "setup": {"model": "SmolLM2-135M-Instruct (embedded)", "prompt_tokens": PROMPT_LEN, "sequence_tokens": SEQ_LEN},
-              "methods": {}}  # fmt: skip
+    result = {
+        "benchmark": "bf16 vs fp32 teacher-forced log-probs of our forward (the vLLM test's noise floor)",
+        "date": utc_now(),
+        "device": device_name(torch.device("cpu")),
+        "versions": versions("transformers", "compressed-tensors"),
+        "command": command("benchmarks.bf16_noise"),
+        "setup": {"model": "SmolLM2-135M-Instruct (embedded)", "prompt_tokens": PROMPT_LEN, "sequence_tokens": SEQ_LEN},
+        "methods": {},
+    }
     with tempfile.TemporaryDirectory(prefix="qerl-bf16-noise-") as tmp:
         for method in args.methods:
             ckpt = quantize_checkpoint(src, Path(tmp) / method, method=method)
@@ -66,10 +74,16 @@ def main() -> None:
             m16 = qerl.load_model(ckpt, load="nvfp4", device="cpu", dtype=torch.bfloat16).eval()
             rows = [sequence_noise(m32, m16, seed) for seed in range(args.sequences)]
             means = torch.tensor([r["mean"] for r in rows])
-            result["methods"][method] = {"sequences": rows, "mean": round(means.mean().item(), 5),
-                                         "sd_over_sequences": round(means.std().item(), 5)}
-            print(f"{method}: bf16 vs fp32 mean |d log-prob| {means.mean():.4f} (sd over {len(rows)} sequences "
-                  f"{means.std():.4f}; per sequence {[r['mean'] for r in rows]})", flush=True)
+            result["methods"][method] = {
+                "sequences": rows,
+                "mean": round(means.mean().item(), 5),
+                "sd_over_sequences": round(means.std().item(), 5),
+            }
+            print(
+                f"{method}: bf16 vs fp32 mean |d log-prob| {means.mean():.4f} (sd over {len(rows)} sequences "
+                f"{means.std():.4f}; per sequence {[r['mean'] for r in rows]})",
+                flush=True,
+            )
             write_json(args.out, result, indent=1)
 
 

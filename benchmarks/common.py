@@ -40,11 +40,23 @@ SHAPES = {
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8
     ),
     # Qwen3-8B / -32B (their config.json): heads of 128 whatever the hidden size (32B: 64 x 128 = 8192 > 5120).
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128),
-    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128),
-}  # fmt: skip
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "qwen3-32b": dict(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+}
 #: Qwen2.5's vocabulary (7B and up; untied LM head).
 VOCAB = 152064
 #: The shapes that are not Qwen2.5's: their model_type and vocabulary (Qwen3: 151936, untied from 8B up).
@@ -128,8 +140,10 @@ class Layer:
         q = nvfp4.quantize(w)
         self.packed_bytes = nvfp4.packed_nbytes(n, k)
         copies = max(1, -(-ROTATE_BYTES // self.packed_bytes))
-        self.q = [q] + [nvfp4.NVFP4Tensors(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-                        for _ in range(copies - 1)]  # fmt: skip
+        self.q = [q] + [
+            nvfp4.NVFP4Tensors(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
+            for _ in range(copies - 1)
+        ]
         wd = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.bfloat16)
         self.w = [wd] + [wd.clone() for _ in range(max(1, -(-ROTATE_BYTES // (2 * n * k))) - 1)]
 
@@ -142,8 +156,18 @@ class Layer:
 
         permuted = config is None and fg.gluon_takes(x.shape[0], self.n, self.k, x.dtype, x.device)
         xin = reference.nibble_major(x) if permuted else x
-        return [lambda q=q: fg.matmul(xin, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config,
-                                      x_permuted=permuted, pdl=permuted) for q in self.q]  # fmt: skip
+        return [
+            lambda q=q: fg.matmul(
+                xin,
+                q.weight_packed,
+                q.weight_scale,
+                q.weight_global_scale,
+                config=config,
+                x_permuted=permuted,
+                pdl=permuted,
+            )
+            for q in self.q
+        ]
 
     def bwd_fns(self, gy: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
         from qerl.kernels import fp4_gemm as fg
@@ -267,8 +291,11 @@ def random_model(
         Qwen3ForCausalLM,
     )
 
-    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-               "llama": (LlamaConfig, LlamaForCausalLM)}  # fmt: skip
+    classes = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }
     config_cls, model_cls = classes[arch]
     cfg = config_cls(
         vocab_size=vocab,

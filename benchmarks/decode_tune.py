@@ -55,9 +55,15 @@ from qerl.kernels import schedule as sch
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 #: (N, K) of every decode GEMM of a Qwen2.5 layer, q/k/v and gate/up fused as the rollout engine runs them.
 MODEL_SHAPES = {
-    "7b_qkv": (4608, 3584), "7b_o": (3584, 3584), "7b_gate_up": (37888, 3584), "7b_down": (3584, 18944),
-    "32b_qkv": (7168, 5120), "32b_o": (5120, 5120), "32b_gate_up": (55296, 5120), "32b_down": (5120, 27648),
-}  # fmt: skip
+    "7b_qkv": (4608, 3584),
+    "7b_o": (3584, 3584),
+    "7b_gate_up": (37888, 3584),
+    "7b_down": (3584, 18944),
+    "32b_qkv": (7168, 5120),
+    "32b_o": (5120, 5120),
+    "32b_gate_up": (55296, 5120),
+    "32b_down": (5120, 27648),
+}
 MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
 D = sch.DecodeConfig
 #: Schedules around the default (BN=64 BK=256 w4 s3; split from ``sch.decode_split``). Shared memory per stage is
@@ -146,7 +152,9 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
         base = graph_time(layer.bf16_fwd_fns(x)) * 1e6
         if m > 64:
             t = graph_time(layer.dq_fwd_fns(x)) * 1e6
-            rows.append({"shape": shape, "M": m, "cand": "dequantize+cuBLAS", "bf16_us": base, "us": t, "speedup": base / t})
+            rows.append(
+                {"shape": shape, "M": m, "cand": "dequantize+cuBLAS", "bf16_us": base, "us": t, "speedup": base / t}
+            )
             print(f"{shape:8s} M={m:3d} dequantize+cuBLAS {t:8.1f} us  x{base / t:.2f}", flush=True)
         for name, cfg in candidates.items():
             resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
@@ -156,17 +164,26 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
                 fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, out=y, config=cfg)
                 torch.cuda.synchronize()
                 row["rel_err"] = rel(y, ref)
-                fns = [lambda q=q, cfg=cfg, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
-                       for q in layer.q]
+                fns = [
+                    lambda q=q, cfg=cfg, x=x: fg.matmul(
+                        x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg
+                    )
+                    for q in layer.q
+                ]
                 t = graph_time(fns) * 1e6
                 row.update(us=t, speedup=base / t, wbw_TBps=layer.packed_bytes / t / 1e6)
             except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-            print(f"{shape:8s} M={m:3d} {name:26s} split={row['config']['split']:3d} "
-                  + (f"ERR {row['error'][:120]}" if "error" in row else
-                     f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}  (bf16 {base:.1f})"),
-                  flush=True)
+            print(
+                f"{shape:8s} M={m:3d} {name:26s} split={row['config']['split']:3d} "
+                + (
+                    f"ERR {row['error'][:120]}"
+                    if "error" in row
+                    else f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}  (bf16 {base:.1f})"
+                ),
+                flush=True,
+            )
     return rows
 
 
@@ -186,12 +203,14 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
         calls = {
             "triton": lambda q, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale),
             "gluon": lambda q, x=x: fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale),
-            "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale,
-                                                                   permuted=True),
-        }  # fmt: skip
+            "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(
+                xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True
+            ),
+        }
         if fp4_direct.supports(m, layer.k, x.dtype, x.device):
             calls["direct_prepermuted"] = lambda q, xp=xp: fp4_direct.matmul(
-                xp, q.weight_packed, q.weight_scale, q.weight_global_scale)
+                xp, q.weight_packed, q.weight_scale, q.weight_global_scale
+            )
         for name, call in calls.items():
             row = {"shape": shape, "M": m, "cand": name, "bf16_us": base}
             try:
@@ -201,9 +220,15 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
             except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-            print(f"{shape:10s} M={m:3d} {name:18s} " + (f"ERR {row['error'][:160]}" if "error" in row else
-                  f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}"),
-                  flush=True)  # fmt: skip
+            print(
+                f"{shape:10s} M={m:3d} {name:18s} "
+                + (
+                    f"ERR {row['error'][:160]}"
+                    if "error" in row
+                    else f"{row['us']:8.1f} us  x{row['speedup']:.2f}  {row['wbw_TBps']:.2f} TB/s  err {row['rel_err']:.1e}"
+                ),
+                flush=True,
+            )
     return rows
 
 
@@ -220,13 +245,29 @@ def gluon_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (64, 128)) 
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         xp, ref = reference.nibble_major(x), x.double() @ w64.t()
         for split in (0, *splits):
+
             def call(q: nvfp4.NVFP4Tensors, xp: torch.Tensor = xp, split: int = split) -> torch.Tensor:
-                return fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True, split=split)
+                return fp4_gluon.matmul(
+                    xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True, split=split
+                )
 
             t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
-            rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "split": split or "default", "us": t,
-                         "rel_err": rel(call(q0), ref), "wbw_TBps": layer.packed_bytes / t / 1e6})  # fmt: skip
-            print(f"{shape:10s} M={m:3d} split={split or 'default'!s:8s} {t:8.1f} us  err {rows[-1]['rel_err']:.1e}", flush=True)
+            rows.append(
+                {
+                    "shape": shape,
+                    "N": layer.n,
+                    "K": layer.k,
+                    "M": m,
+                    "split": split or "default",
+                    "us": t,
+                    "rel_err": rel(call(q0), ref),
+                    "wbw_TBps": layer.packed_bytes / t / 1e6,
+                }
+            )
+            print(
+                f"{shape:10s} M={m:3d} split={split or 'default'!s:8s} {t:8.1f} us  err {rows[-1]['rel_err']:.1e}",
+                flush=True,
+            )
     return rows
 
 
@@ -245,16 +286,34 @@ def split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[
         for split in splits:
             cfg = sch.DecodeConfig(split=split)
             y = fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, config=cfg)
-            fns = [lambda q=q, x=x, cfg=cfg: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg)
-                   for q in layer.q]  # fmt: skip
+            fns = [
+                lambda q=q, x=x, cfg=cfg: fg.matmul(
+                    x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg
+                )
+                for q in layer.q
+            ]
             t = graph_time(fns) * 1e6
-            rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "split": split, "default": split == default,
-                         "us": t, "rel_err": rel(y, ref), "wbw_TBps": layer.packed_bytes / t / 1e6})  # fmt: skip
+            rows.append(
+                {
+                    "shape": shape,
+                    "N": layer.n,
+                    "K": layer.k,
+                    "M": m,
+                    "split": split,
+                    "default": split == default,
+                    "us": t,
+                    "rel_err": rel(y, ref),
+                    "wbw_TBps": layer.packed_bytes / t / 1e6,
+                }
+            )
         mine = [r for r in rows if r["M"] == m]
         best = min(mine, key=lambda r: r["us"])
         dflt = next(r for r in mine if r["default"])
-        print(f"{shape:12s} M={m:3d} default split {default:3d} {dflt['us']:7.1f} us | best split {best['split']:3d} "
-              f"{best['us']:7.1f} us | " + " ".join(f"{r['split']}:{r['us']:.1f}" for r in mine), flush=True)  # fmt: skip
+        print(
+            f"{shape:12s} M={m:3d} default split {default:3d} {dflt['us']:7.1f} us | best split {best['split']:3d} "
+            f"{best['us']:7.1f} us | " + " ".join(f"{r['split']}:{r['us']:.1f}" for r in mine),
+            flush=True,
+        )
     return rows
 
 
@@ -279,18 +338,36 @@ def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) ->
             ref = x.double() @ w64.t() + (0.5 * (u.double() @ b.double().t()) if lora else 0.0)
             extra = {"lora_u": u, "lora_b": b, "lora_scale": 0.5} if lora else {}
             for split in distinct_splits(k_steps):
-                def call(q: nvfp4.NVFP4Tensors, split: int = split, extra: dict = extra, xp: torch.Tensor = xp) -> torch.Tensor:
+
+                def call(
+                    q: nvfp4.NVFP4Tensors, split: int = split, extra: dict = extra, xp: torch.Tensor = xp
+                ) -> torch.Tensor:
                     return fd.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split, **extra)
 
                 err = rel(call(q0), ref)
                 t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
                 steps = -(-k_steps // split)
-                rows.append({"shape": shape, "N": layer.n, "K": layer.k, "M": m, "lora": lora, "split": split,
-                             "default": split == default, "us": t, "rel_err": err, "steps": steps,
-                             "ring": steps > fd.MAX_STEPS})  # fmt: skip
+                rows.append(
+                    {
+                        "shape": shape,
+                        "N": layer.n,
+                        "K": layer.k,
+                        "M": m,
+                        "lora": lora,
+                        "split": split,
+                        "default": split == default,
+                        "us": t,
+                        "rel_err": err,
+                        "steps": steps,
+                        "ring": steps > fd.MAX_STEPS,
+                    }
+                )
             mine = [r for r in rows if r["M"] == m and r["lora"] == lora]
-            print(f"{shape:12s} M={m} lora={int(lora)} " + " ".join(f"{r['split']}:{r['us']:.2f}" + "*" * r["default"]
-                                                               for r in mine), flush=True)  # fmt: skip
+            print(
+                f"{shape:12s} M={m} lora={int(lora)} "
+                + " ".join(f"{r['split']}:{r['us']:.2f}" + "*" * r["default"] for r in mine),
+                flush=True,
+            )
     return rows
 
 
@@ -307,7 +384,9 @@ def split_table(rows: list[dict], margin: float = TABLE_MARGIN) -> dict[tuple[in
     return table
 
 
-def with_split_table(matmul: Callable[..., torch.Tensor], table: dict[tuple[int, int, int], int]) -> Callable[..., torch.Tensor]:
+def with_split_table(
+    matmul: Callable[..., torch.Tensor], table: dict[tuple[int, int, int], int]
+) -> Callable[..., torch.Tensor]:
     """``fp4_direct.matmul`` (passed in, so a patched module attribute never calls itself) launching each ``(N, K, M)``
     of ``table`` at its split where the caller left the split to ``decode_split``."""
 
@@ -334,16 +413,30 @@ def dequant_rows(layer: Layer, bw: float) -> list[dict]:
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
-        print(f"dequant {block}: " + (row.get("error", "")[:150] or
-              f"{row['us']:.1f} us {row['TBps']:.2f} TB/s ({row['frac_of_copy']:.2f} of copy) maxdiff {row['max_abs_diff']:.2e}"), flush=True)
+        print(
+            f"dequant {block}: "
+            + (
+                row.get("error", "")[:150]
+                or f"{row['us']:.1f} us {row['TBps']:.2f} TB/s ({row['frac_of_copy']:.2f} of copy) maxdiff {row['max_abs_diff']:.2e}"
+            ),
+            flush=True,
+        )
     for m in (1024,):
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         gy = torch.randn(m, layer.n, device="cuda", dtype=torch.bfloat16)
-        r = {"M": m, "fwd_us": graph_time(layer.dq_fwd_fns(x)) * 1e6, "bf16_fwd_us": graph_time(layer.bf16_fwd_fns(x)) * 1e6,
-             "bwd_us": graph_time(layer.dq_bwd_fns(gy)) * 1e6, "bf16_bwd_us": graph_time(layer.bf16_bwd_fns(gy)) * 1e6}
+        r = {
+            "M": m,
+            "fwd_us": graph_time(layer.dq_fwd_fns(x)) * 1e6,
+            "bf16_fwd_us": graph_time(layer.bf16_fwd_fns(x)) * 1e6,
+            "bwd_us": graph_time(layer.dq_bwd_fns(gy)) * 1e6,
+            "bf16_bwd_us": graph_time(layer.bf16_bwd_fns(gy)) * 1e6,
+        }
         r["fwd_ratio"], r["bwd_ratio"] = r["bf16_fwd_us"] / r["fwd_us"], r["bf16_bwd_us"] / r["bwd_us"]
         rows.append(r)
-        print(f"M={m} dequant+cuBLAS fwd {r['fwd_us']:.1f} us (x{r['fwd_ratio']:.2f}), bwd {r['bwd_us']:.1f} us (x{r['bwd_ratio']:.2f})", flush=True)
+        print(
+            f"M={m} dequant+cuBLAS fwd {r['fwd_us']:.1f} us (x{r['fwd_ratio']:.2f}), bwd {r['bwd_us']:.1f} us (x{r['bwd_ratio']:.2f})",
+            flush=True,
+        )
     return rows
 
 
@@ -365,7 +458,9 @@ def direct_splits(result: dict, out: Path, engine: bool) -> None:
     print("split table:", result["table"], flush=True)
     if engine and table:
         args = argparse.Namespace(shapes=["7b"], batches=[1, 8], tokens=256)
-        ab = rollout_ab.engine_ab(args, "decode_split", [], "table", [(fd, "matmul", with_split_table(fd.matmul, table))])
+        ab = rollout_ab.engine_ab(
+            args, "decode_split", [], "table", [(fd, "matmul", with_split_table(fd.matmul, table))]
+        )
         write_json(out / "direct_splits_engine_ab.json", {**ab, "command": result["command"], "table": result["table"]})
 
 
@@ -374,21 +469,38 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_tune.json")
     ap.add_argument("--quick", action="store_true", help="no dequantize / M=1024 rows")
     ap.add_argument("--splits", action="store_true", help="only the split-K sweep (decode_splits.json)")
-    ap.add_argument("--large", action="store_true", help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)")
+    ap.add_argument(
+        "--large",
+        action="store_true",
+        help="only the M = 16 / 64 / 128 schedules on the 7B GEMMs (decode_tune_large.json)",
+    )
     ap.add_argument("--env-file", type=Path, help="write the best schedule here as a QERL_DECODE_CONFIG value")
-    ap.add_argument("--gluon", action="store_true", help="only the Gluon candidate vs the Triton kernel (decode_gluon.json)")
-    ap.add_argument("--gluon-splits", action="store_true", help="only the Gluon kernel's split-K sweep (decode_gluon_splits.json)")
-    ap.add_argument("--direct-splits", action="store_true", help="only the mma.sync kernel's split-K sweep (direct_splits.json)")
-    ap.add_argument("--engine-ab", action="store_true", help="with --direct-splits: the 7B engine with the sweep's split table")
+    ap.add_argument(
+        "--gluon", action="store_true", help="only the Gluon candidate vs the Triton kernel (decode_gluon.json)"
+    )
+    ap.add_argument(
+        "--gluon-splits", action="store_true", help="only the Gluon kernel's split-K sweep (decode_gluon_splits.json)"
+    )
+    ap.add_argument(
+        "--direct-splits", action="store_true", help="only the mma.sync kernel's split-K sweep (direct_splits.json)"
+    )
+    ap.add_argument(
+        "--engine-ab", action="store_true", help="with --direct-splits: the 7B engine with the sweep's split table"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_tune.py: needs a CUDA device")
     torch.manual_seed(0)
     bw = copy_bandwidth()["max"]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    result = {"date": utc_now(),
-              "device": torch.cuda.get_device_name(), "command": command("benchmarks.decode_tune"), "copy_bw_GBps": bw / 1e9,
-              "decode": [], "dequant": []}
+    result = {
+        "date": utc_now(),
+        "device": torch.cuda.get_device_name(),
+        "command": command("benchmarks.decode_tune"),
+        "copy_bw_GBps": bw / 1e9,
+        "decode": [],
+        "dequant": [],
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.splits:
@@ -413,9 +525,11 @@ def main() -> None:
             write_json(out / "decode_gluon_splits.json", result, indent=1)
         return
     if args.large or args.gluon:
-        cands, ms, name = ((("triton", "gluon", "gluon_prepermuted", "direct_prepermuted"), GLUON_MS, "decode_gluon.json")
-                           if args.gluon
-                           else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json"))
+        cands, ms, name = (
+            (("triton", "gluon", "gluon_prepermuted", "direct_prepermuted"), GLUON_MS, "decode_gluon.json")
+            if args.gluon
+            else (LARGE_CANDIDATES, LARGE_MS, "decode_tune_large.json")
+        )
         for shape in LARGE_SHAPES:
             layer = Layer(*MODEL_SHAPES[shape])
             result["decode"] += gluon_rows(layer, shape, ms) if args.gluon else decode_rows(layer, shape, ms, cands)
@@ -423,9 +537,16 @@ def main() -> None:
             torch.cuda.empty_cache()
             write_json(out / name, result, indent=1)
         for m in ms:
-            mine = {cand: [usable_us(r) for r in result["decode"] if r["cand"] == cand and r["M"] == m] for cand in cands}
-            total = {cand: sum(us) for cand, us in mine.items() if us}  # inf where a candidate failed or was wrong anywhere
-            print(f"M={m}: summed over {LARGE_SHAPES}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items(), key=lambda kv: kv[1])))
+            mine = {
+                cand: [usable_us(r) for r in result["decode"] if r["cand"] == cand and r["M"] == m] for cand in cands
+            }
+            total = {
+                cand: sum(us) for cand, us in mine.items() if us
+            }  # inf where a candidate failed or was wrong anywhere
+            print(
+                f"M={m}: summed over {LARGE_SHAPES}: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items(), key=lambda kv: kv[1]))
+            )
         return
     for shape, (n, k) in SHAPES.items():
         layer = Layer(n, k)
@@ -456,8 +577,12 @@ def main() -> None:
         name = min(total, key=total.get)
         cfg = CANDIDATES[name]
         env = f"BN={cfg.BN},BK={cfg.BK},warps={cfg.warps},stages={cfg.stages},resident={cfg.resident}"
-        result["best_overall"] = {"cand": name, "total_us": total[name], "QERL_DECODE_CONFIG": env,
-                                  "default_total_us": total.get(DEFAULT)}
+        result["best_overall"] = {
+            "cand": name,
+            "total_us": total[name],
+            "QERL_DECODE_CONFIG": env,
+            "default_total_us": total.get(DEFAULT),
+        }
         print(f"best overall: {name} ({total[name]:.1f} us summed; default {total.get(DEFAULT, float('nan')):.1f})")
         print(f"QERL_DECODE_CONFIG={env}")
         if args.env_file:

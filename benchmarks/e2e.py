@@ -115,8 +115,9 @@ def prepare(root: Path, tiny: bool) -> dict[str, Path]:
     if not (dirs["bf16"] / "config.json").exists():
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The only stop id is the tokenizer's EOS, outside the vocabulary (build_tokenizer): forced length.
-        model = random_model(shape, vocab, False, device, torch.bfloat16, "qwen2", bos_token_id=None, eos_token_id=None,
-                             pad_token_id=0)  # fmt: skip
+        model = random_model(
+            shape, vocab, False, device, torch.bfloat16, "qwen2", bos_token_id=None, eos_token_id=None, pad_token_id=0
+        )
         with atomic_directory(dirs["bf16"]) as tmp:  # complete or absent
             model.save_pretrained(tmp)
             build_tokenizer(vocab).save_pretrained(tmp)
@@ -138,8 +139,10 @@ def hash_reward(completions: list[Any], completion_ids: list[list[int]], **kwarg
 def prompt_rows(prompts: int, length: int, vocab: int) -> list[dict[str, str]]:
     """``prompts`` plain-text prompts of exactly ``length`` tokens for the word-level tokenizer (no chat template)."""
     gen = torch.Generator().manual_seed(0)
-    return [{"prompt": " ".join(f"t{i}" for i in torch.randint(1, vocab, (length,), generator=gen).tolist())}
-            for _ in range(prompts)]  # fmt: skip
+    return [
+        {"prompt": " ".join(f"t{i}" for i in torch.randint(1, vocab, (length,), generator=gen).tolist())}
+        for _ in range(prompts)
+    ]
 
 
 class StepClock(PhaseClock):
@@ -167,11 +170,13 @@ class StepClock(PhaseClock):
     def end(self) -> dict[str, Any]:
         self.switch(None)
         self.active = False
-        return {"phases_s": {p: sig(self.seconds.get(p, 0.0)) for p in PHASES},
-                "step_s": sig(sum(self.seconds.values())),
-                "peak_allocated_gb": gb(max(self.peak.values(), default=0)) if self.cuda else None,
-                "peak_reserved_gb": gb(self.peak_reserved) if self.cuda else None,
-                "device_used_gb": gb(self.device_used_max) if self.cuda else None}  # fmt: skip
+        return {
+            "phases_s": {p: sig(self.seconds.get(p, 0.0)) for p in PHASES},
+            "step_s": sig(sum(self.seconds.values())),
+            "peak_allocated_gb": gb(max(self.peak.values(), default=0)) if self.cuda else None,
+            "peak_reserved_gb": gb(self.peak_reserved) if self.cuda else None,
+            "device_used_gb": gb(self.device_used_max) if self.cuda else None,
+        }
 
 
 def instrument(trainer: Any, clock: StepClock) -> Probe:
@@ -227,10 +232,22 @@ def build_trainer(arm: Arm, ckpt: Path, args: argparse.Namespace, out_dir: str) 
     tokenizer = load_benchmark_tokenizer(ckpt, rows[0]["prompt"], args.prompt)
     rows = Dataset.from_list(rows)
     accumulation = prompts * n // args.micro
-    common = dict(output_dir=out_dir, max_steps=args.warmup + args.steps, per_device_train_batch_size=args.micro,
-                  gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_generations=n,
-                  max_completion_length=args.tokens, loss_type="dapo", save_strategy="no", report_to=[],
-                  logging_steps=1, seed=0, disable_tqdm=True, mask_truncated_completions=False)  # fmt: skip
+    common = dict(
+        output_dir=out_dir,
+        max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=args.micro,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
+        num_generations=n,
+        max_completion_length=args.tokens,
+        loss_type="dapo",
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        mask_truncated_completions=False,
+    )
     if arm.trainer == "trl":
         from peft import LoraConfig
         from trl import GRPOConfig, GRPOTrainer
@@ -239,8 +256,9 @@ def build_trainer(arm: Arm, ckpt: Path, args: argparse.Namespace, out_dir: str) 
         peft = LoraConfig(
             r=args.lora_r, lora_alpha=args.lora_r, target_modules=list(PROJECTIONS), task_type="CAUSAL_LM"
         )
-        return GRPOTrainer(str(ckpt), [hash_reward], config, train_dataset=rows, processing_class=tokenizer,
-                           peft_config=peft)
+        return GRPOTrainer(
+            str(ckpt), [hash_reward], config, train_dataset=rows, processing_class=tokenizer, peft_config=peft
+        )
     from qerl.loader import load_model
     from qerl.lora import lora_config
     from qerl.trainer import QeRLConfig, QeRLTrainer
@@ -248,8 +266,14 @@ def build_trainer(arm: Arm, ckpt: Path, args: argparse.Namespace, out_dir: str) 
     engine_kwargs = {"checkpoint": str(ckpt)} if arm.engine == "vllm" else None
     config = QeRLConfig(**common, rollout_engine=arm.engine, rollout_engine_kwargs=engine_kwargs)
     model = load_model(str(ckpt), device=config.device)
-    return QeRLTrainer(model, [hash_reward], config, train_dataset=rows, processing_class=tokenizer,
-                       peft_config=lora_config(args.lora_r))  # fmt: skip
+    return QeRLTrainer(
+        model,
+        [hash_reward],
+        config,
+        train_dataset=rows,
+        processing_class=tokenizer,
+        peft_config=lora_config(args.lora_r),
+    )
 
 
 def measured_rates(device: torch.device) -> dict[str, float]:
@@ -277,8 +301,13 @@ def arm_floors(arm: Arm, args: argparse.Namespace, rates: dict[str, float]) -> d
     sync_bytes = {"trl": c["linear_params"] * 2, "qerl": c["lora_params"] * 2 if arm.engine == "vllm" else 0}
     # trl's old-log-prob pass; qerl's trainer takes the IS ratio from the loss forward (qerl.is_ratio): no pass.
     logprobs = f["logprobs_s"] * flops if arm.trainer == "trl" else 0.0
-    out = {"rollout": f["rollout_s"] * bw, "logprobs": logprobs, "fwd_bwd": f["fwd_bwd_s"] * flops,
-           "optimizer": f["optimizer_s"] * bw, "sync": sync_bytes[arm.trainer] / rates["copy_bw"]}  # fmt: skip
+    out = {
+        "rollout": f["rollout_s"] * bw,
+        "logprobs": logprobs,
+        "fwd_bwd": f["fwd_bwd_s"] * flops,
+        "optimizer": f["optimizer_s"] * bw,
+        "sync": sync_bytes[arm.trainer] / rates["copy_bw"],
+    }
     return {k: sig(v) for k, v in out.items()}
 
 
@@ -287,12 +316,25 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
     arm = ARMS[args.arm]
     prompts, n = BATCHES[args.batch]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    row: dict[str, Any] = {"arm": args.arm, "batch": args.batch, "prompts": prompts, "n": n, "sequences": prompts * n,
-                           "prompt_tokens": args.prompt, "new_tokens": args.tokens, "lora_r": args.lora_r,
-                           "micro_batch": args.micro, "status": "ok", **arm.__dict__}  # fmt: skip
+    row: dict[str, Any] = {
+        "arm": args.arm,
+        "batch": args.batch,
+        "prompts": prompts,
+        "n": n,
+        "sequences": prompts * n,
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.tokens,
+        "lora_r": args.lora_r,
+        "micro_batch": args.micro,
+        "status": "ok",
+        **arm.__dict__,
+    }
     rates = measured_rates(device)
-    row["rates"] = {"copy_bw_tb_s": sig(rates["copy_bw"] / 1e12), "matmul_tflop_s": sig(rates["matmul_flops"] / 1e12),
-                    "measured_same_process": rates["measured"]}  # fmt: skip
+    row["rates"] = {
+        "copy_bw_tb_s": sig(rates["copy_bw"] / 1e12),
+        "matmul_tflop_s": sig(rates["matmul_flops"] / 1e12),
+        "measured_same_process": rates["measured"],
+    }
     row["floors_s"] = arm_floors(arm, args, rates)
     clock, steps = StepClock(device), []
     probe: Probe | None = None
@@ -312,8 +354,11 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
             row["loss"] = [h["loss"] for h in logged]
             row["optimizer_steps"] = trainer.state.global_step
     except Exception as e:  # recorded, so that a failing arm still leaves its exact error in the results
-        row.update(status="oom" if isinstance(e, torch.OutOfMemoryError) else "error", error=f"{type(e).__name__}: {e}",
-                   traceback=traceback.format_exc()[-4000:])  # fmt: skip
+        row.update(
+            status="oom" if isinstance(e, torch.OutOfMemoryError) else "error",
+            error=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc()[-4000:],
+        )
     lengths = probe.completion_lengths if probe is not None else []  # the last rollout's
     row.update(completion_lengths=sorted(set(lengths)), rollout_rows=len(lengths))
     row["forced_length"] = row["completion_lengths"] == [args.tokens]
@@ -324,8 +369,10 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
         row["peak_allocated_gb"] = max((s["peak_allocated_gb"] or 0) for s in steps) if device.type == "cuda" else None
         row["device_used_gb"] = max((s["device_used_gb"] or 0) for s in steps) if device.type == "cuda" else None
         tokens = prompts * n * args.tokens
-        row["generated_tokens_per_s"] = {"rollout": sig(tokens / mean["rollout"]) if mean["rollout"] else None,
-                                         "step": sig(tokens / row["step_s"])}  # fmt: skip
+        row["generated_tokens_per_s"] = {
+            "rollout": sig(tokens / mean["rollout"]) if mean["rollout"] else None,
+            "step": sig(tokens / row["step_s"]),
+        }
         row["over_floor"] = {p: sig(mean[p] / row["floors_s"][p]) for p in row["floors_s"] if row["floors_s"][p] > 0}
     return row
 
@@ -380,9 +427,15 @@ def report(row_files: list[Path], out: Path, argv: list[str]) -> dict[str, Any]:
         r = json.loads(f.read_text())
         latest[(r["arm"], r["batch"])] = r
     rows = sorted(latest.values(), key=lambda r: (list(BATCHES).index(r["batch"]), list(ARMS).index(r["arm"])))
-    doc = {"date": utc_now(), "device": rows[0].get("device") if rows else None,
-           "versions": rows[0].get("versions") if rows else None, "command": command("benchmarks.e2e", argv),
-           "arm_commands": sorted({r["command"] for r in rows}), "summary": summarize(rows), "results": rows}  # fmt: skip
+    doc = {
+        "date": utc_now(),
+        "device": rows[0].get("device") if rows else None,
+        "versions": rows[0].get("versions") if rows else None,
+        "command": command("benchmarks.e2e", argv),
+        "arm_commands": sorted({r["command"] for r in rows}),
+        "summary": summarize(rows),
+        "results": rows,
+    }
     write_json(out, doc)
     if rows:
         plot(rows, out.with_suffix(".png"))
@@ -436,23 +489,52 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "arm":
         row = run_arm(args)
-        row.update(date=utc_now(), device=device_name(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")),
-                   versions=package_versions("transformers", "trl", "peft", "accelerate", "vllm", "triton"),
-                   command=command("benchmarks.e2e", argv))  # fmt: skip
+        row.update(
+            date=utc_now(),
+            device=device_name(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")),
+            versions=package_versions("transformers", "trl", "peft", "accelerate", "vllm", "triton"),
+            command=command("benchmarks.e2e", argv),
+        )
         write_json(args.row, row)
         return 0 if row["status"] == "ok" else 1
     prepare(args.dir, args.tiny)
     rows_dir = args.out.parent / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)
-    shared = ["--dir", str(args.dir), "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--lora-r",
-              str(args.lora_r), "--micro", str(args.micro), "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
+    shared = [
+        "--dir",
+        str(args.dir),
+        "--prompt",
+        str(args.prompt),
+        "--tokens",
+        str(args.tokens),
+        "--lora-r",
+        str(args.lora_r),
+        "--micro",
+        str(args.micro),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+    ]
     # trl's colocated vLLM joins a process group of one; qerl's arms get the environment as it is.
     group_of_one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
     for batch in args.batches:
         for arm in args.arms:
             row = rows_dir / f"{arm}_{batch}.json"
-            cmd = [sys.executable, "-m", "benchmarks.e2e", "arm", *shared, *(["--tiny"] if args.tiny else []),
-                   "--arm", arm, "--batch", batch, "--row", str(row)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.e2e",
+                "arm",
+                *shared,
+                *(["--tiny"] if args.tiny else []),
+                "--arm",
+                arm,
+                "--batch",
+                batch,
+                "--row",
+                str(row),
+            ]
             env = {**os.environ, **(group_of_one if ARMS[arm].trainer == "trl" else {})}
             code, stopped = run_stoppable(cmd, env=env)
             print(f"{arm} {batch}: exit {code}", flush=True)

@@ -47,10 +47,28 @@ from qerl.kernels import schedule as sch
 #: (out_features N, in_features K) per layer: Qwen2.5-7B (hidden 3584, inter 18944, 28 q / 4 kv heads of 128)
 #: and Qwen2.5-32B (hidden 5120, inter 27648, 40 q / 8 kv heads).
 MODELS = {
-    "qwen2.5-7b": {"q": (3584, 3584), "k": (512, 3584), "v": (512, 3584), "o": (3584, 3584), "gate": (18944, 3584),
-                   "up": (18944, 3584), "down": (3584, 18944), "qkv": (4608, 3584), "gate_up": (37888, 3584)},
-    "qwen2.5-32b": {"q": (5120, 5120), "k": (1024, 5120), "v": (1024, 5120), "o": (5120, 5120), "gate": (27648, 5120),
-                    "up": (27648, 5120), "down": (5120, 27648), "qkv": (7168, 5120), "gate_up": (55296, 5120)},
+    "qwen2.5-7b": {
+        "q": (3584, 3584),
+        "k": (512, 3584),
+        "v": (512, 3584),
+        "o": (3584, 3584),
+        "gate": (18944, 3584),
+        "up": (18944, 3584),
+        "down": (3584, 18944),
+        "qkv": (4608, 3584),
+        "gate_up": (37888, 3584),
+    },
+    "qwen2.5-32b": {
+        "q": (5120, 5120),
+        "k": (1024, 5120),
+        "v": (1024, 5120),
+        "o": (5120, 5120),
+        "gate": (27648, 5120),
+        "up": (27648, 5120),
+        "down": (5120, 27648),
+        "qkv": (7168, 5120),
+        "gate_up": (55296, 5120),
+    },
 }
 MS = (1, 4, 16, 32, 64, 256, 1024, 4096)
 SUMMARY_SHAPE = ("qwen2.5-7b", "down")
@@ -100,15 +118,30 @@ def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) 
     gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     flops = 2 * m * n * k
     act_bytes = 2 * m * (n + k)
-    row = {"M": m, "N": n, "K": k, "flops": flops, "fp4_weight_bytes": layer.packed_bytes, "bf16_weight_bytes": 2 * n * k,
-           "x_in_gluon_order": fg.gluon_takes(m, n, k, x.dtype, x.device)}  # Layer.fwd_fns hands x over as the engine does
-    for kind, ours, base in (("fwd", layer.fwd_fns(x), layer.bf16_fwd_fns(x)), ("bwd", layer.bwd_fns(gy), layer.bf16_bwd_fns(gy))):
+    row = {
+        "M": m,
+        "N": n,
+        "K": k,
+        "flops": flops,
+        "fp4_weight_bytes": layer.packed_bytes,
+        "bf16_weight_bytes": 2 * n * k,
+        "x_in_gluon_order": fg.gluon_takes(m, n, k, x.dtype, x.device),
+    }  # Layer.fwd_fns hands x over as the engine does
+    for kind, ours, base in (
+        ("fwd", layer.fwd_fns(x), layer.bf16_fwd_fns(x)),
+        ("bwd", layer.bwd_fns(gy), layer.bf16_bwd_fns(gy)),
+    ):
         t, tb = graph_time(ours), graph_time(base)
         moved = layer.packed_bytes + act_bytes
         row[kind] = {
-            "time_us": t * 1e6, "bytes": moved, "GBps": moved / t / 1e9, "TFLOPs": flops / t / 1e12,
+            "time_us": t * 1e6,
+            "bytes": moved,
+            "GBps": moved / t / 1e9,
+            "TFLOPs": flops / t / 1e12,
             "weight_bw_fraction_of_copy": layer.packed_bytes / t / copy_bw,
-            "bf16_time_us": tb * 1e6, "bf16_GBps": (2 * n * k + act_bytes) / tb / 1e9, "bf16_TFLOPs": flops / tb / 1e12,
+            "bf16_time_us": tb * 1e6,
+            "bf16_GBps": (2 * n * k + act_bytes) / tb / 1e9,
+            "bf16_TFLOPs": flops / tb / 1e12,
             "speedup_vs_bf16": tb / t,
         }
     if row["x_in_gluon_order"] and sch.DECODE_PDL:  # the same calls launched without PDL, for the record
@@ -119,9 +152,15 @@ def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) 
             sch.DECODE_PDL = True
     if marlin is not None:
         tm, fwd = graph_time(marlin.fns(x)), row["fwd"]
-        fwd.update({"vllm_marlin_time_us": tm * 1e6, "vllm_marlin_weight_bw_fraction_of_copy": layer.packed_bytes / tm / copy_bw,
-                    "vllm_marlin_speedup_vs_bf16": fwd["bf16_time_us"] / (tm * 1e6),
-                    "speedup_vs_vllm_marlin": tm * 1e6 / fwd["time_us"], "vllm_marlin_rel_err": marlin.rel_err(x)})  # fmt: skip
+        fwd.update(
+            {
+                "vllm_marlin_time_us": tm * 1e6,
+                "vllm_marlin_weight_bw_fraction_of_copy": layer.packed_bytes / tm / copy_bw,
+                "vllm_marlin_speedup_vs_bf16": fwd["bf16_time_us"] / (tm * 1e6),
+                "speedup_vs_vllm_marlin": tm * 1e6 / fwd["time_us"],
+                "vllm_marlin_rel_err": marlin.rel_err(x),
+            }
+        )
     return row
 
 
@@ -142,14 +181,26 @@ def sweep(layer: Layer) -> list[dict]:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         for cfg in cfgs:
             cfg = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
-            out.append({"M": m, "kind": "fwd", "config": {"kernel": type(cfg).__name__, **cfg.__dict__},
-                        "time_us": graph_time(layer.fwd_fns(x, cfg)) * 1e6})
+            out.append(
+                {
+                    "M": m,
+                    "kind": "fwd",
+                    "config": {"kernel": type(cfg).__name__, **cfg.__dict__},
+                    "time_us": graph_time(layer.fwd_fns(x, cfg)) * 1e6,
+                }
+            )
     gy = torch.randn(4096, layer.n, device="cuda", dtype=torch.bfloat16)
     for cfg in BWD_SWEEP:
-        out.append({"M": 4096, "kind": "bwd", "config": cfg.__dict__, "time_us": graph_time(layer.bwd_fns(gy, cfg)) * 1e6})
-    out.append({"M": 4096, "kind": "bwd", "config": "dequantize+cuBLAS", "time_us": graph_time(layer.dq_bwd_fns(gy)) * 1e6})
+        out.append(
+            {"M": 4096, "kind": "bwd", "config": cfg.__dict__, "time_us": graph_time(layer.bwd_fns(gy, cfg)) * 1e6}
+        )
+    out.append(
+        {"M": 4096, "kind": "bwd", "config": "dequantize+cuBLAS", "time_us": graph_time(layer.dq_bwd_fns(gy)) * 1e6}
+    )
     for block in DEQUANT_BLOCKS:
-        out.append({"M": 0, "kind": "dequantize", "config": list(block), "time_us": graph_time(layer.dequant_fns(block)) * 1e6})
+        out.append(
+            {"M": 0, "kind": "dequantize", "config": list(block), "time_us": graph_time(layer.dequant_fns(block)) * 1e6}
+        )
     return out
 
 
@@ -164,11 +215,21 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in {(r["model"], r["layer"]) for r in rows}:
             pts = sorted((x["M"], x[kind]["speedup_vs_bf16"]) for x in rows if (x["model"], x["layer"]) == r)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1, label=f"{r[0]} {r[1]}")
-        peer = sorted((x["M"], x[kind]["vllm_marlin_speedup_vs_bf16"]) for x in rows
-                      if (x["model"], x["layer"]) == SUMMARY_SHAPE and "vllm_marlin_speedup_vs_bf16" in x[kind])  # fmt: skip
+        peer = sorted(
+            (x["M"], x[kind]["vllm_marlin_speedup_vs_bf16"])
+            for x in rows
+            if (x["model"], x["layer"]) == SUMMARY_SHAPE and "vllm_marlin_speedup_vs_bf16" in x[kind]
+        )
         if peer:
-            ax.plot([p[0] for p in peer], [p[1] for p in peer], "k--", marker="x", ms=4, lw=1.2,
-                    label=f"vLLM Marlin NVFP4, {SUMMARY_SHAPE[0]} {SUMMARY_SHAPE[1]}")  # fmt: skip
+            ax.plot(
+                [p[0] for p in peer],
+                [p[1] for p in peer],
+                "k--",
+                marker="x",
+                ms=4,
+                lw=1.2,
+                label=f"vLLM Marlin NVFP4, {SUMMARY_SHAPE[0]} {SUMMARY_SHAPE[1]}",
+            )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")
@@ -189,10 +250,20 @@ def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, c
         "shape": {"model": SUMMARY_SHAPE[0], "layer": SUMMARY_SHAPE[1], "N": pick[1]["N"], "K": pick[1]["K"]},
         "copy_bw_GBps": copy_bw / 1e9,
         "m1_bw_fraction": pick[1]["fwd"]["weight_bw_fraction_of_copy"],
-        **({"m1_bw_fraction_no_pdl": pick[1]["fwd"]["weight_bw_fraction_of_copy"] * pick[1]["fwd"]["time_us"]
-            / pick[1]["fwd"]["time_us_no_pdl"]} if "time_us_no_pdl" in pick[1]["fwd"] else {}),
-        **{f"m{m}_speedup_no_pdl": pick[m]["fwd"]["bf16_time_us"] / pick[m]["fwd"]["time_us_no_pdl"]
-           for m in (1, 16, 64) if "time_us_no_pdl" in pick[m]["fwd"]},
+        **(
+            {
+                "m1_bw_fraction_no_pdl": pick[1]["fwd"]["weight_bw_fraction_of_copy"]
+                * pick[1]["fwd"]["time_us"]
+                / pick[1]["fwd"]["time_us_no_pdl"]
+            }
+            if "time_us_no_pdl" in pick[1]["fwd"]
+            else {}
+        ),
+        **{
+            f"m{m}_speedup_no_pdl": pick[m]["fwd"]["bf16_time_us"] / pick[m]["fwd"]["time_us_no_pdl"]
+            for m in (1, 16, 64)
+            if "time_us_no_pdl" in pick[m]["fwd"]
+        },
         "m1_speedup": pick[1]["fwd"]["speedup_vs_bf16"],
         "m16_speedup": pick[16]["fwd"]["speedup_vs_bf16"],
         "m64_speedup": pick[64]["fwd"]["speedup_vs_bf16"],
@@ -202,18 +273,20 @@ def write(out: Path, rows: list[dict], sweep_rows: list[dict], copy_bw: float, c
         "m1024_bwd_ratio": pick[1024]["bwd"]["speedup_vs_bf16"],
     }
     if "vllm_marlin_time_us" in pick[1]["fwd"]:
-        summary["vllm_marlin"] = {"m1_bw_fraction": pick[1]["fwd"]["vllm_marlin_weight_bw_fraction_of_copy"],
-                                  **{f"m{m}_speedup": pick[m]["fwd"]["vllm_marlin_speedup_vs_bf16"] for m in (1, 16, 64)},
-                                  **{f"ours_over_marlin_m{m}": pick[m]["fwd"]["speedup_vs_vllm_marlin"] for m in (1, 16, 64)}}  # fmt: skip
+        summary["vllm_marlin"] = {
+            "m1_bw_fraction": pick[1]["fwd"]["vllm_marlin_weight_bw_fraction_of_copy"],
+            **{f"m{m}_speedup": pick[m]["fwd"]["vllm_marlin_speedup_vs_bf16"] for m in (1, 16, 64)},
+            **{f"ours_over_marlin_m{m}": pick[m]["fwd"]["speedup_vs_vllm_marlin"] for m in (1, 16, 64)},
+        }
     result = {
         "date": utc_now(),
         "device": torch.cuda.get_device_name(),
         "versions": {**versions("triton", "vllm"), "cuda": torch.version.cuda},
         "command": command("benchmarks.gemm"),
         "method": "CUDA graph of R calls rotating over weight copies (>256 MB), median of 15 replays / R; "
-                  "baseline: F.linear(x, W_bf16) and grad_y @ W_bf16 on the dequantized weight, same run; "
-                  "copy bandwidth = max(eager copy_, in-graph SM copy kernel); decode GEMMs in the Gluon K order launched "
-                  "with programmatic dependent launch as the engine launches them (time_us_no_pdl: without, same run)",
+        "baseline: F.linear(x, W_bf16) and grad_y @ W_bf16 on the dequantized weight, same run; "
+        "copy bandwidth = max(eager copy_, in-graph SM copy kernel); decode GEMMs in the Gluon K order launched "
+        "with programmatic dependent launch as the engine launches them (time_us_no_pdl: without, same run)",
         "complete": complete,
         "summary": summary,
         "sweep_7b_down": sweep_rows,
@@ -265,9 +338,12 @@ def main() -> None:
         for r in done[(n, k)]:
             rows.append({"model": model, "layer": name, **r})
             peer = f"  marlin {r['fwd']['vllm_marlin_time_us']:9.1f} us" if "vllm_marlin_time_us" in r["fwd"] else ""
-            print(f"{model:12s} {name:8s} M={r['M']:5d}  fwd {r['fwd']['time_us']:9.1f} us x{r['fwd']['speedup_vs_bf16']:.2f}"
-                  f"  bwd {r['bwd']['time_us']:9.1f} us x{r['bwd']['speedup_vs_bf16']:.2f}  "
-                  f"wbw {r['fwd']['weight_bw_fraction_of_copy']:.2f}{peer}", flush=True)
+            print(
+                f"{model:12s} {name:8s} M={r['M']:5d}  fwd {r['fwd']['time_us']:9.1f} us x{r['fwd']['speedup_vs_bf16']:.2f}"
+                f"  bwd {r['bwd']['time_us']:9.1f} us x{r['bwd']['speedup_vs_bf16']:.2f}  "
+                f"wbw {r['fwd']['weight_bw_fraction_of_copy']:.2f}{peer}",
+                flush=True,
+            )
         summary = write(out, rows, sweep_rows, copy_bw, complete=len(rows) == total)
     print(json.dumps(summary, indent=1))
 

@@ -121,4 +121,8 @@ def memory_estimate(
         "head_and_grads": HEAD_ACTIVATIONS * micro * seq * hidden * 2,
     }
     start = sum(terms[k] for k in ("weights", "trainable_states", "engine_lora", "kv_cache"))
-    return {**{f"{k}_gb": v / 1e9 for k, v in terms.items()}, "start_gb": start / 1e9, "peak_gb": sum(terms.values()) / 1e9}
+    return {
+        **{f"{k}_gb": v / 1e9 for k, v in terms.items()},
+        "start_gb": start / 1e9,
+        "peak_gb": sum(terms.values()) / 1e9,
+    }

@@ -40,18 +40,33 @@ from benchmarks.common import random_model
 #: The recipe whose loss and optimizer settings the benchmarked step uses (QeRLConfig's own defaults are trl's).
 RECIPE = Path(__file__).resolve().parents[1] / "training" / "recipes" / "qerl_nvfp4.yaml"
 #: The recipe keys that decide what one step computes; the benchmark sets its own batch, lengths and logging.
-RECIPE_KEYS = ("loss_type", "beta", "epsilon", "epsilon_high", "max_grad_norm", "lr_scheduler_type", "warmup_steps",
-               "adam_beta1", "adam_beta2", "weight_decay", "vllm_importance_sampling_mode",
-               "vllm_importance_sampling_clip_max")  # fmt: skip
+RECIPE_KEYS = (
+    "loss_type",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "max_grad_norm",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "adam_beta1",
+    "adam_beta2",
+    "weight_decay",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+)
 
 # ---------------------------------------------------------------------------------------------- trainer
 
 
-def build_model(shape: dict[str, int], vocab: int, nvfp4: bool, device: torch.device, dtype: torch.dtype, arch: str) -> nn.Module:
+def build_model(
+    shape: dict[str, int], vocab: int, nvfp4: bool, device: torch.device, dtype: torch.dtype, arch: str
+) -> nn.Module:
     """A random Qwen2/Llama (``arch``) causal LM of ``shape`` on ``device``, decoder Linears as ``NVFP4Linear``
     when ``nvfp4``; not peft-wrapped. The weights of benchmarks/rollout.py's models (``common.random_model``,
     seed 0), with no BOS, EOS or pad id in the config."""
-    model = random_model(shape, vocab, nvfp4, device, dtype, arch, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = random_model(
+        shape, vocab, nvfp4, device, dtype, arch, bos_token_id=None, eos_token_id=None, pad_token_id=None
+    )
     model.generation_config.eos_token_id = None  # the only stop id is the tokenizer's (never sampled)
     return model
 
@@ -109,12 +124,23 @@ def make_trainer(
     recipe = yaml.safe_load(RECIPE.read_text())
     config = QeRLConfig(
         **{k: recipe[k] for k in RECIPE_KEYS},
-        output_dir=out_dir, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
-        steps_per_generation=accumulation, num_generations=args.n,
-        max_completion_length=args.tokens, max_steps=10, num_stages=10, save_strategy="no", report_to=[],
-        logging_steps=1, disable_tqdm=True, seed=0, gradient_checkpointing=True, mask_truncated_completions=False,
+        output_dir=out_dir,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
+        num_generations=args.n,
+        max_completion_length=args.tokens,
+        max_steps=10,
+        num_stages=10,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        gradient_checkpointing=True,
+        mask_truncated_completions=False,
         is_ratio_from_loss_pass=not getattr(args, "trl_logprob_pass", False),
-    )  # fmt: skip
+    )
     peft = lora_config(r=args.lora_r, train_norms=True)
     trainer = QeRLTrainer(
         model,
@@ -298,8 +324,11 @@ def profile_table(prof: Any, wall_s: float, top: int = 12) -> dict[str, Any]:
     from torch.autograd import DeviceType
 
     events = list(prof.key_averages())
-    kernels = sorted((e for e in events if e.device_type != DeviceType.CPU and e.self_device_time_total > 0),
-                     key=lambda e: e.self_device_time_total, reverse=True)  # fmt: skip
+    kernels = sorted(
+        (e for e in events if e.device_type != DeviceType.CPU and e.self_device_time_total > 0),
+        key=lambda e: e.self_device_time_total,
+        reverse=True,
+    )
     busy_us = sum(e.self_device_time_total for e in kernels)
     host = sorted(
         (e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total, reverse=True
@@ -308,9 +337,15 @@ def profile_table(prof: Any, wall_s: float, top: int = 12) -> dict[str, Any]:
     def row(e: Any, us: float) -> dict[str, Any]:
         return {"name": e.key[:90], "calls": e.count, "ms": round(us / 1e3, 2), "share": sig(us / max(busy_us, 1), 3)}
 
-    qerl_ops = {e.key: {"calls": e.count, "cpu_ms_total": round(e.cpu_time_total / 1e3, 2),
-                        "device_ms_total": round(e.device_time_total / 1e3, 2)}
-                for e in events if e.key.startswith("qerl::") or "qerl_nvfp4" in e.key}  # fmt: skip
+    qerl_ops = {
+        e.key: {
+            "calls": e.count,
+            "cpu_ms_total": round(e.cpu_time_total / 1e3, 2),
+            "device_ms_total": round(e.device_time_total / 1e3, 2),
+        }
+        for e in events
+        if e.key.startswith("qerl::") or "qerl_nvfp4" in e.key
+    }
     table = {
         "wall_s": sig(wall_s),
         "device_busy_s": sig(busy_us / 1e6),
@@ -355,5 +390,3 @@ def gb(n: float | None) -> float | None:
 def sig(x: float, digits: int = 4) -> float:
     """``x`` to ``digits`` significant digits (tiny-mode floors are microseconds)."""
     return float(f"{x:.{digits}g}")
-
-

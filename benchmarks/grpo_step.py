@@ -105,8 +105,12 @@ TINY_VOCAB = 256
 #: The phases a step is split into (``other``: the rest of the step between them).
 PHASES = ("rollout", "logprobs", "fwd_bwd", "optimizer", "other")
 #: peak_gb_72b_nvfp4: fits an 80 GB card; ddp_throughput_*: 2 GPUs vs 1 on the same global batch (--baseline).
-TARGETS = {"peak_gb_32b_nvfp4": ("<=", 48.0), "step_speedup_7b": (">=", 1.3), "peak_gb_72b_nvfp4": ("<=", 80.0),
-           "ddp_throughput_ratio_7b_nvfp4": (">=", 1.8)}  # fmt: skip
+TARGETS = {
+    "peak_gb_32b_nvfp4": ("<=", 48.0),
+    "step_speedup_7b": (">=", 1.3),
+    "peak_gb_72b_nvfp4": ("<=", 80.0),
+    "ddp_throughput_ratio_7b_nvfp4": (">=", 1.8),
+}
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -159,7 +163,11 @@ def measure(
         row["step_s"] = sig(sum(clock.seconds.values()))
         row["timed_steps"].append({"step_s": row["step_s"], "phases_s": row["phases_s"]})
     if clock.profile_phase is not None:  # its phase time includes the profiler's own overhead
-        row["profile"] = {"phase": clock.profile_phase, "timed_step": 1, **(profile_table(*clock.profiled) if clock.profiled else {})}
+        row["profile"] = {
+            "phase": clock.profile_phase,
+            "timed_step": 1,
+            **(profile_table(*clock.profiled) if clock.profiled else {}),
+        }
     row["peak_gb"] = {p: gb(clock.peak.get(p)) if cuda else None for p in PHASES}
     row["peak_gb_step"] = gb(max(clock.peak.values())) if cuda else None
     row["peak_reserved_gb_step"] = gb(clock.peak_reserved) if cuda else None
@@ -198,13 +206,23 @@ def run_config(
     counts = shape_counts(shape, vocab, args.lora_r)
     sizes = (args.local_n, args.prompt, args.tokens, args.lora_r, args.micro_batch)  # this process's share
     row: dict[str, Any] = {
-        "shape": shape_name, "base": base, "n": args.n, "processes": args.processes, "n_per_process": args.local_n,
-        "micro_batch": args.micro_batch, "gradient_accumulation_steps": args.local_n // args.micro_batch,
-        "prompt_tokens": args.prompt, "new_tokens": args.tokens, "lora_r": args.lora_r, "status": "ok",
+        "shape": shape_name,
+        "base": base,
+        "n": args.n,
+        "processes": args.processes,
+        "n_per_process": args.local_n,
+        "micro_batch": args.micro_batch,
+        "gradient_accumulation_steps": args.local_n // args.micro_batch,
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.tokens,
+        "lora_r": args.lora_r,
+        "status": "ok",
         "floors": {k: sig(v) for k, v in floors(shape, vocab, nvfp4, *sizes).items()},
-        "memory_estimate_gb": {k.removesuffix("_gb"): sig(v) for k, v in memory_estimate(shape, vocab, nvfp4, *sizes).items()},
+        "memory_estimate_gb": {
+            k.removesuffix("_gb"): sig(v) for k, v in memory_estimate(shape, vocab, nvfp4, *sizes).items()
+        },
         "full_logits_fp32_gb": gb(args.local_n * args.tokens * vocab * 4),
-    }  # fmt: skip
+    }
     clock = PhaseClock(device, "fwd_bwd" if args.profile else None)
     gen = torch.Generator().manual_seed(0)
     trainer = None
@@ -214,7 +232,9 @@ def run_config(
     try:
         with tempfile.TemporaryDirectory(prefix="qerl-grpo-step-") as out_dir:
             prompt = " ".join(f"t{i}" for i in torch.randint(1, vocab, (args.prompt,), generator=gen).tolist())
-            prompts = [{"prompt": prompt}] * args.local_n  # trl's RepeatSampler: n copies of one prompt, split over ranks
+            prompts = [
+                {"prompt": prompt}
+            ] * args.local_n  # trl's RepeatSampler: n copies of one prompt, split over ranks
             torch.manual_seed(0)  # LoRA A init and the batch shuffle: the same step whatever --micro-batch
             trainer = make_trainer(
                 build_model(shape, vocab, nvfp4, device, dtype, arch), build_tokenizer(vocab), prompts[0], args, out_dir
@@ -259,8 +279,12 @@ def summarize(rows: list[dict], baseline: list[dict] | None = None) -> dict[str,
     ``baseline`` (the rows of a 1-process run of the same global batch), each configuration's
     data-parallel throughput ratio: baseline step time / this step time."""
     ok = {(r["shape"], r["base"]): r for r in rows if r["status"] == "ok"}
-    summary: dict[str, Any] = {"peak_gb_32b_nvfp4": None, "peak_gb_7b_nvfp4": None, "step_speedup_7b": None,
-                               "peak_gb_72b_nvfp4": None}  # fmt: skip
+    summary: dict[str, Any] = {
+        "peak_gb_32b_nvfp4": None,
+        "peak_gb_7b_nvfp4": None,
+        "step_speedup_7b": None,
+        "peak_gb_72b_nvfp4": None,
+    }
     for r in baseline or []:
         mine = ok.get((r["shape"], r["base"]))
         if r["status"] == "ok" and mine is not None:
@@ -309,7 +333,7 @@ def document(rows: list[dict], args: argparse.Namespace, env: dict, argv: list[s
             "gradient_checkpointing": True,
             "warm-up": "decode graphs of every KV bucket + one short (<= 32-token) step, untimed",
             "floor_constants": {"copy_bw_tb_s": COPY_BW / 1e12, "matmul_tflop_s": MATMUL_FLOPS / 1e12},
-        },  # fmt: skip
+        },
         "summary": summarize(rows, args.baseline_rows),
         "results": rows,
     }
@@ -326,7 +350,9 @@ def print_floors(args: argparse.Namespace) -> None:
             f = floors(dims, vocab, base == "nvfp4", *sizes)
             print(f"{shape} {base:5s}: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
             m = memory_estimate(dims, vocab, base == "nvfp4", *sizes)
-            print(f"{shape} {base:5s} memory (GB): " + ", ".join(f"{k.removesuffix('_gb')} {v:.3g}" for k, v in m.items()))
+            print(
+                f"{shape} {base:5s} memory (GB): " + ", ".join(f"{k.removesuffix('_gb')} {v:.3g}" for k, v in m.items())
+            )
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -334,7 +360,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/grpo_step.json"))
     parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
     parser.add_argument("--bases", nargs="+", default=["nvfp4", "bf16"], choices=["nvfp4", "bf16"])
-    parser.add_argument("--skip", nargs="+", default=[], metavar="SHAPE:BASE", help="configurations to leave out (e.g. 32b:bf16)")
+    parser.add_argument(
+        "--skip", nargs="+", default=[], metavar="SHAPE:BASE", help="configurations to leave out (e.g. 32b:bf16)"
+    )
     parser.add_argument("--n", type=int, default=8, help="completions per prompt (the GRPO group)")
     parser.add_argument(
         "--micro-batch",
@@ -351,9 +379,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=2,
         help="timed steps after the warm-up; the last one is reported (steady state), all are listed",
     )
-    parser.add_argument("--trl-logprob-pass", action="store_true",
-                        help="time trl's separate old-log-prob pass (is_ratio_from_loss_pass False) instead of taking "
-                        "the IS ratio from the loss forward")
+    parser.add_argument(
+        "--trl-logprob-pass",
+        action="store_true",
+        help="time trl's separate old-log-prob pass (is_ratio_from_loss_pass False) instead of taking "
+        "the IS ratio from the loss forward",
+    )
     parser.add_argument("--tiny", action="store_true", help="2-layer tiny Llama, 16 new tokens, prompt 32 (CPU or GPU)")
     parser.add_argument("--floors", action="store_true", help="print the analytic floors and exit (no device)")
     parser.add_argument(
@@ -408,7 +439,11 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     # This process's GPU (LOCAL_RANK under accelerate launch): the model is built there before the trainer
     # (whose accelerator would otherwise find every rank's model on cuda:0).
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     writer = int(os.environ.get("RANK", "0")) == 0  # the process that prints and writes the JSON
@@ -423,8 +458,11 @@ def main(argv: list[str] | None = None) -> dict:
         row = run_config(shape, nvfp4, args, device, dense)
         rows.append(row)
         if writer:
-            print(f"{shape} {row['base']}: {row['status']}, step {row.get('step_s')} s, phases {row.get('phases_s')}, "
-                  f"peak {row.get('peak_gb_step')} GB {row.get('peak_gb')}", flush=True)  # fmt: skip
+            print(
+                f"{shape} {row['base']}: {row['status']}, step {row.get('step_s')} s, phases {row.get('phases_s')}, "
+                f"peak {row.get('peak_gb_step')} GB {row.get('peak_gb')}",
+                flush=True,
+            )
             write_json(partial_path, document(rows, args, env, argv, f"{i + 1} of {len(configs)} configurations done"))
     doc = document(rows, args, env, argv, None)
     if writer:

@@ -79,7 +79,7 @@ def measure(model_dir: Path, device: torch.device, dtype: torch.dtype, repeats: 
     on: list[dict[str, float]] = []
     off: list[dict[str, float]] = []
     for i in range(repeats):
-        for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
             (on if mode == "on" else off).append(timed_load(model_dir, device, dtype, mode))
     load_off = statistics.median(r["load_s"] for r in off)
     paired = [a["load_s"] - b["load_s"] for a, b in zip(on, off, strict=True)]  # each pair ran back to back
@@ -102,19 +102,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, required=True, help="benchmarks.e2e prepare's directory (made if absent)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer Llama: a smoke run")
     p.add_argument("--device", default=None, help="where the model loads (cuda if there is one, else cpu)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="the non-quantized tensors' dtype (what a GPU load uses by default)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the non-quantized tensors' dtype (what a GPU load uses by default)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="pairs of loads, checks on and off")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model_dir = prepare(args.dir, args.tiny)["nvfp4"]
     row = measure(model_dir, device, getattr(torch, args.dtype), args.repeats)
-    summary = {"check_share_of_load": row["check_share_of_load"], "ab_share_of_load": row["ab_share_of_load"],
-               "target_share": TARGET_SHARE, "met": row["check_share_of_load"] < TARGET_SHARE}
-    doc = {"benchmark": "integrity", "date": utc_now(), "device": device_name(device), "versions": versions("transformers"),
-           "command": command("benchmarks.integrity", argv), "model": "qwen2.5-7b shapes" if not args.tiny else "tiny",
-           "dtype": args.dtype, "summary": summary, "row": row}  # fmt: skip
+    summary = {
+        "check_share_of_load": row["check_share_of_load"],
+        "ab_share_of_load": row["ab_share_of_load"],
+        "target_share": TARGET_SHARE,
+        "met": row["check_share_of_load"] < TARGET_SHARE,
+    }
+    doc = {
+        "benchmark": "integrity",
+        "date": utc_now(),
+        "device": device_name(device),
+        "versions": versions("transformers"),
+        "command": command("benchmarks.integrity", argv),
+        "model": "qwen2.5-7b shapes" if not args.tiny else "tiny",
+        "dtype": args.dtype,
+        "summary": summary,
+        "row": row,
+    }
     write_json(args.out, doc)
     print(summary)
     return 0

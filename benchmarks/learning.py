@@ -68,15 +68,21 @@ def dequantized_copy(src: Path, out: Path) -> Path:
     return out
 
 
-def prepare(out: Path, arms: list[str], best_method: str, best_dir: Path | None, bf16_dir: Path | None) -> dict[str, Path]:
+def prepare(
+    out: Path, arms: list[str], best_method: str, best_dir: Path | None, bf16_dir: Path | None
+) -> dict[str, Path]:
     """The checkpoints the seeds share (bf16 source, rtn, its dequantized copy, the best method's),
     made once under ``out/checkpoints``, and only those the ``arms`` need."""
     from qerl.hub import embedded_model_dir
     from qerl.quantize import quantize_checkpoint
 
     root = out / "checkpoints"
-    dirs = {"bf16": bf16_dir or embedded_model_dir(), "rtn": root / "rtn", "dequant": root / "rtn-dequantized",
-            "best": best_dir or root / best_method}
+    dirs = {
+        "bf16": bf16_dir or embedded_model_dir(),
+        "rtn": root / "rtn",
+        "dequant": root / "rtn-dequantized",
+        "best": best_dir or root / best_method,
+    }
     if {"rtn", "dequant"} & set(arms) and not (dirs["rtn"] / "config.json").exists():
         quantize_checkpoint(dirs["bf16"], dirs["rtn"])
     if "dequant" in arms and not (dirs["dequant"] / "config.json").exists():
@@ -92,8 +98,15 @@ def seed_rows(seed_dir: Path) -> dict[str, dict]:
     return {r["run"]: r for r in json.loads(path.read_text())} if path.exists() else {}
 
 
-def seed_call(seed_dir: Path, seed: int, runs: list[str], dirs: dict[str, Path], steps: int, run_timeout: int | None,
-              extra: list[str]) -> tuple[list[str], dict[str, str]] | None:
+def seed_call(
+    seed_dir: Path,
+    seed: int,
+    runs: list[str],
+    dirs: dict[str, Path],
+    steps: int,
+    run_timeout: int | None,
+    extra: list[str],
+) -> tuple[list[str], dict[str, str]] | None:
     """The compare_smollm2.sh call (command, environment) that runs ``runs`` side by side with ``--seed seed``
     into ``seed_dir``, leaving out the runs that finished (exit 0) in an earlier call; None when none is left.
     The call is recorded in ``seed_dir/calls.json`` before it starts."""
@@ -101,15 +114,30 @@ def seed_call(seed_dir: Path, seed: int, runs: list[str], dirs: dict[str, Path],
     pending = [r for r in runs if earlier.get(r, {}).get("exit_code") != 0]
     if not pending:
         return None
-    env = {**os.environ, "BF16_DIR": str(dirs["bf16"]), "NVFP4_DIR": str(dirs["rtn"]), "DEQUANT_DIR": str(dirs["dequant"]),
-           "BEST_DIR": str(dirs["best"]), "QERL_OUT": str(seed_dir), "STEPS": str(steps), "PYTHON": sys.executable,
-           "RUNS": " ".join(pending)}
+    env = {
+        **os.environ,
+        "BF16_DIR": str(dirs["bf16"]),
+        "NVFP4_DIR": str(dirs["rtn"]),
+        "DEQUANT_DIR": str(dirs["dequant"]),
+        "BEST_DIR": str(dirs["best"]),
+        "QERL_OUT": str(seed_dir),
+        "STEPS": str(steps),
+        "PYTHON": sys.executable,
+        "RUNS": " ".join(pending),
+    }
     if run_timeout:
         env["RUN_TIMEOUT"] = str(run_timeout)
     call = ["bash", str(COMPARE), "--seed", str(seed), *extra]
     calls = json.loads((seed_dir / "calls.json").read_text()) if (seed_dir / "calls.json").exists() else []
-    calls.append({"runs": env["RUNS"], "steps": steps, "run_timeout": run_timeout, "command": call,
-                  "checkpoints": {k: str(v) for k, v in dirs.items()}})
+    calls.append(
+        {
+            "runs": env["RUNS"],
+            "steps": steps,
+            "run_timeout": run_timeout,
+            "command": call,
+            "checkpoints": {k: str(v) for k, v in dirs.items()},
+        }
+    )
     seed_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(seed_dir / "calls.json", json.dumps(calls, indent=1))
     return call, env
@@ -121,8 +149,9 @@ def merge_seed_rows(seed_dir: Path, earlier: dict[str, dict]) -> None:
     atomic_write_text(seed_dir / "results.json", json.dumps(list(merged.values()), indent=1))
 
 
-def run_seed(out: Path, seed: int, arms: list[str], dirs: dict[str, Path], steps: int, run_timeout: int | None,
-             extra: list[str]) -> tuple[int, bool]:
+def run_seed(
+    out: Path, seed: int, arms: list[str], dirs: dict[str, Path], steps: int, run_timeout: int | None, extra: list[str]
+) -> tuple[int, bool]:
     """One call of compare_smollm2.sh for the arms this seed lacks (``seed_call``). Returns the call's status and
     whether a SIGTERM stopped it (``run_stoppable``: its runs are terminated, the rows they wrote kept)."""
     seed_dir = out / f"seed{seed}"
@@ -173,10 +202,15 @@ def aggregate(out: Path, arms: list[str], best: str) -> dict[str, Any]:
         before = [r["heldout_accuracy_before"] for r in runs]
         after = [r["heldout_accuracy_after"] for r in runs]
         gains[a] = [y - x for x, y in zip(before, after, strict=True)]
-        result["arms"][a] = {"label": ARMS[a][1].format(best=best), "run": ARMS[a][0],
-                             "heldout_accuracy_before": mean_se(before), "heldout_accuracy_after": mean_se(after),
-                             "gain": mean_se(gains[a]), "steps": [r["steps"] for r in runs],
-                             "train_runtime_s": [r["train_runtime_s"] for r in runs]}
+        result["arms"][a] = {
+            "label": ARMS[a][1].format(best=best),
+            "run": ARMS[a][0],
+            "heldout_accuracy_before": mean_se(before),
+            "heldout_accuracy_after": mean_se(after),
+            "gain": mean_se(gains[a]),
+            "steps": [r["steps"] for r in runs],
+            "train_runtime_s": [r["train_runtime_s"] for r in runs],
+        }
     if "bf16" in arms and paired:
         for a in arms:
             result["arms"][a]["gain_vs_bf16"] = ratio_se(gains[a], gains["bf16"])
@@ -209,12 +243,17 @@ def plot(result: dict[str, Any], path: Path, smooth: int = 10) -> Path:
         curve = result["reward_curves"][a]
         if not curve:
             continue
-        steps = [c[0] for c in curve][k - 1:]
-        mean = [sum(c[1] for c in curve[i - k + 1:i + 1]) / k for i in range(k - 1, len(curve))]
-        se = [sum(c[2] for c in curve[i - k + 1:i + 1]) / k for i in range(k - 1, len(curve))]
+        steps = [c[0] for c in curve][k - 1 :]
+        mean = [sum(c[1] for c in curve[i - k + 1 : i + 1]) / k for i in range(k - 1, len(curve))]
+        se = [sum(c[2] for c in curve[i - k + 1 : i + 1]) / k for i in range(k - 1, len(curve))]
         (line,) = left.plot(steps, mean, label=arm["label"], linewidth=1.3)
-        left.fill_between(steps, [m - s for m, s in zip(mean, se, strict=True)],
-                          [m + s for m, s in zip(mean, se, strict=True)], color=line.get_color(), alpha=0.15)
+        left.fill_between(
+            steps,
+            [m - s for m, s in zip(mean, se, strict=True)],
+            [m + s for m, s in zip(mean, se, strict=True)],
+            color=line.get_color(),
+            alpha=0.15,
+        )
     left.set_xlabel("optimizer step")
     left.set_ylabel(f"mean reward ({k}-step moving average)")
     left.set_title(f"reward, mean over seeds {result['seeds']} (band: +-1 SE)")
@@ -224,8 +263,14 @@ def plot(result: dict[str, Any], path: Path, smooth: int = 10) -> Path:
     for i, key in enumerate(("heldout_accuracy_before", "heldout_accuracy_after")):
         means = [result["arms"][a][key]["mean"] for a in names]
         ses = [result["arms"][a][key]["se"] or 0.0 for a in names]
-        right.bar([j + 0.4 * i for j in range(len(names))], means, 0.4, yerr=ses, capsize=3,
-                  label=key.replace("heldout_accuracy_", "held-out accuracy "))
+        right.bar(
+            [j + 0.4 * i for j in range(len(names))],
+            means,
+            0.4,
+            yerr=ses,
+            capsize=3,
+            label=key.replace("heldout_accuracy_", "held-out accuracy "),
+        )
     right.set_xticks([j + 0.2 for j in range(len(names))], names)
     right.set_ylabel("greedy held-out accuracy (mean +- SE)")
     right.grid(alpha=0.3, axis="y")
@@ -238,7 +283,7 @@ def plot(result: dict[str, Any], path: Path, smooth: int = 10) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -260,23 +305,27 @@ def main(argv: list[str] | None = None) -> int:
             if stopped:  # aggregate what the finished runs wrote, start no further seed
                 break
     result = aggregate(args.out, args.arms, args.best_method)
-    result.update({
-        "benchmark": "paired-seed GRPO runs on SmolLM2-135M-Instruct, arms side by side per seed "
-                     "(training/compare_smollm2.sh setup)",
-        "best_method": args.best_method,
-        "date": utc_now(),
-        "device": device_name(None if torch.cuda.is_available() else torch.device("cpu")),
-        "versions": versions("transformers", "trl", "peft", "compressed_tensors", "llmcompressor"),
-        "command": command("benchmarks.learning", argv),
-    })
+    result.update(
+        {
+            "benchmark": "paired-seed GRPO runs on SmolLM2-135M-Instruct, arms side by side per seed "
+            "(training/compare_smollm2.sh setup)",
+            "best_method": args.best_method,
+            "date": utc_now(),
+            "device": device_name(None if torch.cuda.is_available() else torch.device("cpu")),
+            "versions": versions("transformers", "trl", "peft", "compressed_tensors", "llmcompressor"),
+            "command": command("benchmarks.learning", argv),
+        }
+    )
     write_json(args.out / "learning.json", result, indent=1)
     if result["seeds"]:
         plot(result, args.out / "learning.png")
     for a, arm in result["arms"].items():
         ratio = arm.get("gain_vs_bf16") or {}
-        print(f"{a:8s} held-out accuracy {_pm(arm['heldout_accuracy_before'])} -> {_pm(arm['heldout_accuracy_after'])}, "
-              f"gain {_pm(arm['gain'])} over {arm['gain']['n']} seeds"
-              + ("" if ratio.get("ratio") is None else f", gain / bf16 gain {_pm(ratio, 'ratio')}"))
+        print(
+            f"{a:8s} held-out accuracy {_pm(arm['heldout_accuracy_before'])} -> {_pm(arm['heldout_accuracy_after'])}, "
+            f"gain {_pm(arm['gain'])} over {arm['gain']['n']} seeds"
+            + ("" if ratio.get("ratio") is None else f", gain / bf16 gain {_pm(ratio, 'ratio')}")
+        )
     return int(status)
 
 

@@ -28,18 +28,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="down")
     parser.add_argument("--m", type=int, default=1, help="tokens (1..128: the decode kernel's range)")
     parser.add_argument("--launches", type=int, default=5, help="launches (skip the first ones in ncu: -s)")
-    parser.add_argument("--kernel", choices=["triton", "gluon", "direct"], default="triton",
-                        help="gluon: the Gluon kernel (x pre-permuted, as the engine hands it; ncu -k regex:_decode_gluon); "
-                             "direct: the mma.sync kernel for M <= 8 (fp4_direct, x pre-permuted; ncu -k regex:_direct)")
-    parser.add_argument("--pdl", action="store_true",
-                        help="gluon / direct: the build the engine launches (programmatic dependent launch, qerl/kernels/pdl.py: "
-                             "first weights loaded before griddepcontrol.wait); ncu runs kernels one at a time, so this "
-                             "profiles that build's instruction stream, not its overlap with the kernel before it")
+    parser.add_argument(
+        "--kernel",
+        choices=["triton", "gluon", "direct"],
+        default="triton",
+        help="gluon: the Gluon kernel (x pre-permuted, as the engine hands it; ncu -k regex:_decode_gluon); "
+        "direct: the mma.sync kernel for M <= 8 (fp4_direct, x pre-permuted; ncu -k regex:_direct)",
+    )
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="gluon / direct: the build the engine launches (programmatic dependent launch, qerl/kernels/pdl.py: "
+        "first weights loaded before griddepcontrol.wait); ncu runs kernels one at a time, so this "
+        "profiles that build's instruction stream, not its overlap with the kernel before it",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/profile_decode.py: needs a CUDA device")
     from qerl.kernels import fp4_gemm as fg  # Triton: GPU machines only
     from qerl.kernels import schedule as sch
+
     if not 1 <= args.m <= sch.DECODE_MAX_M:
         sys.exit(f"benchmarks/profile_decode.py: --m: expected 1..{sch.DECODE_MAX_M}, got {args.m}")
     n, k = SHAPES[args.shape]
@@ -50,14 +58,18 @@ def main(argv: list[str] | None = None) -> None:
         from qerl.kernels import fp4_gluon, reference
 
         xp = reference.nibble_major(x)
-        launch = lambda: fp4_gluon.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True, pdl=args.pdl)  # noqa: E731
+        launch = lambda: fp4_gluon.matmul(  # noqa: E731
+            xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True, pdl=args.pdl
+        )
     elif args.kernel == "direct":
         from qerl.kernels import fp4_direct, reference
 
         xp = reference.nibble_major(x)
         launch = lambda: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, pdl=args.pdl)  # noqa: E731
     else:
-        launch = lambda: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m))  # noqa: E731
+        launch = lambda: fg.matmul(  # noqa: E731
+            x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m)
+        )
     for _ in range(args.launches):
         y = launch()
     torch.cuda.synchronize()

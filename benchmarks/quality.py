@@ -61,12 +61,23 @@ def quantize_one(method: str, out: Path, samples: int) -> dict[str, float]:
     start = time.time()
     calibration = Calibration(samples=samples) if method == "gptq" else None
     quantize_checkpoint(embedded_model_dir(), out, method=method, calibration=calibration)
-    return {"quantize_seconds": round(time.time() - start, 1),
-            "quantize_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    return {
+        "quantize_seconds": round(time.time() - start, 1),
+        "quantize_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+    }
 
 
 def quantize_in_child(method: str, out: Path, samples: int) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "benchmarks.quality", "--quantize-one", method, str(out), "--calibration-samples", str(samples)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.quality",
+        "--quantize-one",
+        method,
+        str(out),
+        "--calibration-samples",
+        str(samples),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"quantize --method {method} failed:\n{proc.stderr[-2000:]}")
@@ -95,9 +106,16 @@ def compare(dense_dir: Path, quant_dirs: dict[str, Path], samples: list[str]) ->
         tokens += target.numel()
     ppl = {m: math.exp(v / tokens) for m, v in nll.items()}
     rtn_gap = ppl["rtn"] - ppl["bf16"] if "rtn" in ppl else None
-    methods = {m: {"ppl": ppl[m], "ppl_gap_to_bf16": ppl[m] - ppl["bf16"],
-                   "gap_closed": None if not rtn_gap else (ppl["rtn"] - ppl[m]) / rtn_gap,
-                   "top1_agreement": agree[m] / tokens, "kl_to_bf16": kl[m] / tokens} for m in quant}
+    methods = {
+        m: {
+            "ppl": ppl[m],
+            "ppl_gap_to_bf16": ppl[m] - ppl["bf16"],
+            "gap_closed": None if not rtn_gap else (ppl["rtn"] - ppl[m]) / rtn_gap,
+            "top1_agreement": agree[m] / tokens,
+            "kl_to_bf16": kl[m] / tokens,
+        }
+        for m in quant
+    }
     return {"texts": len(samples), "tokens": tokens, "ppl_bf16": ppl["bf16"], "methods": methods}
 
 
@@ -113,8 +131,10 @@ def layer_errors(seed: int = 0) -> dict[str, Any]:
             q = quantize(w)
             seconds = time.time() - start
             err = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float32) - w.float()
-            row[method] = {"rel_sq_error": (err.square().sum() / w.float().square().sum()).item(),
-                           "seconds": round(seconds, 2)}
+            row[method] = {
+                "rel_sq_error": (err.square().sum() / w.float().square().sum()).item(),
+                "seconds": round(seconds, 2),
+            }
         rows[name] = row
     return rows
 
@@ -141,18 +161,22 @@ def main() -> None:
     for m, cost in costs.items():
         result["methods"][m].update(cost)
     if "gptq" in args.methods:
-        result["methods"]["gptq"]["calibration"] = (f"{args.calibration_samples} bundled GSM8K training rows "
-                                                    "(qerl/quant/gsm8k_calibration.jsonl), chat-templated, <= 512 tokens")
+        result["methods"]["gptq"]["calibration"] = (
+            f"{args.calibration_samples} bundled GSM8K training rows "
+            "(qerl/quant/gsm8k_calibration.jsonl), chat-templated, <= 512 tokens"
+        )
     if args.layers:
         result["random_7b_layers"] = layer_errors()
-    result.update({
-        "model": "SmolLM2-135M-Instruct (embedded default; bf16 from the Q4_1 GGUF)",
-        "date": utc_now(),
-        "device": device_name(torch.device("cpu")) + ", fp32 activations",
-        "versions": versions("transformers", "compressed_tensors", "llmcompressor"),
-        "command": command("benchmarks.quality"),
-        "seconds": round(time.time() - start, 1),
-    })
+    result.update(
+        {
+            "model": "SmolLM2-135M-Instruct (embedded default; bf16 from the Q4_1 GGUF)",
+            "date": utc_now(),
+            "device": device_name(torch.device("cpu")) + ", fp32 activations",
+            "versions": versions("transformers", "compressed_tensors", "llmcompressor"),
+            "command": command("benchmarks.quality"),
+            "seconds": round(time.time() - start, 1),
+        }
+    )
     write_json(Path(args.out), result)
     print(json.dumps(result, indent=2))
 

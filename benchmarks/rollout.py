@@ -169,12 +169,27 @@ def lora_sweep(args: argparse.Namespace) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
             floor = (wbytes + (0 if variant == "nolora" else lbytes) + kv) / bw * 1e3
-            rows.append(dict(shape="7b", engine="native", weights="nvfp4", variant=variant, lora=variant != "nolora",
-                             batch=b, tokens=args.tokens, ms_per_step=round(ms, 4), launches_per_step=launches,
-                             prefill_plus_1_s=round(t_one, 4), floor_ms=round(floor, 4)))  # fmt: skip
+            rows.append(
+                dict(
+                    shape="7b",
+                    engine="native",
+                    weights="nvfp4",
+                    variant=variant,
+                    lora=variant != "nolora",
+                    batch=b,
+                    tokens=args.tokens,
+                    ms_per_step=round(ms, 4),
+                    launches_per_step=launches,
+                    prefill_plus_1_s=round(t_one, 4),
+                    floor_ms=round(floor, 4),
+                )
+            )
             write_partial(args, bw, rows)
-            print(f"7b nvfp4 {variant:11s} b={b:3d}: {ms:8.3f} ms/step, {launches:6.1f} launches/step "
-                  f"(floor {floor:.3f})", flush=True)  # fmt: skip
+            print(
+                f"7b nvfp4 {variant:11s} b={b:3d}: {ms:8.3f} ms/step, {launches:6.1f} launches/step "
+                f"(floor {floor:.3f})",
+                flush=True,
+            )
     by = {(r["variant"], r["batch"]): r["ms_per_step"] for r in rows}
     summary = {}
     for b in args.batches:
@@ -196,7 +211,7 @@ def lora_sweep(args: argparse.Namespace) -> dict:
             "weights": "random (real shapes)",
             "model": "Qwen2.5-7B shapes, NVFP4 decoder Linears",
             "fused_lora_max_rows": fused_rows,
-        },  # fmt: skip
+        },
         "copy_bandwidth_tb_s": round(bw / 1e12, 3),
         "summary": summary,
         "results": rows,
@@ -220,7 +235,9 @@ def run(args: argparse.Namespace) -> dict:
             native = get_engine(model, 0, kind="native")
             hf = get_engine(model, 0, kind="hf")
             for b in batches:
-                prompts = [torch.randint(0, common.vocab_size(shape), (PROMPT,), generator=gen).tolist() for _ in range(b)]
+                prompts = [
+                    torch.randint(0, common.vocab_size(shape), (PROMPT,), generator=gen).tolist() for _ in range(b)
+                ]
                 kv = kv_bytes_per_step(shape, b, args.tokens)
                 runs = [("native", True, native, args.tokens)]
                 if variant == "nvfp4" and shape == "7b" and b in (1, 8):
@@ -234,10 +251,20 @@ def run(args: argparse.Namespace) -> dict:
                         with model.disable_adapter():
                             ms, t_one = ms_per_step(engine, prompts, tokens)
                     floor = (wbytes + (lbytes if with_lora else 0) + kv) / bw * 1e3
-                    row = dict(shape=shape, engine=engine_name, weights=variant, lora=with_lora, batch=b,
-                               tokens=tokens, ms_per_step=round(ms, 4), prefill_plus_1_s=round(t_one, 4),
-                               floor_ms=round(floor, 4), weight_gb=round(wbytes / 1e9, 3),
-                               lora_gb=round(lbytes / 1e9, 4), kv_gb_mean=round(kv / 1e9, 3))  # fmt: skip
+                    row = dict(
+                        shape=shape,
+                        engine=engine_name,
+                        weights=variant,
+                        lora=with_lora,
+                        batch=b,
+                        tokens=tokens,
+                        ms_per_step=round(ms, 4),
+                        prefill_plus_1_s=round(t_one, 4),
+                        floor_ms=round(floor, 4),
+                        weight_gb=round(wbytes / 1e9, 3),
+                        lora_gb=round(lbytes / 1e9, 4),
+                        kv_gb_mean=round(kv / 1e9, 3),
+                    )
                     record(rows, row, bw, args)
             del native, hf, model
             gc.collect()
@@ -252,9 +279,12 @@ def record(rows: list[dict], row: dict, bw: float, args: argparse.Namespace) -> 
     """Append a row, save the partial results (they survive a run cut off at its limit), print it."""
     rows.append(row)
     write_partial(args, bw, rows)
-    print(f"{row['shape']} {row['engine']:6s} {row['weights']}+{'lora' if row['lora'] else 'nolora':6s} "
-          f"b={row['batch']:3d}: {row['ms_per_step']:8.3f} ms/step (floor {row['floor_ms']:.3f}, "
-          f"tokens {row['tokens']})", flush=True)  # fmt: skip
+    print(
+        f"{row['shape']} {row['engine']:6s} {row['weights']}+{'lora' if row['lora'] else 'nolora':6s} "
+        f"b={row['batch']:3d}: {row['ms_per_step']:8.3f} ms/step (floor {row['floor_ms']:.3f}, "
+        f"tokens {row['tokens']})",
+        flush=True,
+    )
 
 
 def bnb_rows(rows: list[dict], gen: torch.Generator, bw: float, args: argparse.Namespace) -> None:
@@ -269,10 +299,25 @@ def bnb_rows(rows: list[dict], gen: torch.Generator, bw: float, args: argparse.N
         kv = kv_bytes_per_step("7b", b, args.hf_tokens)
         ms, t_one = ms_per_step(engine, prompts, args.hf_tokens)
         floor = (wbytes + lbytes + kv) / bw * 1e3
-        record(rows, dict(shape="7b", engine="hf", weights="nf4", lora=True, batch=b, tokens=args.hf_tokens,
-                          ms_per_step=round(ms, 4), prefill_plus_1_s=round(t_one, 4), floor_ms=round(floor, 4),
-                          weight_gb=round(wbytes / 1e9, 3), lora_gb=round(lbytes / 1e9, 4),
-                          kv_gb_mean=round(kv / 1e9, 3)), bw, args)  # fmt: skip
+        record(
+            rows,
+            dict(
+                shape="7b",
+                engine="hf",
+                weights="nf4",
+                lora=True,
+                batch=b,
+                tokens=args.hf_tokens,
+                ms_per_step=round(ms, 4),
+                prefill_plus_1_s=round(t_one, 4),
+                floor_ms=round(floor, 4),
+                weight_gb=round(wbytes / 1e9, 3),
+                lora_gb=round(lbytes / 1e9, 4),
+                kv_gb_mean=round(kv / 1e9, 3),
+            ),
+            bw,
+            args,
+        )
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()

@@ -32,9 +32,14 @@ from benchmarks.common import PROMPT, VOCAB, utc_now
 from benchmarks.rollout_models import build_model, environment, ms_per_step
 
 #: ``--kernel-ab`` variants: the ``schedule`` switch each has, and what runs with it off.
-AB_SWITCHES = {"gluon": ("GLUON_DECODE", "triton"), "direct": ("DIRECT_DECODE", "triton"),
-               "rope": ("ROPE_IN_ATTENTION", "rope_kernel"), "sampler": ("FUSED_SAMPLER", "torch_sampler"),
-               "direct_ring": ("DIRECT_RING", "tma_for_ring"), "shrink_rank": ("SHRINK_BY_RANK", "column_split")}
+AB_SWITCHES = {
+    "gluon": ("GLUON_DECODE", "triton"),
+    "direct": ("DIRECT_DECODE", "triton"),
+    "rope": ("ROPE_IN_ATTENTION", "rope_kernel"),
+    "sampler": ("FUSED_SAMPLER", "torch_sampler"),
+    "direct_ring": ("DIRECT_RING", "tma_for_ring"),
+    "shrink_rank": ("SHRINK_BY_RANK", "column_split"),
+}
 
 
 #: What an A/B sets: (module, attribute, value) triples, applied together around one engine's build and timing.
@@ -130,15 +135,35 @@ def engine_ab(
             # Tokens before a row's first difference: a wrong kernel diverges at the first decode step
             # (token 1; token 0 comes from the prefill, which never takes the decode GEMMs), while
             # rounding-order differences flip a near-tied argmax somewhere later, if at all.
-            prefix = sum(next((i for i, (a, c) in enumerate(zip(t, r, strict=False)) if a != c), len(t))
-                         for t, r in zip(tokens, reference_tokens, strict=True)) / len(tokens)  # fmt: skip
+            prefix = sum(
+                next((i for i, (a, c) in enumerate(zip(t, r, strict=False)) if a != c), len(t))
+                for t, r in zip(tokens, reference_tokens, strict=True)
+            ) / len(tokens)
             del engine
             gc.collect()
             torch.cuda.empty_cache()
-            rows.append(dict(shape=shape, batch=b, variant=name, tokens=args.tokens, ms_per_step=round(ms, 4),
-                             prefill_plus_1_s=round(t_one, 4), greedy_rows_equal_to_base=same,
-                             greedy_common_prefix_tokens=prefix, greedy_tokens=greedy.max_new_tokens))  # fmt: skip
-            print(f"{shape} nvfp4+lora {name:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to {base}'s "
-                  f"{same:.2f}, common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens", flush=True)  # fmt: skip
-    return {"benchmark": f"rollout decode, {base} vs {variant} (ms/step)", "date": utc_now(), **environment(),
-            "command": common.command("benchmarks.rollout"), "results": rows}  # fmt: skip
+            rows.append(
+                dict(
+                    shape=shape,
+                    batch=b,
+                    variant=name,
+                    tokens=args.tokens,
+                    ms_per_step=round(ms, 4),
+                    prefill_plus_1_s=round(t_one, 4),
+                    greedy_rows_equal_to_base=same,
+                    greedy_common_prefix_tokens=prefix,
+                    greedy_tokens=greedy.max_new_tokens,
+                )
+            )
+            print(
+                f"{shape} nvfp4+lora {name:6s} b={b:3d}: {ms:8.3f} ms/step, greedy rows equal to {base}'s "
+                f"{same:.2f}, common prefix {prefix:.1f} of {greedy.max_new_tokens} tokens",
+                flush=True,
+            )
+    return {
+        "benchmark": f"rollout decode, {base} vs {variant} (ms/step)",
+        "date": utc_now(),
+        **environment(),
+        "command": common.command("benchmarks.rollout"),
+        "results": rows,
+    }

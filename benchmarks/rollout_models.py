@@ -26,8 +26,15 @@ def build_model(shape: str, nvfp4: bool, lora_r: int = 16, seed: int = 0) -> nn.
 def random_lm(shape: str, nvfp4: bool, seed: int = 0) -> nn.Module:
     """A random model of ``shape`` (Qwen2.5, or the family ``common.MODEL_TYPES`` names) on the GPU, decoder
     Linears bf16 or NVFP4 (no adapter)."""
-    return common.random_model(SHAPES[shape], common.vocab_size(shape), nvfp4, torch.device(DEVICE), torch.bfloat16,
-                               arch=common.model_type(shape), seed=seed).eval()  # fmt: skip
+    return common.random_model(
+        SHAPES[shape],
+        common.vocab_size(shape),
+        nvfp4,
+        torch.device(DEVICE),
+        torch.bfloat16,
+        arch=common.model_type(shape),
+        seed=seed,
+    ).eval()
 
 
 def with_lora(model: nn.Module, lora_r: int = 16) -> nn.Module:
@@ -55,8 +62,14 @@ def build_bnb_model(shape: str, lora_r: int = 16, seed: int = 0) -> nn.Module:
     def nf4(name: str, lin: nn.Linear) -> nn.Module | None:
         if name == "lm_head":
             return None
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                              compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")  # fmt: skip
+        q = bnb.nn.Linear4bit(
+            lin.in_features,
+            lin.out_features,
+            bias=lin.bias is not None,
+            compute_dtype=torch.bfloat16,
+            quant_type="nf4",
+            device="meta",
+        )
         # Params4bit quantizes when moved to the GPU (the documented path), so hand it host data.
         q.weight = bnb.nn.Params4bit(lin.weight.data.cpu(), requires_grad=False, quant_type="nf4").to(DEVICE)
         if lin.bias is not None:

@@ -53,8 +53,9 @@ def with_extra_rows(rows: list[dict], files: list[Path] | None, env: dict) -> tu
                 if (data.get("versions") or {}).get(name):
                     env["versions"][name] = data["versions"][name]
             if env.get("device") and data.get("device") and data["device"] != env["device"]:
-                sys.exit(f"benchmarks/rollout.py: --vllm-rows {path} was measured on {data['device']}, "
-                         f"not {env['device']}")  # fmt: skip
+                sys.exit(
+                    f"benchmarks/rollout.py: --vllm-rows {path} was measured on {data['device']}, not {env['device']}"
+                )
         for r in vrows:
             native = merged.get(tuple(r[k] for k in key) + ("native",))
             fill = {k: native[k] for k in ("floor_ms", "weight_gb", "lora_gb", "kv_gb_mean")} if native else {}
@@ -75,8 +76,13 @@ def build_result(rows: list[dict], bw: float, args: argparse.Namespace, env: dic
         tokens = tokens or (args.hf_tokens if engine == "hf" else args.tokens)
         for r in rows:
             if (r["shape"], r["engine"], r["weights"], r["lora"], r["batch"], r["tokens"]) == (
-                shape, engine, weights, lora, b, tokens
-            ):  # fmt: skip
+                shape,
+                engine,
+                weights,
+                lora,
+                b,
+                tokens,
+            ):
                 return r["ms_per_step"]
         return None
 
@@ -124,7 +130,7 @@ def build_result(rows: list[dict], bw: float, args: argparse.Namespace, env: dic
             "temperature": 1.0,
             "weights": "random (real shapes)",
             "model": "Qwen2.5 7B/32B shapes",
-        },  # fmt: skip
+        },
         "copy_bandwidth_tb_s": round(bw / 1e12, 3),
         "summary": summary,
         "earlier_vllm_reference": earlier,
@@ -177,19 +183,35 @@ def plot(path: Path) -> Path:
         label, colour = SERIES[key]
         ax.bar(xs, ys, width=width, color=colour, label=label)
     for i, group in enumerate(groups):
-        floor = next((r["floor_ms"] for r in rows if (group_of(r), r["engine"], r["weights"], r["lora"])
-                      == (group, "native", "nvfp4", True) and r.get("floor_ms")), None)  # fmt: skip
+        floor = next(
+            (
+                r["floor_ms"]
+                for r in rows
+                if (group_of(r), r["engine"], r["weights"], r["lora"]) == (group, "native", "nvfp4", True)
+                and r.get("floor_ms")
+            ),
+            None,
+        )
         if floor:
             ax.hlines(floor, i - 0.4, i + 0.4, color="k", label="NVFP4 + LoRA floor" if i == 0 else None, zorder=3)
         earlier = EARLIER_VLLM_NVFP4_LORA_MS.get(group[:2]) if group[2] == base_tokens else None
         if earlier and ("vllm", "nvfp4", True) not in series:  # no same-run vLLM rows: the earlier numbers
-            ax.scatter([i], [earlier], color="C1", marker="*", s=120, zorder=4,
-                       label="vLLM NVFP4+LoRA (earlier measurement)" if i == 0 else None)  # fmt: skip
+            ax.scatter(
+                [i],
+                [earlier],
+                color="C1",
+                marker="*",
+                s=120,
+                zorder=4,
+                label="vLLM NVFP4+LoRA (earlier measurement)" if i == 0 else None,
+            )
     ax.set_yscale("log")
     ax.set_ylim(top=8 * max(r["ms_per_step"] for r in rows))  # room for the legend above the bars
     ax.set_ylabel("decode ms / step (log)")
-    ax.set_xticks(range(len(groups)), [f"{shape.upper()} b={b}" + (f"\n{t} tokens" if t != base_tokens else "")
-                                       for shape, b, t in groups])  # fmt: skip
+    ax.set_xticks(
+        range(len(groups)),
+        [f"{shape.upper()} b={b}" + (f"\n{t} tokens" if t != base_tokens else "") for shape, b, t in groups],
+    )
     device = data.get("device") or "device not recorded"
     ax.set_title(f"qerl rollout decode, {device} ({data['date'][:10]}){' — PARTIAL run' if 'partial' in data else ''}")
     ax.legend(fontsize=8, ncol=2)

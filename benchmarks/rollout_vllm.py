@@ -94,9 +94,14 @@ def write_adapter_dir(root: Path, shape: str, seed: int = 0) -> Path:
     h, inter, kv = s["hidden_size"], s["intermediate_size"], s["num_key_value_heads"] * head_dim(s)
     q = s["num_attention_heads"] * head_dim(s)
     dims = {  # (in, out)
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
-    }  # fmt: skip
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     out = root / f"lora-{shape}-r{LORA_R}"
     if (out / "adapter_config.json").exists():  # written by the other weights' config of this shape
         return out
@@ -113,10 +118,18 @@ def write_adapter_dir(root: Path, shape: str, seed: int = 0) -> Path:
     with atomic_file(out / "adapter_model.safetensors") as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     adapter_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_R, "lora_alpha": LORA_R, "lora_dropout": 0.0,
-        "target_modules": list(DEFAULT_TARGETS), "bias": "none", "modules_to_save": None, "use_rslora": False,
-        "use_dora": False, "base_model_name_or_path": None,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_R,
+        "lora_alpha": LORA_R,
+        "lora_dropout": 0.0,
+        "target_modules": list(DEFAULT_TARGETS),
+        "bias": "none",
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "base_model_name_or_path": None,
+    }
     write_json(out / "adapter_config.json", adapter_config)
     return out
 
@@ -182,9 +195,23 @@ def run_config(args: argparse.Namespace) -> None:
         t_full, out = timed(prompts, args.tokens)
         assert all(len(o.outputs[0].token_ids) == args.tokens for o in out), "a completion stopped early"
         ms = (t_full - t_one) / (args.tokens - 1) * 1e3
-        rows.append(dict(shape=shape, engine="vllm", weights=weights, lora=True, batch=b, tokens=args.tokens,
-                         ms_per_step=round(ms, 4), prefill_plus_1_s=round(t_one, 4), floor_ms=None,
-                         weight_gb=None, lora_gb=None, kv_gb_mean=None, llm_init_s=round(init_s, 1)))  # fmt: skip
+        rows.append(
+            dict(
+                shape=shape,
+                engine="vllm",
+                weights=weights,
+                lora=True,
+                batch=b,
+                tokens=args.tokens,
+                ms_per_step=round(ms, 4),
+                prefill_plus_1_s=round(t_one, 4),
+                floor_ms=None,
+                weight_gb=None,
+                lora_gb=None,
+                kv_gb_mean=None,
+                llm_init_s=round(init_s, 1),
+            )
+        )
         write_json(Path(args.out), {**env, "rows": rows}, indent=1)
         print(f"{shape} vllm   {weights}+lora   b={b:3d}: {ms:8.3f} ms/step (prefill+1 {t_one:.3f} s)", flush=True)
 
@@ -204,10 +231,23 @@ def drive(args: argparse.Namespace) -> dict:
                 if not any(b in BATCHES[shape] for b in args.batches):
                     continue
                 part = Path(tmp) / f"{shape}-{weights}.json"
-                cmd = [sys.executable, "-m", "benchmarks.rollout_vllm", "--config", f"{shape}:{weights}",
-                       "--out", str(part), "--workdir", tmp, "--tokens", str(args.tokens),
-                       "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                       "--batches", *map(str, args.batches)]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.rollout_vllm",
+                    "--config",
+                    f"{shape}:{weights}",
+                    "--out",
+                    str(part),
+                    "--workdir",
+                    tmp,
+                    "--tokens",
+                    str(args.tokens),
+                    "--gpu-memory-utilization",
+                    str(args.gpu_memory_utilization),
+                    "--batches",
+                    *map(str, args.batches),
+                ]
                 code, stopped = run_stoppable(cmd, env=child_env, cwd=REPO)
                 if part.exists():  # rows measured before any failure still count
                     data = json.loads(part.read_text())
@@ -249,8 +289,9 @@ def build_result(rows: list[dict], env: dict, args: argparse.Namespace, failures
 def parse_config(text: str) -> tuple[str, str]:
     shape, _, weights = text.partition(":")
     if shape not in SHAPES or weights not in WEIGHTS:
-        raise argparse.ArgumentTypeError(f"expected SHAPE:WEIGHTS with SHAPE in {list(SHAPES)} and WEIGHTS in "
-                                         f"{list(WEIGHTS)}, got {text!r}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"expected SHAPE:WEIGHTS with SHAPE in {list(SHAPES)} and WEIGHTS in {list(WEIGHTS)}, got {text!r}"
+        )
     return shape, weights
 
 
@@ -259,8 +300,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON to write (rewritten after every row)")
     parser.add_argument("--shapes", nargs="+", default=["7b", "32b"], choices=list(SHAPES))
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128],
-                        help="of each shape's BATCHES (7b: 1/8/64/128, 32b: 1/8, qwen3-8b: 1/8/64, qwen3-32b: 1/8)")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=[1, 8, 64, 128],
+        help="of each shape's BATCHES (7b: 1/8/64/128, 32b: 1/8, qwen3-8b: 1/8/64, qwen3-32b: 1/8)",
+    )
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--config", type=parse_config, help="(internal) run one SHAPE:WEIGHTS in this process")

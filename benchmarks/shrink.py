@@ -35,9 +35,14 @@ def measure(rank: int, bounds: tuple[int, int], m: int, a_copies: list[torch.Ten
         return step_norm.rms_norm_shrink(h, d, w, 1e-6, a, bounds, permute=True, rb=rb)
 
     ref = shrink(a_copies[0], 0)
-    row = {"R": rank, "rows": m, "rank_block_rule": step_norm.rank_block(m, rank, K),
-           "plain_norm_us": graph_time([lambda: step_norm.rms_norm(h, None, w, 1e-6, permute=True)]) * 1e6,
-           "column_split_us": graph_time([lambda a=a: shrink(a, 0) for a in a_copies]) * 1e6, "by_rank": {}}  # fmt: skip
+    row = {
+        "R": rank,
+        "rows": m,
+        "rank_block_rule": step_norm.rank_block(m, rank, K),
+        "plain_norm_us": graph_time([lambda: step_norm.rms_norm(h, None, w, 1e-6, permute=True)]) * 1e6,
+        "column_split_us": graph_time([lambda a=a: shrink(a, 0) for a in a_copies]) * 1e6,
+        "by_rank": {},
+    }
     default_warps = step_norm.RANK_WARPS
     try:
         for warps in (4, 8, 16):
@@ -47,7 +52,9 @@ def measure(rank: int, bounds: tuple[int, int], m: int, a_copies: list[torch.Ten
                 err = ((got[2].float() - ref[2].float()).abs().max() / ref[2].float().abs().max()).item()
                 row["by_rank"][f"w{warps}_rb{rb}"] = {
                     "us": graph_time([lambda a=a, rb=rb: shrink(a, rb) for a in a_copies]) * 1e6,
-                    "outputs_equal": torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "u_rel_err": err}  # fmt: skip
+                    "outputs_equal": torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]),
+                    "u_rel_err": err,
+                }
     finally:
         step_norm.RANK_WARPS = default_warps
     return row
@@ -68,12 +75,24 @@ def main(argv: list[str] | None = None) -> None:
         for m in args.rows:
             row = measure(rank, bounds, m, a_copies, w)
             best = min((v["us"], k) for k, v in row["by_rank"].items())
-            print(f"R={rank} rows={m}: plain {row['plain_norm_us']:.2f} us, columns {row['column_split_us']:.2f}, "
-                  f"best by rank {best[0]:.2f} ({best[1]})", flush=True)  # fmt: skip
+            print(
+                f"R={rank} rows={m}: plain {row['plain_norm_us']:.2f} us, columns {row['column_split_us']:.2f}, "
+                f"best by rank {best[0]:.2f} ({best[1]})",
+                flush=True,
+            )
             rows.append(row)
-    write_json(args.out, {"benchmark": "RMSNorm + LoRA shrink: column split vs by-rank split (us a launch)",
-                          "date": utc_now(), "device": device_name(dev), "versions": versions("triton"),
-                          "command": command("benchmarks.shrink", argv), "K": K, "rows": rows})  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "benchmark": "RMSNorm + LoRA shrink: column split vs by-rank split (us a launch)",
+            "date": utc_now(),
+            "device": device_name(dev),
+            "versions": versions("triton"),
+            "command": command("benchmarks.shrink", argv),
+            "K": K,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

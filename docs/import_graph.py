@@ -151,13 +151,25 @@ def draw(graph: dict[str, set[str]], out: Path) -> None:
         for t in targets:
             (x0, y0), (x1, y1) = where[m], where[t]
             colour = "#d62728" if m in red and t in red else "#999999"
-            ax.annotate("", xy=(x1, y1 + 0.12), xytext=(x0, y0 - 0.12),
-                        arrowprops=dict(arrowstyle="->", color=colour, lw=0.6, alpha=0.6))  # fmt: skip
+            ax.annotate(
+                "",
+                xy=(x1, y1 + 0.12),
+                xytext=(x0, y0 - 0.12),
+                arrowprops=dict(arrowstyle="->", color=colour, lw=0.6, alpha=0.6),
+            )
     for m, (x, y) in where.items():
         package = m.split(".")[1] if m.count(".") > 1 else ""
         edge = "#d62728" if m in red else "white"
-        ax.text(x, y, short(m), ha="center", va="center", fontsize=8, color="white",
-                bbox=dict(boxstyle="round,pad=0.3", fc=COLOURS.get(package, COLOURS[""]), ec=edge, lw=2))  # fmt: skip
+        ax.text(
+            x,
+            y,
+            short(m),
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white",
+            bbox=dict(boxstyle="round,pad=0.3", fc=COLOURS.get(package, COLOURS[""]), ec=edge, lw=2),
+        )
     ax.set_yticks(sorted(rows), [f"floor {f}" for f in sorted(rows)])
     ax.set_xticks([])
     ax.set_xlim(-0.2, width + 0.2)

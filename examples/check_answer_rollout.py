@@ -43,10 +43,13 @@ def check_answer_rollout(prompts: list[list[dict[str, str]]], trainer: QeRLTrain
     stop = set(trainer.eos_token_ids)
     prompt_ids = [encode_chat(tok, p) for p in prompts]
     first = engine.generate(prompt_ids, trainer.sampling_params(), n=1)
-    answers = [ids[:-1] if ids and ids[-1] in stop else ids for ids in first.completion_ids]  # the template ends the turn
+    answers = [
+        ids[:-1] if ids and ids[-1] in stop else ids for ids in first.completion_ids
+    ]  # the template ends the turn
     inserted = [turn_suffix(tok, p) for p in prompts]
-    second = engine.generate([p + a + s for p, a, s in zip(prompt_ids, answers, inserted, strict=True)],
-                             trainer.sampling_params(), n=1)  # fmt: skip
+    second = engine.generate(
+        [p + a + s for p, a, s in zip(prompt_ids, answers, inserted, strict=True)], trainer.sampling_params(), n=1
+    )
     completion_ids, logprobs, env_mask = [], [], []
     for a, lp, s, b, lp2 in zip(answers, first.logprobs, inserted, second.completion_ids, second.logprobs, strict=True):
         completion_ids.append(a + s + b)
@@ -55,8 +58,9 @@ def check_answer_rollout(prompts: list[list[dict[str, str]]], trainer: QeRLTrain
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs, "env_mask": env_mask}
 
 
-def build_trainer(model_name: str, config: QeRLConfig, train_dataset: Any, lora_rank: int = 8,
-                  rewards: list[Any] | None = None) -> QeRLTrainer:  # fmt: skip
+def build_trainer(
+    model_name: str, config: QeRLConfig, train_dataset: Any, lora_rank: int = 8, rewards: list[Any] | None = None
+) -> QeRLTrainer:
     """A QeRLTrainer that rolls out with ``check_answer_rollout`` and by default rewards the checked answer."""
     return QeRLTrainer(
         load_model(model_name),
@@ -77,9 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--output-dir", default="runs/check_answer")
     args = parser.parse_args(argv)
-    config = QeRLConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
-                        num_generations=4, max_completion_length=64, logging_steps=1, report_to=[],
-                        gradient_checkpointing=False)  # fmt: skip
+    config = QeRLConfig(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=64,
+        logging_steps=1,
+        report_to=[],
+        gradient_checkpointing=False,
+    )
     build_trainer(args.model_name, config, load_dataset("arithmetic", num_samples=64, arithmetic_level="easy")).train()
 
 

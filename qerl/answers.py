@@ -50,7 +50,9 @@ _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 # The sign counts only when it does not follow a digit or word ("20-5" is 20 and 5, not -5).
 _NUMBER = re.compile(r"(?<![\w.,])(-?)((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:\s*/\s*(\d+)(?![\d.]))?")
 # LaTeX decoration that carries no value; removing it lets "\$1,234" or "18\,\text{dollars}" be read as numbers.
-_LATEX_NOISE = re.compile(r"(?<!\\)\\[,;:!]\s*|\\(?:left|right|displaystyle)\b|\\text(?:bf|rm)?\s*\{([^{}]*)\}|\\mathrm\s*\{([^{}]*)\}")
+_LATEX_NOISE = re.compile(
+    r"(?<!\\)\\[,;:!]\s*|\\(?:left|right|displaystyle)\b|\\text(?:bf|rm)?\s*\{([^{}]*)\}|\\mathrm\s*\{([^{}]*)\}"
+)
 # One number and nothing else but a sign, $ or %: only such spans may be compared as numbers in
 # competition maths ("3, 5, 7" is a list, not 7).
 _SINGLE_NUMBER = re.compile(r"\s*\$?\s*-?\$?\s*(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?\s*%?\s*")
@@ -186,11 +188,15 @@ def extract_answer(completion: str, numeric: bool = True) -> Extraction | None:
 #: The reference's BigMath extraction (the reference's prompt and reward code): LaTeX only, ``\\boxed`` first (every boxed
 #: expression of the completion), no match without an anchor, basic LaTeX and units normalised.
 #: (Its ``equations=True`` is what math-verify >= 0.9 does by itself and has been deprecated there.)
-_REFERENCE_LATEX = [LatexExtractionConfig(
-    normalization_config=LatexNormalizationConfig(basic_latex=True, units=True, malformed_operators=False, nits=False,
-                                                  boxed="all"),
-    boxed_match_priority=0, try_extract_without_anchor=False,
-)]
+_REFERENCE_LATEX = [
+    LatexExtractionConfig(
+        normalization_config=LatexNormalizationConfig(
+            basic_latex=True, units=True, malformed_operators=False, nits=False, boxed="all"
+        ),
+        boxed_match_priority=0,
+        try_extract_without_anchor=False,
+    )
+]
 
 
 def _latex_answer(completion: str) -> str | None:
@@ -254,14 +260,61 @@ def score(completion: str, gold: str, numeric: bool = True) -> tuple[Extraction 
 _DAPO_TAIL_CHARS = 300  # only the end of a completion is read
 _DAPO_ANSWER_LINE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 #: Literal replacements, in order (after them no space is left).
-_MINERVA_REPLACE = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-                    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_MINERVA_REPLACE = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
 #: Units, filler words and LaTeX decoration deleted wherever they occur, in order.
 _MINERVA_DELETE = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
-    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
-    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
-    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
 )
 #: Regex rewrites, in order: keep the first $...$ span; unwrap \text/\textbf/\overline/\boxed; spell out
 #: the shorthand \fracab as \frac{a}{b} and \sqrta as \sqrt{a}.

@@ -30,8 +30,14 @@ import torch
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def rollout_ratio(train_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
-                  low: float | None, high: float | None) -> torch.Tensor:
+def rollout_ratio(
+    train_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    low: float | None,
+    high: float | None,
+) -> torch.Tensor:
     """pi_train / pi_rollout over the masked completion tokens, (B, T) for token modes, (B, 1) for sequence
     modes (the product over the sequence); ``*_truncate`` clamps it to [low, high], ``*_mask`` zeroes it outside.
     A token whose sampling log-prob is NaN (its engine could not score it) counts as a ratio of 1."""
@@ -68,9 +74,13 @@ class LossPassRatio:
 
     def _ratio_from_loss_pass(self) -> bool:
         args = self.args
-        return bool(args.is_ratio_from_loss_pass and self.use_vllm
-                    and self.vllm_importance_sampling_correction and not args.use_liger_kernel
-                    and args.gradient_accumulation_steps % (args.steps_per_generation * self.num_iterations) == 0)
+        return bool(
+            args.is_ratio_from_loss_pass
+            and self.use_vllm
+            and self.vllm_importance_sampling_correction
+            and not args.use_liger_kernel
+            and args.gradient_accumulation_steps % (args.steps_per_generation * self.num_iterations) == 0
+        )
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         if not self._ratio_from_loss_pass():
@@ -81,8 +91,10 @@ class LossPassRatio:
         finally:
             self.vllm_importance_sampling_correction = True
         if output.get("sampling_per_token_logps") is None:
-            raise ValueError("the rollout returned no sampling log-probs, which the importance-sampling correction "
-                             "needs; set vllm_importance_sampling_correction=False to train without it")
+            raise ValueError(
+                "the rollout returned no sampling log-probs, which the importance-sampling correction "
+                "needs; set vllm_importance_sampling_correction=False to train without it"
+            )
         return output
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -101,14 +113,19 @@ class LossPassRatio:
 
     def _loss_pass_ratio(self, logps: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         """:func:`rollout_ratio` for one micro-batch; trl's ``sampling/*`` metrics once per generation."""
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = (
+            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        )
         sampling = inputs["sampling_per_token_logps"]
         mode = self.vllm_importance_sampling_mode
-        ratio = rollout_ratio(logps, sampling, mask, mode, self.vllm_importance_sampling_clip_min,
-                              self.vllm_importance_sampling_clip_max)
+        ratio = rollout_ratio(
+            logps, sampling, mask, mode, self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        )
         delta = (logps - sampling).abs()[mask.bool()]
         parts = self._ratio_parts = self._ratio_parts or []
-        parts.append((delta[~torch.isnan(delta)], ratio.flatten() if mode.startswith("sequence") else ratio[mask.bool()]))
+        parts.append(
+            (delta[~torch.isnan(delta)], ratio.flatten() if mode.startswith("sequence") else ratio[mask.bool()])
+        )
         if len(parts) == (self.args.steps_per_generation if self.model.training else 1):  # a generation's last
             self._ratio_parts = None
             self._log_ratio_metrics(torch.cat([d for d, _ in parts]), torch.cat([r for _, r in parts]))

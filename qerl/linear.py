@@ -32,7 +32,9 @@ class NVFP4Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         # Buffers, not parameters: optimizers, peft and `requires_grad_` must never see them.
-        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer(
+            "weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        )
         self.register_buffer(
             "weight_scale",
             torch.zeros(out_features, in_features // nvfp4.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device),
@@ -58,7 +60,9 @@ class NVFP4Linear(nn.Module):
     def empty_like(cls, linear: nn.Linear, bias_dtype: torch.dtype = torch.bfloat16) -> NVFP4Linear:
         """An unfilled meta-device NVFP4Linear of ``linear``'s shape, for building models without
         ever allocating their dense weights (the loader fills it from a checkpoint)."""
-        return cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", bias_dtype=bias_dtype)
+        return cls(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", bias_dtype=bias_dtype
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gscale: torch.Tensor | None = None) -> NVFP4Linear:
@@ -137,8 +141,12 @@ def stack_fused_groups(model: nn.Module) -> int:
             if not all(isinstance(m, NVFP4Linear) for m in members):
                 continue
             first = members[0]
-            if any(m.in_features != first.in_features or m.weight_packed.device != first.weight_packed.device
-                   or (m.bias is None) != (first.bias is None) for m in members):
+            if any(
+                m.in_features != first.in_features
+                or m.weight_packed.device != first.weight_packed.device
+                or (m.bias is None) != (first.bias is None)
+                for m in members
+            ):
                 continue
             scales = torch.cat([m.weight_global_scale.reshape(1) for m in members])
             if not bool((scales == scales[0]).all()):

@@ -147,7 +147,9 @@ def round_blocks(weight: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor
     return round_to_e2m1(x.clamp(-FP4_MAX, FP4_MAX)).reshape(n, k)
 
 
-def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> NVFP4Tensors:
+def quantize(
+    weight: torch.Tensor, gscale: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> NVFP4Tensors:
     """Quantize a ``[N, K]`` weight to NVFP4 by rounding to nearest.
 
     ``gscale`` lets fused layers (q/k/v, gate/up) share one global scale; by default the

@@ -24,8 +24,18 @@ PANELS = (
     ("sigma", "aqn/sigma", "AQN sigma"),
     ("completion_length", "completions/mean_length", "mean completion length (tokens)"),
 )
-CSV_KEYS = ("reward", "reward_std", "entropy", "aqn/sigma", "completions/mean_length", "loss", "learning_rate",
-            "rollout/tokens_per_s", "step_time", "memory/peak_gb")
+CSV_KEYS = (
+    "reward",
+    "reward_std",
+    "entropy",
+    "aqn/sigma",
+    "completions/mean_length",
+    "loss",
+    "learning_rate",
+    "rollout/tokens_per_s",
+    "step_time",
+    "memory/peak_gb",
+)
 
 
 def read_run(run_dir: Path) -> dict[int, dict[str, float]]:
@@ -40,7 +50,9 @@ def read_run(run_dir: Path) -> dict[int, dict[str, float]]:
                 except json.JSONDecodeError:
                     continue  # a line cut short by a crash
     else:
-        states = sorted(run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[-1]))
+        states = sorted(
+            run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[-1])
+        )
         if not states:
             raise FileNotFoundError(f"{run_dir}: no metrics.jsonl and no checkpoint-*/trainer_state.json")
         records = json.loads(states[-1].read_text())["log_history"]

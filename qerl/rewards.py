@@ -77,7 +77,9 @@ def _score_all(
     if log_metric is not None:
         log_metric(f"rewards/{name}/errors", float(failures))
     if failures:
-        logger.warning("reward %s raised on %d/%d completions (scored 0); first error: %s", name, failures, len(out), first_error)
+        logger.warning(
+            "reward %s raised on %d/%d completions (scored 0); first error: %s", name, failures, len(out), first_error
+        )
     return out
 
 
@@ -89,14 +91,24 @@ def _need_answer(name: str, answer: Sequence[Any] | None, n: int) -> Sequence[An
 
 def soft_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """0.2 when ``<think>...</think>`` is followed by ``<answer>...</answer>`` anywhere in the response."""
-    return _score_all("soft_format_reward", lambda t: FORMAT_REWARD if _SOFT_FORMAT.search(t) else 0.0, completions, None,
-                      kwargs.get("log_metric"))
+    return _score_all(
+        "soft_format_reward",
+        lambda t: FORMAT_REWARD if _SOFT_FORMAT.search(t) else 0.0,
+        completions,
+        None,
+        kwargs.get("log_metric"),
+    )
 
 
 def strict_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """0.2 when the whole response is exactly the tag skeleton, each tag on its own line."""
-    return _score_all("strict_format_reward", lambda t: FORMAT_REWARD if _STRICT_FORMAT.match(t) else 0.0, completions, None,
-                      kwargs.get("log_metric"))
+    return _score_all(
+        "strict_format_reward",
+        lambda t: FORMAT_REWARD if _STRICT_FORMAT.match(t) else 0.0,
+        completions,
+        None,
+        kwargs.get("log_metric"),
+    )
 
 
 def _numeric_equal(a: Fraction | None, b: Fraction | None) -> bool:
@@ -104,15 +116,27 @@ def _numeric_equal(a: Fraction | None, b: Fraction | None) -> bool:
 
 
 def _judged(
-    name: str, reading: str, scale: float, completions: Sequence[Any], answer: Sequence[Any] | None, kwargs: dict[str, Any]
+    name: str,
+    reading: str,
+    scale: float,
+    completions: Sequence[Any],
+    answer: Sequence[Any] | None,
+    kwargs: dict[str, Any],
 ) -> list[float | None]:
     """``scale`` for each completion ``answers.judge`` finds correct under ``reading``, else 0."""
     golds = _need_answer(name, answer, len(completions))
-    return _score_all(name, lambda text, gold: scale if judge(text, str(gold), reading) else 0.0, completions, golds,
-                      kwargs.get("log_metric"))
+    return _score_all(
+        name,
+        lambda text, gold: scale if judge(text, str(gold), reading) else 0.0,
+        completions,
+        golds,
+        kwargs.get("log_metric"),
+    )
 
 
-def gsm8k_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
+def gsm8k_accuracy(
+    completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any
+) -> list[float | None]:
     """2.0 when the response's answer equals the gold number, read as evaluation reads it (``numeric``).
 
     The answer is the last ``<answer>`` block, else ``####``, ``\\boxed``, "the answer is", else the last
@@ -122,7 +146,9 @@ def gsm8k_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = No
     return _judged("gsm8k_accuracy", "numeric", GSM8K_REWARD, completions, answer, kwargs)
 
 
-def last_number_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
+def last_number_accuracy(
+    completions: Sequence[Any], answer: Sequence[Any] | None = None, **kwargs: Any
+) -> list[float | None]:
     """1.0 when the *last number* of the response equals the gold, tags or not.
 
     A lenient signal for models too small to follow the tag format yet (SmolLM2-135M on the

@@ -59,17 +59,38 @@ def make_trainer(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> 
             return ids, [[0.0] * TOKENS for _ in ids]
 
     config = QeRLConfig(
-        output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=per_device, num_generations=GROUP,
-        max_completion_length=TOKENS, save_strategy="no", report_to=[], seed=0, num_stages=2, sigma_start=1e-2,
-        sigma_end=1e-3, warmup_steps=0, learning_rate=1e-3, mask_truncated_completions=False,
-        gradient_checkpointing=True, disable_tqdm=True, logging_steps=1, bf16=False,
-        vllm_importance_sampling_correction=not fixed, beta=1.0 if fixed else 0.0,
-    )  # fmt: skip
+        output_dir=out_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=per_device,
+        num_generations=GROUP,
+        max_completion_length=TOKENS,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        num_stages=2,
+        sigma_start=1e-2,
+        sigma_end=1e-3,
+        warmup_steps=0,
+        learning_rate=1e-3,
+        mask_truncated_completions=False,
+        gradient_checkpointing=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        bf16=False,
+        vllm_importance_sampling_correction=not fixed,
+        beta=1.0 if fixed else 0.0,
+    )
     torch.manual_seed(0)  # LoRA A's init: rank 0's is broadcast by DDP, and equals the 1-process run's
     model = load_model(model_dir, device=config.device, dtype=torch.float32)
     cls = FixedRollouts if fixed else QeRLTrainer
-    return cls(model, [varied_reward], config, train_dataset=load_dataset("arithmetic", num_samples=32),
-               processing_class=load_tokenizer(embedded_model_dir()), peft_config=lora_config(r=4, train_norms=True))  # fmt: skip
+    return cls(
+        model,
+        [varied_reward],
+        config,
+        train_dataset=load_dataset("arithmetic", num_samples=32),
+        processing_class=load_tokenizer(embedded_model_dir()),
+        peft_config=lora_config(r=4, train_norms=True),
+    )
 
 
 def run(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> dict[str, Any]:
@@ -96,8 +117,11 @@ def run(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> dict[str,
 
     trainer._generate_single_turn = keep_rollout
     trainer.train()
-    weights = {n: p.detach().cpu().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
-               if p.requires_grad}  # fmt: skip
+    weights = {
+        n: p.detach().cpu().clone()
+        for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+        if p.requires_grad
+    }
     return {
         "losses": [v["loss"] for v in logs],
         "grad_norms": [v["grad_norm"] for v in logs],

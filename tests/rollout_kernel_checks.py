@@ -62,8 +62,9 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
             assert torch.equal(hc.cpu(), h), "rms_norm_shrink must leave h unchanged"
             _close(h_out, ref_h, tol, f"rms_norm_shrink residual (rb={rb})")
             _close(x, ref_x, tol, f"rms_norm_shrink output (rb={rb})")
-            for got, want in zip(decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group),
-                                 strict=True):  # fmt: skip
+            for got, want in zip(
+                decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
+            ):
                 assert (got is None) == (want is None)
                 if got is not None:
                     assert got.is_contiguous()
@@ -88,12 +89,20 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     bounds = (8, 16)
     for rb in (0, 2):
         hout, natural, u_nat = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, rb=rb)
-        hout_p, permuted, u_p = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, permute=True, rb=rb)
-        assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())), f"rms_norm_shrink(permute=True, rb={rb}) output"
-        assert torch.equal(u_p, u_nat) and torch.equal(hout_p, hout), f"rms_norm_shrink(permute=True, rb={rb}) u / residual"
+        hout_p, permuted, u_p = fused_step.rms_norm_shrink(
+            dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, permute=True, rb=rb
+        )
+        assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())), (
+            f"rms_norm_shrink(permute=True, rb={rb}) output"
+        )
+        assert torch.equal(u_p, u_nat) and torch.equal(hout_p, hout), (
+            f"rms_norm_shrink(permute=True, rb={rb}) u / residual"
+        )
     natural, u_nat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
     permuted, u_p = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a), permute=True)
-    assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())) and torch.equal(u_p, u_nat), "silu_mul_shrink(permute=True)"
+    assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())) and torch.equal(u_p, u_nat), (
+        "silu_mul_shrink(permute=True)"
+    )
     try:
         fused_step.rms_norm(dev(h[:, :200]), None, dev(w[:200]), 1e-6, permute=True)
         raise AssertionError("rms_norm(permute=True) accepted rows of 200")
@@ -121,13 +130,16 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     kcc, vcc = dev(kc), dev(vc)
     q_out = fused_step.rope_and_cache(dev(q), dev(k_), dev(v), dev(cos), dev(sin), dev(pos), kcc, vcc, nh, nkv, hd)
     kr, vr = kc.float().clone(), vc.float().clone()
-    q_ref = reference.rope_and_cache(q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv, hd)
+    q_ref = reference.rope_and_cache(
+        q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv, hd
+    )
     _close(q_out, q_ref, 2 * tol, "rope q")
     _close(kcc, kr, 2 * tol, "rope k cache")
     assert torch.equal(vcc.cpu().float(), vr), "v cache"
     qa, a = rnd(b, nh, hd), rnd(12, nh * hd, scale=0.1)
-    ref_att, ref_u = decoder.decode_attention(qa.float(), kcc.cpu().float(), vcc.cpu().float(), pos, hd**-0.5,
-                                          _group([12], a.float()))  # fmt: skip
+    ref_att, ref_u = decoder.decode_attention(
+        qa.float(), kcc.cpu().float(), vcc.cpu().float(), pos, hd**-0.5, _group([12], a.float())
+    )
     att, none = fused_step.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5)
     assert none is None
     _close(att, ref_att, tol, "decode_attention")
@@ -143,7 +155,9 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     a = rnd(12, 256, scale=0.1)
     _, u_nat = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a))
     permuted, u_p = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a), permute=True)
-    assert torch.equal(permuted.cpu(), nibble_major(natural)) and torch.equal(u_p, u_nat), "decode_attention(permute, shrink)"
+    assert torch.equal(permuted.cpu(), nibble_major(natural)) and torch.equal(u_p, u_nat), (
+        "decode_attention(permute, shrink)"
+    )
 
     check_finish_step(device)
     check_sample(device, dtype)
@@ -204,7 +218,9 @@ def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> Non
         k1, v1, k2, v2 = dev(kc), dev(vc), dev(kc), dev(vc)
         q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), cos, sin, pos, k1, v1, nh, nkv, hd)
         want = fused_step.decode_attention(q1, k1, v1, pos, hd**-0.5, lora)
-        got = fused_step.decode_attention(dev(q).view(b, nh, hd), k2, v2, pos, hd**-0.5, lora, rope=(dev(k), dev(v), cos, sin))
+        got = fused_step.decode_attention(
+            dev(q).view(b, nh, hd), k2, v2, pos, hd**-0.5, lora, rope=(dev(k), dev(v), cos, sin)
+        )
         assert torch.equal(k2, k1) and torch.equal(v2, v1), "decode_attention(rope=): cache"
         assert torch.equal(got[0], want[0]), "decode_attention(rope=): output"
         assert lora is None or torch.equal(got[1], want[1]), "decode_attention(rope=): u"
@@ -219,7 +235,13 @@ def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: in
     the two trees add in different orders (the last bit of a head's rstd differs, an H100 showed it), while the
     interpreter adds both in numpy's order."""
     b, nh, nkv, hd = 3, 8, 2, 16
-    kc, vc, q, k, v = rnd(b, nkv, s, hd), rnd(b, nkv, s, hd), rnd(b, nh * hd, scale=3.0), rnd(b, nkv * hd), rnd(b, nkv * hd)
+    kc, vc, q, k, v = (
+        rnd(b, nkv, s, hd),
+        rnd(b, nkv, s, hd),
+        rnd(b, nh * hd, scale=3.0),
+        rnd(b, nkv * hd),
+        rnd(b, nkv * hd),
+    )
     cos, sin, pos = rnd(s, hd), rnd(s, hd), torch.tensor([0, 117, s - 1])
     qw, kw = 1 + 0.5 * rnd(hd).float(), 1 + 0.5 * rnd(hd).float()  # fp32, as trained norms are kept
     norms = (Norm(qw, 1e-6), Norm(kw, 1e-5))
@@ -232,14 +254,24 @@ def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: in
     _close(q1, q_ref, 2 * tol, "qk-normed rope q")
     _close(k1, kr, 2 * tol, "qk-normed rope k cache")
     assert torch.equal(v1.cpu().float(), vr), "qk-normed rope: v cache"
-    plain = fused_step.rope_and_cache(dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), dev(kc), dev(vc), nh, nkv, hd)
+    plain = fused_step.rope_and_cache(
+        dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), dev(kc), dev(vc), nh, nkv, hd
+    )
     assert (plain.cpu().float() - q_ref).abs().max() > 10 * tol * q_ref.abs().max(), "the norms changed nothing"
     for lora in (None, lora_a):
         k1, v1, k2, v2 = dev(kc), dev(vc), dev(kc), dev(vc)
         q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), k1, v1, nh, nkv, hd, fused)
         want = fused_step.decode_attention(q1, k1, v1, dev(pos), hd**-0.5, lora)
-        got = fused_step.decode_attention(dev(q).view(b, nh, hd), k2, v2, dev(pos), hd**-0.5, lora,
-                                          rope=(dev(k), dev(v), dev(cos), dev(sin)), qk_norm=fused)  # fmt: skip
+        got = fused_step.decode_attention(
+            dev(q).view(b, nh, hd),
+            k2,
+            v2,
+            dev(pos),
+            hd**-0.5,
+            lora,
+            rope=(dev(k), dev(v), dev(cos), dev(sin)),
+            qk_norm=fused,
+        )
         assert torch.equal(k2, k1) and torch.equal(v2, v1), "decode_attention(rope=, qk_norm=): cache"
         _close(got[0], want[0], tol, "decode_attention(rope=, qk_norm=): output")
         if lora is not None:
@@ -271,8 +303,9 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
                 _, x, flat = fused_step.rms_norm_shrink(*args, rb=rb)
                 assert torch.equal(flat, fused_step.rms_norm_shrink(*args, rb=rb)[2]), "rms_norm_shrink not repeatable"
                 _close(x, ref_x, tol, "7b rms_norm_shrink output")
-                for got, want in zip(decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group),
-                                     strict=True):  # fmt: skip
+                for got, want in zip(
+                    decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
+                ):
                     _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks}, rb={rb})")
         g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)
         ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([16], a.float()))
@@ -283,7 +316,9 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
         s = 600
         kc, vc, q, a = rnd(m, nkv, s, hd), rnd(m, nkv, s, hd), rnd(m, nh, hd), rnd(16, nh * hd, scale=0.05)
         pos = torch.randint(0, s, (m,), generator=gen)
-        ref_att, ref_u = decoder.decode_attention(q.float(), kc.float(), vc.float(), pos, hd**-0.5, _group([16], a.float()))
+        ref_att, ref_u = decoder.decode_attention(
+            q.float(), kc.float(), vc.float(), pos, hd**-0.5, _group([16], a.float())
+        )
         args = (q.to(device), kc.to(device), vc.to(device), pos.to(device), hd**-0.5, a.to(device))
         att, flat = fused_step.decode_attention(*args)
         assert torch.equal(flat, fused_step.decode_attention(*args)[1]), "decode_attention shrink not repeatable"
@@ -316,8 +351,10 @@ def check_stacked_decode(device: str, dtype: torch.dtype, tol: float, ms: tuple[
             want = reference.mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, b, u, block)
             dev = [t.to(device) for t in (q.weight_packed, q.weight_scale, q.weight_global_scale)]
             xd, bd, blk = x.to(device, dtype), None if b is None else b.to(device, dtype), block.to(device, dtype)
-            for layout, ud, ub in (("row-major", u.to(device, dtype), None),
-                                   ("segmented", reference.segment(u, bounds).to(device, dtype), bounds)):
+            for layout, ud, ub in (
+                ("row-major", u.to(device, dtype), None),
+                ("segmented", reference.segment(u, bounds).to(device, dtype), bounds),
+            ):
                 outs = kernels.nvfp4_group_decode(xd, *dev, bd, splits, ud, ub, blk)
                 start = 0
                 for j, (got, rows) in enumerate(zip(outs, splits, strict=True)):
@@ -345,8 +382,17 @@ def check_decode_kernel(dtype: torch.dtype, tol: float) -> None:
         x, u = torch.randn(m, k, generator=gen), torch.randn(m, r, generator=gen)
         for split in (1, 2):
             cfg = DecodeConfig(BN=32, BK=64, warps=4, stages=1, split=split)
-            got = fp4_gemm.matmul(x.to(dtype), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.to(dtype),
-                                  u.to(dtype), lora_b.to(dtype), 0.5, config=cfg)
+            got = fp4_gemm.matmul(
+                x.to(dtype),
+                q.weight_packed,
+                q.weight_scale,
+                q.weight_global_scale,
+                bias.to(dtype),
+                u.to(dtype),
+                lora_b.to(dtype),
+                0.5,
+                config=cfg,
+            )
             want = reference.mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b, 0.5)
             _close(got, want, tol, f"decode kernel m={m} split={split}")
 
@@ -424,8 +470,11 @@ def check_qwen3_engine_interpreted() -> None:
             schedule.ROPE_IN_ATTENTION = rope_in_attention
             out = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
             assert out.completion_ids == ref.completion_ids, f"qwen3 (rope in attention {rope_in_attention}): greedy"
-            worst = max(abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True)
-                        for a, b in zip(la, lb, strict=True))  # fmt: skip
+            worst = max(
+                abs(a - b)
+                for la, lb in zip(out.logprobs, ref.logprobs, strict=True)
+                for a, b in zip(la, lb, strict=True)
+            )
             assert worst < 1e-4, (rope_in_attention, worst)
     finally:
         schedule.ROPE_IN_ATTENTION = default

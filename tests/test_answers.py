@@ -52,8 +52,13 @@ GSM8K_CASES = [
     ("She had 20 - 5 = 15 apples left.", "15", "15", "last-number", True),
     ("The temperature dropped to -4 degrees overnight", "-4", "-4", "last-number", True),
     ("He walked 2.5 miles and then 3.75 miles", "3.75", "3.75", "last-number", True),
-    ("To solve this problem, we need to break it down step by step. We know that Weng earns $12 an hour", "10", "12",
-     "last-number", False),
+    (
+        "To solve this problem, we need to break it down step by step. We know that Weng earns $12 an hour",
+        "10",
+        "12",
+        "last-number",
+        False,
+    ),
     ("Each box holds 1,200 pencils", "1200", "1200", "last-number", True),
     ("It takes 0.5 hours", ".5", "0.5", "last-number", True),
     # no answer at all
@@ -64,7 +69,9 @@ GSM8K_CASES = [
 
 
 @pytest.mark.parametrize("completion,gold,text,method,correct", GSM8K_CASES)
-def test_gsm8k_completion_styles(completion: str, gold: str, text: str | None, method: str | None, correct: bool) -> None:
+def test_gsm8k_completion_styles(
+    completion: str, gold: str, text: str | None, method: str | None, correct: bool
+) -> None:
     gold = gsm8k_gold(f"work\n#### {gold}")
     extraction, ok = score(completion, gold)
     assert (extraction.text if extraction else None) == text
@@ -79,8 +86,17 @@ def test_near_misses_are_wrong() -> None:
         assert not score(completion, "72")[1], completion
 
 
-@pytest.mark.parametrize("answer,gold", [("She sold 72.\n#### 72", "72"), ("#### 1,000", "1000"), ("#### -7", "-7"),
-                                         ("#### 0.5", "0.5"), ("42", "42"), ("$1,200", "1200")])
+@pytest.mark.parametrize(
+    "answer,gold",
+    [
+        ("She sold 72.\n#### 72", "72"),
+        ("#### 1,000", "1000"),
+        ("#### -7", "-7"),
+        ("#### 0.5", "0.5"),
+        ("42", "42"),
+        ("$1,200", "1200"),
+    ],
+)
 def test_gsm8k_gold(answer: str, gold: str) -> None:
     assert gsm8k_gold(answer) == gold
 
@@ -92,13 +108,19 @@ def test_gsm8k_gold_needs_a_number() -> None:
 
 def test_every_reference_solution_of_the_sample_scores_correct() -> None:
     """The shipped GSM8K sample's own solutions (``... #### N``) must score 100%."""
-    rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "gsm8k_train30.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (Path(__file__).parent / "data" / "gsm8k_train30.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 30
     assert all(score(r["answer"], gsm8k_gold(r["answer"]))[1] for r in rows)
 
 
 MATH_CASES = [
-    ("Therefore the polar coordinates are $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    (
+        "Therefore the polar coordinates are $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$",
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+        True,
+    ),
     ("<answer>(3, \\pi/2)</answer>", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
     ("<answer>\\frac{\\pi}{2}</answer>", "\\left( 3, \\frac{\\pi}{2} \\right)", False),
     ("\\boxed{\\sqrt{18}}", "3\\sqrt{2}", True),

@@ -14,8 +14,10 @@ import pytest
 from benchmarks import aqn
 
 
-@pytest.mark.parametrize(("p", "df", "expected"), [(0.975, 1, 12.7062), (0.975, 9, 2.26216), (0.975, 19, 2.09302),
-                                                   (0.8, 19, 0.86095), (0.975, 1000, 1.96234)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("p", "df", "expected"),
+    [(0.975, 1, 12.7062), (0.975, 9, 2.26216), (0.975, 19, 2.09302), (0.8, 19, 0.86095), (0.975, 1000, 1.96234)],
+)
 def test_t_quantile_matches_the_tables(p: float, df: int, expected: float) -> None:
     assert aqn.t_quantile(p, df) == pytest.approx(expected, abs=2e-5)
 
@@ -35,10 +37,14 @@ def test_paired_interval_and_detectable_difference() -> None:
     assert aqn.paired([0.3])["ci95"] is None  # one seed: no spread, no interval
 
 
-def _write_run(seed_dir: Path, run: str, after: float, reward: float, entropy: float, sigma: float, steps: int = 60) -> dict:
+def _write_run(
+    seed_dir: Path, run: str, after: float, reward: float, entropy: float, sigma: float, steps: int = 60
+) -> dict:
     (seed_dir / run).mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"step": s, "loss": 0.0, "reward": reward, "entropy": entropy,
-                         "aqn/sigma": sigma}) for s in range(1, steps + 1)]  # fmt: skip
+    lines = [
+        json.dumps({"step": s, "loss": 0.0, "reward": reward, "entropy": entropy, "aqn/sigma": sigma})
+        for s in range(1, steps + 1)
+    ]
     (seed_dir / run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return {"run": run, "exit_code": 0, "steps": steps, "heldout_accuracy_before": 0.2, "heldout_accuracy_after": after}
 
@@ -49,7 +55,9 @@ def test_aggregate_pairs_arms_within_seeds(tmp_path: Path) -> None:
         seed_dir = tmp_path / f"seed{seed}"
         for arm in aqn.SETTINGS["hard"].arms:
             on = aqn.ARMS[arm][2]
-            row = _write_run(seed_dir, aqn.ARMS[arm][0], 0.3 + delta * on, 0.5 + 2 * delta * on, 1.0 + 0.1 * on, 1e-2 * on)
+            row = _write_run(
+                seed_dir, aqn.ARMS[arm][0], 0.3 + delta * on, 0.5 + 2 * delta * on, 1.0 + 0.1 * on, 1e-2 * on
+            )
             records[("hard", arm, seed)] = aqn.run_record(seed_dir / row["run"], row, "hard", arm, seed)
     del records[("hard", "gptq_on", 2)]  # an unfinished arm drops its seed: pairs stay whole
     result = aqn.aggregate(records)["hard"]
@@ -81,12 +89,24 @@ def test_seeds_run_concurrently_and_resume_from_records(tmp_path: Path, monkeypa
 
     def fake_call(seed_dir: Path, seed: int, runs: list[str], *rest: object) -> tuple[list[str], dict[str, str]]:
         calls.append((seed, tuple(runs), rest[-1]))
-        return [sys.executable, "-c", FAKE_COMPARE, "--seed", str(seed)], {"QERL_OUT": str(seed_dir), "RUNS": " ".join(runs)}
+        return [sys.executable, "-c", FAKE_COMPARE, "--seed", str(seed)], {
+            "QERL_OUT": str(seed_dir),
+            "RUNS": " ".join(runs),
+        }
 
     monkeypatch.setattr(aqn, "seed_call", fake_call)
     monkeypatch.setattr(aqn, "prepare", lambda *a: {})
-    args = aqn.argparse.Namespace(out=tmp_path, settings=["hard"], seeds=[0, 1, 2], parallel=2, steps=1,
-                                  run_timeout=None, records=[], gptq_dir=None, bf16_dir=None)  # fmt: skip
+    args = aqn.argparse.Namespace(
+        out=tmp_path,
+        settings=["hard"],
+        seeds=[0, 1, 2],
+        parallel=2,
+        steps=1,
+        run_timeout=None,
+        records=[],
+        gptq_dir=None,
+        bf16_dir=None,
+    )
     records_file = tmp_path / "aqn_runs.jsonl"
     assert aqn.run_experiment(args, [], records_file) is False
     assert sorted(c[0] for c in calls) == [0, 1, 2]

@@ -26,8 +26,12 @@ def _known_broken() -> bool:
     non-finite grad_q values at the three lengths below) and reported (trl#7181, torch 2.13). A torch that fixes it
     makes ``test_attention_backward_is_finite_inside_the_training_step`` fail here, which is the cue to bound this."""
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-            and torch.backends.cudnn.is_available() and version >= (2, 11))  # fmt: skip
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability()[0] == 9
+        and torch.backends.cudnn.is_available()
+        and version >= (2, 11)
+    )
 
 
 KNOWN_BROKEN = _known_broken()
@@ -60,8 +64,10 @@ def test_attention_backward_is_finite_inside_the_training_step(length: int) -> N
         torch.backends.cuda.enable_cudnn_sdp(True)
         bare_nan = int((~torch.isfinite(_grad_q(length))).sum())
         if KNOWN_BROKEN:
-            assert bare_nan > 0, (f"L={length}: cuDNN SDPA gave a finite grad_q on torch {torch.__version__}: the inputs "
-                                  "no longer reproduce pytorch#196678 (fixed in this build? then bound KNOWN_BROKEN)")
+            assert bare_nan > 0, (
+                f"L={length}: cuDNN SDPA gave a finite grad_q on torch {torch.__version__}: the inputs "
+                "no longer reproduce pytorch#196678 (fixed in this build? then bound KNOWN_BROKEN)"
+            )
         for prior in (True, False):
             torch.backends.cuda.enable_cudnn_sdp(prior)
             with cudnn_attention_disabled():

@@ -39,11 +39,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[
     model = quantize_checkpoint(make_tiny_llama(root / "src", vocab=49152), root / "nvfp4", backend="qerl")
     out = root / "out"
     out.mkdir()
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "training/accelerate/ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()),
-           str(ROOT / "tests/ddp_grpo_worker.py"), str(model), str(out), str(GROUP // 2)]  # fmt: skip
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "training/accelerate/ddp.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        str(ROOT / "tests/ddp_grpo_worker.py"),
+        str(model),
+        str(out),
+        str(GROUP // 2),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = {kind: [torch.load(out / f"{kind}-rank{r}.pt") for r in (0, 1)] for kind in ("engine", "fixed")}
@@ -82,7 +99,9 @@ def test_two_processes_match_one_over_the_same_global_batch(runs) -> None:
     assert ddp["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=5e-8)
     assert ddp["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
     worst = max((ddp["weights"][n] - w).abs().max().item() for n, w in single["weights"].items())
-    print(f"\n2 ranks: loss {ddp['losses']}, grad norm {ddp['grad_norms']}; 1 process: loss {single['losses']}, "
-          f"grad norm {single['grad_norms']}; max |weight difference| {worst:.3g}")  # fmt: skip
+    print(
+        f"\n2 ranks: loss {ddp['losses']}, grad norm {ddp['grad_norms']}; 1 process: loss {single['losses']}, "
+        f"grad norm {single['grad_norms']}; max |weight difference| {worst:.3g}"
+    )
     for name, w in single["weights"].items():
         torch.testing.assert_close(ddp["weights"][name], w, rtol=1e-4, atol=1e-6, msg=name)

@@ -29,15 +29,18 @@ def _package(root: Path, files: dict[str, str]) -> None:
 
 
 def test_floors_and_circles_of_a_made_up_package(graph_tool: ModuleType, tmp_path: Path) -> None:
-    _package(tmp_path, {
-        "__init__.py": "",
-        "ground.py": "import os\n",
-        "kernels/__init__.py": "",
-        "kernels/a.py": "from . import b\nfrom qerl.ground import X\n",
-        "kernels/b.py": "def f():\n    from qerl.kernels.a import g\n",  # deferred: still an edge
-        "layer.py": "from qerl.kernels import a\n",
-        "top.py": "import qerl.layer\nfrom qerl import ground\n",
-    })  # fmt: skip
+    _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "ground.py": "import os\n",
+            "kernels/__init__.py": "",
+            "kernels/a.py": "from . import b\nfrom qerl.ground import X\n",
+            "kernels/b.py": "def f():\n    from qerl.kernels.a import g\n",  # deferred: still an edge
+            "layer.py": "from qerl.kernels import a\n",
+            "top.py": "import qerl.layer\nfrom qerl import ground\n",
+        },
+    )
     graph = graph_tool.import_graph(tmp_path)
     assert graph["qerl.kernels.a"] == {"qerl.kernels.b", "qerl.ground"}
     assert graph["qerl.kernels.b"] == {"qerl.kernels.a"}

@@ -17,8 +17,26 @@ from benchmarks import e2e
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("e2e")
     out = root / "results" / "e2e.json"
-    assert e2e.main(["run", "--tiny", "--dir", str(root / "ckpt"), "--arms", "qerl_native_nvfp4", "qerl_native_bf16",
-                     "--batches", "b8", "--steps", "2", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        e2e.main(
+            [
+                "run",
+                "--tiny",
+                "--dir",
+                str(root / "ckpt"),
+                "--arms",
+                "qerl_native_nvfp4",
+                "qerl_native_bf16",
+                "--batches",
+                "b8",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text()) | {"_out": str(out)}
 
 
@@ -52,8 +70,13 @@ def test_summary_ratios_point_the_right_way() -> None:
     def row(arm: str, batch: str, step_s: float) -> dict:
         return {"arm": arm, "batch": batch, "status": "ok", "step_s": step_s}
 
-    rows = [row("trl_vllm_bf16", "b8", 9.0), row("qerl_native_nvfp4", "b8", 4.5), row("qerl_vllm_nvfp4", "b128", 6.0),
-            row("qerl_native_nvfp4", "b128", 5.0), {**row("trl_vllm_bf16", "b128", 1.0), "status": "oom"}]  # fmt: skip
+    rows = [
+        row("trl_vllm_bf16", "b8", 9.0),
+        row("qerl_native_nvfp4", "b8", 4.5),
+        row("qerl_vllm_nvfp4", "b128", 6.0),
+        row("qerl_native_nvfp4", "b128", 5.0),
+        {**row("trl_vllm_bf16", "b128", 1.0), "status": "oom"},
+    ]
     s = e2e.summarize(rows)
     assert s["step_speedup_vs_trl_vllm_bf16_b8"] == 2.0 and s["step_speedup_vs_trl_vllm_bf16_b8_met"] is True
     assert (

@@ -20,13 +20,41 @@ from qerl.answers import gsm8k_gold
 torch.set_num_threads(1)
 
 DATA = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
-FIELDS = {"index", "sample", "question", "gold", "completion", "extracted", "method", "correct", "finish_reason",
-          "completion_tokens"}
+FIELDS = {
+    "index",
+    "sample",
+    "question",
+    "gold",
+    "completion",
+    "extracted",
+    "method",
+    "correct",
+    "finish_reason",
+    "completion_tokens",
+}
 
 
 def _argv(model: Path, output: Path) -> list[str]:
-    return ["--model", str(model), "--data", str(DATA), "--engine", "hf", "--dtype", "float32", "--device", "cpu",
-            "--max-new-tokens", "48", "--batch-size", "30", "--temperature", "0", "--output", str(output)]
+    return [
+        "--model",
+        str(model),
+        "--data",
+        str(DATA),
+        "--engine",
+        "hf",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "48",
+        "--batch-size",
+        "30",
+        "--temperature",
+        "0",
+        "--output",
+        str(output),
+    ]
 
 
 def _lines(path: Path) -> list[dict]:
@@ -70,8 +98,9 @@ def test_complete_jsonl_and_accuracy_is_its_recount(first_run) -> None:
         assert (extraction.text if extraction else None) == r["extracted"] and correct == r["correct"]
 
 
-def test_resume_after_truncation_regenerates_only_missing(first_run, smollm2_dir: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_after_truncation_regenerates_only_missing(
+    first_run, smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out, result, _ = first_run
     resumed = tmp_path / "gsm8k.jsonl"
     shutil.copy(meta_path(out), meta_path(resumed))
@@ -116,12 +145,38 @@ def test_math_cli_on_the_same_machinery(smollm2_dir: Path, tmp_path: Path) -> No
     from eval import math as eval_math
 
     data = tmp_path / "amc.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "problem": f"What is ${i} + {i}$?", "answer": float(2 * i)}) + "\n"
-                            for i in (1, 2)))
+    data.write_text(
+        "".join(
+            json.dumps({"id": i, "problem": f"What is ${i} + {i}$?", "answer": float(2 * i)}) + "\n" for i in (1, 2)
+        )
+    )
     out = tmp_path / "amc.jsonl.out"
-    result = eval_math.main(["--benchmark", "amc23", "--data", str(data), "--model", str(smollm2_dir), "--engine", "hf",
-                             "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "8", "--samples", "2",
-                             "--temperature", "0.6", "--seed", "3", "--output", str(out)])
+    result = eval_math.main(
+        [
+            "--benchmark",
+            "amc23",
+            "--data",
+            str(data),
+            "--model",
+            str(smollm2_dir),
+            "--engine",
+            "hf",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "8",
+            "--samples",
+            "2",
+            "--temperature",
+            "0.6",
+            "--seed",
+            "3",
+            "--output",
+            str(out),
+        ]
+    )
     rows = _lines(out)
     assert sorted((r["index"], r["sample"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [r["gold"] for r in sorted(rows, key=lambda r: r["index"])] == ["2.0", "2.0", "4.0", "4.0"]

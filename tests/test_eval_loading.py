@@ -36,7 +36,9 @@ def _make_adapter(model_dir: Path, out: Path) -> tuple[torch.Tensor, torch.Tenso
     base, tokenizer = load_base(str(model_dir), "auto", torch.float32, "cpu"), load_tokenizer(model_dir)
     base_logits = _logits(base, tokenizer)
     torch.manual_seed(0)
-    peft_model = get_peft_model(base, lora_config(r=4, target_modules=("q_proj", "v_proj", "down_proj"), train_norms=True))
+    peft_model = get_peft_model(
+        base, lora_config(r=4, target_modules=("q_proj", "v_proj", "down_proj"), train_norms=True)
+    )
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -50,8 +52,9 @@ def _make_adapter(model_dir: Path, out: Path) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("checkpoint", ["smollm2_dir", "smollm2_nvfp4_dir"])
-def test_loaded_adapter_changes_outputs_like_in_memory_peft(checkpoint: str, request: pytest.FixtureRequest,
-                                                            tmp_path: Path) -> None:
+def test_loaded_adapter_changes_outputs_like_in_memory_peft(
+    checkpoint: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     model_dir = request.getfixturevalue(checkpoint)
     base_logits, adapted = _make_adapter(model_dir, tmp_path / "adapter")
 
@@ -60,10 +63,13 @@ def test_loaded_adapter_changes_outputs_like_in_memory_peft(checkpoint: str, req
     loaded = apply_adapter(fresh, str(tmp_path / "adapter"), str(model_dir))
 
     if checkpoint == "smollm2_nvfp4_dir":  # LoRA went onto the packed layers, which stayed packed
-        assert isinstance(loaded.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").base_layer, NVFP4Linear)
+        assert isinstance(
+            loaded.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").base_layer, NVFP4Linear
+        )
     norm = loaded.get_submodule("base_model.model.model.layers.3.input_layernorm")
-    assert norm.active_adapters == ["default"] and not torch.equal(norm.modules_to_save["default"].weight,
-                                                                   norm.original_module.weight)
+    assert norm.active_adapters == ["default"] and not torch.equal(
+        norm.modules_to_save["default"].weight, norm.original_module.weight
+    )
     got = _logits(loaded, tokenizer)
     assert (got - base_logits).abs().max() > 0.05
     torch.testing.assert_close(got, adapted, rtol=0, atol=1e-5)

@@ -47,13 +47,34 @@ def _adapter(base: Path, out: Path, seed: int) -> Path:
 
 
 def _eval(base: Path, adapter: Path, data: Path, out: Path) -> list[str]:
-    gsm8k.main(["--model", str(base), "--lora", str(adapter), "--data", str(data), "--output", str(out),
-                "--temperature", "0", "--max-new-tokens", "8", "--batch-size", "2", "--device", "cpu", "--dtype", "float32"])
+    gsm8k.main(
+        [
+            "--model",
+            str(base),
+            "--lora",
+            str(adapter),
+            "--data",
+            str(data),
+            "--output",
+            str(out),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     return [json.loads(line)["completion"] for line in out.read_text().splitlines()]
 
 
-def test_weights_changed_at_the_same_path_are_evaluated_afresh(smollm2_dir: Path, tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_weights_changed_at_the_same_path_are_evaluated_afresh(
+    smollm2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     base = make_tiny_chat_model(tmp_path / "base", smollm2_dir, seed=0)
     adapter = _adapter(base, tmp_path / "run" / "adapter", seed=1)
     data = tmp_path / "d.jsonl"
@@ -81,17 +102,44 @@ def test_weights_changed_at_the_same_path_are_evaluated_afresh(smollm2_dir: Path
     assert len(list(out.parent.glob("gsm8k.stale-*.jsonl"))) == 2
 
 
-def test_changed_settings_start_afresh_and_keep_the_old_file(tiny_dense_dir: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_changed_settings_start_afresh_and_keep_the_old_file(
+    tiny_dense_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(QUESTIONS[0]) + "\n")
     out = tmp_path / "out.jsonl"
-    record = {"index": 0, "sample": 0, "question": QUESTIONS[0]["question"], "gold": "5", "completion": "#### 5",
-              "extracted": "5", "method": "####", "correct": True, "finish_reason": "stop", "completion_tokens": 3}
+    record = {
+        "index": 0,
+        "sample": 0,
+        "question": QUESTIONS[0]["question"],
+        "gold": "5",
+        "completion": "#### 5",
+        "extracted": "5",
+        "method": "####",
+        "correct": True,
+        "finish_reason": "stop",
+        "completion_tokens": 3,
+    }
     out.write_text(json.dumps(record) + "\n")
     meta_path(out).write_text(json.dumps({"benchmark": "gsm8k", "model": str(tiny_dense_dir), "temperature": 1.0}))
-    result = gsm8k.main(["--model", str(tiny_dense_dir), "--data", str(data), "--output", str(out), "--temperature", "0",
-                         "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32"])
+    result = gsm8k.main(
+        [
+            "--model",
+            str(tiny_dense_dir),
+            "--data",
+            str(data),
+            "--output",
+            str(out),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert result.correct == 0  # a random tiny model, not the hand-written "correct" record
     assert "starting afresh" in capsys.readouterr().out
     (stale,) = tmp_path.glob("out.stale-*.jsonl")

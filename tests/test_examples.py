@@ -31,12 +31,26 @@ def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
 
 def test_two_turn_rollout_trains_and_masks_the_inserted_turn(tiny_dense_dir: Path, tmp_path: Path) -> None:
     example = _example()
-    config = QeRLConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=2,
-                        max_completion_length=6, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
-                        gradient_checkpointing=False, learning_rate=1e-2, aqn=True, num_stages=2, seed=0)  # fmt: skip
+    config = QeRLConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        learning_rate=1e-2,
+        aqn=True,
+        num_stages=2,
+        seed=0,
+    )
     torch.manual_seed(0)
-    trainer = example.build_trainer(str(tiny_dense_dir), config, load_dataset("arithmetic", num_samples=8), lora_rank=2,
-                                    rewards=[length_reward])
+    trainer = example.build_trainer(
+        str(tiny_dense_dir), config, load_dataset("arithmetic", num_samples=8), lora_rank=2, rewards=[length_reward]
+    )
     seen: list[dict[str, Any]] = []
     rollout = trainer.rollout_func
 

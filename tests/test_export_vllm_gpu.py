@@ -37,8 +37,15 @@ def serve_prompt_logprobs(model_dir: str, seq: list[int]) -> list[float]:
     """vLLM's log-prob of seq[t] given seq[:t], t = 1..len-1 (runs in the child process)."""
     import vllm
 
-    llm = vllm.LLM(model=model_dir, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512, seed=0,
-                   enforce_eager=True, skip_tokenizer_init=True)  # token ids in and out: no tokenizer needed  # fmt: skip
+    llm = vllm.LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+        seed=0,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+    )  # token ids in and out: no tokenizer needed
     params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
     out = llm.generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
     return [out.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(seq))]
@@ -61,8 +68,10 @@ def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> N
 
     ckpt = _checkpoint(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("export")
-    model = get_peft_model(qerl.load_model(ckpt, load="nvfp4", device="cuda", dtype=torch.bfloat16),
-                           lora_config(r=16, alpha=32, train_norms=True)).eval()  # fmt: skip
+    model = get_peft_model(
+        qerl.load_model(ckpt, load="nvfp4", device="cuda", dtype=torch.bfloat16),
+        lora_config(r=16, alpha=32, train_norms=True),
+    ).eval()
     seq = torch.randint(0, model.config.vocab_size, (SEQ_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
     base, _ = ours(model, seq)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -86,19 +95,25 @@ def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> N
 
     dirs = {fmt: tmp / f"export-{fmt}" for fmt in ("bf16", "nvfp4")}
     records = {fmt: export(ckpt, tmp / "adapter", path, fmt=fmt) for fmt, path in dirs.items()}
-    ours_export = {fmt: ours(qerl.load_model(path, device="cuda", dtype=torch.bfloat16), seq)[0] for fmt, path in dirs.items()}
+    ours_export = {
+        fmt: ours(qerl.load_model(path, device="cuda", dtype=torch.bfloat16), seq)[0] for fmt, path in dirs.items()
+    }
     requant = (ours_export["nvfp4"] - ours_export["bf16"]).abs()
     retained = records["nvfp4"]["lora_delta_retained"]
-    print(f"\nadapter effect {effect:.3f} nats; NVFP4 re-quantization error mean {requant.mean():.3f} / max "
-          f"{requant.max():.3f} nats; LoRA delta retained {retained:.3f}")  # fmt: skip
+    print(
+        f"\nadapter effect {effect:.3f} nats; NVFP4 re-quantization error mean {requant.mean():.3f} / max "
+        f"{requant.max():.3f} nats; LoRA delta retained {retained:.3f}"
+    )
     assert retained > 0.5  # the adapter survives re-quantization (else the NVFP4 check means little)
     for fmt, path in dirs.items():
         diff = (served(path, seq, tmp) - ref).abs()
         extra = requant if fmt == "nvfp4" else torch.zeros(1)
         mean_tol = MEAN_TOL + EFFECT_REL * effect + extra.mean().item()
         max_tol = max(MAX_TOL, MAX_TOL_REL * logit_scale) + extra.max().item()
-        print(f"vLLM on the {fmt} export vs the adapter model: mean {diff.mean():.4f} max {diff.max():.4f} nats "
-              f"(bounds {mean_tol:.3f} / {max_tol:.3f})")  # fmt: skip
+        print(
+            f"vLLM on the {fmt} export vs the adapter model: mean {diff.mean():.4f} max {diff.max():.4f} nats "
+            f"(bounds {mean_tol:.3f} / {max_tol:.3f})"
+        )
         assert diff.mean().item() <= mean_tol and diff.max().item() <= max_tol
 
 

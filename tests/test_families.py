@@ -33,7 +33,9 @@ GSM8K = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
-def family(request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def family(
+    request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     """One family's bf16 checkpoint, its qerl NVFP4 quantization, and a 2-step training run on it."""
     root = tmp_path_factory.mktemp(request.param)
     src = make_tiny_family_chat_model(root / "bf16", request.param, smollm2_dir)
@@ -41,20 +43,36 @@ def family(request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: 
     torch.manual_seed(0)
     model = load_model(nvfp4_dir, device="cpu", dtype=torch.float32)
     config = make_config(root / "run", max_steps=2, save_steps=2, num_stages=2)
-    trainer = QeRLTrainer(model, [varied_reward], config, train_dataset=load_dataset("arithmetic", num_samples=16),
-                          processing_class=load_tokenizer(nvfp4_dir), peft_config=lora_config(r=4, train_norms=True))  # fmt: skip
+    trainer = QeRLTrainer(
+        model,
+        [varied_reward],
+        config,
+        train_dataset=load_dataset("arithmetic", num_samples=16),
+        processing_class=load_tokenizer(nvfp4_dir),
+        peft_config=lora_config(r=4, train_norms=True),
+    )
     lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
     trainer.train()
-    return {"name": request.param, "root": root, "src": src, "nvfp4": nvfp4_dir, "trainer": trainer,
-            "lora_before": lora_before, "adapter": root / "run" / "checkpoint-2"}  # fmt: skip
+    return {
+        "name": request.param,
+        "root": root,
+        "src": src,
+        "nvfp4": nvfp4_dir,
+        "trainer": trainer,
+        "lora_before": lora_before,
+        "adapter": root / "run" / "checkpoint-2",
+    }
 
 
 def test_two_grpo_steps_train_lora_with_aqn_on_the_feeding_norms(family: dict[str, Any]) -> None:
     trainer = family["trainer"]
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
-    changed = [n for n, p in trainer.model.named_parameters() if n in family["lora_before"]
-               and not torch.equal(p, family["lora_before"][n])]  # fmt: skip
+    changed = [
+        n
+        for n, p in trainer.model.named_parameters()
+        if n in family["lora_before"] and not torch.equal(p, family["lora_before"][n])
+    ]
     assert changed, "no LoRA parameter moved in 2 steps"
     perturbed = {name.rsplit(".", 1)[-1] for name, _ in norm_weights(trainer.model)}
     assert perturbed == {"input_layernorm", "post_attention_layernorm"}  # never Qwen3's q_norm / k_norm
@@ -63,9 +81,28 @@ def test_two_grpo_steps_train_lora_with_aqn_on_the_feeding_norms(family: dict[st
 
 def test_eval_runs_the_trained_adapter(family: dict[str, Any]) -> None:
     out = family["root"] / "gsm8k.jsonl"
-    argv = ["--model", str(family["nvfp4"]), "--lora", str(family["adapter"]), "--data", str(GSM8K), "--limit", "4",
-            "--engine", "native", "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "8", "--temperature", "0",
-            "--output", str(out)]  # fmt: skip
+    argv = [
+        "--model",
+        str(family["nvfp4"]),
+        "--lora",
+        str(family["adapter"]),
+        "--data",
+        str(GSM8K),
+        "--limit",
+        "4",
+        "--engine",
+        "native",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--output",
+        str(out),
+    ]
     with redirect_stdout(io.StringIO()):
         gsm8k.main(argv)
     rows = [json.loads(line) for line in out.read_text().splitlines()]

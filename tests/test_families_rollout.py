@@ -22,8 +22,9 @@ COMPLETIONS = [list(range(100, 180)), [100, 101, 102], [7] * 10, list(range(30, 
 FAMILIES = list(FAMILY_CONFIGS)
 
 
-def full_forward_error(model: torch.nn.Module, engine: NativeEngine, prompts: list[list[int]],
-                       completions: list[list[int]]) -> tuple[float, float]:  # fmt: skip
+def full_forward_error(
+    model: torch.nn.Module, engine: NativeEngine, prompts: list[list[int]], completions: list[list[int]]
+) -> tuple[float, float]:
     """(max |engine teacher-forced logit - transformers forward logit|, max |logit|) over every completion position."""
     got = engine.teacher_forced_logits(prompts, completions)
     device = next(model.parameters()).device
@@ -82,7 +83,9 @@ def test_mistral_longer_than_its_sliding_window_is_refused() -> None:
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_vl", "gpt2"])
 def test_unsupported_model_types_are_one_line_errors(model_type: str) -> None:
-    with pytest.raises(ValueError, match=rf"model_type '{model_type}' is not supported; .*llama, qwen2, qwen3, mistral$"):
+    with pytest.raises(
+        ValueError, match=rf"model_type '{model_type}' is not supported; .*llama, qwen2, qwen3, mistral$"
+    ):
         arch.check_config({"model_type": model_type}, "config.json")
     model = tiny_family("qwen3")
     model.config.model_type = model_type
@@ -99,8 +102,15 @@ def bf16_errors(family: str, device: str) -> tuple[float, float]:
     and Mistral are ill-conditioned in bf16. Transformers' own bf16 forward is ~8% off the fp32 forward of the same
     weights (max |dlogit| ~4 of ~22), so two bf16 implementations that round in different orders differ by that
     much, whichever is right (Qwen3's q/k norms tame it: ~2%). The engine must be as exact as transformers."""
-    sizes = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
-                 head_dim=128, max_position_embeddings=2048)  # fmt: skip
+    sizes = dict(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=2048,
+    )
     model = tiny_family(family, 12, **sizes).to(torch.bfloat16)
     model = nvfp4_lora(model, group_scales=True)
     with torch.no_grad():  # trained-LoRA magnitudes, not the stress-test 0.3

@@ -45,12 +45,25 @@ def tiny_nvfp4_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def _trainer(model_dir: Path, out: Path, **config: Any) -> QeRLTrainer:
-    args = QeRLConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=2, num_generations=2,
-                      report_to=[], save_strategy="no", disable_tqdm=True, **config)
+    args = QeRLConfig(
+        output_dir=str(out),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        **config,
+    )
     model = load_model(model_dir, device="cpu", dtype=torch.float32)
-    return QeRLTrainer(model, [lambda completions, **kw: [0.0] * len(completions)], args,
-                       train_dataset=load_dataset("arithmetic", num_samples=4), processing_class=load_tokenizer(model_dir),
-                       peft_config=lora_config(r=2, train_norms=True))
+    return QeRLTrainer(
+        model,
+        [lambda completions, **kw: [0.0] * len(completions)],
+        args,
+        train_dataset=load_dataset("arithmetic", num_samples=4),
+        processing_class=load_tokenizer(model_dir),
+        peft_config=lora_config(r=2, train_norms=True),
+    )
 
 
 def test_aqn_is_on_by_default_for_nvfp4_models_only(tiny_nvfp4_dir: Path, tiny_dense_dir: Path, tmp_path: Path) -> None:
@@ -61,8 +74,9 @@ def test_aqn_is_on_by_default_for_nvfp4_models_only(tiny_nvfp4_dir: Path, tiny_d
     assert nvfp4.aqn is not None and nvfp4.args.aqn is True
     assert dense.aqn is None and dense.args.aqn is False and dense.current_sigma() == 0.0
     # The reference's schedule: 10 stages, sigma 1e-2 -> 1e-4 (the reference's noise scheduler).
-    assert nvfp4.aqn.sigmas()[1:] == pytest.approx([1e-2, 5.62e-3, 3.16e-3, 1.78e-3, 1e-3, 5.62e-4, 3.16e-4, 1.78e-4, 1e-4],
-                                                   rel=2e-3)
+    assert nvfp4.aqn.sigmas()[1:] == pytest.approx(
+        [1e-2, 5.62e-3, 3.16e-3, 1.78e-3, 1e-3, 5.62e-4, 3.16e-4, 1.78e-4, 1e-4], rel=2e-3
+    )
     # The same defaults pick the reference's learning rates; an explicit choice wins on either model.
     assert (nvfp4.args.learning_rate, dense.args.learning_rate) == (1e-5, 5e-6)
     assert _trainer(tiny_dense_dir, tmp_path / "d2", aqn=True).aqn is not None
@@ -83,11 +97,24 @@ def test_config_defaults_are_trls_and_the_recipe_the_reference_scripts(tmp_path:
     assert (config.num_train_epochs, config.sigma_start, config.sigma_end, config.num_stages) == (3, 1e-2, 1e-4, 10)
     assert AQNSchedule().sigma_end == 1e-4
     _, recipe = parse_args(["--config", "training/recipes/qerl_nvfp4.yaml", "--output-dir", str(tmp_path)])
-    assert (recipe.num_train_epochs, recipe.loss_type, recipe.epsilon_high, recipe.max_grad_norm) == (1, "bnpo", 0.28, 0.2)
+    assert (recipe.num_train_epochs, recipe.loss_type, recipe.epsilon_high, recipe.max_grad_norm) == (
+        1,
+        "bnpo",
+        0.28,
+        0.2,
+    )
 
 
-@pytest.mark.parametrize("dataset,expected", [("gsm8k", 2048), ("bigmath", 4096), ("bigmath_hard", 4096),
-                                              ("dapomath", DEFAULT_COMPLETION_LENGTH), ("arithmetic", DEFAULT_COMPLETION_LENGTH)])
+@pytest.mark.parametrize(
+    "dataset,expected",
+    [
+        ("gsm8k", 2048),
+        ("bigmath", 4096),
+        ("bigmath_hard", 4096),
+        ("dapomath", DEFAULT_COMPLETION_LENGTH),
+        ("arithmetic", DEFAULT_COMPLETION_LENGTH),
+    ],
+)
 def test_completion_length_follows_the_reference_scripts(dataset: str, expected: int, tmp_path: Path) -> None:
     """The scripts' presets by DATA_NAME: gsm8k 2048, bigmath 4096, anything else 8192. An explicit flag wins."""
     base = ["--dataset", dataset, "--output-dir", str(tmp_path), "--report-to", "none"]
@@ -103,16 +130,23 @@ def test_gsm8k_and_dapo_prompts_as_the_reference_built_them(tmp_path: Path) -> N
     (the tag instruction) only through --prompt-style."""
     question = json.loads(SAMPLE.read_text().splitlines()[0])["question"]
     assert load_dataset("gsm8k", str(SAMPLE))[0]["prompt"] == [{"role": "user", "content": question}]
-    source = [{"role": "user", "content": "Solve the following math problem step by step. The last line of your response "
-               "should be of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-               "What is 6 * 7?\n\nRemember to put your answer on its own line after \"Answer:\"."}]
+    source = [
+        {
+            "role": "user",
+            "content": "Solve the following math problem step by step. The last line of your response "
+            "should be of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+            'What is 6 * 7?\n\nRemember to put your answer on its own line after "Answer:".',
+        }
+    ]
     path = tmp_path / "dapo.jsonl"
     path.write_text(json.dumps({"prompt": "What is 6 * 7?", "solution": "42", "source_prompt": source}) + "\n")
     row = load_dataset("dapo-math", str(path))[0]
     assert row == {"prompt": source, "answer": "42"}
     tagged = load_dataset("dapo-math", str(path), style="tags")[0]["prompt"]
     assert tagged == [{"role": "system", "content": TAG_SYSTEM_PROMPT}, {"role": "user", "content": "What is 6 * 7?"}]
-    script, _ = parse_args(["--dataset", "gsm8k", "--prompt-style", "tags", "--output-dir", str(tmp_path), "--report-to", "none"])
+    script, _ = parse_args(
+        ["--dataset", "gsm8k", "--prompt-style", "tags", "--output-dir", str(tmp_path), "--report-to", "none"]
+    )
     assert script.prompt_style == "tags"
 
 
@@ -124,8 +158,9 @@ def _no_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
 
 
-def test_push_to_hub_is_accepted_and_inert_without_a_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_push_to_hub_is_accepted_and_inert_without_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Nothing here may reach the network: without a token the flag is switched off with one note; with
     one it stays on (only the config is built, never a trainer that would create the repo)."""
     _no_token(monkeypatch, tmp_path)
@@ -146,7 +181,7 @@ class _ScriptedEngine:
 
     def generate(self, prompts: list[list[int]], params: Any, n: int) -> Any:
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in self.texts[: len(prompts)]]
-        self.texts = self.texts[len(prompts):]
+        self.texts = self.texts[len(prompts) :]
         return SimpleNamespace(completion_ids=ids)
 
 
@@ -156,12 +191,21 @@ def test_heldout_accuracy_is_judged_by_the_evaluation_scorer(smollm2_dir: Path) 
     from qerl.rewards import last_number_closeness
 
     tok = load_tokenizer(smollm2_dir)
-    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)],
-                              "answer": ["72", "40", "15", "-8"]})
+    rows = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)],
+            "answer": ["72", "40", "15", "-8"],
+        }
+    )
     texts = ["The answer is 72.", "#### 41", "<answer>15</answer>", "so -9"]
     policy = torch.nn.Linear(1, 1)
-    trainer = SimpleNamespace(processing_class=tok, rollout_engine=lambda: _ScriptedEngine(tok, texts),
-                              accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=policy, eos_token_ids=[2])
+    trainer = SimpleNamespace(
+        processing_class=tok,
+        rollout_engine=lambda: _ScriptedEngine(tok, texts),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        model=policy,
+        eos_token_ids=[2],
+    )
     assert all(r > 0 for r in last_number_closeness(texts, answer=rows["answer"]))
     assert heldout_accuracy(trainer, rows, "numeric", max_new_tokens=8) == 0.5
     assert policy.training  # restored after the greedy pass

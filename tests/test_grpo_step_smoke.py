@@ -64,7 +64,12 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
     dense = rows[1]
     assert summary["step_speedup_tiny"] == pytest.approx(dense["step_s"] / rows[0]["step_s"], rel=1e-2)
     assert f"peak_gb_tiny_{dense['base']}" in summary and "peak_gb_tiny_nvfp4" in summary
-    assert set(summary["targets"]) == {"peak_gb_32b_nvfp4", "step_speedup_7b", "peak_gb_72b_nvfp4", "ddp_throughput_ratio_7b_nvfp4"}
+    assert set(summary["targets"]) == {
+        "peak_gb_32b_nvfp4",
+        "step_speedup_7b",
+        "peak_gb_72b_nvfp4",
+        "ddp_throughput_ratio_7b_nvfp4",
+    }
     assert all(r["processes"] == 1 and r["n_per_process"] == 8 for r in rows)
     assert rows[0]["memory_estimate_gb"]["peak"] > rows[0]["memory_estimate_gb"]["start"] > 0
 
@@ -100,7 +105,9 @@ def test_decode_floor_matches_the_measured_model_bytes(grpo_step: ModuleType) ->
     from the built model's tensors (b=8, 128 new tokens, same copy bandwidth)."""
     measured = json.loads((ROOT / "benchmarks" / "results" / "rollout_lora_b1_b8.json").read_text())
     row = next(r for r in measured["results"] if r["batch"] == 8 and r["variant"] == "lora_fused")
-    floor = grpo_step.floors(grpo_step.SHAPES["7b"], grpo_step.vocab_size("7b"), True, 8, 256, 128, 16)["decode_step_ms"]
+    floor = grpo_step.floors(grpo_step.SHAPES["7b"], grpo_step.vocab_size("7b"), True, 8, 256, 128, 16)[
+        "decode_step_ms"
+    ]
     scale = grpo_step.COPY_BW / (measured["copy_bandwidth_tb_s"] * 1e12)
     assert floor * scale == pytest.approx(row["floor_ms"], rel=5e-3)
 
@@ -127,8 +134,12 @@ def test_memory_estimate_reproduces_the_measured_peaks_and_fits_72b_in_80gb(grpo
     estimated peak under the 80 GB target with the benchmark's defaults (n 8, 2048 tokens, micro-batch 2)."""
     measured = json.loads((ROOT / "benchmarks" / "results" / "grpo_step.json").read_text())
     for row in (r for r in measured["results"] if r["base"] == "nvfp4"):
-        est = grpo_step.memory_estimate(grpo_step.SHAPES[row["shape"]], grpo_step.vocab_size(row["shape"]), True, 8, 256, 2048, 16, 2)
-        assert est["start_gb"] == pytest.approx(row["allocated_at_step_start_gb"] - row["allocated_before_build_gb"], rel=0.05)
+        est = grpo_step.memory_estimate(
+            grpo_step.SHAPES[row["shape"]], grpo_step.vocab_size(row["shape"]), True, 8, 256, 2048, 16, 2
+        )
+        assert est["start_gb"] == pytest.approx(
+            row["allocated_at_step_start_gb"] - row["allocated_before_build_gb"], rel=0.05
+        )
         assert est["peak_gb"] == pytest.approx(row["peak_gb_step"] - row["allocated_before_build_gb"], rel=0.03)
     shape = grpo_step.SHAPES["72b"]
     assert (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]) == (8192, 29568, 80)
@@ -143,24 +154,36 @@ def test_memory_estimate_predicts_the_rows_it_was_not_fitted_on(grpo_step: Modul
     """``HEAD_ACTIVATIONS`` was fitted on the 7B and 32B NVFP4 rows; the 7B bf16 row (another weight format: no
     dequantized layer copy, 2 B a weight) and the 72B NVFP4 row (another shape, measured after the fit) test it.
     Each within 3% of what the step added to what the process held before building the model."""
-    held_out = [(json.loads((ROOT / "benchmarks" / "results" / name).read_text())["results"], keep)
-                for name, keep in (("grpo_step.json", ("7b", "bf16")), ("grpo_step_72b.json", ("72b", "nvfp4")))]  # fmt: skip
+    held_out = [
+        (json.loads((ROOT / "benchmarks" / "results" / name).read_text())["results"], keep)
+        for name, keep in (("grpo_step.json", ("7b", "bf16")), ("grpo_step_72b.json", ("72b", "nvfp4")))
+    ]
     rows = [r for results, keep in held_out for r in results if (r["shape"], r["base"]) == keep]
     assert len(rows) == 2
     for row in rows:
-        est = grpo_step.memory_estimate(grpo_step.SHAPES[row["shape"]], grpo_step.vocab_size(row["shape"]), row["base"] == "nvfp4",
-                                        row["n"], row["prompt_tokens"], row["new_tokens"], row["lora_r"],
-                                        row["micro_batch"])  # fmt: skip
+        est = grpo_step.memory_estimate(
+            grpo_step.SHAPES[row["shape"]],
+            grpo_step.vocab_size(row["shape"]),
+            row["base"] == "nvfp4",
+            row["n"],
+            row["prompt_tokens"],
+            row["new_tokens"],
+            row["lora_r"],
+            row["micro_batch"],
+        )
         assert est["peak_gb"] == pytest.approx(row["peak_gb_step"] - row["allocated_before_build_gb"], rel=0.03)
-        assert est["start_gb"] == pytest.approx(row["allocated_at_step_start_gb"] - row["allocated_before_build_gb"],
-                                                rel=0.03)  # fmt: skip
+        assert est["start_gb"] == pytest.approx(
+            row["allocated_at_step_start_gb"] - row["allocated_before_build_gb"], rel=0.03
+        )
 
 
 def test_baseline_gives_the_data_parallel_throughput_ratio(grpo_step: ModuleType, tmp_path: Path, monkeypatch) -> None:
     """Run under 2 processes (WORLD_SIZE) against a 1-process baseline of the same global batch."""
     row = {"shape": "7b", "base": "nvfp4", "status": "ok", "step_s": 12.0, "peak_gb_step": 10.9}
     baseline = tmp_path / "one.json"
-    baseline.write_text(json.dumps({"setup": {"completions": 8, "prompt_tokens": 256, "new_tokens": 2048}, "results": [row]}))
+    baseline.write_text(
+        json.dumps({"setup": {"completions": 8, "prompt_tokens": 256, "new_tokens": 2048}, "results": [row]})
+    )
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = grpo_step.parse(["--shapes", "7b", "--baseline", str(baseline)])
     assert (args.processes, args.local_n) == (2, 4)

@@ -16,8 +16,24 @@ from benchmarks import integrity
 
 def test_tiny_run_measures_the_checks(tmp_path: Path) -> None:
     out = tmp_path / "integrity.json"
-    assert integrity.main(["--tiny", "--dir", str(tmp_path / "ckpt"), "--device", "cpu", "--dtype", "float32",
-                           "--repeats", "2", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        integrity.main(
+            [
+                "--tiny",
+                "--dir",
+                str(tmp_path / "ckpt"),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--repeats",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     row = doc["row"]
     assert len(row["load_s_checks_on"]) == len(row["load_s_checks_off"]) == len(row["check_s"]) == 2

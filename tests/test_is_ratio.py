@@ -22,15 +22,18 @@ from qerl.is_ratio import rollout_ratio
 def _rollout(prompts: list[Any], trainer: Any) -> dict[str, list[list[Any]]]:
     """``fixed_rollout``'s tokens with sampling log-probs spread around the model's (ratios above and below 1)."""
     out = fixed_rollout(prompts, trainer)
-    out["logprobs"] = [[-9.0 - 0.4 * ((i + j) % 5) for j in range(len(ids))] for i, ids in enumerate(out["completion_ids"])]
+    out["logprobs"] = [
+        [-9.0 - 0.4 * ((i + j) % 5) for j in range(len(ids))] for i, ids in enumerate(out["completion_ids"])
+    ]
     return out
 
 
 def _train(model_dir: Path, out: Path, from_loss: bool, **options: Any) -> tuple[Any, int]:
     """(trained trainer, forward passes made without grad)."""
     torch.manual_seed(0)
-    trainer = _ours(model_dir, out, rewards=(spread_reward,), rollout_func=_rollout, is_ratio_from_loss_pass=from_loss,
-                    **options)  # fmt: skip
+    trainer = _ours(
+        model_dir, out, rewards=(spread_reward,), rollout_func=_rollout, is_ratio_from_loss_pass=from_loss, **options
+    )
     calls = []
     real = trainer._get_per_token_logps_and_entropies
 
@@ -46,9 +49,13 @@ def _train(model_dir: Path, out: Path, from_loss: bool, **options: Any) -> tuple
 MODES = {
     "token_truncate": dict(),
     "token_mask": dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1e4),
-    "sequence_truncate": dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=1e30),
+    "sequence_truncate": dict(
+        vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=1e30
+    ),
     "sequence_mask": dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=1e30),
-    "steps_per_generation_2": dict(steps_per_generation=2, gradient_accumulation_steps=2, per_device_train_batch_size=2),
+    "steps_per_generation_2": dict(
+        steps_per_generation=2, gradient_accumulation_steps=2, per_device_train_batch_size=2
+    ),
 }
 
 
@@ -63,8 +70,11 @@ def test_ratio_from_the_loss_pass_trains_as_trls_pass(name: str, tiny_dense_dir:
         assert math.isfinite(o["loss"]) and o["grad_norm"] > 0
         assert o["loss"] == pytest.approx(t["loss"], rel=1e-5, abs=1e-7)
         assert o["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5, abs=1e-7)
-        for key in ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/min",
-                    "sampling/importance_sampling_ratio/max"):
+        for key in (
+            "sampling/sampling_logp_difference/mean",
+            "sampling/importance_sampling_ratio/min",
+            "sampling/importance_sampling_ratio/max",
+        ):
             assert o[key] == pytest.approx(t[key], rel=1e-5), key
     ratio = b[0]["sampling/importance_sampling_ratio/mean"]
     assert ratio != pytest.approx(1.0, abs=1e-3), ratio  # the correction did something
@@ -90,7 +100,8 @@ def test_rollout_ratio_by_hand() -> None:
     torch.testing.assert_close(masked, torch.tensor([[math.exp(0.5), 0.0, 1.0], [1.0, 0.0, 1.0]]))
     seq = rollout_ratio(train, sampling, mask, "sequence_truncate", None, 100.0)
     torch.testing.assert_close(seq, torch.tensor([[math.exp(-0.5)], [math.exp(2.0)]]))
-    torch.testing.assert_close(rollout_ratio(train, sampling, mask, "sequence_mask", None, 5.0),
-                               torch.tensor([[math.exp(-0.5)], [0.0]]))
+    torch.testing.assert_close(
+        rollout_ratio(train, sampling, mask, "sequence_mask", None, 5.0), torch.tensor([[math.exp(-0.5)], [0.0]])
+    )
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
         rollout_ratio(train, sampling, mask, "token", None, 2.0)

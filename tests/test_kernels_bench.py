@@ -10,12 +10,30 @@ import pytest
 
 
 def _row(m: int, ours: float, bf16: float, marlin: float | None) -> dict:
-    fwd = {"time_us": ours, "bf16_time_us": bf16, "speedup_vs_bf16": bf16 / ours, "weight_bw_fraction_of_copy": 9.0 / ours}
+    fwd = {
+        "time_us": ours,
+        "bf16_time_us": bf16,
+        "speedup_vs_bf16": bf16 / ours,
+        "weight_bw_fraction_of_copy": 9.0 / ours,
+    }
     if marlin is not None:
-        fwd.update({"vllm_marlin_time_us": marlin, "vllm_marlin_speedup_vs_bf16": bf16 / marlin,
-                    "vllm_marlin_weight_bw_fraction_of_copy": 9.0 / marlin, "speedup_vs_vllm_marlin": marlin / ours})  # fmt: skip
-    return {"model": "qwen2.5-7b", "layer": "down", "M": m, "N": 3584, "K": 18944, "fwd": fwd,
-            "bwd": {"time_us": 2 * ours, "speedup_vs_bf16": 0.9}}  # fmt: skip
+        fwd.update(
+            {
+                "vllm_marlin_time_us": marlin,
+                "vllm_marlin_speedup_vs_bf16": bf16 / marlin,
+                "vllm_marlin_weight_bw_fraction_of_copy": 9.0 / marlin,
+                "speedup_vs_vllm_marlin": marlin / ours,
+            }
+        )
+    return {
+        "model": "qwen2.5-7b",
+        "layer": "down",
+        "M": m,
+        "N": 3584,
+        "K": 18944,
+        "fwd": fwd,
+        "bwd": {"time_us": 2 * ours, "speedup_vs_bf16": 0.9},
+    }
 
 
 @pytest.mark.parametrize("with_marlin", [False, True])

@@ -44,7 +44,9 @@ def test_reference_and_op_on_cpu_match_float64() -> None:
     ref = x.double() @ w.t() + bias.double() + 0.25 * u.double() @ b.double().t()
     y = torch.ops.qerl.nvfp4_mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, b, 0.25)
     assert y.shape == (5, 48) and _rel(y, ref) < 1e-5
-    y3 = nvfp4_decode(x.reshape(1, 5, 80), q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u.reshape(1, 5, 4), b, 0.25)
+    y3 = nvfp4_decode(
+        x.reshape(1, 5, 80), q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u.reshape(1, 5, 4), b, 0.25
+    )
     assert y3.shape == (1, 5, 48) and _rel(y3.reshape(5, 48), ref) < 1e-5
     gy = torch.randn(5, 48, generator=g)
     gx = torch.ops.qerl.nvfp4_mm_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale)
@@ -86,7 +88,9 @@ def test_nvfp4linear_cpu_uses_reference() -> None:
     x = torch.randn(3, 64)
     want = nvfp4.dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale, torch.float32)
     assert _rel(layer(x), torch.nn.functional.linear(x, want, lin.bias)) < 1e-5
-    assert _rel(nvfp4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale), x @ want.t()) < 1e-5
+    assert (
+        _rel(nvfp4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale), x @ want.t()) < 1e-5
+    )
 
 
 @pytest.mark.skipif(not backend.HAS_TRITON, reason="needs triton")
@@ -95,8 +99,14 @@ def test_bad_lora_shapes_raise() -> None:
 
     q = _weight(16, 32, 5)
     with pytest.raises(ValueError, match="LoRA epilogue"):
-        fp4_gemm.matmul(torch.zeros(2, 32, dtype=torch.bfloat16), q.weight_packed, q.weight_scale, q.weight_global_scale,
-                        lora_u=torch.zeros(3, 4), lora_b=torch.zeros(16, 4))
+        fp4_gemm.matmul(
+            torch.zeros(2, 32, dtype=torch.bfloat16),
+            q.weight_packed,
+            q.weight_scale,
+            q.weight_global_scale,
+            lora_u=torch.zeros(3, 4),
+            lora_b=torch.zeros(16, 4),
+        )
 
 
 def test_decode_split_fills_waves() -> None:
@@ -163,8 +173,12 @@ def test_decode_tune_counts_only_accurate_rows() -> None:
     from benchmarks.decode_tune import MAX_REL_ERR, usable_us
 
     assert usable_us({"us": 5.0, "rel_err": 1e-3}) == 5.0
-    for row in ({"us": 5.0, "rel_err": float("nan")}, {"us": 5.0, "rel_err": MAX_REL_ERR}, {"error": "x", "rel_err": 0.0},
-                {"us": 5.0}):
+    for row in (
+        {"us": 5.0, "rel_err": float("nan")},
+        {"us": 5.0, "rel_err": MAX_REL_ERR},
+        {"error": "x", "rel_err": 0.0},
+        {"us": 5.0},
+    ):
         assert usable_us(row) == float("inf")
 
 
@@ -178,10 +192,14 @@ def test_direct_split_table_takes_only_clear_lora_wins() -> None:
         return {"N": n, "K": 3584, "M": m, "lora": lora, "split": split, "us": us, "default": default, "rel_err": err}
 
     rows = [
-        row(3584, 1, 14, 7.2, default=True), row(3584, 1, 7, 6.8),  # a clear win: taken
-        row(3584, 8, 14, 8.0, default=True), row(3584, 8, 7, 8.0 * (1 - TABLE_MARGIN / 2)),  # within the margin
-        row(4608, 1, 7, 7.7, default=True), row(4608, 1, 5, 5.0, err=float("nan")),  # a wrong kernel cannot win
-        row(37888, 1, 3, 28.8, lora=False, default=True), row(37888, 1, 1, 20.0, lora=False),  # no LoRA: not the engine's
+        row(3584, 1, 14, 7.2, default=True),
+        row(3584, 1, 7, 6.8),  # a clear win: taken
+        row(3584, 8, 14, 8.0, default=True),
+        row(3584, 8, 7, 8.0 * (1 - TABLE_MARGIN / 2)),  # within the margin
+        row(4608, 1, 7, 7.7, default=True),
+        row(4608, 1, 5, 5.0, err=float("nan")),  # a wrong kernel cannot win
+        row(37888, 1, 3, 28.8, lora=False, default=True),
+        row(37888, 1, 1, 20.0, lora=False),  # no LoRA: not the engine's
     ]
     assert split_table(rows) == {(3584, 3584, 1): 7}
 
@@ -218,7 +236,14 @@ def test_gluon_decode_split_counts() -> None:
     assert split(37888, 3584, 64) == 1
     assert split(4608, 3584, 128) == 1
     assert split(3584, 18944, 64) == 4
-    measured = {(37888, 3584): 1, (3584, 18944): 7, (7168, 5120): 3, (5120, 5120): 4, (55296, 5120): 1, (5120, 27648): 4}
+    measured = {
+        (37888, 3584): 1,
+        (3584, 18944): 7,
+        (7168, 5120): 3,
+        (5120, 5120): 4,
+        (55296, 5120): 1,
+        (5120, 27648): 4,
+    }
     assert {nk: split(*nk, 16) for nk in measured} == measured
     assert sch.decode_split(592, 14, 264) == 2  # the Triton kernel's own cost split gate_up in two
 

@@ -48,10 +48,21 @@ def _stacked_epilogue_case(m: int, rank: int, lora_bounds: tuple[int, int]):
     lora_b = torch.zeros(n, rank, device="cuda", dtype=torch.bfloat16)
     rows, ranks = (0, *out_bounds, n), (0, *lora_bounds, rank)
     for j in range(3):
-        lora_b[rows[j] : rows[j + 1], ranks[j] : ranks[j + 1]] = _rand(rows[j + 1] - rows[j], ranks[j + 1] - ranks[j]) * 0.1
+        lora_b[rows[j] : rows[j + 1], ranks[j] : ranks[j + 1]] = (
+            _rand(rows[j + 1] - rows[j], ranks[j + 1] - ranks[j]) * 0.1
+        )
     u = _rand(m * rank)
-    ref = reference.group_mm(x.double(), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.double(), out_bounds,
-                             u.double(), lora_bounds, lora_b.double())  # fmt: skip
+    ref = reference.group_mm(
+        x.double(),
+        q.weight_packed,
+        q.weight_scale,
+        q.weight_global_scale,
+        bias.double(),
+        out_bounds,
+        u.double(),
+        lora_bounds,
+        lora_b.double(),
+    )
     return q, x, bias, u, lora_b, out_bounds, ref
 
 
@@ -98,7 +109,9 @@ def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
         x, bias = _rand(M, K, dtype=dtype), _rand(N, dtype=dtype)
         ref = x.double() @ _w64(q).t() + bias.double()
         _poison_allocator()
-        y = fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, out=_nan((M, N), dtype), config=cfg)
+        y = fg.matmul(
+            x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, out=_nan((M, N), dtype), config=cfg
+        )
         assert max_err(y, ref) < TOL, (cfg, max_err(y, ref))
         # again without bias, through the custom op and its own allocation
         x = _rand(M, K, dtype=dtype)
@@ -123,8 +136,9 @@ def test_gluon_decode(M: int, N: int, K: int, monkeypatch: pytest.MonkeyPatch) -
     for split in (0, 1, 3):
         y = fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
         assert max_err(y, ref) < TOL, (split, max_err(y, ref))
-    y = fp4_gluon.matmul(reference.nibble_major(x), q.weight_packed, q.weight_scale, q.weight_global_scale,
-                         permuted=True)  # fmt: skip
+    y = fp4_gluon.matmul(
+        reference.nibble_major(x), q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True
+    )
     assert max_err(y, ref) < TOL
     assert max_err(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
     # The last program sums the vector partials in slice order however many it reads per round trip.
@@ -155,12 +169,35 @@ def test_gluon_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mon
     monkeypatch.setattr(fp4_gluon, "matmul", lambda *a, _f=fp4_gluon.matmul, **k: calls.append(1) or _f(*a, **k))
     q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
     _poison_allocator()
-    y = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b,
-                        out_bounds=out_bounds, lora_bounds=lora_bounds)  # fmt: skip
+    y = fp4_gemm.matmul(
+        x,
+        q.weight_packed,
+        q.weight_scale,
+        q.weight_global_scale,
+        bias,
+        u,
+        lora_b,
+        out_bounds=out_bounds,
+        lora_bounds=lora_bounds,
+    )
     assert max_err(y, ref) < TOL
     y = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u.view(M, r), lora_b, 0.5)
-    assert max_err(y, reference.mm(x.double(), q.weight_packed, q.weight_scale, q.weight_global_scale, bias.double(),
-                                u.view(M, r).double(), lora_b.double(), 0.5)) < TOL  # fmt: skip
+    assert (
+        max_err(
+            y,
+            reference.mm(
+                x.double(),
+                q.weight_packed,
+                q.weight_scale,
+                q.weight_global_scale,
+                bias.double(),
+                u.view(M, r).double(),
+                lora_b.double(),
+                0.5,
+            ),
+        )
+        < TOL
+    )
     y = fp4_gemm.matmul(x.half(), q.weight_packed, q.weight_scale, q.weight_global_scale)
     assert max_err(y, x.double() @ _w64(q).t()) < TOL
     assert len(calls) == 2  # both bf16 calls took the Gluon kernel
@@ -179,12 +216,19 @@ def test_split_k_decode_is_repeatable_on_real_shapes(M: int, N: int, K: int) -> 
     q = _weight(N, K)
     x, u, lora_b = _rand(M, K), _rand(M, 16), _rand(N, 16) * 0.1
     for lora in ((), (None, u, lora_b, 0.5)):
-        ref = reference.mm(x.double(), q.weight_packed, q.weight_scale, q.weight_global_scale,
-                           *(a.double() if torch.is_tensor(a) else a for a in lora))  # fmt: skip
+        ref = reference.mm(
+            x.double(),
+            q.weight_packed,
+            q.weight_scale,
+            q.weight_global_scale,
+            *(a.double() if torch.is_tensor(a) else a for a in lora),
+        )
         first = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, *lora)
         assert max_err(first, ref) < TOL
-        differ = sum(not torch.equal(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, *lora),
-                                     first) for _ in range(19))  # fmt: skip
+        differ = sum(
+            not torch.equal(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, *lora), first)
+            for _ in range(19)
+        )
         assert differ == 0, f"{differ} of 19 repeated calls differ from the first (lora={bool(lora)})"
 
 
@@ -211,8 +255,17 @@ def test_pdl_decode_chain_matches_serial(M: int, monkeypatch: pytest.MonkeyPatch
         h, outs = h0, []
         for q in qs:
             _, x, u = fused_step.rms_norm_shrink(h, None, norm_w, 1e-6, lora_a, (16, 16), permute=takes)
-            h = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, None, u.view(M, 16), lora_b,
-                                x_permuted=takes, pdl=True)  # fmt: skip
+            h = fp4_gemm.matmul(
+                x,
+                q.weight_packed,
+                q.weight_scale,
+                q.weight_global_scale,
+                None,
+                u.view(M, 16),
+                lora_b,
+                x_permuted=takes,
+                pdl=True,
+            )
             outs.append(h)
         return outs
 
@@ -286,18 +339,24 @@ def test_direct_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mo
     monkeypatch.setattr(sch, "DIRECT_DECODE", True)
     monkeypatch.setattr(sch, "GLUON_DECODE", True)
     calls = []
-    monkeypatch.setattr(fp4_direct, "matmul", lambda *a, _f=fp4_direct.matmul, **k: calls.append("direct") or _f(*a, **k))
+    monkeypatch.setattr(
+        fp4_direct, "matmul", lambda *a, _f=fp4_direct.matmul, **k: calls.append("direct") or _f(*a, **k)
+    )
     monkeypatch.setattr(fp4_gluon, "matmul", lambda *a, _f=fp4_gluon.matmul, **k: calls.append("tma") or _f(*a, **k))
     q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
     args = (q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b)
     _poison_allocator()
-    y = fp4_gemm.matmul(reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True)
+    y = fp4_gemm.matmul(
+        reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True
+    )
     assert calls == ["direct"]
     assert max_err(y, ref) < TOL
     assert max_err(fp4_gemm.matmul(x, *args, out_bounds=out_bounds, lora_bounds=lora_bounds), ref) < TOL
     assert calls == ["direct"]  # natural order: the Triton kernel
     monkeypatch.setattr(fp4_direct, "refills", lambda *a: True)
-    y = fp4_gemm.matmul(reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True)
+    y = fp4_gemm.matmul(
+        reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True
+    )
     assert calls == ["direct", "tma"] and max_err(y, ref) < TOL
     with pytest.raises(ValueError, match="x_permuted"):
         fp4_gemm.matmul(_rand(9, x.shape[1]), q.weight_packed, q.weight_scale, q.weight_global_scale, x_permuted=True)
@@ -316,8 +375,18 @@ def test_direct_decode_lora_split(M: int, r: int, lora_bounds: tuple[int, int]) 
     xp = reference.nibble_major(x)
     _poison_allocator()
     for split in (1, 2, 3, 5, 8):
-        y = fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b,
-                              out_bounds=out_bounds, lora_bounds=lora_bounds, split=split)  # fmt: skip
+        y = fp4_direct.matmul(
+            xp,
+            q.weight_packed,
+            q.weight_scale,
+            q.weight_global_scale,
+            bias,
+            u,
+            lora_b,
+            out_bounds=out_bounds,
+            lora_bounds=lora_bounds,
+            split=split,
+        )
         assert max_err(y, ref) < TOL, (split, max_err(y, ref))
 
 
@@ -375,8 +444,9 @@ def test_autograd_matches_dense(M: int, dtype: torch.dtype) -> None:
 
 
 def test_peft_lora_grads_match_dense_model() -> None:
-    check_lora_grads("cuda", torch.bfloat16, vocab_size=512, hidden_size=256, intermediate_size=688,
-                     max_position_embeddings=128)  # fmt: skip
+    check_lora_grads(
+        "cuda", torch.bfloat16, vocab_size=512, hidden_size=256, intermediate_size=688, max_position_embeddings=128
+    )
 
 
 def test_torch_compile_fullgraph() -> None:
@@ -401,4 +471,3 @@ def test_cuda_graph_decode_step() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert max_err(static_y, model.reference(static_x)) < TOL
-

@@ -84,7 +84,9 @@ def _twin(model: torch.nn.Module, act: torch.dtype, dense: torch.dtype | None) -
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, NVFP4Linear):
-                    lin = torch.nn.Linear(child.in_features, child.out_features, bias=False, device=child.weight_packed.device)
+                    lin = torch.nn.Linear(
+                        child.in_features, child.out_features, bias=False, device=child.weight_packed.device
+                    )
                     lin.weight.data = child.dequantized_weight(act).float()
                     setattr(parent, name, lin)
     return twin.to(dense)
@@ -140,7 +142,9 @@ class MLP(torch.nn.Module):
         return torch.nn.functional.linear(torch.nn.functional.silu(h), self.down.dequantized_weight(torch.float64))
 
 
-def check_compile(device: str, dtype: torch.dtype, rows: tuple[int, ...], tol: float, backend: str = "inductor") -> None:
+def check_compile(
+    device: str, dtype: torch.dtype, rows: tuple[int, ...], tol: float, backend: str = "inductor"
+) -> None:
     """``torch.compile(fullgraph=True)`` over the FP4 custom ops (no graph break: their fake impls and autograd
     formula trace) gives the float64 MLP's output and input gradient at each row count (decode kernel, dequantize
     + matmul above ``DECODE_MAX_M``; grad_x through ``nvfp4_mm_t``)."""

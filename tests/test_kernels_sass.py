@@ -46,9 +46,17 @@ def _run_ptx(asm: str, word: torch.Tensor, src: str = "$1") -> dict[str, torch.T
     """A small interpreter for the integer PTX the decode snippets use, on uint32 words held in int64 (the input
     register ``src``); returns the registers it wrote. ``mov.b32 {lo, hi}, r`` splits r into its 16-bit halves."""
     regs, m32 = {src: word}, 0xFFFFFFFF
-    ops = {"mov.b32": lambda a: a, "shl.b32": lambda a, b: (a << b) & m32, "shr.u32": lambda a, b: a >> b,
-           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "mul.lo.u32": lambda a, b: (a * b) & m32,
-           "shr.b32": lambda a, b: a >> b, "cvt.rn.f16x2.e4m3x2": _e4m3x2_to_f16x2, "mul.rn.bf16x2": _mul_bf16x2}  # fmt: skip
+    ops = {
+        "mov.b32": lambda a: a,
+        "shl.b32": lambda a, b: (a << b) & m32,
+        "shr.u32": lambda a, b: a >> b,
+        "and.b32": lambda a, b: a & b,
+        "or.b32": lambda a, b: a | b,
+        "mul.lo.u32": lambda a, b: (a * b) & m32,
+        "shr.b32": lambda a, b: a >> b,
+        "cvt.rn.f16x2.e4m3x2": _e4m3x2_to_f16x2,
+        "mul.rn.bf16x2": _mul_bf16x2,
+    }
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
@@ -117,7 +125,9 @@ def test_scale_pair_asm_converts_every_scale() -> None:
 
     byte = torch.arange(0x7F, dtype=torch.int64)  # 0x00 .. 0x7E
     lo, hi = byte.repeat(len(byte)), byte.repeat_interleave(len(byte))
-    regs = _run_ptx(str(fp4_direct._SCALE_PAIR_ASM.value), torch.cat([lo | (hi << 8), torch.tensor([0x8080])]), src="$2")
+    regs = _run_ptx(
+        str(fp4_direct._SCALE_PAIR_ASM.value), torch.cat([lo | (hi << 8), torch.tensor([0x8080])]), src="$2"
+    )
     value = byte.to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**118
     want = _u16(value.to(torch.bfloat16))
     assert torch.equal(value.to(torch.bfloat16).double(), value)  # every scale times 2^118 is exact in bf16
@@ -155,20 +165,44 @@ def _gluon_decode_sass(bm: int, epilogue: bool, pdl: bool = False) -> str:
     stages, maxnreg, _, _ = fgl.SCHEDULE[bm]
     kernel = fgl._decode_gluon_kernel
     signature = {
-        "x_desc": desc("bf16", [bm, fgl.BK], gl.bfloat16), "h_desc": desc("i16", [fgl.BN, fgl.BK // 4], gl.int16),
-        "s_desc": desc("fp8e4nv", [fgl.BN, fgl.BK // 16], gl.float8e4nv), "g_ptr": "*fp32", "y_ptr": "*bf16",
-        "part_ptr": "*fp32", "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16",
+        "x_desc": desc("bf16", [bm, fgl.BK], gl.bfloat16),
+        "h_desc": desc("i16", [fgl.BN, fgl.BK // 4], gl.int16),
+        "s_desc": desc("fp8e4nv", [fgl.BN, fgl.BK // 16], gl.float8e4nv),
+        "g_ptr": "*fp32",
+        "y_ptr": "*bf16",
+        "part_ptr": "*fp32",
+        "ticket_ptr": "*i32",
+        "bias_ptr": "*bf16",
+        "u_ptr": "*bf16",
+        "lb_ptr": "*bf16",
         **dict.fromkeys(["M", "N", "K", "base", "extra", "Y1", "Y2", "S1", "S2", "stride_lb", "R"], "i32"),
         "lora_scale": "fp32",
-        **dict.fromkeys(["BM", "BN", "BK", "STAGES", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "FENCED", "PDL", "num_warps"],
-                        "constexpr"),
-    }  # fmt: skip
-    constants = {"BM": bm, "BN": fgl.BN, "BK": fgl.BK, "STAGES": stages, "SPLIT": True, "CH": fgl.SPLIT_CHUNK[bm], "HAS_BIAS": epilogue,
-                 "HAS_LORA": epilogue, "RC": 64, "FENCED": bm in fgl.FENCED_RELEASE, "PDL": pdl, "num_warps": 4}  # fmt: skip
+        **dict.fromkeys(
+            ["BM", "BN", "BK", "STAGES", "SPLIT", "CH", "HAS_BIAS", "HAS_LORA", "RC", "FENCED", "PDL", "num_warps"],
+            "constexpr",
+        ),
+    }
+    constants = {
+        "BM": bm,
+        "BN": fgl.BN,
+        "BK": fgl.BK,
+        "STAGES": stages,
+        "SPLIT": True,
+        "CH": fgl.SPLIT_CHUNK[bm],
+        "HAS_BIAS": epilogue,
+        "HAS_LORA": epilogue,
+        "RC": 64,
+        "FENCED": bm in fgl.FENCED_RELEASE,
+        "PDL": pdl,
+        "num_warps": 4,
+    }
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "part_ptr", "N", "K")}
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
-    return triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32), options=options).asm["sass"]  # fmt: skip
+    return triton.compile(
+        GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+        target=GPUTarget("cuda", 90, 32),
+        options=options,
+    ).asm["sass"]
 
 
 @pytest.mark.parametrize("bm,epilogue", [(16, False), (32, True), (128, True), (64, False)])
@@ -200,7 +234,9 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     start = max(i for i in range(first) if lines[i].rstrip().endswith(":"))
     wait = next(i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR" in line)
     end = next(i for i in range(wait, len(lines)) if "BRA" in lines[i])
-    assert not [line for line in lines[start:end] if re.search(r"\b(?:LDL|STL)\b", line)], "register spills in the K loop"
+    assert not [line for line in lines[start:end] if re.search(r"\b(?:LDL|STL)\b", line)], (
+        "register spills in the K loop"
+    )
     # A slot's weights are released (mbarrier arrive) before the wgmma wait, so the next step's weights stream in
     # during the MMAs: at a FENCED_RELEASE BM after the slot's loads behind a proxy fence, before any wgmma; at the
     # others once the step's wgmma are issued (every load of the slot is in their A registers). Its x after the wait.
@@ -212,9 +248,9 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
         fences = [i for i in range(start, wait) if "FENCE.VIEW.ASYNC.S" in lines[i]]
         assert fences and max(loads) < fences[0] < arrives[0] < first, "expected loads, proxy fence, release, wgmma"
     else:
-        assert max(loads) < max(i for i in range(start, wait) if "HGMMA" in lines[i]) < arrives[0], \
+        assert max(loads) < max(i for i in range(start, wait) if "HGMMA" in lines[i]) < arrives[0], (
             "expected the weight release after the wgmma are issued"
-
+        )
 
 
 def _direct_decode_sass(ring: bool, pdl: bool = False) -> str:
@@ -226,19 +262,60 @@ def _direct_decode_sass(ring: bool, pdl: bool = False) -> str:
     from qerl.kernels import fp4_direct as fd
 
     kernel = fd._direct_kernel
-    ints = ["M", "N", "K", "stride_xm", "stride_h", "stride_s", "steps_per_split", "Y1", "Y2", "S1", "S2", "stride_lb", "R"]
-    constants = {"BM": fd.BM, "BN": fd.ROWS_PER_WARP * fd.WARPS, "HW": fd.HW, "STEPS": fd.MAX_STEPS, "RING": ring,
-                 "SPLIT": True, "CH": fd.SPLIT_CHUNK, "HAS_BIAS": True, "HAS_LORA": True, "RC": 16, "WHOLE": not ring, "PDL": pdl,
-                 "num_warps": fd.WARPS}  # fmt: skip
+    ints = [
+        "M",
+        "N",
+        "K",
+        "stride_xm",
+        "stride_h",
+        "stride_s",
+        "steps_per_split",
+        "Y1",
+        "Y2",
+        "S1",
+        "S2",
+        "stride_lb",
+        "R",
+    ]
+    constants = {
+        "BM": fd.BM,
+        "BN": fd.ROWS_PER_WARP * fd.WARPS,
+        "HW": fd.HW,
+        "STEPS": fd.MAX_STEPS,
+        "RING": ring,
+        "SPLIT": True,
+        "CH": fd.SPLIT_CHUNK,
+        "HAS_BIAS": True,
+        "HAS_LORA": True,
+        "RC": 16,
+        "WHOLE": not ring,
+        "PDL": pdl,
+        "num_warps": fd.WARPS,
+    }
     signature = {
-        "x_ptr": "*bf16", "h_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
-        "ticket_ptr": "*i32", "bias_ptr": "*bf16", "u_ptr": "*bf16", "lb_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-        "lora_scale": "fp32", **dict.fromkeys(constants, "constexpr"),
-    }  # fmt: skip
-    aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
-               for n in ("x_ptr", "h_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_h", "stride_s")}  # fmt: skip
-    return triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": fd.WARPS}).asm["sass"]  # fmt: skip
+        "x_ptr": "*bf16",
+        "h_ptr": "*i32",
+        "s_ptr": "*i16",
+        "g_ptr": "*fp32",
+        "y_ptr": "*bf16",
+        "part_ptr": "*fp32",
+        "ticket_ptr": "*i32",
+        "bias_ptr": "*bf16",
+        "u_ptr": "*bf16",
+        "lb_ptr": "*bf16",
+        **dict.fromkeys(ints, "i32"),
+        "lora_scale": "fp32",
+        **dict.fromkeys(constants, "constexpr"),
+    }
+    aligned = {
+        (kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+        for n in ("x_ptr", "h_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_h", "stride_s")
+    }
+    return triton.compile(
+        GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": fd.WARPS},
+    ).asm["sass"]
 
 
 @pytest.mark.parametrize("ring", [False, True])
@@ -257,28 +334,34 @@ def test_direct_decode_compiles_for_sm90(ring: bool) -> None:
     sass = _direct_decode_sass(ring)
     lines = sass.splitlines()
     labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\s*\w+:", line)}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines) for m in [re.search(r"BRA `?\(?(\w+)\)?;", line)]
-             if m and m.group(1) in labels and labels[m.group(1)] < i]  # fmt: skip
-    start, end = max(loops, key=lambda ab: sum("HMMA" in line for line in lines[ab[0]:ab[1]]))  # the K loop
+    loops = [
+        (labels[m.group(1)], i)
+        for i, line in enumerate(lines)
+        for m in [re.search(r"BRA `?\(?(\w+)\)?;", line)]
+        if m and m.group(1) in labels and labels[m.group(1)] < i
+    ]
+    start, end = max(loops, key=lambda ab: sum("HMMA" in line for line in lines[ab[0] : ab[1]]))  # the K loop
     assert any("LDGSTS" in line for line in lines[:start])
     assert sum("HMMA.16816.F32.BF16" in line for line in lines[:start]) == (0 if ring else 1)  # the LoRA expand
     skips = [m.group(1) for line in lines[start:end] for m in [re.search(r"@!?P\d BRA `?\(?(\w+)\)?;", line)] if m]
     if ring:
         branch = next(i for i in range(start, end) if re.search(r"@!?P\d BRA", lines[i]))
-        refill, body = lines[branch:labels[skips[0]]], lines[labels[skips[0]]:end + 1]
+        refill, body = lines[branch : labels[skips[0]]], lines[labels[skips[0]] : end + 1]
         assert any("LDGSTS" in line for line in refill)
         # The next step's weights are loaded ahead of the refill's branch, at the top of the step.
         assert sum("LDG.E.128" in line for line in lines[start:branch]) == 4
         assert not [line for line in lines[start:branch] if re.search(r"\b(?:BAR|HMMA)\b", line)]
     else:
         assert not skips, "a branch inside the K loop"
-        body = lines[start:end + 1]
+        body = lines[start : end + 1]
         assert sum("LDG.E.128" in line for line in body) == 4
         # _pair_k: each mma's B pair is two adjacent registers of one x load, so nothing is copied into place
         assert not [line for line in body if re.search(r"\b(?:IMAD\.MOV|MOV)\b", line)], "register copies in the K loop"
     assert sum("HMMA.16816.F32.BF16" in line for line in body) == 16
     assert sum("LDS.128" in line for line in body) == 8
-    assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM|LDGSTS)\b", line)], "a barrier or a store in the K loop"
+    assert not [line for line in body if re.search(r"\b(?:BAR|STS|LDSM|LDGSTS)\b", line)], (
+        "a barrier or a store in the K loop"
+    )
     assert not re.search(r"\b(?:LDL|STL)\b", sass), "register spills"
     assert sass.count("HMMA.16816.F32.BF16") == 16 + (2 if ring else 1)
 
@@ -293,8 +376,10 @@ def test_decode_kernels_pdl_order_sm90(kernel: str) -> None:
     import re
 
     pytest.importorskip("triton.experimental.gluon")
-    sass = {p: _direct_decode_sass(False, p) if kernel == "direct" else _gluon_decode_sass(int(kernel[5:]), True, p)
-            for p in (False, True)}  # fmt: skip
+    sass = {
+        p: _direct_decode_sass(False, p) if kernel == "direct" else _gluon_decode_sass(int(kernel[5:]), True, p)
+        for p in (False, True)
+    }
     assert "ACQBULK" not in sass[False] and "PREEXIT" not in sass[False]
     lines = sass[True].splitlines()
     waits = [i for i, line in enumerate(lines) if "ACQBULK" in line]
@@ -343,7 +428,7 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     g, x, bias = torch.ones(1), torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
     u, lora_b = torch.zeros(m * rank, dtype=torch.bfloat16), torch.zeros(n, rank, dtype=torch.bfloat16)
     y = module.matmul(x, packed, scale, g, bias, u, lora_b, 0.5, out_bounds=(100, 150), lora_bounds=(8, 16), split=3)
-    (grid, args, kwargs), = launches
+    ((grid, args, kwargs),) = launches
     launch_options = {"num_warps", "maxnreg"}  # Triton's, not the kernel's (num_warps is both for these kernels)
     signature = inspect.signature(Capture.fn)
 
@@ -366,14 +451,27 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
         assert bound["steps_per_split"] == -(-steps // 3)
     else:
         assert (bound["base"], bound["extra"]) == (3, 0)
-    assert (bound["Y1"], bound["Y2"], bound["S1"], bound["S2"], bound["stride_lb"], bound["R"]) == (100, 150, 8, 16, rank, rank)
+    assert (bound["Y1"], bound["Y2"], bound["S1"], bound["S2"], bound["stride_lb"], bound["R"]) == (
+        100,
+        150,
+        8,
+        16,
+        rank,
+        rank,
+    )
     assert bound["lora_scale"] == 0.5 and bound["SPLIT"] and bound["HAS_BIAS"] and bound["HAS_LORA"]
     if kernel == "direct":
         # weights as int32 words, scales as int16 pairs of e4m3 bytes (the strides in those units)
         assert (bound["stride_xm"], bound["stride_h"], bound["stride_s"]) == (k, k // 8, k // 32)
-        assert bound["x_ptr"].shape == (m, k) and bound["h_ptr"].dtype == torch.int32 and bound["s_ptr"].dtype == torch.int16
+        assert (
+            bound["x_ptr"].shape == (m, k)
+            and bound["h_ptr"].dtype == torch.int32
+            and bound["s_ptr"].dtype == torch.int16
+        )
         assert bound["WHOLE"] == (n % 64 == 0)
-        assert bound["STEPS"] == bound["steps_per_split"] and bound["CH"] == fp4_direct.SPLIT_CHUNK and not bound["RING"]
+        assert (
+            bound["STEPS"] == bound["steps_per_split"] and bound["CH"] == fp4_direct.SPLIT_CHUNK and not bound["RING"]
+        )
         # x goes through a ring of at most MAX_STEPS K steps: a slice of MAX_STEPS + 1 steps stays one slice.
         k = 256 * (fp4_direct.MAX_STEPS + 1)
         packed, scale = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
@@ -390,4 +488,8 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
         module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), packed, scale, g)
         grid, args, kwargs = launches[-1]
         bound = bind(args, kwargs)
-        assert grid == (264,) and (bound["base"], bound["extra"]) == (4, 40) and bound["part_ptr"].shape == (5, 56, 64 * 64)
+        assert (
+            grid == (264,)
+            and (bound["base"], bound["extra"]) == (4, 40)
+            and bound["part_ptr"].shape == (5, 56, 64 * 64)
+        )

@@ -16,16 +16,29 @@ import torch
 from benchmarks import learning
 
 
-def _fake_seed(out: Path, seed: int, accs: dict[str, tuple[float, float]], exit_codes: dict[str, int] | None = None,
-               steps: int = 3) -> None:
+def _fake_seed(
+    out: Path, seed: int, accs: dict[str, tuple[float, float]], exit_codes: dict[str, int] | None = None, steps: int = 3
+) -> None:
     d = out / f"seed{seed}"
     rows = []
     for run, (before, after) in accs.items():
-        rows.append({"run": run, "exit_code": (exit_codes or {}).get(run, 0), "steps": steps, "heldout_rows": 200,
-                     "heldout_accuracy_before": before, "heldout_accuracy_after": after, "train_runtime_s": 1.0})
+        rows.append(
+            {
+                "run": run,
+                "exit_code": (exit_codes or {}).get(run, 0),
+                "steps": steps,
+                "heldout_rows": 200,
+                "heldout_accuracy_before": before,
+                "heldout_accuracy_after": after,
+                "train_runtime_s": 1.0,
+            }
+        )
         (d / run).mkdir(parents=True)
-        (d / run / "metrics.jsonl").write_text("".join(
-            json.dumps({"step": s, "loss": 0.1, "reward": after * s + seed}) + "\n" for s in range(1, steps + 1)))
+        (d / run / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": s, "loss": 0.1, "reward": after * s + seed}) + "\n" for s in range(1, steps + 1)
+            )
+        )
     (d / "results.json").write_text(json.dumps(rows))
 
 
@@ -33,10 +46,17 @@ def test_aggregate_paired_seeds(tmp_path: Path):
     arms = ["bf16", "rtn", "best"]
     gains = {0: (0.50, 0.10, 0.30), 1: (0.40, 0.20, 0.30), 2: (0.45, 0.00, 0.27)}
     for seed, (g_bf16, g_rtn, g_best) in gains.items():
-        _fake_seed(tmp_path, seed, {"bf16_lora": (0.2, 0.2 + g_bf16), "nvfp4_lora": (0.1, 0.1 + g_rtn),
-                                    "best_lora": (0.1, 0.1 + g_best)})
-    _fake_seed(tmp_path, 3, {"bf16_lora": (0.2, 0.9), "nvfp4_lora": (0.1, 0.9), "best_lora": (0.1, 0.9)},
-               exit_codes={"best_lora": 1})  # an unfinished arm drops the whole seed (pairs stay whole)
+        _fake_seed(
+            tmp_path,
+            seed,
+            {"bf16_lora": (0.2, 0.2 + g_bf16), "nvfp4_lora": (0.1, 0.1 + g_rtn), "best_lora": (0.1, 0.1 + g_best)},
+        )
+    _fake_seed(
+        tmp_path,
+        3,
+        {"bf16_lora": (0.2, 0.9), "nvfp4_lora": (0.1, 0.9), "best_lora": (0.1, 0.9)},
+        exit_codes={"best_lora": 1},
+    )  # an unfinished arm drops the whole seed (pairs stay whole)
     result = learning.aggregate(tmp_path, arms, "gptq")
     assert result["seeds"] == [0, 1, 2]
     best = result["arms"]["best"]
@@ -128,17 +148,33 @@ def test_compare_script_runs_the_learning_arms(tmp_path: Path):
     stub.write_text(_RECORDING_PYTHON)
     stub.chmod(0o755)
     record.mkdir()
-    env = {**os.environ, "PYTHON": str(stub), "RECORD": str(record), "BF16_DIR": "/m/bf16", "NVFP4_DIR": "/m/rtn",
-           "DEQUANT_DIR": "/m/deq", "BEST_DIR": "/m/gptq", "QERL_OUT": str(tmp_path / "out"),
-           "RUNS": "bf16_lora dequant_lora nvfp4_lora best_lora qerl_best_aqn"}
+    env = {
+        **os.environ,
+        "PYTHON": str(stub),
+        "RECORD": str(record),
+        "BF16_DIR": "/m/bf16",
+        "NVFP4_DIR": "/m/rtn",
+        "DEQUANT_DIR": "/m/deq",
+        "BEST_DIR": "/m/gptq",
+        "QERL_OUT": str(tmp_path / "out"),
+        "RUNS": "bf16_lora dequant_lora nvfp4_lora best_lora qerl_best_aqn",
+    }
     subprocess.run(["bash", str(learning.COMPARE), "--seed", "3"], env=env, capture_output=True, text=True)
-    want = {"bf16_lora": ("/m/bf16", "bf16", "False"), "dequant_lora": ("/m/deq", "bf16", "False"),
-            "nvfp4_lora": ("/m/rtn", "nvfp4", "False"), "best_lora": ("/m/gptq", "nvfp4", "False"),
-            "qerl_best_aqn": ("/m/gptq", "nvfp4", "True")}
+    want = {
+        "bf16_lora": ("/m/bf16", "bf16", "False"),
+        "dequant_lora": ("/m/deq", "bf16", "False"),
+        "nvfp4_lora": ("/m/rtn", "nvfp4", "False"),
+        "best_lora": ("/m/gptq", "nvfp4", "False"),
+        "qerl_best_aqn": ("/m/gptq", "nvfp4", "True"),
+    }
     for run, (model, load, aqn) in want.items():
         argv = (record / f"{run}.argv").read_text().splitlines()
-        assert (_flag(argv, "--model-name"), _flag(argv, "--load"), _flag(argv, "--aqn"), _flag(argv, "--seed")) == \
-            (model, load, aqn, "3"), run
+        assert (_flag(argv, "--model-name"), _flag(argv, "--load"), _flag(argv, "--aqn"), _flag(argv, "--seed")) == (
+            model,
+            load,
+            aqn,
+            "3",
+        ), run
     # an unknown run or a missing directory stops the script before any run starts
     for bad in ({"RUNS": "bf16_lora nope"}, {"RUNS": "bf16_lora best_lora", "BEST_DIR": ""}):
         shutil.rmtree(record)

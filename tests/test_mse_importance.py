@@ -30,10 +30,16 @@ def _checkpoint(tmp_path: Path, arch: str) -> Path:
     return out
 
 
-def _moments(src: Path, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+def _moments(
+    src: Path, names: list[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     source = SourceModel.from_dir(src)
     names = names if names is not None else source.linears()[0]
-    return importance.input_moments(checkpoint.TensorIndex(src), source.config, names), load_file(src / "model.safetensors"), source.config
+    return (
+        importance.input_moments(checkpoint.TensorIndex(src), source.config, names),
+        load_file(src / "model.safetensors"),
+        source.config,
+    )
 
 
 def _relative(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +86,10 @@ def test_input_moments_only_for_known_layouts(tmp_path: Path):
     got, _, config = _moments(src, ["model.layers.1.mlp.down_proj", "lm_head"])
     assert set(got) == {"model.layers.1.mlp.down_proj", "lm_head"}
     source = SourceModel.from_dir(src)
-    assert importance.input_moments(checkpoint.TensorIndex(src), {**config, "model_type": "gemma"}, source.linears()[0]) == {}
+    assert (
+        importance.input_moments(checkpoint.TensorIndex(src), {**config, "model_type": "gemma"}, source.linears()[0])
+        == {}
+    )
 
 
 def test_weighted_search():
@@ -91,8 +100,9 @@ def test_weighted_search():
     g = nvfp4.global_scale(w)
     imp = torch.randn(256, generator=torch.Generator().manual_seed(1)).mul(2).exp()
     weighted = mse.search_scales(w, g, imp)
-    assert torch.equal(mse.search_scales(w, g, torch.full((256,), 3.0)).view(torch.uint8),
-                       mse.search_scales(w, g).view(torch.uint8))
+    assert torch.equal(
+        mse.search_scales(w, g, torch.full((256,), 3.0)).view(torch.uint8), mse.search_scales(w, g).view(torch.uint8)
+    )
     assert not torch.equal(weighted.view(torch.uint8), mse.search_scales(w, g).view(torch.uint8))
     errs = [mse.block_errors(w, nvfp4.block_scales(w, g, t), g, imp) for t in mse.TARGETS]
     assert torch.allclose(mse.block_errors(w, weighted, g, imp), torch.minimum(*errs))

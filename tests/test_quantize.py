@@ -72,7 +72,9 @@ def _leftovers(parent: Path) -> list[str]:
 
 
 def test_missing_model_path(tmp_path: Path, capsys):
-    code, err = _run_cli(["--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o"), "--skip_generation"], capsys)
+    code, err = _run_cli(
+        ["--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o"), "--skip_generation"], capsys
+    )
     assert code == 2 and err.count("\n") == 0 and "does not exist" in err
     assert not (tmp_path / "o").exists() and not _leftovers(tmp_path)
 
@@ -111,8 +113,10 @@ def test_in_features_not_multiple_of_16(tmp_path: Path, capsys):
     code, err = _run_cli(["--model", str(src), "--output", str(tmp_path / "o"), "--skip_generation"], capsys)
     assert code == 2 and err.count("\n") == 0 and "down_proj" in err and "multiple of 16" in err
     assert not (tmp_path / "o").exists()
-    code, _ = _run_cli(["--model", str(src), "--output", str(tmp_path / "o"), "--skip_generation",
-                        "--ignore", "lm_head", "down_proj"], capsys)
+    code, _ = _run_cli(
+        ["--model", str(src), "--output", str(tmp_path / "o"), "--skip_generation", "--ignore", "lm_head", "down_proj"],
+        capsys,
+    )
     assert code == 0 and "model.layers.0.mlp.down_proj.weight" in load_file(tmp_path / "o" / "model.safetensors")
 
 
@@ -123,7 +127,9 @@ def test_existing_output_needs_overwrite(tiny_llama_dir: Path, tmp_path: Path, c
     code, err = _run_cli(["--model", str(tiny_llama_dir), "--output", str(out), "--skip_generation"], capsys)
     assert code == 2 and err.count("\n") == 0 and "--overwrite" in err
     assert (out / "keep.txt").read_text() == "mine"
-    code, err = _run_cli(["--model", str(tiny_llama_dir), "--output", str(out), "--skip_generation", "--overwrite"], capsys)
+    code, err = _run_cli(
+        ["--model", str(tiny_llama_dir), "--output", str(out), "--skip_generation", "--overwrite"], capsys
+    )
     assert code == 2 and "not a checkpoint written by this tool" in err  # --overwrite replaces only our own outputs
     assert (out / "keep.txt").read_text() == "mine"
 
@@ -155,14 +161,27 @@ def _write_big_checkpoint(out: Path, layers: int = 6, hidden: int = 2048, inter:
     """A ~0.6 GB random Llama checkpoint written layer by layer (never whole in memory)."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=16,
-                      num_key_value_heads=4, vocab_size=1024, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+    )
     out.mkdir()
     cfg.save_pretrained(out)
     kv = hidden // 4
-    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
-              "self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
-              "mlp.down_proj": (hidden, inter)}
+    shapes = {
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
     weight_map, total = {}, 0
     for i in range(layers):
         shard = {f"model.layers.{i}.{k}.weight": torch.randn(s, dtype=torch.bfloat16) * 0.02 for k, s in shapes.items()}
@@ -175,7 +194,9 @@ def _write_big_checkpoint(out: Path, layers: int = 6, hidden: int = 2048, inter:
         save_file(shard, out / name, metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
         total += sum(t.numel() * 2 for t in shard.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -185,12 +206,19 @@ def test_streaming_peak_memory_is_bounded(tmp_path: Path):
     import subprocess
 
     size = _write_big_checkpoint(tmp_path / "big")
-    probe = ("import resource, sys, torch; torch.set_num_threads(1); import qerl.quantize as q; import transformers; "
-             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-             "q.quantize_checkpoint(sys.argv[1], sys.argv[2], max_shard_bytes=64 << 20); "
-             "print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "big"), str(tmp_path / "q")],
-                         capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
+    probe = (
+        "import resource, sys, torch; torch.set_num_threads(1); import qerl.quantize as q; import transformers; "
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        "q.quantize_checkpoint(sys.argv[1], sys.argv[2], max_shard_bytes=64 << 20); "
+        "print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "big"), str(tmp_path / "q")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout.split()
     base, peak = int(out[-2]), int(out[-1])
     growth = peak - base
     print(f"checkpoint {size / 2**20:.0f} MiB, RSS baseline {base / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB")

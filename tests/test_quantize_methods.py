@@ -70,7 +70,9 @@ def test_mse_checkpoint(tiny_llama_dir: Path, tmp_path: Path):
         layer = k[: -len(".weight_packed")]
         assert torch.equal(t_mse[f"{layer}.weight_global_scale"], t_rtn[f"{layer}.weight_global_scale"])
         for name, t in (("rtn", t_rtn), ("mse", t_mse)):
-            q = nvfp4.NVFP4Tensors(*(t[f"{layer}.{s}"] for s in ("weight_packed", "weight_scale", "weight_global_scale")))
+            q = nvfp4.NVFP4Tensors(
+                *(t[f"{layer}.{s}"] for s in ("weight_packed", "weight_scale", "weight_global_scale"))
+            )
             err[name] += _block_errors(dense[f"{layer}.weight"], q).sum().item()
     assert err["mse"] < 0.9 * err["rtn"], err
     assert load_model(out, device="cpu")(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
@@ -105,7 +107,11 @@ def _kl_to(dense_dir: Path, quant_dir: Path) -> float:
     """Mean per-token KL(bf16 || quantized) over the held-out texts."""
     from qerl.loader import load_model, load_tokenizer
 
-    tok, dense, quant = load_tokenizer(dense_dir), load_model(dense_dir, device="cpu"), load_model(quant_dir, device="cpu")
+    tok, dense, quant = (
+        load_tokenizer(dense_dir),
+        load_model(dense_dir, device="cpu"),
+        load_model(quant_dir, device="cpu"),
+    )
     kl = tokens = 0.0
     for row in HELD_OUT:
         ids = tok(f"{row['question']}\n{row['answer']}", return_tensors="pt").input_ids
@@ -118,8 +124,9 @@ def _kl_to(dense_dir: Path, quant_dir: Path) -> float:
 def test_gptq_checkpoint(tiny_with_tokenizer: Path, tmp_path: Path):
     pytest.importorskip("llmcompressor")
     rtn = quantize_checkpoint(tiny_with_tokenizer, tmp_path / "rtn")
-    out = quantize_checkpoint(tiny_with_tokenizer, tmp_path / "gptq", method="gptq",
-                              calibration=Calibration(samples=32, max_tokens=128))
+    out = quantize_checkpoint(
+        tiny_with_tokenizer, tmp_path / "gptq", method="gptq", calibration=Calibration(samples=32, max_tokens=128)
+    )
     t_rtn, t_gptq = _same_format(rtn, out)
     cfg_rtn = json.loads((rtn / "config.json").read_text())["quantization_config"]
     cfg_gptq = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -130,8 +137,10 @@ def test_gptq_checkpoint(tiny_with_tokenizer: Path, tmp_path: Path):
     for k in t_rtn:  # GPTQ keeps the min/max scales; only the codes move
         if not k.endswith("weight_packed"):
             a, b = t_rtn[k], t_gptq[k]
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), k
+            assert torch.equal(
+                a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
+            ), k
     assert sum(not torch.equal(t_rtn[k], t_gptq[k]) for k in packed) == len(packed)
     # GPTQ's objective, on held-out text: layer 0's q_proj sees RMSNorm(embedding), whatever else is quantized
     from qerl.loader import load_model, load_tokenizer
@@ -145,11 +154,15 @@ def test_gptq_checkpoint(tiny_with_tokenizer: Path, tmp_path: Path):
         out_err = {}
         for name, t in (("rtn", t_rtn), ("gptq", t_gptq)):
             p = "model.layers.0.self_attn.q_proj."
-            w_hat = nvfp4.dequantize(t[p + "weight_packed"], t[p + "weight_scale"], t[p + "weight_global_scale"], torch.float32)
+            w_hat = nvfp4.dequantize(
+                t[p + "weight_packed"], t[p + "weight_scale"], t[p + "weight_global_scale"], torch.float32
+            )
             out_err[name] = (x @ (w - w_hat).T).square().sum().item()
     kl_rtn, kl_gptq = _kl_to(tiny_with_tokenizer, rtn), _kl_to(tiny_with_tokenizer, out)
-    print(f"held-out: q_proj output error rtn {out_err['rtn']:.4g}, gptq {out_err['gptq']:.4g}; "
-          f"KL to bf16 rtn {kl_rtn:.5f}, gptq {kl_gptq:.5f}")
+    print(
+        f"held-out: q_proj output error rtn {out_err['rtn']:.4g}, gptq {out_err['gptq']:.4g}; "
+        f"KL to bf16 rtn {kl_rtn:.5f}, gptq {kl_gptq:.5f}"
+    )
     assert out_err["gptq"] < 0.85 * out_err["rtn"]
     assert kl_gptq < kl_rtn
 
@@ -160,18 +173,20 @@ def _run(args: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err.strip()
 
 
-@pytest.mark.parametrize(("args", "expect"), [
-    (["--method", "gptq", "--backend", "qerl"], "--method gptq runs on --backend llmcompressor"),
-    (["--method", "mse", "--backend", "llmcompressor"], "--method mse runs on --backend qerl"),
-    (["--calibration-samples", "8"], "apply to --method gptq"),
-    (["--method", "gptq", "--calibration-data", "/nonexistent/calib.jsonl"], "does not exist"),
-    (["--method", "gptq", "--calibration-samples", "100000"], "has 256 rows"),
-    (["--method", "gptq", "--calibration-max-tokens", "0"], "must be positive"),
-])
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--method", "gptq", "--backend", "qerl"], "--method gptq runs on --backend llmcompressor"),
+        (["--method", "mse", "--backend", "llmcompressor"], "--method mse runs on --backend qerl"),
+        (["--calibration-samples", "8"], "apply to --method gptq"),
+        (["--method", "gptq", "--calibration-data", "/nonexistent/calib.jsonl"], "does not exist"),
+        (["--method", "gptq", "--calibration-samples", "100000"], "has 256 rows"),
+        (["--method", "gptq", "--calibration-max-tokens", "0"], "must be positive"),
+    ],
+)
 def test_method_errors(tiny_with_tokenizer: Path, tmp_path: Path, capsys, args: list[str], expect: str):
     if "gptq" in args and "qerl" not in args:
         pytest.importorskip("llmcompressor")
     code, err = _run(["--model", str(tiny_with_tokenizer), "--output", str(tmp_path / "o"), *args], capsys)
     assert code == 2 and err.splitlines()[-1].startswith("error:") and expect in err, err
     assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
-

@@ -58,11 +58,19 @@ def test_files_cited_at_a_commit_exist_there() -> None:
     git = shutil.which("git")
     pairs = {(c, p) for doc in [ROOT / "README.md", *DOCS] for c, p in cited(doc.read_text()) if c}
     assert pairs, "the docs cite no file at a commit: this test would check nothing"
-    if git is None or subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", next(iter(pairs))[0]],
-                                     capture_output=True).returncode != 0:  # fmt: skip
+    if (
+        git is None
+        or subprocess.run(
+            [git, "-C", str(ROOT), "cat-file", "-e", next(iter(pairs))[0]], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("no git history here (a source export or a shallow clone)")
-    absent = [f"{c}:{p}" for c, p in sorted(pairs)
-              if subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", f"{c}:{p}"], capture_output=True).returncode]  # fmt: skip
+    absent = [
+        f"{c}:{p}"
+        for c, p in sorted(pairs)
+        if subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", f"{c}:{p}"], capture_output=True).returncode
+    ]
     assert not absent, f"not in git at the cited commit: {absent}"
 
 
@@ -104,7 +112,9 @@ def assigned_in_module(qualified: str) -> bool:
     if not path.is_file():
         return False
     for node in ast.parse(path.read_text()).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return True
     return False
@@ -116,21 +126,36 @@ def test_the_results_folder_and_the_docs_stay_small() -> None:
     lines = sum(len(p.read_text().splitlines()) for p in DOCS)
     assert lines < 1500, f"docs/*.md: {lines} lines"
     assert len((ROOT / "README.md").read_text().splitlines()) <= 350
-    assert {p.stem for p in DOCS} >= {"kernels", "rollout", "training", "quantization", "evaluation", "performance",
-                                      "architecture"}  # fmt: skip
+    assert {p.stem for p in DOCS} >= {
+        "kernels",
+        "rollout",
+        "training",
+        "quantization",
+        "evaluation",
+        "performance",
+        "architecture",
+    }
 
 
 #: The project's own text: code, tests, docs, scripts and recipes (result JSONs record commands, not prose).
-TEXT_FILES = sorted(p for pattern in ("*.py", "*.md", "*.sh", "*.yaml", "*.toml") for p in ROOT.rglob(pattern)
-                    if not {".venv", ".git", ".dev", "results", "build"} & set(p.relative_to(ROOT).parts[:-1])
-                    and ".egg-info" not in str(p))  # fmt: skip
+TEXT_FILES = sorted(
+    p
+    for pattern in ("*.py", "*.md", "*.sh", "*.yaml", "*.toml")
+    for p in ROOT.rglob(pattern)
+    if not {".venv", ".git", ".dev", "results", "build"} & set(p.relative_to(ROOT).parts[:-1])
+    and ".egg-info" not in str(p)
+)
 
 
 @pytest.mark.parametrize("doc", TEXT_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_history_words(doc: Path) -> None:
     """Facts and their sources, not the chronology of their finding: the word is an API word only (pytest's
     fixture scope, subprocess's start_new_session)."""
-    hits = [line.strip() for line in doc.read_text().splitlines()
-            if re.search(r"\bsessions?\b", line, re.IGNORECASE)
-            and 'scope="session"' not in line and "start_new_session" not in line]  # fmt: skip
+    hits = [
+        line.strip()
+        for line in doc.read_text().splitlines()
+        if re.search(r"\bsessions?\b", line, re.IGNORECASE)
+        and 'scope="session"' not in line
+        and "start_new_session" not in line
+    ]
     assert not hits, f"{doc.name}: {hits[:3]}"

@@ -44,9 +44,17 @@ def test_gsm8k_accuracy_compares_numbers() -> None:
 
 # Completions in every style the numeric reading knows, right and wrong, for the gold 72.
 STYLES = [
-    "<think>48 / 2 = 24</think><answer>72</answer>", "<answer>71</answer> and 72", "#### 72", "#### 7",
-    "So the total is \\boxed{72}.", "The answer is 72.", "The answer is 27. I checked 72 cases.", "48 + 24 = 72",
-    "<think>...</think>\n<answer>\n...\n</answer>\nShe sold 72 clips.", "I do not know.", "#### 72.5",
+    "<think>48 / 2 = 24</think><answer>72</answer>",
+    "<answer>71</answer> and 72",
+    "#### 72",
+    "#### 7",
+    "So the total is \\boxed{72}.",
+    "The answer is 72.",
+    "The answer is 27. I checked 72 cases.",
+    "48 + 24 = 72",
+    "<think>...</think>\n<answer>\n...\n</answer>\nShe sold 72 clips.",
+    "I do not know.",
+    "#### 72.5",
 ]
 
 
@@ -59,7 +67,11 @@ def test_gsm8k_reward_is_positive_exactly_when_evaluation_counts_it_correct() ->
 
 
 def test_last_number_accuracy_is_the_lenient_variant() -> None:
-    assert last_number_accuracy(["so 3 + 4 = 7", "7 or maybe 8", "<answer>7</answer>"], answer=["7"] * 3) == [1.0, 0.0, 1.0]
+    assert last_number_accuracy(["so 3 + 4 = 7", "7 or maybe 8", "<answer>7</answer>"], answer=["7"] * 3) == [
+        1.0,
+        0.0,
+        1.0,
+    ]
 
 
 def test_math_accuracy_uses_math_verify() -> None:
@@ -99,13 +111,25 @@ def test_math_accuracy_gives_none_for_unparseable_gold() -> None:
     assert math_accuracy(["<answer>1</answer>"], answer=[""]) == [None]
 
 
-@pytest.mark.parametrize("text,normalised", [
-    ("x = 5", "5"), ("a = b = 7", "7"),  # the part after the last '='
-    ("10 dollars", "10"), ("3 \\text{ cm}", "3"), ("100 meters", "100"), ("90^{\\circ}", "90"),  # units and degrees
-    ("\\frac12", "\\frac{1}{2}"), ("\\dfrac34", "\\dfrac{3}{4}"), ("\\sqrt2", "\\sqrt{2}"),  # TeX shorthand
-    ("$\\boxed{12}$.", "12"), ("\\text{(C)}", "(C)"), ("1,000", "1000"), ("\\$3.50", "3.50"),
-    ("12.0", "12.0"),  # strings, not numbers: the reference's DAPO reward does not equate 12.0 and 12
-])
+@pytest.mark.parametrize(
+    "text,normalised",
+    [
+        ("x = 5", "5"),
+        ("a = b = 7", "7"),  # the part after the last '='
+        ("10 dollars", "10"),
+        ("3 \\text{ cm}", "3"),
+        ("100 meters", "100"),
+        ("90^{\\circ}", "90"),  # units and degrees
+        ("\\frac12", "\\frac{1}{2}"),
+        ("\\dfrac34", "\\dfrac{3}{4}"),
+        ("\\sqrt2", "\\sqrt{2}"),  # TeX shorthand
+        ("$\\boxed{12}$.", "12"),
+        ("\\text{(C)}", "(C)"),
+        ("1,000", "1000"),
+        ("\\$3.50", "3.50"),
+        ("12.0", "12.0"),  # strings, not numbers: the reference's DAPO reward does not equate 12.0 and 12
+    ],
+)
 def test_dapo_normaliser_matches_the_reference(text: str, normalised: str) -> None:
     assert normalize_final_answer(text) == normalised
 

@@ -28,16 +28,36 @@ def rollout() -> ModuleType:
 
 
 def _row(engine: str, weights: str, ms: float, **extra: object) -> dict:
-    return {"shape": "7b", "engine": engine, "weights": weights, "lora": True, "batch": 8, "tokens": 1024,
-            "ms_per_step": ms, "floor_ms": None, "weight_gb": None, "lora_gb": None, "kv_gb_mean": None, **extra}  # fmt: skip
+    return {
+        "shape": "7b",
+        "engine": engine,
+        "weights": weights,
+        "lora": True,
+        "batch": 8,
+        "tokens": 1024,
+        "ms_per_step": ms,
+        "floor_ms": None,
+        "weight_gb": None,
+        "lora_gb": None,
+        "kv_gb_mean": None,
+        **extra,
+    }
 
 
 def test_merge_fills_floors_stamps_dates_and_replaces_same_rows(rollout: ModuleType, tmp_path: Path) -> None:
     native = _row("native", "nvfp4", 4.1, floor_ms=1.2, weight_gb=4.7, lora_gb=0.08, kv_gb_mean=0.35)
     old_vllm = _row("vllm", "nvfp4", 5.0, measured="yesterday")
     extra = tmp_path / "vllm.json"
-    extra.write_text(json.dumps({"date": "2026-11-30T00:39:54+00:00", "device": "H200", "versions": {"vllm": "0.26.0"},
-                                 "results": [_row("vllm", "nvfp4", 4.9)]}))  # fmt: skip
+    extra.write_text(
+        json.dumps(
+            {
+                "date": "2026-11-30T00:39:54+00:00",
+                "device": "H200",
+                "versions": {"vllm": "0.26.0"},
+                "results": [_row("vllm", "nvfp4", 4.9)],
+            }
+        )
+    )
     rows, env = rollout.with_extra_rows([native, old_vllm], [extra], {"device": "H200", "versions": {"torch": "2.11"}})
     assert len(rows) == 2  # the vLLM row replaced, not duplicated
     vllm = next(r for r in rows if r["engine"] == "vllm")
@@ -65,9 +85,19 @@ def test_long_completion_rows_merge_beside_the_main_run(rollout: ModuleType, tmp
     keyed by their token count, the main summary keeps reading the run's own length, the t4096 keys the long rows."""
     main = [_row("native", "nvfp4", 2.0, batch=64), _row("vllm", "nvfp4", 3.0, batch=64)]
     long = tmp_path / "t4096.json"
-    long.write_text(json.dumps({"date": "d", "device": "H200", "results": [
-        _row("native", "nvfp4", 4.0, batch=64, tokens=4096), _row("vllm", "nvfp4", 8.0, batch=64, tokens=4096),
-        _row("native", "nvfp4", 5.0, batch=128, tokens=4096)]}))  # fmt: skip
+    long.write_text(
+        json.dumps(
+            {
+                "date": "d",
+                "device": "H200",
+                "results": [
+                    _row("native", "nvfp4", 4.0, batch=64, tokens=4096),
+                    _row("vllm", "nvfp4", 8.0, batch=64, tokens=4096),
+                    _row("native", "nvfp4", 5.0, batch=128, tokens=4096),
+                ],
+            }
+        )
+    )
     rows, env = rollout.with_extra_rows(main, [long], {"device": "H200", "versions": {}})
     assert len(rows) == 5
     result = rollout.build_result(rows, 4e12, Namespace(tokens=1024, hf_tokens=32), env)
@@ -78,6 +108,7 @@ def test_long_completion_rows_merge_beside_the_main_run(rollout: ModuleType, tmp
 
 def _sigterm_self_once(path: Path) -> None:
     """From a thread: SIGTERM this process (as ``timeout`` would) once ``path`` exists (at most 20 s)."""
+
     def stop() -> None:
         for _ in range(400):
             if path.exists():
@@ -92,6 +123,7 @@ def _sigterm_self_once(path: Path) -> None:
 def _sigterm_guard() -> Iterator[Callable]:
     """A SIGTERM handler that fails the test (instead of killing pytest) if the code under test installed
     none; yields it so the test can check that handler is back afterwards."""
+
     def guard(signum: int, frame: object) -> None:
         raise RuntimeError("SIGTERM reached the test: the code under test installed no handler")
 
@@ -108,11 +140,13 @@ def test_vllm_driver_keeps_finished_rows_on_sigterm(tmp_path: Path, monkeypatch:
     stop, and start no further configuration. The child here is a stand-in that writes one row and sleeps."""
     from benchmarks import common, rollout_vllm
 
-    child_code = ("import json, os, sys, time\n"
-                  "out = sys.argv[1]\n"
-                  "doc = {'device': 'fake', 'versions': {}, 'rows': [{'shape': '7b', 'engine': 'vllm', 'batch': 1}]}\n"
-                  "open(out + '.tmp', 'w').write(json.dumps(doc)); os.replace(out + '.tmp', out)\n"
-                  "time.sleep(60)\n")  # fmt: skip
+    child_code = (
+        "import json, os, sys, time\n"
+        "out = sys.argv[1]\n"
+        "doc = {'device': 'fake', 'versions': {}, 'rows': [{'shape': '7b', 'engine': 'vllm', 'batch': 1}]}\n"
+        "open(out + '.tmp', 'w').write(json.dumps(doc)); os.replace(out + '.tmp', out)\n"
+        "time.sleep(60)\n"
+    )
     started: list[subprocess.Popen] = []
     real_popen = subprocess.Popen
 
@@ -126,8 +160,9 @@ def test_vllm_driver_keeps_finished_rows_on_sigterm(tmp_path: Path, monkeypatch:
     out = tmp_path / "v.json"
     try:
         with _sigterm_guard() as guard:
-            args = Namespace(shapes=["7b"], weights=["nvfp4", "bf16"], batches=[1], tokens=16, gpu_memory_utilization=0.5,
-                             out=out)  # fmt: skip
+            args = Namespace(
+                shapes=["7b"], weights=["nvfp4", "bf16"], batches=[1], tokens=16, gpu_memory_utilization=0.5, out=out
+            )
             result = rollout_vllm.drive(args)
             assert signal.getsignal(signal.SIGTERM) is guard  # the driver put the caller's handler back
     finally:
@@ -170,8 +205,9 @@ def test_ab_constants_parse_apply_and_restore() -> None:
     from qerl.rollout import decoder
 
     start = decoder.FUSED_LORA_MAX_ROWS
-    base, variant = bench.parse_ab_constants(["qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64",
-                                              "qerl.rollout.decoder.STACK_GROUPS=True:False"])  # fmt: skip
+    base, variant = bench.parse_ab_constants(
+        ["qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64", "qerl.rollout.decoder.STACK_GROUPS=True:False"]
+    )
     assert [(n, v) for _, n, v in base] == [("FUSED_LORA_MAX_ROWS", 32), ("STACK_GROUPS", True)]
     assert [(n, v) for _, n, v in variant] == [("FUSED_LORA_MAX_ROWS", 64), ("STACK_GROUPS", False)]
     with pytest.raises(RuntimeError), bench.applied(variant):
@@ -180,14 +216,17 @@ def test_ab_constants_parse_apply_and_restore() -> None:
     assert decoder.FUSED_LORA_MAX_ROWS == start and decoder.STACK_GROUPS is True
 
 
-@pytest.mark.parametrize(("spec", "says"), [
-    ("FUSED_LORA_MAX_ROWS=32:64", "expected MODULE.NAME=BASE:VARIANT"),
-    ("qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32", "expected MODULE.NAME=BASE:VARIANT"),
-    ("qerl.rollout.nowhere.X=1:2", "cannot import qerl.rollout.nowhere"),
-    ("qerl.rollout.decoder.FUSED_LORA_MAX_ROW=32:64", "has no attribute FUSED_LORA_MAX_ROW"),
-    ("qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:6.4", "expected two int literals"),
-    ("qerl.rollout.decoder.STACK_GROUPS=1:0", "expected two bool literals"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("FUSED_LORA_MAX_ROWS=32:64", "expected MODULE.NAME=BASE:VARIANT"),
+        ("qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32", "expected MODULE.NAME=BASE:VARIANT"),
+        ("qerl.rollout.nowhere.X=1:2", "cannot import qerl.rollout.nowhere"),
+        ("qerl.rollout.decoder.FUSED_LORA_MAX_ROW=32:64", "has no attribute FUSED_LORA_MAX_ROW"),
+        ("qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:6.4", "expected two int literals"),
+        ("qerl.rollout.decoder.STACK_GROUPS=1:0", "expected two bool literals"),
+    ],
+)
 def test_ab_constants_reject_bad_specs(spec: str, says: str) -> None:
     from benchmarks import rollout_ab as bench
 
@@ -206,9 +245,16 @@ def test_constant_ab_times_each_variant_under_its_settings(monkeypatch: pytest.M
     from benchmarks.rollout_models import with_lora
     from qerl.rollout import decoder
 
-    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    monkeypatch.setattr(bench, "build_model", lambda shape, nvfp4: with_lora(
-        common.random_model(tiny, common.VOCAB, False, torch.device("cpu"), torch.float32)))  # fmt: skip
+    tiny = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    monkeypatch.setattr(
+        bench,
+        "build_model",
+        lambda shape, nvfp4: with_lora(
+            common.random_model(tiny, common.VOCAB, False, torch.device("cpu"), torch.float32)
+        ),
+    )
     seen = []
 
     def timing(engine: object, prompts: list, tokens: int) -> tuple[float, float]:
@@ -240,8 +286,14 @@ def test_qwen3_shapes_reach_vllm_configs_adapters_and_floors(tmp_path: Path, mon
     assert (config.model_type, config.head_dim, config.vocab_size) == ("qwen3", 128, 151936)
     assert config.quantization_config["format"] == "nvfp4-pack-quantized"
 
-    tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=32)  # fmt: skip
+    tiny = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     monkeypatch.setitem(common.SHAPES, "tiny-qwen3", tiny)
     adapter = rollout_vllm.write_adapter_dir(tmp_path, "tiny-qwen3")
     with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
@@ -252,5 +304,7 @@ def test_qwen3_shapes_reach_vllm_configs_adapters_and_floors(tmp_path: Path, mon
     real = AutoConfig.for_model("qwen3", vocab_size=151936, tie_word_embeddings=False, **common.SHAPES["qwen3-32b"])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(real)
-    linears = sum(m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in name)
+    linears = sum(
+        m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in name
+    )
     assert shape_counts(common.SHAPES["qwen3-32b"], 151936, 16)["linear_params"] == linears

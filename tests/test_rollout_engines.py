@@ -345,9 +345,16 @@ def medium_model(nvfp4: bool, seed: int = 12, stacked: bool = False, **shape: in
     ``shape`` overrides config sizes."""
     sizes = dict(hidden_size=896, intermediate_size=2432, num_attention_heads=7, num_key_value_heads=1) | shape
     model = tiny_model(
-        "qwen2", seed, vocab_size=4096, num_hidden_layers=4, head_dim=128, max_position_embeddings=2048, rope_theta=1e6,
-        tie_word_embeddings=True, **sizes,
-    )  # fmt: skip
+        "qwen2",
+        seed,
+        vocab_size=4096,
+        num_hidden_layers=4,
+        head_dim=128,
+        max_position_embeddings=2048,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        **sizes,
+    )
     # Cast before quantizing: Module.to(dtype) would also cast the fp8 scales and fp32 global scales.
     model = model.to(torch.bfloat16).eval()
     if nvfp4:
@@ -371,7 +378,8 @@ def medium_model(nvfp4: bool, seed: int = 12, stacked: bool = False, **shape: in
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize(
-    "nvfp4,fp32_norms,stacked", [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
+    "nvfp4,fp32_norms,stacked",
+    [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
     ids=["bf16_lora", "nvfp4_lora", "fp32_norms", "nvfp4_lora_stacked"],
 )
 def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: bool) -> None:
@@ -420,10 +428,13 @@ def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.Monk
 
     module, switch = (fp4_gluon, "GLUON_DECODE") if kernel == "gluon" else (fp4_direct, "DIRECT_DECODE")
     monkeypatch.setattr(sch, "GLUON_MIN_WEIGHTS", 0)
-    model = medium_model(True, stacked=True, hidden_size=1024, intermediate_size=2560, num_attention_heads=8,
-                         num_key_value_heads=2)  # fmt: skip
+    model = medium_model(
+        True, stacked=True, hidden_size=1024, intermediate_size=2560, num_attention_heads=8, num_key_value_heads=2
+    )
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(5, 40, (rows,), generator=gen)]
+    prompts = [
+        torch.randint(0, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(5, 40, (rows,), generator=gen)
+    ]
     completions = [torch.randint(0, 4096, (12,), generator=gen).tolist() for _ in prompts]
     calls: list[bool] = []
 
@@ -466,13 +477,19 @@ def test_repetition_penalty_and_min_tokens_match_transformers() -> None:
             out = NativeEngine(model, 0, check_every=4).generate([prompt], params, n=2)
             assert out.completion_ids == ref.completion_ids * 2, params
     base = NativeEngine(model, 0).generate(PROMPTS[:1], greedy(40)).completion_ids[0]
-    penalised = NativeEngine(model, 0).generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=40,
-                                                                             repetition_penalty=1.8)).completion_ids[0]
+    penalised = (
+        NativeEngine(model, 0)
+        .generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=40, repetition_penalty=1.8))
+        .completion_ids[0]
+    )
     assert penalised != base  # the penalty changed this greedy path
     stop = [free.completion_ids[0][2]]
     early = NativeEngine(model, 0).generate(PROMPTS[:1], greedy(40, stop)).completion_ids[0]
-    late = NativeEngine(model, 0).generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=40,
-                                                                        stop_token_ids=stop, min_tokens=12)).completion_ids[0]
+    late = (
+        NativeEngine(model, 0)
+        .generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=stop, min_tokens=12))
+        .completion_ids[0]
+    )
     assert len(early) <= 3 and len(late) > 12 and stop[0] not in late[:12]
 
 
@@ -480,6 +497,8 @@ def test_min_p_one_keeps_only_the_most_likely_token() -> None:
     """min_p = 1 keeps exactly the tokens as likely as the best one: sampling at any temperature is then greedy."""
     model = tiny_llama()
     ref = NativeEngine(model, 0).generate(PROMPTS, greedy(24), n=2)
-    out = NativeEngine(model, 0).generate(PROMPTS, SamplingParams(temperature=1.5, max_new_tokens=24, min_p=1.0, seed=3), n=2)
+    out = NativeEngine(model, 0).generate(
+        PROMPTS, SamplingParams(temperature=1.5, max_new_tokens=24, min_p=1.0, seed=3), n=2
+    )
     assert out.completion_ids == ref.completion_ids
     assert all(lp == 0.0 for row in out.logprobs for lp in row)  # a one-token distribution

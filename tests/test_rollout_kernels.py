@@ -88,10 +88,17 @@ def test_rank_kernel_fits_registers(block: int) -> None:
     def spills(rb: int) -> int:
         consts = {"HAS_DELTA": True, "BLOCK": block, "RB": rb, "PERMUTE": True}
         ptrs = ("h_ptr", "d_ptr", "w_ptr", "hout_ptr", "out_ptr", "a_ptr", "u_ptr")
-        sig = {**dict.fromkeys(ptrs, "*bf16"), **dict.fromkeys(("M", "K", "share", "R", "S1", "S2"), "i32"), "eps": "fp32",
-               **dict.fromkeys(consts, "constexpr")}  # fmt: skip
-        compiled = triton.compile(ASTSource(fn=step_norm._rms_norm_rank_kernel, signature=sig, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": step_norm.RANK_WARPS})  # fmt: skip
+        sig = {
+            **dict.fromkeys(ptrs, "*bf16"),
+            **dict.fromkeys(("M", "K", "share", "R", "S1", "S2"), "i32"),
+            "eps": "fp32",
+            **dict.fromkeys(consts, "constexpr"),
+        }
+        compiled = triton.compile(
+            ASTSource(fn=step_norm._rms_norm_rank_kernel, signature=sig, constexprs=consts),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": step_norm.RANK_WARPS},
+        )
         return len(re.findall(r"\b(?:LDL|STL)\b", compiled.asm["sass"]))
 
     assert spills(most) == 0
@@ -113,24 +120,46 @@ def test_attention_kernels_compile_for_sm90(qk_norm: bool) -> None:
 
     from qerl.kernels import step_attention
 
-    norm = ({"qw_ptr": "*fp32", "kw_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32"}, {}) if qk_norm else (
-        dict.fromkeys(("qw_ptr", "kw_ptr", "q_eps", "k_eps"), "constexpr"),
-        dict.fromkeys(("qw_ptr", "kw_ptr", "q_eps", "k_eps")))  # fmt: skip
+    norm = (
+        ({"qw_ptr": "*fp32", "kw_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32"}, {})
+        if qk_norm
+        else (
+            dict.fromkeys(("qw_ptr", "kw_ptr", "q_eps", "k_eps"), "constexpr"),
+            dict.fromkeys(("qw_ptr", "kw_ptr", "q_eps", "k_eps")),
+        )
+    )
     strides = dict.fromkeys(("skb", "skh", "sks", "svb", "svh", "svs"), "i32")
 
     def sass(fn: object, sig: dict[str, str], consts: dict[str, object], warps: int) -> str:
         sig = {**sig, **norm[0], **strides, **dict.fromkeys(consts, "constexpr")}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, **norm[1]}),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs={**consts, **norm[1]}),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": warps},
+        )
         return compiled.asm["sass"]
 
     io = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr"), "*bf16")
-    rope = sass(step_attention._rope_cache_kernel, {**io, "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64"},
-                {"H": 32, "HKV": 8, "D": 128}, 1)  # fmt: skip
-    sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "kn_ptr", "vn_ptr", "cos_ptr", "sin_ptr"), "*bf16"), "pos_ptr": "*i64",
-           **dict.fromkeys(("m_ptr", "l_ptr", "acc_ptr"), "*fp32"), "scale": "fp32", "chunk": "i32", "nsplit": "i32"}
-    partial = sass(step_attention._attn_partial_kernel, sig,
-                   {"HKV": 8, "G": 4, "GP": 16, "D": 128, "BLOCK_N": 32, "IEEE": False, "ROPE": True}, 4)  # fmt: skip
+    rope = sass(
+        step_attention._rope_cache_kernel,
+        {**io, "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64"},
+        {"H": 32, "HKV": 8, "D": 128},
+        1,
+    )
+    sig = {
+        **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "kn_ptr", "vn_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
+        "pos_ptr": "*i64",
+        **dict.fromkeys(("m_ptr", "l_ptr", "acc_ptr"), "*fp32"),
+        "scale": "fp32",
+        "chunk": "i32",
+        "nsplit": "i32",
+    }
+    partial = sass(
+        step_attention._attn_partial_kernel,
+        sig,
+        {"HKV": 8, "G": 4, "GP": 16, "D": 128, "BLOCK_N": 32, "IEEE": False, "ROPE": True},
+        4,
+    )
     for code in (rope, partial):
         assert not re.findall(r"\b(?:LDL|STL)\b", code)
     assert (code.count("MUFU.RSQ") > 0) == qk_norm  # the head norms' rsqrt, only where they are compiled in

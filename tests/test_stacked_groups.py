@@ -45,14 +45,19 @@ def test_stacking_keeps_every_tensor_and_the_forward() -> None:
                 storages = {getattr(m, t).untyped_storage().data_ptr() for m in members}
                 assert len(storages) == 1, f"{t} of {names} not in one storage"
                 offsets = [getattr(m, t).storage_offset() for m in members]
-                rows = [getattr(m, t).shape[0] * (getattr(m, t).stride(0) if getattr(m, t).dim() > 1 else 1) for m in members]
+                rows = [
+                    getattr(m, t).shape[0] * (getattr(m, t).stride(0) if getattr(m, t).dim() > 1 else 1)
+                    for m in members
+                ]
                 assert offsets == [offsets[0] + sum(rows[:i]) for i in range(len(members))]
             assert len({m.weight_global_scale.data_ptr() for m in members}) == 1
     after = model.state_dict()
     assert before.keys() == after.keys()
     for k, v in before.items():
-        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
-                           after[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else after[k]), k
+        assert torch.equal(
+            v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+            after[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else after[k],
+        ), k
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, logits)
 
@@ -92,8 +97,9 @@ def test_stacked_forward_matches_each_projection(segmented: bool) -> None:
         if segmented:
             flat = reference.segment(lora.u.reshape(6, -1), group.lora_bounds)
             lora = decoder.LoraU(flat, group.lora_bounds, x.shape[:-1])
-            for got_u, want_u in zip(lora.per_projection(group), decoder.lora_inputs(x, group).per_projection(group),
-                                     strict=True):
+            for got_u, want_u in zip(
+                lora.per_projection(group), decoder.lora_inputs(x, group).per_projection(group), strict=True
+            ):
                 assert torch.equal(got_u, want_u)
         got = decoder.stacked_forward(x, group, lora)
         assert [g.shape for g in got] == [w.shape for w in want]

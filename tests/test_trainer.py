@@ -39,10 +39,23 @@ def varied_reward(completions: list[Any], **kwargs: Any) -> list[float]:
 
 def make_config(out: Path, **overrides: Any) -> QeRLConfig:
     base = dict(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=8, save_steps=2, report_to=[], seed=0, num_stages=3, sigma_start=1e-2,
-        sigma_end=1e-3, warmup_steps=0, learning_rate=1e-3, mask_truncated_completions=False,
-        gradient_checkpointing=False, disable_tqdm=True, logging_steps=1,
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        save_steps=2,
+        report_to=[],
+        seed=0,
+        num_stages=3,
+        sigma_start=1e-2,
+        sigma_end=1e-3,
+        warmup_steps=0,
+        learning_rate=1e-3,
+        mask_truncated_completions=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        logging_steps=1,
         aqn=True,  # AQN on the dense test model too (default: NVFP4 only)
     )
     base.update(overrides)
@@ -53,8 +66,14 @@ def make_trainer(model_dir: Path, out: Path, **overrides: Any) -> QeRLTrainer:
     torch.manual_seed(0)
     model = load_model(model_dir, device="cpu", dtype=torch.float32)
     tok = load_tokenizer(model_dir)
-    return QeRLTrainer(model, [varied_reward], make_config(out, **overrides), train_dataset=load_dataset("arithmetic", num_samples=32),
-                       processing_class=tok, peft_config=lora_config(r=4, train_norms=True))
+    return QeRLTrainer(
+        model,
+        [varied_reward],
+        make_config(out, **overrides),
+        train_dataset=load_dataset("arithmetic", num_samples=32),
+        processing_class=tok,
+        peft_config=lora_config(r=4, train_norms=True),
+    )
 
 
 class Recorder:
@@ -69,7 +88,9 @@ class Recorder:
         engine_generate = None
 
         def during(*args: Any, **kwargs: Any) -> Any:
-            self.noise_std.append(torch.cat([(w - c).flatten() for w, c in zip(self.norms, self.before, strict=True)]).std().item())
+            self.noise_std.append(
+                torch.cat([(w - c).flatten() for w, c in zip(self.norms, self.before, strict=True)]).std().item()
+            )
             return engine_generate(*args, **kwargs)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -93,7 +114,13 @@ def run(smollm2_nvfp4_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
     recorder = Recorder(trainer)
     trainer.train()
-    return {"trainer": trainer, "out": out, "recorder": recorder, "lora_before": lora_before, "model_dir": smollm2_nvfp4_dir}
+    return {
+        "trainer": trainer,
+        "out": out,
+        "recorder": recorder,
+        "lora_before": lora_before,
+        "model_dir": smollm2_nvfp4_dir,
+    }
 
 
 def step_logs(trainer: QeRLTrainer) -> list[dict[str, Any]]:
@@ -106,7 +133,9 @@ def test_grpo_steps_with_aqn_train_lora(run: dict[str, Any]) -> None:
     assert [r["step"] for r in logs] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in logs)
     assert any(r["loss"] != 0 for r in logs)
-    changed = [n for n, p in trainer.model.named_parameters() if "lora_B" in n and not torch.equal(p, run["lora_before"][n])]
+    changed = [
+        n for n, p in trainer.model.named_parameters() if "lora_B" in n and not torch.equal(p, run["lora_before"][n])
+    ]
     assert len(changed) == len([n for n in run["lora_before"] if "lora_B" in n])  # every B moved off its zero init
 
 
@@ -129,8 +158,15 @@ def test_sigma_follows_the_schedule_over_the_real_run(run: dict[str, Any]) -> No
 
 def test_logs_and_metrics_file(run: dict[str, Any]) -> None:
     first = step_logs(run["trainer"])[0]
-    for key in ("rewards/varied_reward/mean", "rewards/varied_reward/std", "entropy", "completions/mean_length",
-                "rollout/tokens_per_s", "step_time", "sampling/importance_sampling_ratio/mean"):
+    for key in (
+        "rewards/varied_reward/mean",
+        "rewards/varied_reward/std",
+        "entropy",
+        "completions/mean_length",
+        "rollout/tokens_per_s",
+        "step_time",
+        "sampling/importance_sampling_ratio/mean",
+    ):
         assert key in first and math.isfinite(first[key]), key
     lines = [json.loads(x) for x in (run["out"] / METRICS_FILE).read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3]
@@ -179,7 +215,9 @@ def test_evaluation_applies_the_trained_adapter(run: dict[str, Any]) -> None:
     assert torch.allclose(disabled, before, atol=1e-5)
 
 
-def test_resume_reproduces_the_next_step_and_skips_half_written_checkpoints(run: dict[str, Any], tmp_path: Path) -> None:
+def test_resume_reproduces_the_next_step_and_skips_half_written_checkpoints(
+    run: dict[str, Any], tmp_path: Path
+) -> None:
     out = tmp_path / "resumed"
     shutil.copytree(run["out"], out)
     (out / "checkpoint-3" / CHECKPOINT_MARKER).unlink()  # as if the process died while saving step 3
@@ -209,14 +247,24 @@ def test_incomplete_checkpoint_is_refused(run: dict[str, Any], tmp_path: Path) -
         run["trainer"].train(resume_from_checkpoint=str(ckpt))
 
 
-def test_aqn_on_a_dense_model_with_per_token_draws(tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_aqn_on_a_dense_model_with_per_token_draws(
+    tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from qerl.aqn import NormNoise
 
     calls: list[int] = []
     real_hook = NormNoise.token_hook
     monkeypatch.setattr(NormNoise, "token_hook", lambda self: (calls.append(1), real_hook(self))[1])
-    trainer = make_trainer(tiny_dense_dir, tmp_path / "dense", max_steps=2, num_stages=2, max_completion_length=4,
-                           aqn_resample="token", learning_rate=None, save_strategy="no")
+    trainer = make_trainer(
+        tiny_dense_dir,
+        tmp_path / "dense",
+        max_steps=2,
+        num_stages=2,
+        max_completion_length=4,
+        aqn_resample="token",
+        learning_rate=None,
+        save_strategy="no",
+    )
     trainer.train()
     assert trainer.args.learning_rate == 5e-6  # the bf16-LoRA recipe's LR for a non-quantized model
     logs = step_logs(trainer)
@@ -244,7 +292,12 @@ def test_config_defaults_and_errors(tmp_path: Path) -> None:
     assert cfg.vllm_importance_sampling_mode == "token_truncate" and cfg.vllm_importance_sampling_clip_max == 2.0
     assert cfg.bf16 is torch.cuda.is_available()
     # trl's defaults everywhere else: the reference's DAPO recipe lives in training/recipes
-    assert (cfg.loss_type, cfg.epsilon_high, cfg.mask_truncated_completions, cfg.weight_decay) == ("dapo", None, False, 0.0)
+    assert (cfg.loss_type, cfg.epsilon_high, cfg.mask_truncated_completions, cfg.weight_decay) == (
+        "dapo",
+        None,
+        False,
+        0.0,
+    )
     assert (cfg.num_train_epochs, cfg.logging_steps, cfg.max_grad_norm, cfg.lr_scheduler_type) == (3, 10, 1.0, "linear")
     assert set(trl_differences(cfg)) <= set(TRL_DEFAULT_OVERRIDES)  # every difference is listed with its reason
     ref = QeRLConfig(output_dir=str(tmp_path), report_to=[], use_vllm=True, warmup_ratio=0.05)  # reference spellings
@@ -260,12 +313,15 @@ def test_config_defaults_and_errors(tmp_path: Path) -> None:
             QeRLConfig(output_dir=str(tmp_path), report_to=[], **bad)
 
 
-def test_8bit_adamw_falls_back_without_bitsandbytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_8bit_adamw_falls_back_without_bitsandbytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     with caplog.at_level("WARNING", logger="qerl.config"):
         cfg = QeRLConfig(output_dir=str(tmp_path), report_to=[], optim="adamw_8bit")
     assert cfg.optim == "adamw_torch"
@@ -292,27 +348,106 @@ def test_cli_accepts_the_reference_flags(tmp_path: Path) -> None:
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("dataset: arithmetic\nlora_rank: 8\nsigma_start: 0.02\n")
-    script, cfg = TrlParser((ScriptArguments, QeRLConfig)).parse_args_and_config([
-        "--config", str(recipe), "--model-name", "m", "--dataset", "gsm8k", "--lora-rank", "16", "--lora-alpha", "16",
-        "--ln", "True", "--sigma-start", "1e-2", "--sigma-end", "1e-4", "--num-stages", "10", "--use-vllm", "True",
-        "--warmup-ratio", "0.1", "--max-prompt-length", "256", "--max-completion-length", "2048", "--loss-type", "bnpo",
-        "--epsilon-high", "0.28", "--mask-truncated-completions", "True", "--max-seq-length", "2500",
-        "--fast-inference", "True", "--random-state", "2025", "--output-dir", str(tmp_path / "o"), "--report-to", "none",
-    ])
-    assert (script.model_name, script.dataset, script.lora_rank, script.ln, script.max_prompt_length) == ("m", "gsm8k", 16, True, 256)
-    assert (cfg.sigma_start, cfg.sigma_end, cfg.num_stages, cfg.rollout_engine, cfg.warmup_steps) == (1e-2, 1e-4, 10, "vllm", 0.1)
+    script, cfg = TrlParser((ScriptArguments, QeRLConfig)).parse_args_and_config(
+        [
+            "--config",
+            str(recipe),
+            "--model-name",
+            "m",
+            "--dataset",
+            "gsm8k",
+            "--lora-rank",
+            "16",
+            "--lora-alpha",
+            "16",
+            "--ln",
+            "True",
+            "--sigma-start",
+            "1e-2",
+            "--sigma-end",
+            "1e-4",
+            "--num-stages",
+            "10",
+            "--use-vllm",
+            "True",
+            "--warmup-ratio",
+            "0.1",
+            "--max-prompt-length",
+            "256",
+            "--max-completion-length",
+            "2048",
+            "--loss-type",
+            "bnpo",
+            "--epsilon-high",
+            "0.28",
+            "--mask-truncated-completions",
+            "True",
+            "--max-seq-length",
+            "2500",
+            "--fast-inference",
+            "True",
+            "--random-state",
+            "2025",
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--report-to",
+            "none",
+        ]
+    )
+    assert (script.model_name, script.dataset, script.lora_rank, script.ln, script.max_prompt_length) == (
+        "m",
+        "gsm8k",
+        16,
+        True,
+        256,
+    )
+    assert (cfg.sigma_start, cfg.sigma_end, cfg.num_stages, cfg.rollout_engine, cfg.warmup_steps) == (
+        1e-2,
+        1e-4,
+        10,
+        "vllm",
+        0.1,
+    )
 
 
 def test_train_entry_point_end_to_end(tiny_dense_dir: Path, tmp_path: Path) -> None:
     from qerl.train import main
 
     out = tmp_path / "run"
-    summary = main([
-        "--model-name", str(tiny_dense_dir), "--dataset", "arithmetic", "--num-samples", "12", "--heldout", "4",
-        "--heldout-max-tokens", "4", "--lora-rank", "2", "--max-steps", "1", "--per-device-train-batch-size", "2",
-        "--num-generations", "2", "--max-completion-length", "4", "--output-dir", str(out), "--report-to", "none",
-        "--disable-tqdm", "True", "--save-strategy", "no", "--logging-steps", "1",
-    ])
+    summary = main(
+        [
+            "--model-name",
+            str(tiny_dense_dir),
+            "--dataset",
+            "arithmetic",
+            "--num-samples",
+            "12",
+            "--heldout",
+            "4",
+            "--heldout-max-tokens",
+            "4",
+            "--lora-rank",
+            "2",
+            "--max-steps",
+            "1",
+            "--per-device-train-batch-size",
+            "2",
+            "--num-generations",
+            "2",
+            "--max-completion-length",
+            "4",
+            "--output-dir",
+            str(out),
+            "--report-to",
+            "none",
+            "--disable-tqdm",
+            "True",
+            "--save-strategy",
+            "no",
+            "--logging-steps",
+            "1",
+        ]
+    )
     assert summary["global_step"] == 1 and summary["train_rows"] == 8 and summary["heldout_rows"] == 4
     for key in ("heldout_accuracy_before", "heldout_accuracy_after"):  # a share of the 4 held-out questions
         assert summary[key] in (0.0, 0.25, 0.5, 0.75, 1.0), (key, summary[key])
@@ -321,7 +456,9 @@ def test_train_entry_point_end_to_end(tiny_dense_dir: Path, tmp_path: Path) -> N
     assert json.loads((out / "summary.json").read_text())["adapter"] == str(out / "adapter")
 
 
-def test_training_steps_run_without_cudnn_attention(tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_steps_run_without_cudnn_attention(
+    tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """cuDNN's SDPA backward can return NaN gradients (see ``cudnn_attention_disabled``): every training
     step (rollout, loss, backward) must run with that backend off, and the flag comes back afterwards."""
     from trl import GRPOTrainer

@@ -45,10 +45,21 @@ def test_bf16_model_trains_its_norms(tmp_path: Path, smollm2_dir: Path) -> None:
     torch.manual_seed(0)
     model = load_model(model_dir, device="cpu", dtype=torch.bfloat16)
     config = QeRLConfig(
-        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        report_to=[], seed=0, num_stages=2, warmup_steps=0, learning_rate=1e-5, mask_truncated_completions=False,
-        gradient_checkpointing=False, disable_tqdm=True, save_strategy="no",
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        report_to=[],
+        seed=0,
+        num_stages=2,
+        warmup_steps=0,
+        learning_rate=1e-5,
+        mask_truncated_completions=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        save_strategy="no",
+    )
     trainer = QeRLTrainer(
         model,
         [varied_reward],

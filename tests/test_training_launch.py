@@ -33,7 +33,9 @@ def flag(argv: list[str], name: str) -> str:
     return argv[len(argv) - 1 - argv[::-1].index(name) + 1]  # the last occurrence wins, as in argparse
 
 
-@pytest.mark.parametrize("script,batch", [("dapo_qwen2.5-7b_nvfp4_single_gpu.sh", 2), ("dapo_qwen2.5-32b_nvfp4_single_gpu.sh", 8)])
+@pytest.mark.parametrize(
+    "script,batch", [("dapo_qwen2.5-7b_nvfp4_single_gpu.sh", 2), ("dapo_qwen2.5-32b_nvfp4_single_gpu.sh", 8)]
+)
 def test_num_gpus_keeps_the_per_step_batch(tmp_path: Path, script: str, batch: int) -> None:
     code, one, _ = launched(tmp_path, script, "--max-steps", "3")
     assert code == 0 and one[:2] == ["-m", "qerl.train"] and "--num-gpus" not in one

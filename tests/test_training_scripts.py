@@ -35,10 +35,16 @@ def clone(tmp_path: Path) -> Path:
 
 
 def _run(clone: Path, script: str, **env: str) -> subprocess.CompletedProcess[str]:
-    base = {"PATH": f"{clone.parent / 'bin'}:/usr/bin:/bin", "HOME": str(clone.parent), "OUT": str(clone.parent / "elsewhere"),
-            "BF16_DIR": "bf16", "NVFP4_DIR": "nvfp4"}
-    return subprocess.run(["bash", str(clone / "training" / script)], env={**base, **env}, capture_output=True,
-                          text=True, timeout=60)
+    base = {
+        "PATH": f"{clone.parent / 'bin'}:/usr/bin:/bin",
+        "HOME": str(clone.parent),
+        "OUT": str(clone.parent / "elsewhere"),
+        "BF16_DIR": "bf16",
+        "NVFP4_DIR": "nvfp4",
+    }
+    return subprocess.run(
+        ["bash", str(clone / "training" / script)], env={**base, **env}, capture_output=True, text=True, timeout=60
+    )
 
 
 def _calls(clone: Path) -> list[str]:
@@ -70,7 +76,8 @@ def test_without_a_venv_one_line_says_how_to_make_it(clone: Path) -> None:
     proc = _run(clone, "quickstart.sh")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: no Python with qerl's dependencies: run 'bash setup_env.sh' in {clone} (it makes {clone}/.venv), or set PYTHON"]
+        f"error: no Python with qerl's dependencies: run 'bash setup_env.sh' in {clone} (it makes {clone}/.venv), or set PYTHON"
+    ]
     explicit = _exe(clone.parent / "mine" / "python", f'echo "mine $*" >> "{clone}/calls.log"\n')
     assert _run(clone, "quickstart.sh", PYTHON=str(explicit)).returncode == 0
     assert any(c.startswith("mine -m qerl.train") for c in _calls(clone))
@@ -100,21 +107,29 @@ FAMILY_SCRIPTS = [
 
 @pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("tag,hub,like", FAMILY_SCRIPTS, ids=[t for t, _, _ in FAMILY_SCRIPTS])
-def test_qwen3_and_llama_scripts_take_the_qwen25_options(clone: Path, tag: str, hub: str, like: str, precision: str) -> None:
+def test_qwen3_and_llama_scripts_take_the_qwen25_options(
+    clone: Path, tag: str, hub: str, like: str, precision: str
+) -> None:
     args = _train_args(clone, f"dapo_{tag}_{precision}_single_gpu.sh")
     ref = _train_args(clone, f"dapo_{like}_{precision}_single_gpu.sh")
     differ = {"--model-name", "--output-dir", "--run-name"}
-    assert [a for i, a in enumerate(args) if i == 0 or args[i - 1] not in differ] == \
-        [a for i, a in enumerate(ref) if i == 0 or ref[i - 1] not in differ]  # fmt: skip
+    assert [a for i, a in enumerate(args) if i == 0 or args[i - 1] not in differ] == [
+        a for i, a in enumerate(ref) if i == 0 or ref[i - 1] not in differ
+    ]
     run = _flag(args, "--run-name")
     assert run.startswith(f"{tag}_{precision}_") and _flag(args, "--output-dir").endswith(f"runs/{run}")
     default = f"qmodel/{hub.split('/')[-1]}-NVFP4A16" if precision == "nvfp4" else hub
     assert _flag(args, "--model-name") == default
-    assert _flag(_train_args(clone, f"dapo_{tag}_{precision}_single_gpu.sh", MODEL_PATH="/data/mine"), "--model-name") == "/data/mine"
+    assert (
+        _flag(_train_args(clone, f"dapo_{tag}_{precision}_single_gpu.sh", MODEL_PATH="/data/mine"), "--model-name")
+        == "/data/mine"
+    )
 
 
 def test_qwen25_scripts_keep_their_models_and_run_names(clone: Path) -> None:
     args = _train_args(clone, "dapo_qwen2.5-7b_nvfp4_single_gpu.sh")
     assert _flag(args, "--model-name") == "qmodel/Qwen2.5-7B-Instruct-NVFP4A16"
     assert _flag(args, "--run-name") == "qwen2.5-7b_nvfp4_gsm8k_b2_r16"
-    assert _flag(_train_args(clone, "dapo_qwen2.5-32b_bf16_single_gpu.sh"), "--model-name") == "Qwen/Qwen2.5-32B-Instruct"
+    assert (
+        _flag(_train_args(clone, "dapo_qwen2.5-32b_bf16_single_gpu.sh"), "--model-name") == "Qwen/Qwen2.5-32B-Instruct"
+    )

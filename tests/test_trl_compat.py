@@ -43,14 +43,32 @@ def alternating_reward(completions: list[Any], **kwargs: Any) -> list[float]:
 def fixed_rollout(prompts: list[Any], trainer: Any) -> dict[str, list[list[Any]]]:
     """The same tokens for trl's trainer and ours: prompt i gets completion i (some end in EOS id 2)."""
     prompt_ids = [[1, 9690, 314, 216, 28 + i % 4, 2, 198] for i in range(len(prompts))]
-    completion_ids = [[30 + (7 * i) % 11, 40 + i, 50 + (3 * i) % 5, 60, 2 if i % 3 else 61] for i in range(len(prompts))]
+    completion_ids = [
+        [30 + (7 * i) % 11, 40 + i, 50 + (3 * i) % 5, 60, 2 if i % 3 else 61] for i in range(len(prompts))
+    ]
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": [[-1.0] * 5 for _ in prompts]}
 
 
 def _common(out: Path, **overrides: Any) -> dict[str, Any]:
-    return {**dict(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, num_generations=GROUP,
-                   max_completion_length=8, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1,
-                   gradient_checkpointing=False, learning_rate=1e-2, bf16=False, use_cpu=True, seed=0), **overrides}
+    return {
+        **dict(
+            output_dir=str(out),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            num_generations=GROUP,
+            max_completion_length=8,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_steps=1,
+            gradient_checkpointing=False,
+            learning_rate=1e-2,
+            bf16=False,
+            use_cpu=True,
+            seed=0,
+        ),
+        **overrides,
+    }
 
 
 def _data() -> Dataset:
@@ -69,12 +87,25 @@ def _moved(trainer: Any, before: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
 
 
-def _ours(model_dir: Path, out: Path, rewards: Any = (spread_reward,), dtype: torch.dtype = torch.float32,
-          dataset: Any = None, **config: Any) -> QeRLTrainer:  # fmt: skip
+def _ours(
+    model_dir: Path,
+    out: Path,
+    rewards: Any = (spread_reward,),
+    dtype: torch.dtype = torch.float32,
+    dataset: Any = None,
+    **config: Any,
+) -> QeRLTrainer:
     kwargs = {k: config.pop(k) for k in ("rollout_func", "reward_processing_classes") if k in config}
     model = load_model(model_dir, device="cpu", dtype=dtype)
-    return QeRLTrainer(model, list(rewards), QeRLConfig(**_common(out, **config)), train_dataset=_data() if dataset is None
-                       else dataset, processing_class=load_tokenizer(model_dir), peft_config=lora_config(r=2), **kwargs)
+    return QeRLTrainer(
+        model,
+        list(rewards),
+        QeRLConfig(**_common(out, **config)),
+        train_dataset=_data() if dataset is None else dataset,
+        processing_class=load_tokenizer(model_dir),
+        peft_config=lora_config(r=2),
+        **kwargs,
+    )
 
 
 # ---------------------------------------------------------------------------------------- trl's own numbers
@@ -101,14 +132,25 @@ def test_two_steps_match_trls_own_trainer(name: str, tiny_dense_dir: Path, tmp_p
     and the trained weights are trl's. (IS correction off: trl applies it only with its vLLM engine.)"""
     options = SAME_AS_TRL[name]
     torch.manual_seed(0)
-    theirs = GRPOTrainer(load_model(tiny_dense_dir, device="cpu", dtype=torch.bfloat16), [spread_reward],
-                         GRPOConfig(**_common(tmp_path / "trl", **options)), train_dataset=_data(),
-                         processing_class=load_tokenizer(tiny_dense_dir), peft_config=lora_config(r=2),
-                         rollout_func=fixed_rollout)  # fmt: skip
+    theirs = GRPOTrainer(
+        load_model(tiny_dense_dir, device="cpu", dtype=torch.bfloat16),
+        [spread_reward],
+        GRPOConfig(**_common(tmp_path / "trl", **options)),
+        train_dataset=_data(),
+        processing_class=load_tokenizer(tiny_dense_dir),
+        peft_config=lora_config(r=2),
+        rollout_func=fixed_rollout,
+    )
     theirs.train()
     torch.manual_seed(0)
-    ours = _ours(tiny_dense_dir, tmp_path / "qerl", dtype=torch.bfloat16, rollout_func=fixed_rollout,
-                 vllm_importance_sampling_correction=False, **options)
+    ours = _ours(
+        tiny_dense_dir,
+        tmp_path / "qerl",
+        dtype=torch.bfloat16,
+        rollout_func=fixed_rollout,
+        vllm_importance_sampling_correction=False,
+        **options,
+    )
     ours.train()
     a, b = _logs(theirs), _logs(ours)
     assert [r["step"] for r in b] == [1, 2]
@@ -136,7 +178,11 @@ TRAINS = {
     "generation_kwargs": dict(generation_kwargs={"min_tokens": 3, "ignore_eos": True}),
 }
 #: What trl logs for each family besides the common keys.
-KEYS = {"adaptive_entropy": {"entropy_coef", "policy_loss"}, "off_policy_mask": set(), "luspo": {"clip_ratio/region_mean"}}
+KEYS = {
+    "adaptive_entropy": {"entropy_coef", "policy_loss"},
+    "off_policy_mask": set(),
+    "luspo": {"clip_ratio/region_mean"},
+}
 
 
 @pytest.mark.parametrize("name", list(TRAINS))
@@ -150,8 +196,15 @@ def test_option_trains_with_our_engine(name: str, tiny_dense_dir: Path, tmp_path
     assert [r["step"] for r in logs] == list(range(1, steps + 1))
     assert all(math.isfinite(r["loss"]) for r in logs)
     assert _moved(trainer, before)
-    for key in {"reward", "reward_std", "rewards/alternating_reward/mean", "entropy", "completions/mean_length",
-                "sampling/importance_sampling_ratio/mean", *KEYS.get(name, ())}:
+    for key in {
+        "reward",
+        "reward_std",
+        "rewards/alternating_reward/mean",
+        "entropy",
+        "completions/mean_length",
+        "sampling/importance_sampling_ratio/mean",
+        *KEYS.get(name, ()),
+    }:
         assert key in logs[0], key
 
 
@@ -170,12 +223,20 @@ def test_unsupported_generation_kwargs_and_tools_are_refused_in_one_line(tiny_de
         _ours(tiny_dense_dir, tmp_path, generation_kwargs={"typical_p": 0.9})
     with pytest.raises(ValueError, match="tools is not supported"):
         model = load_model(tiny_dense_dir, device="cpu", dtype=torch.float32)
-        QeRLTrainer(model, [spread_reward], QeRLConfig(**_common(tmp_path)), train_dataset=_data(),
-                    processing_class=load_tokenizer(tiny_dense_dir), tools=[len])
+        QeRLTrainer(
+            model,
+            [spread_reward],
+            QeRLConfig(**_common(tmp_path)),
+            train_dataset=_data(),
+            processing_class=load_tokenizer(tiny_dense_dir),
+            tools=[len],
+        )
 
 
 def test_iterable_and_plain_text_datasets(tiny_dense_dir: Path, tmp_path: Path) -> None:
-    for i, dataset in enumerate((_data().to_iterable_dataset(), Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "7-2="]}))):
+    for i, dataset in enumerate(
+        (_data().to_iterable_dataset(), Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "7-2="]}))
+    ):
         trainer = _ours(tiny_dense_dir, tmp_path / str(i), dataset=dataset)
         before = _params(trainer)
         trainer.train()
@@ -183,6 +244,7 @@ def test_iterable_and_plain_text_datasets(tiny_dense_dir: Path, tmp_path: Path) 
 
 
 # ---------------------------------------------------------------------------------------- rewards
+
 
 async def async_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
     await asyncio.sleep(0)
@@ -195,8 +257,9 @@ def none_reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
 
 def test_rewards_as_trl_calls_them(tiny_dense_dir: Path, tmp_path: Path) -> None:
     """async reward (with a dataset column as a keyword), a None reward and reward weights, all at once."""
-    trainer = _ours(tiny_dense_dir, tmp_path, rewards=(async_reward, none_reward, spread_reward),
-                    reward_weights=[1.0, 1.0, 0.5])
+    trainer = _ours(
+        tiny_dense_dir, tmp_path, rewards=(async_reward, none_reward, spread_reward), reward_weights=[1.0, 1.0, 0.5]
+    )
     trainer.train()
     first = _logs(trainer)[0]
     assert math.isfinite(first["rewards/async_reward/mean"]) and first["rewards/none_reward/mean"] is None
@@ -212,8 +275,12 @@ def test_a_reward_model_scores_as_in_trl(tiny_dense_dir: Path, tmp_path: Path) -
     torch.manual_seed(0)
     scorer = AutoModelForSequenceClassification.from_config(config)
     scorer.config._name_or_path = "tiny-scorer"
-    trainer = _ours(tiny_dense_dir, tmp_path, rewards=(scorer, spread_reward),
-                    reward_processing_classes=[load_tokenizer(tiny_dense_dir), None])  # fmt: skip
+    trainer = _ours(
+        tiny_dense_dir,
+        tmp_path,
+        rewards=(scorer, spread_reward),
+        reward_processing_classes=[load_tokenizer(tiny_dense_dir), None],
+    )
     before = _params(trainer)
     trainer.train()
     first = _logs(trainer)[0]
@@ -241,22 +308,31 @@ def test_builtin_rewards_log_their_parser_errors(tiny_dense_dir: Path, tmp_path:
 
 # ---------------------------------------------------------------------------------------- config
 
-def test_args_none_builds_trls_default_config(tiny_dense_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                              tmp_path: Path) -> None:  # fmt: skip
+
+def test_args_none_builds_trls_default_config(
+    tiny_dense_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.chdir(tmp_path)
     model = load_model(tiny_dense_dir, device="cpu", dtype=torch.float32)
-    trainer = QeRLTrainer(model, [spread_reward], None, train_dataset=_data(), processing_class=load_tokenizer(tiny_dense_dir))
+    trainer = QeRLTrainer(
+        model, [spread_reward], None, train_dataset=_data(), processing_class=load_tokenizer(tiny_dense_dir)
+    )
     assert isinstance(trainer.args, QeRLConfig) and trainer.args.output_dir.endswith(f"{tiny_dense_dir.name}-GRPO")
     assert (trainer.args.loss_type, trainer.args.num_train_epochs, trainer.max_completion_length) == ("dapo", 3, 512)
 
 
-def test_startup_logs_every_field_that_differs_from_trl(tiny_dense_dir: Path, tmp_path: Path,
-                                                        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_startup_logs_every_field_that_differs_from_trl(
+    tiny_dense_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="qerl.trainer"):
         _ours(tiny_dense_dir, tmp_path, loss_type="bnpo")
     lines = [r.getMessage() for r in caplog.records if "differ from trl's GRPOConfig defaults" in r.getMessage()]
     assert len(lines) == 1
-    for part in ("loss_type='bnpo' (trl: 'dapo')", "vllm_importance_sampling_mode='token_truncate' (trl: 'sequence_mask')",
-                 "learning_rate=0.01 (trl: 1e-06)", "max_steps=2 (trl: -1)"):
+    for part in (
+        "loss_type='bnpo' (trl: 'dapo')",
+        "vllm_importance_sampling_mode='token_truncate' (trl: 'sequence_mask')",
+        "learning_rate=0.01 (trl: 1e-06)",
+        "max_steps=2 (trl: -1)",
+    ):
         assert part in lines[0], part
     assert "num_train_epochs" not in lines[0] and "weight_decay" not in lines[0]

@@ -19,15 +19,36 @@ from qerl.trainer import QeRLTrainer
 #: Every private base-class method a qerl class overrides -> the base's parameter names it was written against.
 PINNED: dict[str, tuple[str, ...]] = {
     "_generate": ("self", "prompts"),
-    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations",
-                              "has_tool_images"),  # fmt: skip
+    "_generate_single_turn": (
+        "self",
+        "prompt_ids",
+        "images",
+        "multimodal_fields",
+        "num_generations",
+        "has_tool_images",
+    ),
     "_generate_and_score_completions": ("self", "inputs"),
     "_compute_loss": ("self", "model", "inputs"),
-    "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
-                                           "batch_size", "compute_entropy", "compute_aux_loss", "pixel_values",
-                                           "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-                                           "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
-                                           "image_position_ids"),  # fmt: skip
+    "_get_per_token_logps_and_entropies": (
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "num_tiles",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
+    ),
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
 }
@@ -51,7 +72,9 @@ def base_method(name: str) -> Callable:
 def qerl_private_overrides() -> set[str]:
     """The private methods QeRLTrainer's own classes define that also exist on trl's GRPOTrainer."""
     ours = [cls for cls in QeRLTrainer.__mro__ if cls.__module__.startswith("qerl.")]
-    names = {n for cls in ours for n, v in vars(cls).items() if callable(v) and n.startswith("_") and not n.startswith("__")}
+    names = {
+        n for cls in ours for n, v in vars(cls).items() if callable(v) and n.startswith("_") and not n.startswith("__")
+    }
     return {n for n in names if hasattr(GRPOTrainer, n)}
 
 

@@ -135,15 +135,23 @@ def vllm_prompt_logprobs(engine, seq: list[int]) -> torch.Tensor:
     return torch.tensor([entries[t][seq[t]].logprob for t in range(1, len(seq))])
 
 
-def compare(name: str, got: torch.Tensor, ref: torch.Tensor, logit_scale: float, effect: float = 0.0,
-            failures: list[str] | None = None) -> None:
+def compare(
+    name: str,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    logit_scale: float,
+    effect: float = 0.0,
+    failures: list[str] | None = None,
+) -> None:
     """``effect``: mean |change| of our log-probs between this state and S0 (0 for S0 itself).
     With ``failures`` a miss is recorded there (the caller asserts once every state has printed)."""
     diff = (got - ref).abs()
     mean_tol = MEAN_TOL + EFFECT_REL * effect
     max_tol = max(MAX_TOL, MAX_TOL_REL * logit_scale)
-    line = (f"{name}: |vLLM - ours| mean {diff.mean():.4f} max {diff.max():.4f} nats over {len(diff)} tokens "
-            f"(bounds {mean_tol:.3f} / {max_tol:.3f}; effect {effect:.3f}; max |logit| {logit_scale:.1f})")  # fmt: skip
+    line = (
+        f"{name}: |vLLM - ours| mean {diff.mean():.4f} max {diff.max():.4f} nats over {len(diff)} tokens "
+        f"(bounds {mean_tol:.3f} / {max_tol:.3f}; effect {effect:.3f}; max |logit| {logit_scale:.1f})"
+    )
     print(line)
     ok = diff.mean().item() <= mean_tol and diff.max().item() <= max_tol
     if failures is None:
@@ -193,8 +201,10 @@ def push_and_compare(name: str, engine, model, seq, set_scale, target: float, pr
     # top of those, 10% of the move. A dropped push gives delta ~ moved, far above this.
     gaps = (prev[0] - prev[1]).abs().mean().item() + (v - r).abs().mean().item()
     bound = gaps + 0.1 * moved
-    print(f"{name} push: ours moved {moved:.3f} nats, vLLM {(v - prev[0]).abs().mean():.3f}, mismatch {delta:.4f} "
-          f"(bound {bound:.3f} = gaps {gaps:.3f} + 10% of the move)")
+    print(
+        f"{name} push: ours moved {moved:.3f} nats, vLLM {(v - prev[0]).abs().mean():.3f}, mismatch {delta:.4f} "
+        f"(bound {bound:.3f} = gaps {gaps:.3f} + 10% of the move)"
+    )
     assert delta <= bound
     assert bound < 0.5 * moved  # the check can still tell a dropped push
     return v, r

@@ -33,9 +33,13 @@ from qerl.lora import lora_config
 
 #: The tiny decoder: 2 layers, hidden 64, intermediate 128, 4 heads over 2 KV heads, 256 tokens.
 TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
     num_key_value_heads=2,
-)  # fmt: skip
+)
 #: The rollout-engine tests' additions: 512 positions, and peaked logits (initializer range 0.2) so
 #: that greedy paths do not collapse into one loop.
 ENGINE = dict(max_position_embeddings=512, initializer_range=0.2)
@@ -52,13 +56,23 @@ _ARCHS = {
 #: heads x head_dim (128) differs from hidden (64) as in Qwen3, tied embeddings. mistral: a sliding
 #: window (longer than the tests' sequences).
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama3": ("llama", dict(
-        tie_word_embeddings=True, rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=64))),
+    "llama3": (
+        "llama",
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
     "mistral": ("mistral", dict(sliding_window=400, rope_theta=1e6)),
-}  # fmt: skip
+}
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **config: Any) -> PreTrainedModel:
@@ -108,7 +122,9 @@ def nvfp4_lora(model: nn.Module, seed: int = 1, group_scales: bool = False) -> n
                 if all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
                     g = min(nvfp4.global_scale(getattr(module, n).weight) for n in names)
                     shared.update({id(getattr(module, n)): g for n in names})
-    replace_linears(model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin, shared.get(id(lin))))
+    replace_linears(
+        model, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin, shared.get(id(lin)))
+    )
     peft_model = get_peft_model(model, lora_config(r=4, train_norms=True)).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -121,15 +137,27 @@ def nvfp4_lora(model: nn.Module, seed: int = 1, group_scales: bool = False) -> n
 
 
 def make_tiny_llama(
-    out_dir: Path, *, hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 256, seed: int = 0,
+    out_dir: Path,
+    *,
+    hidden: int = 64,
+    intermediate: int = 128,
+    layers: int = 2,
+    vocab: int = 256,
+    seed: int = 0,
     **overrides: Any,
-) -> Path:  # fmt: skip
+) -> Path:
     """A random tiny Llama (tied embeddings, matrices N(0, 0.05)) saved as a bf16 safetensors directory
     (for fast format/loader tests)."""
     model = tiny_model(
-        "llama", seed, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, vocab_size=vocab,
-        tie_word_embeddings=True, **overrides,
-    )  # fmt: skip
+        "llama",
+        seed,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        **overrides,
+    )
     return _save_bf16(model, out_dir)
 
 
@@ -153,7 +181,9 @@ def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> Path:
 def make_tiny_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A random tiny Llama that speaks SmolLM2's vocabulary (its tokenizer and chat template copied in):
     a model the trainer and the evaluation CLIs load and run end to end in about a second."""
-    return _copy_tokenizer(tokenizer_dir, make_tiny_llama(out_dir, vocab=49152, bos_token_id=1, eos_token_id=2, seed=seed))
+    return _copy_tokenizer(
+        tokenizer_dir, make_tiny_llama(out_dir, vocab=49152, bos_token_id=1, eos_token_id=2, seed=seed)
+    )
 
 
 def make_tiny_family_chat_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:

@@ -108,13 +108,25 @@ def nvfp4_group_decode(
     if ops.use_triton(x2):
         from qerl.kernels import fp4_gemm
 
-        flat = fp4_gemm.matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, u, lora_B,
-                               out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=x_permuted, pdl=pdl)
+        flat = fp4_gemm.matmul(
+            x2,
+            weight_packed,
+            weight_scale,
+            weight_global_scale,
+            bias,
+            u,
+            lora_B,
+            out_bounds=out_bounds,
+            lora_bounds=lora_bounds,
+            x_permuted=x_permuted,
+            pdl=pdl,
+        )
     elif x_permuted:
         raise ValueError("x_permuted: the Gluon K order is for the CUDA decode kernels only")
     else:
-        flat = reference.group_mm(x2, weight_packed, weight_scale, weight_global_scale, bias, out_bounds, u,
-                                  lora_bounds, lora_B)
+        flat = reference.group_mm(
+            x2, weight_packed, weight_scale, weight_global_scale, bias, out_bounds, u, lora_bounds, lora_B
+        )
     outs, start = [], 0
     for n in splits:
         outs.append(flat[start * m : (start + n) * m].view(*lead, n))

@@ -99,9 +99,24 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _bwd_kernel(
-    gy_ptr, w_ptr, s_ptr, g_ptr, gx_ptr, M, N, K, stride_gm, stride_wn, stride_sn, stride_xm,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    IS_FP16: tl.constexpr, MUL_F32: tl.constexpr,
+    gy_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    gx_ptr,
+    M,
+    N,
+    K,
+    stride_gm,
+    stride_wn,
+    stride_sn,
+    stride_xm,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    IS_FP16: tl.constexpr,
+    MUL_F32: tl.constexpr,
 ):
     """grad_x[M, K] = grad_y[M, N] @ W_hat[N, K]: tiles of BM x BK outputs, reduction over N in BN steps."""
     pid_m, pid_k = _tile_ids(M, K, BM, BK, GROUP_M)
@@ -115,9 +130,19 @@ def _bwd_kernel(
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < N
-        gy = tl.load(gy_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + wcol[None, :], mask=mask_n[:, None] & (wcol[None, :] < K // 8), other=0)
-        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + scol[None, :], mask=mask_n[:, None] & (scol[None, :] < K // 16), other=0.0)
+        gy = tl.load(
+            gy_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0
+        )
+        words = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + wcol[None, :],
+            mask=mask_n[:, None] & (wcol[None, :] < K // 8),
+            other=0,
+        )
+        scale = tl.load(
+            s_ptr + offs_n[:, None] * stride_sn + scol[None, :],
+            mask=mask_n[:, None] & (scol[None, :] < K // 16),
+            other=0.0,
+        )
         w_lo, w_hi = _dequant_tile(words, scale, IS_FP16, MUL_F32)
         acc_lo = tl.dot(gy, w_lo, acc_lo)
         acc_hi = tl.dot(gy, w_hi, acc_hi)
@@ -147,9 +172,25 @@ def matmul_t(
     packed = as_words(weight_packed)
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(K, cfg.BK),)
     _bwd_kernel[grid](
-        grad_y, packed, weight_scale, weight_global_scale, gx, M, N, K,
-        grad_y.stride(0), packed.stride(0), weight_scale.stride(0), gx.stride(0),
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, IS_FP16=grad_y.dtype == torch.float16,
-        MUL_F32=cfg.mul_f32, num_warps=cfg.warps, num_stages=cfg.stages,
+        grad_y,
+        packed,
+        weight_scale,
+        weight_global_scale,
+        gx,
+        M,
+        N,
+        K,
+        grad_y.stride(0),
+        packed.stride(0),
+        weight_scale.stride(0),
+        gx.stride(0),
+        BM=cfg.BM,
+        BN=cfg.BN,
+        BK=cfg.BK,
+        GROUP_M=cfg.group_m,
+        IS_FP16=grad_y.dtype == torch.float16,
+        MUL_F32=cfg.mul_f32,
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
     )
     return gx

@@ -68,7 +68,13 @@ def nibble_asm(i: int, fp16: bool, halves: bool = False) -> str:
     mag_shift, mask = (9 - 4 * i, "0x0E000E00") if fp16 else (6 - 4 * i, "0x01C001C0")
     mag = f"shl.b32 m, $1, {mag_shift};" if mag_shift >= 0 else f"shr.u32 m, $1, {-mag_shift};"
     sign = f"shl.b32 s, $1, {sign_shl};" if sign_shl else "mov.b32 s, $1;"
-    return "{\n.reg .b32 s, m;\n" + sign + "\n" + mag + f"\nand.b32 m, m, {mask};\nand.b32 s, s, 0x80008000;\nor.b32 $0, s, m;\n}}"
+    return (
+        "{\n.reg .b32 s, m;\n"
+        + sign
+        + "\n"
+        + mag
+        + f"\nand.b32 m, m, {mask};\nand.b32 s, s, 0x80008000;\nor.b32 $0, s, m;\n}}"
+    )
 
 
 _NIB_BF16_0, _NIB_BF16_1, _NIB_BF16_2, _NIB_BF16_3 = (tl.constexpr(nibble_asm(i, False)) for i in range(4))

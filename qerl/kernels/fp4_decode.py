@@ -29,11 +29,44 @@ from .schedule import DecodeConfig, decode_config
 
 @triton.jit
 def _decode_kernel(
-    x_ptr, h_ptr, s_ptr, g_ptr, bias_ptr, u_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, stride_xm, stride_hr, h_step, h_tile, stride_sr, s_step, s_tile, Y1, Y2, S1, S2, stride_bn, R,
-    lora_scale, steps_per_split,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr, IS_FP16: tl.constexpr, X_SPLIT: tl.constexpr,
+    x_ptr,
+    h_ptr,
+    s_ptr,
+    g_ptr,
+    bias_ptr,
+    u_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    ticket_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_hr,
+    h_step,
+    h_tile,
+    stride_sr,
+    s_step,
+    s_tile,
+    Y1,
+    Y2,
+    S1,
+    S2,
+    stride_bn,
+    R,
+    lora_scale,
+    steps_per_split,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BR: tl.constexpr,
+    IS_FP16: tl.constexpr,
+    X_SPLIT: tl.constexpr,
 ):
     """Decode GEMM (M <= BM <= 128): y^T[N, M] = W_hat[N, K] @ x^T, split-K over program_id(1).
 
@@ -132,16 +165,82 @@ def _decode_kernel(
             for s_ in range(0, nsplit):
                 acc += tl.load(part_ptr + s_ * M * N + tile_nm, mask=mask_nm, other=0.0, cache_modifier=".cg")
             tl.store(ticket_ptr + pid_n, 0)
-            _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, M, N, y_ptr, Y1, Y2, bias_ptr, u_ptr, S1, S2,
-                             b_ptr, stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
+            _decode_epilogue(
+                acc,
+                g_ptr,
+                offs_m,
+                offs_n,
+                mask_m,
+                mask_n,
+                M,
+                N,
+                y_ptr,
+                Y1,
+                Y2,
+                bias_ptr,
+                u_ptr,
+                S1,
+                S2,
+                b_ptr,
+                stride_bn,
+                R,
+                lora_scale,
+                HAS_BIAS,
+                HAS_LORA,
+                BR,
+            )
     else:
-        _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, M, N, y_ptr, Y1, Y2, bias_ptr, u_ptr, S1, S2,
-                         b_ptr, stride_bn, R, lora_scale, HAS_BIAS, HAS_LORA, BR)
+        _decode_epilogue(
+            acc,
+            g_ptr,
+            offs_m,
+            offs_n,
+            mask_m,
+            mask_n,
+            M,
+            N,
+            y_ptr,
+            Y1,
+            Y2,
+            bias_ptr,
+            u_ptr,
+            S1,
+            S2,
+            b_ptr,
+            stride_bn,
+            R,
+            lora_scale,
+            HAS_BIAS,
+            HAS_LORA,
+            BR,
+        )
 
 
 @triton.jit
-def _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, M, N, y_ptr, Y1, Y2, bias_ptr, u_ptr, S1, S2,
-                     b_ptr, stride_bn, R, lora_scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BR: tl.constexpr):
+def _decode_epilogue(
+    acc,
+    g_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    M,
+    N,
+    y_ptr,
+    Y1,
+    Y2,
+    bias_ptr,
+    u_ptr,
+    S1,
+    S2,
+    b_ptr,
+    stride_bn,
+    R,
+    lora_scale,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BR: tl.constexpr,
+):
     """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * B[n] . u[m]), for the transposed tile;
     y and u segmented (:func:`segmented`)."""
     out = acc * (256.0 / tl.load(g_ptr))
@@ -149,13 +248,21 @@ def _decode_epilogue(acc, g_ptr, offs_m, offs_n, mask_m, mask_n, M, N, y_ptr, Y1
         out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     if HAS_LORA:
         r = tl.arange(0, BR)
-        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0)
-        ut = tl.load(u_ptr + segmented(r[:, None], offs_m[None, :], M, S1, S2, R),
-                     mask=mask_m[None, :] & (r[:, None] < R), other=0.0)
+        b = tl.load(
+            b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0
+        )
+        ut = tl.load(
+            u_ptr + segmented(r[:, None], offs_m[None, :], M, S1, S2, R),
+            mask=mask_m[None, :] & (r[:, None] < R),
+            other=0.0,
+        )
         dt = y_ptr.dtype.element_ty
         out += lora_scale * tl.dot(b.to(dt), ut.to(dt))
-    tl.store(y_ptr + segmented(offs_n[:, None], offs_m[None, :], M, Y1, Y2, N), out.to(y_ptr.dtype.element_ty),
-             mask=mask_n[:, None] & mask_m[None, :])
+    tl.store(
+        y_ptr + segmented(offs_n[:, None], offs_m[None, :], M, Y1, Y2, N),
+        out.to(y_ptr.dtype.element_ty),
+        mask=mask_n[:, None] & mask_m[None, :],
+    )
 
 
 def matmul(
@@ -198,12 +305,41 @@ def matmul(
     h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))  # (row, K step, tile)
     s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
     _decode_kernel[(tiles, split)](
-        x, h, scale, weight_global_scale, bias if bias is not None else y, *lora_args, y, part, tickets,
-        M, N, K, x.stride(0), *h_strides, *s_strides, y1, y2, s1, s2, lora_b.stride(0) if has_lora else 0, rank,
-        float(lora_scale), steps_per_split,
-        BM=max(16, triton.next_power_of_2(M)), BN=cfg.BN, BK=cfg.BK, SPLIT=split > 1, EVEN_K=K % cfg.BK == 0,
-        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BR=br, IS_FP16=x.dtype == torch.float16,
-        X_SPLIT=cfg.x_split, num_warps=cfg.warps, num_stages=cfg.stages,
+        x,
+        h,
+        scale,
+        weight_global_scale,
+        bias if bias is not None else y,
+        *lora_args,
+        y,
+        part,
+        tickets,
+        M,
+        N,
+        K,
+        x.stride(0),
+        *h_strides,
+        *s_strides,
+        y1,
+        y2,
+        s1,
+        s2,
+        lora_b.stride(0) if has_lora else 0,
+        rank,
+        float(lora_scale),
+        steps_per_split,
+        BM=max(16, triton.next_power_of_2(M)),
+        BN=cfg.BN,
+        BK=cfg.BK,
+        SPLIT=split > 1,
+        EVEN_K=K % cfg.BK == 0,
+        HAS_BIAS=bias is not None,
+        HAS_LORA=has_lora,
+        BR=br,
+        IS_FP16=x.dtype == torch.float16,
+        X_SPLIT=cfg.x_split,
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
     )
     return y
 

@@ -16,8 +16,20 @@ from .fp4_base import as_words, check_dtype, check_weight
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                    BN: tl.constexpr, BW: tl.constexpr, EVEN_K: tl.constexpr):
+def _dequant_kernel(
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_on,
+    BN: tl.constexpr,
+    BW: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """out[N, K] = W_hat in out's dtype: e2m1 * (fp8 scale / g) in fp32, rounded once (as nvfp4.dequantize).
 
     A [BN, BW, 8] tile (BW int32 words of 8 codes per row): each thread owns whole words, decodes
@@ -63,7 +75,18 @@ def dequantize(
     packed = as_words(weight_packed)
     BN, BW, warps = block
     _dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K // 8, BW))](
-        packed, weight_scale, weight_global_scale, out, N, K, packed.stride(0), weight_scale.stride(0), out.stride(0),
-        BN=BN, BW=BW, EVEN_K=(K // 8) % BW == 0, num_warps=warps,
+        packed,
+        weight_scale,
+        weight_global_scale,
+        out,
+        N,
+        K,
+        packed.stride(0),
+        weight_scale.stride(0),
+        out.stride(0),
+        BN=BN,
+        BW=BW,
+        EVEN_K=(K // 8) % BW == 0,
+        num_warps=warps,
     )
     return out

@@ -74,8 +74,22 @@ def _mma_layout(num_warps):
 
 
 @gluon.jit
-def _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
-                   BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _lora_operands(
+    pid_n,
+    c,
+    M,
+    N,
+    u_ptr,
+    S1,
+    S2,
+    lb_ptr,
+    stride_lb,
+    R,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    RC: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Rank chunk ``[c, c + RC)`` of the LoRA expand's operands, loaded straight into the ``mma.sync``
     operand layouts: B's tile rows (A operand) and the segmented u (B operand), bf16 as the Triton kernel's."""
     mma: gl.constexpr = _mma_layout(num_warps)
@@ -91,8 +105,23 @@ def _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
 
 
 @gluon.jit
-def _lora_expand(lora, c0, pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
-                 BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _lora_expand(
+    lora,
+    c0,
+    pid_n,
+    M,
+    N,
+    u_ptr,
+    S1,
+    S2,
+    lb_ptr,
+    stride_lb,
+    R,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    RC: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """``lora`` + B[n, c0:] . u[m, c0:] for the tile: ``mma.sync`` over ``RC``-wide rank chunks, fp32 sums of
     bf16 products."""
     for c in range(c0, R, RC):
@@ -102,8 +131,9 @@ def _lora_expand(lora, c0, pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
 
 
 @gluon.jit
-def _stage_x(x_s, x_ptr, stride_xm, M, c0, last, BM: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr,
-             num_warps: gl.constexpr):  # fmt: skip
+def _stage_x(
+    x_s, x_ptr, stride_xm, M, c0, last, BM: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr, num_warps: gl.constexpr
+):
     """cp.async K steps ``c0 .. c0 + STEPS - 1`` of x (clamped to ``last``) into the ring's slots, one group.
     Token rows past M are not copied (never stored). The addresses are rebuilt from scalars on every fill,
     so none of them has to stay live across the K loop."""
@@ -210,11 +240,45 @@ def _load_rows(ptrs, mask, other, WHOLE: gl.constexpr):
 
 
 @gluon.jit
-def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr,
-                   u_ptr, lb_ptr, M, N, K, steps_per_split, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
-                   BM: gl.constexpr, BN: gl.constexpr, HW: gl.constexpr, STEPS: gl.constexpr, RING: gl.constexpr,
-                   SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
-                   RC: gl.constexpr, WHOLE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _direct_kernel(
+    x_ptr,
+    h_ptr,
+    s_ptr,
+    stride_xm,
+    stride_h,
+    stride_s,
+    g_ptr,
+    y_ptr,
+    part_ptr,
+    ticket_ptr,
+    bias_ptr,
+    u_ptr,
+    lb_ptr,
+    M,
+    N,
+    K,
+    steps_per_split,
+    Y1,
+    Y2,
+    S1,
+    S2,
+    stride_lb,
+    R,
+    lora_scale,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    HW: gl.constexpr,
+    STEPS: gl.constexpr,
+    RING: gl.constexpr,
+    SPLIT: gl.constexpr,
+    CH: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_LORA: gl.constexpr,
+    RC: gl.constexpr,
+    WHOLE: gl.constexpr,
+    PDL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Program (BN weight rows, K slice ``program_id(1)`` of ``steps_per_split`` K steps, x through a ring of
     ``STEPS`` of them):
     acc[n, m] = sum over the slice's K steps (HW int16 elements = 4 * HW codes) and the 4 nibbles of
@@ -251,8 +315,9 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
     # it, ptxas sank them to ~70 of the loop's 487 instructions before its end, and the RING build took 36.6
     # us on 7B gate_up at split 1 (M=1, no LoRA) against 27.4 with them first (H200,
     # b107c8a:benchmarks/results/direct_ring_early_probe.json; 82 registers against 72, 5 programs per SM; the other build is unchanged).
-    x_s = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BM, 4 * HW],
-                                    gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16))
+    x_s = gl.allocate_shared_memory(
+        gl.bfloat16, [STEPS, BM, 4 * HW], gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16)
+    )
     first = pid_k * steps_per_split
     last = gl.minimum(first + steps_per_split, k_steps) - 1
     if not PDL:
@@ -290,8 +355,9 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
                 async_copy.wait_group(0)
                 gl.thread_barrier()
         s = _scale_pairs(sc, s_l)
-        sb = gl.convert_layout(gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l,
-                               assert_trivial=True)  # fmt: skip
+        sb = gl.convert_layout(
+            gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l, assert_trivial=True
+        )
         for i in gl.static_range(4):
             x_i = _pair_k(x_s.index(slot).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l), 0, b_l, not RING)
             acc = mma_v2(_pair_k(_word_nibble(h, i, a_l) * sb, 1, a_l, not RING), x_i, acc)
@@ -310,13 +376,29 @@ def _direct_kernel(x_ptr, h_ptr, s_ptr, stride_xm, stride_h, stride_s, g_ptr, y_
         lb0, u0 = _lora_operands(pid_n, 0, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
     run = True
     if SPLIT:
-        acc, run = split_k_sum(acc, pid_n, pid_k, gl.num_programs(1), gl.num_programs(0), part_ptr, ticket_ptr, offs,
-                               mask, M, N, CH, False)  # fmt: skip
+        acc, run = split_k_sum(
+            acc, pid_n, pid_k, gl.num_programs(1), gl.num_programs(0), part_ptr, ticket_ptr, offs, mask, M, N, CH, False
+        )
     if run:
         lora = acc
         if LORA_LAST:
-            lora = _lora_expand(mma_v2(lb0, u0, gl.zeros([BN, BM], gl.float32, layout=mma)), RC, pid_n, M, N, u_ptr,
-                                S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)  # fmt: skip
+            lora = _lora_expand(
+                mma_v2(lb0, u0, gl.zeros([BN, BM], gl.float32, layout=mma)),
+                RC,
+                pid_n,
+                M,
+                N,
+                u_ptr,
+                S1,
+                S2,
+                lb_ptr,
+                stride_lb,
+                R,
+                BM,
+                BN,
+                RC,
+                num_warps,
+            )
         store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, LORA_LAST)
 
 
@@ -367,8 +449,13 @@ def launch_shape(N: int, K: int, device: torch.device) -> tuple[int, int, int]:
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Hopper (where it was measured; ``mma.sync`` itself is sm_80+), bf16 x, 1 <= M <= 8, whole 256-code K steps."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and dtype == torch.bfloat16
-            and 0 < M <= BM and K % (4 * HW) == 0)  # fmt: skip
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and dtype == torch.bfloat16
+        and 0 < M <= BM
+        and K % (4 * HW) == 0
+    )
 
 
 def matmul(
@@ -394,23 +481,55 @@ def matmul(
     N, K = check_weight(weight_packed, weight_scale)
     M = x.shape[0]
     if not supports(M, K, x.dtype, x.device) or x.shape[1] != K:
-        raise ValueError(f"the direct decode kernel takes bf16 x [1 <= M <= {BM}, {K}] on sm_90 with K % {4 * HW} == 0, "
-                         f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
+        raise ValueError(
+            f"the direct decode kernel takes bf16 x [1 <= M <= {BM}, {K}] on sm_90 with K % {4 * HW} == 0, "
+            f"got {tuple(x.shape)} {x.dtype}"
+        )
     bn = ROWS_PER_WARP * WARPS
     tiles, k_steps, slots = launch_shape(N, K, x.device)
     split = resolve_split(tiles, k_steps, split, slots, PROGRAM_STEPS)
     steps = cdiv(k_steps, split)  # per slice
-    rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, bn * BM, split, (steps,), bias, lora_u, lora_b,
-                                  lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
+    rank, out, tail = launch_tail(
+        x,
+        weight_global_scale,
+        N,
+        K,
+        tiles,
+        bn * BM,
+        split,
+        (steps,),
+        bias,
+        lora_u,
+        lora_b,
+        lora_scale,
+        out,
+        out_bounds,
+        lora_bounds,
+    )
     x = x.contiguous()
     h = weight_packed.contiguous().view(torch.int32)
     s = weight_scale.contiguous().view(torch.int16)
     ring = steps > MAX_STEPS
     _direct_kernel[(tiles, split)](
-        x, h, s, x.stride(0), h.stride(0), s.stride(0), *tail,
-        BM=BM, BN=bn, HW=HW, STEPS=min(steps, MAX_STEPS), RING=ring,
-        SPLIT=split > 1, CH=SPLIT_CHUNK, HAS_BIAS=bias is not None,
-        HAS_LORA=lora_u is not None, RC=min(64, max(16, triton.next_power_of_2(rank))),
-        WHOLE=N % bn == 0 and not ring, num_warps=WARPS, **gemm_launch(pdl, x.device, weight_packed, weight_scale),
-    )  # fmt: skip
+        x,
+        h,
+        s,
+        x.stride(0),
+        h.stride(0),
+        s.stride(0),
+        *tail,
+        BM=BM,
+        BN=bn,
+        HW=HW,
+        STEPS=min(steps, MAX_STEPS),
+        RING=ring,
+        SPLIT=split > 1,
+        CH=SPLIT_CHUNK,
+        HAS_BIAS=bias is not None,
+        HAS_LORA=lora_u is not None,
+        RC=min(64, max(16, triton.next_power_of_2(rank))),
+        WHOLE=N % bn == 0 and not ring,
+        num_warps=WARPS,
+        **gemm_launch(pdl, x.device, weight_packed, weight_scale),
+    )
     return out

@@ -75,8 +75,10 @@ def matmul(
         rank = lora_b.shape[1] if lora_b is not None else -1
         u_shape = (M * rank,) if lora_bounds is not None else (M, rank)
         if lora_b is None or lora_b.shape[0] != N or tuple(lora_u.shape) != u_shape:
-            raise ValueError(f"LoRA epilogue needs lora_u {'[M*r]' if lora_bounds else '[M, r]'} (M={M}) and lora_B [N={N}, r], "
-                             f"got {tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}")
+            raise ValueError(
+                f"LoRA epilogue needs lora_u {'[M*r]' if lora_bounds else '[M, r]'} (M={M}) and lora_B [N={N}, r], "
+                f"got {tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}"
+            )
         lora_u = lora_u.contiguous()
         lora_b = lora_b.contiguous()
     if M > DECODE_MAX_M:
@@ -92,16 +94,55 @@ def matmul(
         return y if out is None else out.copy_(y)
     if config is None and gluon_takes(M, N, K, x.dtype, x.device):
         if _tma_rows(M, N, K, x.device):  # gluon_takes's first case
-            return fp4_gluon.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
-                                    out, out_bounds, lora_bounds, permuted=x_permuted, pdl=pdl)  # fmt: skip
+            return fp4_gluon.matmul(
+                x,
+                weight_packed,
+                weight_scale,
+                weight_global_scale,
+                bias,
+                lora_u,
+                lora_b,
+                lora_scale,
+                out,
+                out_bounds,
+                lora_bounds,
+                permuted=x_permuted,
+                pdl=pdl,
+            )
         if x_permuted:
-            return fp4_direct.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale,
-                                     out, out_bounds, lora_bounds, pdl=pdl)  # fmt: skip
+            return fp4_direct.matmul(
+                x,
+                weight_packed,
+                weight_scale,
+                weight_global_scale,
+                bias,
+                lora_u,
+                lora_b,
+                lora_scale,
+                out,
+                out_bounds,
+                lora_bounds,
+                pdl=pdl,
+            )
     elif x_permuted:
-        raise ValueError(f"x in the Gluon kernels' K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
-                         f"{x.dtype}, config={config}")  # fmt: skip
-    return fp4_decode.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale, out,
-                             config, out_bounds, lora_bounds)
+        raise ValueError(
+            f"x in the Gluon kernels' K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
+            f"{x.dtype}, config={config}"
+        )
+    return fp4_decode.matmul(
+        x,
+        weight_packed,
+        weight_scale,
+        weight_global_scale,
+        bias,
+        lora_u,
+        lora_b,
+        lora_scale,
+        out,
+        config,
+        out_bounds,
+        lora_bounds,
+    )
 
 
 def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:

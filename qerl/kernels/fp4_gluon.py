@@ -143,8 +143,23 @@ def _load_weights(x_desc, h_desc, s_desc, h_s, s_s, ready, slot, row, kt, BK: gl
 
 
 @gluon.jit
-def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, row, first, steps,
-              BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+def _producer(
+    x_desc,
+    h_desc,
+    s_desc,
+    x_s,
+    h_s,
+    s_s,
+    ready,
+    free_w,
+    free_x,
+    row,
+    first,
+    steps,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    PDL: gl.constexpr,
+):
     """One warp: TMA loads of K step ``first + i`` (weight rows from ``row``) into slot ``i % STAGES``, its weights
     and scales as soon as the consumer has released the slot's previous weights (``free_w``), its x once
     those wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier.
@@ -170,8 +185,20 @@ def _producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, row,
 
 
 @gluon.jit
-def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FENCED: gl.constexpr):  # fmt: skip
+def _consumer(
+    x_s,
+    h_s,
+    s_s,
+    ready,
+    free_w,
+    free_x,
+    steps,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    FENCED: gl.constexpr,
+):
     """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T.
 
     A slot's weights go back to the producer (``free_w``) once its ldmatrix / scale loads can no longer see the
@@ -215,8 +242,9 @@ def _consumer(x_s, h_s, s_s, ready, free_w, free_x, steps,
 
 
 @gluon.jit
-def _lora_expand(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R,
-                 BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr):  # fmt: skip
+def _lora_expand(
+    pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr
+):
     """B[n, :] . u[m, :] for the tile as wgmma over RC-wide rank chunks staged through shared memory:
     bf16 operands, fp32 sum, as the Triton kernel's ``tl.dot``. R fp32 rank-1 updates instead (each gathering a
     column of B and a segmented column of u) cost ~300 instructions per thread per rank, 10x the tile's K loop for
@@ -262,11 +290,42 @@ def _slice_of(pid, tiles, base, extra):
 
 
 @gluon.jit
-def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_ptr, bias_ptr, u_ptr, lb_ptr,
-                         M, N, K, base, extra, Y1, Y2, S1, S2, stride_lb, R, lora_scale,
-                         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                         SPLIT: gl.constexpr, CH: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr,
-                         RC: gl.constexpr, FENCED: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _decode_gluon_kernel(
+    x_desc,
+    h_desc,
+    s_desc,
+    g_ptr,
+    y_ptr,
+    part_ptr,
+    ticket_ptr,
+    bias_ptr,
+    u_ptr,
+    lb_ptr,
+    M,
+    N,
+    K,
+    base,
+    extra,
+    Y1,
+    Y2,
+    S1,
+    S2,
+    stride_lb,
+    R,
+    lora_scale,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    SPLIT: gl.constexpr,
+    CH: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_LORA: gl.constexpr,
+    RC: gl.constexpr,
+    FENCED: gl.constexpr,
+    PDL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Program (weight tile, K slice: ``_slice_of``; a tile's slices split its K steps evenly): the
     warp-specialized K loop, then the split-K ticket epilogue. ``PDL``: the producer waits for the kernel before
     this one after the first weights (``_producer``), the epilogue's warps before their global reads and stores."""
@@ -289,11 +348,32 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
         mbarrier.init(free_x.index(i), count=1)
     fence_async_shared()
     (acc,) = gl.warp_specialize(
-        [(_consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES, FENCED)),
-         (_producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, pid_n * BN, first, steps, BK, STAGES,
-                      PDL))],
-        [1], [24],
-    )  # fmt: skip
+        [
+            (_consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES, FENCED)),
+            (
+                _producer,
+                (
+                    x_desc,
+                    h_desc,
+                    s_desc,
+                    x_s,
+                    h_s,
+                    s_s,
+                    ready,
+                    free_w,
+                    free_x,
+                    pid_n * BN,
+                    first,
+                    steps,
+                    BK,
+                    STAGES,
+                    PDL,
+                ),
+            ),
+        ],
+        [1],
+        [24],
+    )
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free_w.index(i))
@@ -314,8 +394,13 @@ def _decode_gluon_kernel(x_desc, h_desc, s_desc, g_ptr, y_ptr, part_ptr, ticket_
 
 def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Hopper, bf16 activations, M <= 128 and whole K steps: what this kernel covers."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and dtype == torch.bfloat16
-            and M <= 128 and K % BK == 0)  # fmt: skip
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and dtype == torch.bfloat16
+        and M <= 128
+        and K % BK == 0
+    )
 
 
 def matmul(
@@ -346,8 +431,10 @@ def matmul(
     N, K = check_weight(weight_packed, weight_scale)
     M = x.shape[0]
     if not supports(M, K, x.dtype, x.device) or x.shape[1] != K:
-        raise ValueError(f"the Gluon decode kernel takes bf16 x [M <= 128, {K}] on sm_90 with K % {BK} == 0, "
-                         f"got {tuple(x.shape)} {x.dtype}")  # fmt: skip
+        raise ValueError(
+            f"the Gluon decode kernel takes bf16 x [M <= 128, {K}] on sm_90 with K % {BK} == 0, "
+            f"got {tuple(x.shape)} {x.dtype}"
+        )
     bm = max(16, triton.next_power_of_2(M))
     stages, maxnreg, resident, program_steps = SCHEDULE[bm]
     k_steps = K // BK
@@ -358,19 +445,50 @@ def matmul(
     if split <= 0 and bm <= BALANCE_MAX_BM:
         base, extra = balanced_split(tiles, base, sms * resident, k_steps, sms)
     slices = base + (extra > 0)
-    rank, out, tail = launch_tail(x, weight_global_scale, N, K, tiles, BN * bm, slices, (base, extra), bias, lora_u,
-                                  lora_b, lora_scale, out, out_bounds, lora_bounds)  # fmt: skip
+    rank, out, tail = launch_tail(
+        x,
+        weight_global_scale,
+        N,
+        K,
+        tiles,
+        BN * bm,
+        slices,
+        (base, extra),
+        bias,
+        lora_u,
+        lora_b,
+        lora_scale,
+        out,
+        out_bounds,
+        lora_bounds,
+    )
     xp = x.contiguous() if permuted else reference.nibble_major(x)
     h = weight_packed.contiguous().view(torch.int16)
     s = weight_scale.contiguous()
     x_desc = TensorDescriptor.from_tensor(xp, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
-    h_desc = TensorDescriptor.from_tensor(h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16))
-    s_desc = TensorDescriptor.from_tensor(s, [BN, BK // 16],
-                                          gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv))
+    h_desc = TensorDescriptor.from_tensor(
+        h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16)
+    )
+    s_desc = TensorDescriptor.from_tensor(
+        s, [BN, BK // 16], gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv)
+    )
     _decode_gluon_kernel[(tiles * base + extra,)](
-        x_desc, h_desc, s_desc, *tail,
-        BM=bm, BN=BN, BK=BK, STAGES=stages, SPLIT=slices > 1, CH=SPLIT_CHUNK[bm], HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))), FENCED=bm in FENCED_RELEASE, num_warps=4,
-        **({"maxnreg": maxnreg} if maxnreg else {}), **gemm_launch(pdl and bm in PDL_BM, x.device, weight_packed, weight_scale),
-    )  # fmt: skip
+        x_desc,
+        h_desc,
+        s_desc,
+        *tail,
+        BM=bm,
+        BN=BN,
+        BK=BK,
+        STAGES=stages,
+        SPLIT=slices > 1,
+        CH=SPLIT_CHUNK[bm],
+        HAS_BIAS=bias is not None,
+        HAS_LORA=lora_u is not None,
+        RC=min(64, max(16, triton.next_power_of_2(rank))),
+        FENCED=bm in FENCED_RELEASE,
+        num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+        **gemm_launch(pdl and bm in PDL_BM, x.device, weight_packed, weight_scale),
+    )
     return out

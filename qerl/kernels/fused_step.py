@@ -10,5 +10,13 @@ from .step_attention import decode_attention, rope_and_cache
 from .step_norm import rms_norm, rms_norm_shrink, silu_mul, silu_mul_shrink
 from .step_sampler import finish_step, sample
 
-__all__ = ["decode_attention", "finish_step", "rms_norm", "rms_norm_shrink", "rope_and_cache", "sample", "silu_mul",
-           "silu_mul_shrink"]
+__all__ = [
+    "decode_attention",
+    "finish_step",
+    "rms_norm",
+    "rms_norm_shrink",
+    "rope_and_cache",
+    "sample",
+    "silu_mul",
+    "silu_mul_shrink",
+]

@@ -54,8 +54,9 @@ def _partial_layout(num_warps):
 
 
 @gluon.jit
-def split_k_sum(acc, pid_n, pid_k, nsplit, tiles, part_ptr, ticket_ptr, offs, mask, M, N,
-                CH: gl.constexpr, VECTOR: gl.constexpr):  # fmt: skip
+def split_k_sum(
+    acc, pid_n, pid_k, nsplit, tiles, part_ptr, ticket_ptr, offs, mask, M, N, CH: gl.constexpr, VECTOR: gl.constexpr
+):
     """Publish this program's fp32 partial (slice ``pid_k`` of the ``nsplit`` of tile ``pid_n``, one of ``tiles``)
     and take a ticket: ``(sum of every slice's partial in slice order, True)`` for the program that draws the tile's
     last ticket (it also resets the ticket, so stream
@@ -101,8 +102,9 @@ def split_k_sum(acc, pid_n, pid_k, nsplit, tiles, part_ptr, ticket_ptr, offs, ma
 
 
 @gluon.jit
-def store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale,
-               HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
+def store_tile(
+    acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS: gl.constexpr, HAS_LORA: gl.constexpr
+):
     """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * lora[n, m]) at the tile's (segmented)
     offsets ``offs``; ``lora`` is the tile's B . u (read only with HAS_LORA)."""
     out = acc * (256.0 / gl.load(g_ptr))
@@ -114,9 +116,21 @@ def store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_sc
 
 
 def launch_tail(
-    x: torch.Tensor, weight_global_scale: torch.Tensor, N: int, K: int, tiles: int, tile_size: int, slices: int,
-    schedule: tuple[int, ...], bias: torch.Tensor | None, lora_u: torch.Tensor | None, lora_b: torch.Tensor | None,
-    lora_scale: float, out: torch.Tensor | None, out_bounds: tuple[int, int] | None, lora_bounds: tuple[int, int] | None,
+    x: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    N: int,
+    K: int,
+    tiles: int,
+    tile_size: int,
+    slices: int,
+    schedule: tuple[int, ...],
+    bias: torch.Tensor | None,
+    lora_u: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
+    lora_scale: float,
+    out: torch.Tensor | None,
+    out_bounds: tuple[int, int] | None,
+    lora_bounds: tuple[int, int] | None,
 ) -> tuple[int, torch.Tensor, tuple]:
     """Host side of the tail both Gluon decode kernels share: ``(rank, out, args)`` with y allocated (``[M, N]``, or
     flat segmented with ``out_bounds``), the fp32 partials of a split launch (``slices`` a tile at most; ``tile_size``
@@ -132,7 +146,24 @@ def launch_tail(
     s1, s2 = lora_bounds or (rank, rank)
     part = torch.empty((slices, tiles, tile_size), dtype=torch.float32, device=x.device) if slices > 1 else out
     tickets = backend.tickets(x.device, tiles) if slices > 1 else out
-    args = (weight_global_scale, out, part, tickets, out if bias is None else bias,
-            out if lora_u is None else lora_u.contiguous(), out if lb is None else lb,
-            M, N, K, *schedule, y1, y2, s1, s2, 0 if lb is None else lb.stride(0), rank, float(lora_scale))  # fmt: skip
+    args = (
+        weight_global_scale,
+        out,
+        part,
+        tickets,
+        out if bias is None else bias,
+        out if lora_u is None else lora_u.contiguous(),
+        out if lb is None else lb,
+        M,
+        N,
+        K,
+        *schedule,
+        y1,
+        y2,
+        s1,
+        s2,
+        0 if lb is None else lb.stride(0),
+        rank,
+        float(lora_scale),
+    )
     return rank, out, args

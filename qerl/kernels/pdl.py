@@ -40,8 +40,11 @@ from . import schedule
 @cache
 def _capable(device: torch.device) -> bool:
     """A CUDA device of sm_90 or later, not Triton's CPU interpreter (which has no grid-dependency ops)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)  # fmt: skip
+    return (
+        device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 def enabled(device: torch.device) -> bool:

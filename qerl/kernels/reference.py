@@ -111,9 +111,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_and_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, d: int,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    d: int,
+) -> torch.Tensor:
     """RoPE one token per row (q ``[B, H*D]`` -> ``[B, H, D]``) and write its k/v at slot ``pos``."""
     b = q.shape[0]
     c, s = cos[pos][:, None, :], sin[pos][:, None, :]
@@ -144,10 +153,18 @@ def is_stop(tok: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
 
 
 def finish_step(
-    tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, row_id: torch.Tensor, stop: torch.Tensor,
-    step: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, out_tok: torch.Tensor, out_lp: torch.Tensor,
+    tok: torch.Tensor,
+    lp: torch.Tensor,
+    done: torch.Tensor,
+    row_id: torch.Tensor,
+    stop: torch.Tensor,
+    step: torch.Tensor,
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    out_tok: torch.Tensor,
+    out_lp: torch.Tensor,
     pad_id: int,
-) -> None:  # fmt: skip
+) -> None:
     """Record this step's tokens/log-probs (pad and 0 for finished rows), mark stop tokens done, feed
     the tokens back, advance positions and the step counter."""
     tok = torch.where(done, pad_id, tok)

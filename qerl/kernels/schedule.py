@@ -68,7 +68,9 @@ class DecodeConfig:
         for item in spec.split(","):
             key, _, value = item.partition("=")
             if key.strip() not in fields or not value.strip().isdigit():
-                raise ValueError(f"QERL_DECODE_CONFIG: expected comma-separated KEY=INT with KEY in {sorted(fields)}, got {item!r}")
+                raise ValueError(
+                    f"QERL_DECODE_CONFIG: expected comma-separated KEY=INT with KEY in {sorted(fields)}, got {item!r}"
+                )
             values[key.strip()] = int(value)
         return cls(**values)
 
@@ -138,6 +140,8 @@ DECODE_BY_BM = {
 def default_decode(M: int) -> DecodeConfig:
     """The schedule for M tokens: ``QERL_DECODE_CONFIG`` if set, else the measured one for its BM."""
     return ENV_DECODE or DECODE_BY_BM[max(16, 1 << (M - 1).bit_length())]
+
+
 #: M at or below which the forward takes the split-K decode kernel (BM = 16..128 padded tokens).
 DECODE_MAX_M = 128
 #: M at or below which ``matmul_t`` (grad_x) takes the fused ``_bwd_kernel``; dequantize + cuBLAS above.
@@ -149,7 +153,9 @@ _SM_COUNT: dict[torch.device, int] = {}
 def sm_count(device: torch.device) -> int:
     """SMs of a CUDA device (4 stands in for a CPU device, whose launches only the interpreter runs)."""
     if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        _SM_COUNT[device] = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        )
     return _SM_COUNT[device]
 
 
@@ -215,7 +221,9 @@ def balanced_split(tiles: int, split: int, slots: int, k_steps: int, sms: int) -
         return split, 0
     extra = min(tiles - 1, slots - tiles * split)
     uniform = _max_sm_steps([k_steps / split] * (tiles * split), sms)
-    balanced = _max_sm_steps([k_steps / split] * ((tiles - extra) * split) + [k_steps / (split + 1)] * (extra * (split + 1)), sms)
+    balanced = _max_sm_steps(
+        [k_steps / split] * ((tiles - extra) * split) + [k_steps / (split + 1)] * (extra * (split + 1)), sms
+    )
     return (split, extra) if balanced < 0.99 * uniform else (split, 0)
 
 

@@ -55,10 +55,29 @@ def _head_norm(x, xr, w_ptr, eps, cols, partner, D: tl.constexpr, AXIS: tl.const
 
 @triton.jit
 def _rope_cache_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr, q_eps, k_eps,
-    skb, skh, sks, svb, svh, svs,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    qo_ptr,
+    kc_ptr,
+    vc_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_eps,
+    k_eps,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+):
     """Program (row, j): j < H ropes q head j; then k heads (into the cache); then v heads (copied). With the norm
     weights ``qw_ptr`` / ``kw_ptr`` (Qwen3; None otherwise: compiled out) each q / k head is RMS-normed first."""
     b = tl.program_id(0).to(tl.int64)
@@ -93,31 +112,86 @@ def _rope_cache_kernel(
 
 
 def rope_and_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
     qk_norm: QKNorm | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """RoPE q (returned ``[B, H, D]``) and k, write k and v into cache slot ``pos`` of each row; with ``qk_norm``
     (Qwen3's ``(q weight, k weight, q eps, k eps)``) each q / k head RMS-normed before its RoPE."""
     b = q.shape[0]
     q_out = torch.empty(b, num_heads, head_dim, dtype=q.dtype, device=q.device)
     qw, kw, q_eps, k_eps = qk_norm if qk_norm is not None else (None, None, None, None)
     _rope_cache_kernel[(b, num_heads + 2 * num_kv_heads)](
-        q, k, v, cos, sin, pos, q_out, k_cache, v_cache, qw, kw, q_eps, k_eps,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H=num_heads, HKV=num_kv_heads, D=head_dim, num_warps=1,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        pos,
+        q_out,
+        k_cache,
+        v_cache,
+        qw,
+        kw,
+        q_eps,
+        k_eps,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        H=num_heads,
+        HKV=num_kv_heads,
+        D=head_dim,
+        num_warps=1,
+    )
     return q_out
 
 
 @triton.jit
 def _attn_partial_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_eps, k_eps,
-    skb, skh, sks, svb, svh, svs, scale, chunk, nsplit,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    kn_ptr,
+    vn_ptr,
+    cos_ptr,
+    sin_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_eps,
+    k_eps,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    scale,
+    chunk,
+    nsplit,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    ROPE: tl.constexpr,
+):
     """Flash-decoding partials: program (row*kv-head, split) attends G query heads to one key chunk
     of the row's valid prefix (slots <= pos). With ROPE, q comes un-rotated and every program ropes its
     heads itself; the program whose chunk holds slot pos also ropes this step's key (``kn_ptr``) and
@@ -196,10 +270,26 @@ def _attn_partial_kernel(
 
 @triton.jit
 def _attn_combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, nsplit, B, H, R,
-    NSP: tl.constexpr, D: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, PERMUTE: tl.constexpr,
-    PART_TILE: tl.constexpr, TRIGGER: tl.constexpr,
-):  # fmt: skip
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    a_ptr,
+    u_ptr,
+    part_ptr,
+    ticket_ptr,
+    nsplit,
+    B,
+    H,
+    R,
+    NSP: tl.constexpr,
+    D: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    RP: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    PART_TILE: tl.constexpr,
+    TRIGGER: tl.constexpr,
+):
     """Program (row*head): merge the head's split partials; with LoRA, its share of ``u = out @ A.T``
     (the head's D columns of A), summed over the row's heads by the last program."""
     trigger(TRIGGER)
@@ -251,12 +341,39 @@ def decode_attention(
     kn, vn, cos, sin = rope if rope is not None else (q, q, q, q)
     qw, kw, q_eps, k_eps = qk_norm if qk_norm is not None else (None, None, None, None)
     _attn_partial_kernel[(b * hkv, nsplit)](
-        q, k_cache, v_cache, pos, m, lsum, acc, kn, vn, cos, sin, qw, kw, q_eps, k_eps,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale, chunk, nsplit,
-        HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, ROPE=rope is not None, num_warps=4,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        pos,
+        m,
+        lsum,
+        acc,
+        kn,
+        vn,
+        cos,
+        sin,
+        qw,
+        kw,
+        q_eps,
+        k_eps,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        scale,
+        chunk,
+        nsplit,
+        HKV=hkv,
+        G=g,
+        GP=max(16, triton.next_power_of_2(g)),
+        D=d,
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
+        ROPE=rope is not None,
+        num_warps=4,
+    )
     out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     rank = 0 if lora_a is None else lora_a.shape[0]
     rp = rank_pad(rank)
@@ -266,9 +383,25 @@ def decode_attention(
         part = torch.empty(b * h * rp, dtype=torch.float32, device=q.device)
         tickets = backend.tickets(q.device, b)
     _attn_combine_kernel[(b * h,)](
-        m, lsum, acc, out, lora_a if lora_a is not None else out, u if u is not None else out,
-        part if part is not None else m, tickets if tickets is not None else m, nsplit, b, h, rank,
-        NSP=triton.next_power_of_2(nsplit), D=d, HAS_LORA=lora_a is not None, RP=rp, PERMUTE=check_permute(permute, h * d),
-        PART_TILE=part_tile(h, rp), TRIGGER=pdl.enabled(q.device), num_warps=4,
-    )  # fmt: skip
+        m,
+        lsum,
+        acc,
+        out,
+        lora_a if lora_a is not None else out,
+        u if u is not None else out,
+        part if part is not None else m,
+        tickets if tickets is not None else m,
+        nsplit,
+        b,
+        h,
+        rank,
+        NSP=triton.next_power_of_2(nsplit),
+        D=d,
+        HAS_LORA=lora_a is not None,
+        RP=rp,
+        PERMUTE=check_permute(permute, h * d),
+        PART_TILE=part_tile(h, rp),
+        TRIGGER=pdl.enabled(q.device),
+        num_warps=4,
+    )
     return out, u

@@ -68,8 +68,9 @@ def last_arrival(ticket_ptr, row, n):
 
 
 @triton.jit
-def finish_shrink(acc, row, split, nsplit, M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP: tl.constexpr,
-                   PART_TILE: tl.constexpr):  # fmt: skip
+def finish_shrink(
+    acc, row, split, nsplit, M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP: tl.constexpr, PART_TILE: tl.constexpr
+):
     """``acc`` [RP] is this program's share of u[row]; the row's last program writes the sum.
 
     The last program loads the partials ``PART_TILE`` at a time (``part_tile``: all of them at the
@@ -86,8 +87,9 @@ def finish_shrink(acc, row, split, nsplit, M, R, S1, S2, u_ptr, part_ptr, ticket
             total = tl.zeros([RP], tl.float32)
             for s0 in range(0, nsplit, PART_TILE):
                 s = s0 + tl.arange(0, PART_TILE)[:, None]
-                parts = tl.load(part_ptr + (row * nsplit + s) * RP + r[None, :], mask=s < nsplit, other=0.0,
-                                cache_modifier=".cg")  # fmt: skip
+                parts = tl.load(
+                    part_ptr + (row * nsplit + s) * RP + r[None, :], mask=s < nsplit, other=0.0, cache_modifier=".cg"
+                )
                 total += tl.sum(parts, axis=0)
             tl.store(ticket_ptr + row, 0)
             store_u(u_ptr, total, row, r, M, R, S1, S2)
@@ -119,5 +121,7 @@ def rank_dot(y, a):
 def check_permute(permute: bool, row: int) -> bool:
     """``permute`` checked: the Gluon K order moves elements within 256-element steps of a row."""
     if permute and row % reference.GLUON_K_STEP:
-        raise ValueError(f"an output in the Gluon decode kernel's K order needs rows of whole 256-element steps, got {row}")
+        raise ValueError(
+            f"an output in the Gluon decode kernel's K order needs rows of whole 256-element steps, got {row}"
+        )
     return permute

@@ -56,8 +56,18 @@ def _normalise(h, rstd, w_ptr, cols, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                     PERMUTE: tl.constexpr, TRIGGER: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(
+    h_ptr,
+    d_ptr,
+    w_ptr,
+    out_ptr,
+    n_cols,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    TRIGGER: tl.constexpr,
+):
     """One program per row; the residual sum is written back in place; PERMUTE: the output in the
     Gluon decode kernel's K order (``fp4_base.nibble_major``)."""
     trigger(TRIGGER)
@@ -74,11 +84,30 @@ def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.co
 
 @triton.jit
 def _rms_norm_shrink_kernel(
-    h_ptr, d_ptr, w_ptr, hout_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr,
-    M, K, eps, chunk, R, S1, S2,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, PART_TILE: tl.constexpr,
-    PERMUTE: tl.constexpr, TRIGGER: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    d_ptr,
+    w_ptr,
+    hout_ptr,
+    out_ptr,
+    a_ptr,
+    u_ptr,
+    part_ptr,
+    ticket_ptr,
+    M,
+    K,
+    eps,
+    chunk,
+    R,
+    S1,
+    S2,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BK: tl.constexpr,
+    RP: tl.constexpr,
+    PART_TILE: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    TRIGGER: tl.constexpr,
+):
     """Program (row, split): rstd from the whole row (an L2 read), then its ``chunk`` columns:
     residual sum -> hout, normalised row -> out (PERMUTE: in the Gluon K order), and their share of
     ``u = out @ A.T`` (in natural order: the shrink never reads out back).
@@ -112,9 +141,26 @@ def _rms_norm_shrink_kernel(
 
 @triton.jit
 def _rms_norm_rank_kernel(
-    h_ptr, d_ptr, w_ptr, hout_ptr, out_ptr, a_ptr, u_ptr, M, K, eps, share, R, S1, S2,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, PERMUTE: tl.constexpr, TRIGGER: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    d_ptr,
+    w_ptr,
+    hout_ptr,
+    out_ptr,
+    a_ptr,
+    u_ptr,
+    M,
+    K,
+    eps,
+    share,
+    R,
+    S1,
+    S2,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RB: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    TRIGGER: tl.constexpr,
+):
     """Program (row, rank block): the whole row's residual sum and RMSNorm, then ``RB`` ranks of u from it over
     all K columns, stored as they are: no partials, no ticket. Of hout and out it stores its ``share`` of the
     columns. A's rows are loaded first: they come from DRAM and the row from L2, so the two latencies overlap."""
@@ -138,18 +184,27 @@ def _norm_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
-def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, permute: bool = False
-             ) -> torch.Tensor:  # fmt: skip
+def rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, permute: bool = False
+) -> torch.Tensor:
     """``h += delta`` (in place, when given), then ``weight * rmsnorm(h)`` in h's dtype; ``permute``:
     written in the Gluon decode kernel's K order (rows a multiple of 256), for the GEMM that reads it."""
     n_cols = h.shape[-1]
     out = torch.empty_like(h)
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(h.numel() // n_cols,)](
-        h, delta if delta is not None else h, weight, out, n_cols, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, PERMUTE=check_permute(permute, n_cols), TRIGGER=pdl.enabled(h.device),
+        h,
+        delta if delta is not None else h,
+        weight,
+        out,
+        n_cols,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=block,
+        PERMUTE=check_permute(permute, n_cols),
+        TRIGGER=pdl.enabled(h.device),
         num_warps=_norm_warps(block),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -220,10 +275,21 @@ def rms_norm_shrink(
     if rb:
         blocks = triton.cdiv(rank, rb)
         _rms_norm_rank_kernel[(m, blocks)](
-            *common, m, k, eps, triton.cdiv(k, blocks), rank, bounds[0], bounds[1],
-            HAS_DELTA=delta is not None, BLOCK=block, RB=rb, PERMUTE=check_permute(permute, k), TRIGGER=pdl.enabled(h.device),
+            *common,
+            m,
+            k,
+            eps,
+            triton.cdiv(k, blocks),
+            rank,
+            bounds[0],
+            bounds[1],
+            HAS_DELTA=delta is not None,
+            BLOCK=block,
+            RB=rb,
+            PERMUTE=check_permute(permute, k),
+            TRIGGER=pdl.enabled(h.device),
             num_warps=RANK_WARPS,
-        )  # fmt: skip
+        )
         return h_out, out, u
     rp = rank_pad(rank)
     # At most 8 warps: with 16 the 128-register cap spills the double-buffered A tiles (ptxas, sm_90).
@@ -231,10 +297,25 @@ def rms_norm_shrink(
     nsplit, chunk, bk = shrink_split(m, k, rp, warps)
     part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=h.device)
     _rms_norm_shrink_kernel[(m, nsplit)](
-        *common, part, backend.tickets(h.device, m), m, k, eps, chunk, rank, bounds[0], bounds[1],
-        HAS_DELTA=delta is not None, BLOCK=block, BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp),
-        PERMUTE=check_permute(permute, k), TRIGGER=pdl.enabled(h.device), num_warps=warps,
-    )  # fmt: skip
+        *common,
+        part,
+        backend.tickets(h.device, m),
+        m,
+        k,
+        eps,
+        chunk,
+        rank,
+        bounds[0],
+        bounds[1],
+        HAS_DELTA=delta is not None,
+        BLOCK=block,
+        BK=bk,
+        RP=rp,
+        PART_TILE=part_tile(nsplit, rp),
+        PERMUTE=check_permute(permute, k),
+        TRIGGER=pdl.enabled(h.device),
+        num_warps=warps,
+    )
     return h_out, out, u
 
 
@@ -258,8 +339,22 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.
 
 @triton.jit
 def _silu_mul_shrink_kernel(
-    g_ptr, up_ptr, out_ptr, a_ptr, u_ptr, part_ptr, ticket_ptr, M, K, chunk, R,
-    BK: tl.constexpr, RP: tl.constexpr, PART_TILE: tl.constexpr, PERMUTE: tl.constexpr, TRIGGER: tl.constexpr,
+    g_ptr,
+    up_ptr,
+    out_ptr,
+    a_ptr,
+    u_ptr,
+    part_ptr,
+    ticket_ptr,
+    M,
+    K,
+    chunk,
+    R,
+    BK: tl.constexpr,
+    RP: tl.constexpr,
+    PART_TILE: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     """Program (row, split): SiLU-gate ``chunk`` columns of the row (stored in the Gluon K order with
     PERMUTE) and reduce their share of u."""
@@ -281,13 +376,22 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> tor
     """``silu(gate) * up``; ``permute`` as in ``rms_norm``."""
     out = torch.empty_like(gate)
     n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, PERMUTE=check_permute(permute, gate.shape[-1]),
-                                              TRIGGER=pdl.enabled(gate.device), num_warps=4)  # fmt: skip
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](
+        gate,
+        up,
+        out,
+        n,
+        BLOCK=1024,
+        PERMUTE=check_permute(permute, gate.shape[-1]),
+        TRIGGER=pdl.enabled(gate.device),
+        num_warps=4,
+    )
     return out
 
 
-def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, permute: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def silu_mul_shrink(
+    gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, permute: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer); ``permute`` as in ``rms_norm``
     (the first result only). Always the column split: a by-rank program would gate the whole row (18,944 columns
     at 7B) and measured 2x slower (H200, docs/kernels.md)."""
@@ -300,8 +404,22 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, 
     u = torch.empty(m * rank, dtype=gate.dtype, device=gate.device)
     part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=gate.device)
     _silu_mul_shrink_kernel[(m, nsplit)](
-        gate, up, out, lora_a, u, part, backend.tickets(gate.device, m), m, k, chunk, rank,
-        BK=bk, RP=rp, PART_TILE=part_tile(nsplit, rp), PERMUTE=check_permute(permute, k), TRIGGER=pdl.enabled(gate.device),
+        gate,
+        up,
+        out,
+        lora_a,
+        u,
+        part,
+        backend.tickets(gate.device, m),
+        m,
+        k,
+        chunk,
+        rank,
+        BK=bk,
+        RP=rp,
+        PART_TILE=part_tile(nsplit, rp),
+        PERMUTE=check_permute(permute, k),
+        TRIGGER=pdl.enabled(gate.device),
         num_warps=4,
     )
     return out, u

@@ -23,9 +23,21 @@ def exponential(seed_ptr, step_ptr, row, cols, V):
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, stride_l, temp_ptr, seed_ptr, step_ptr, part_ptr, idx_ptr, ticket_ptr, tok_ptr, lp_ptr, V,
-    GREEDY: tl.constexpr, BLOCK: tl.constexpr, NSP: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    stride_l,
+    temp_ptr,
+    seed_ptr,
+    step_ptr,
+    part_ptr,
+    idx_ptr,
+    ticket_ptr,
+    tok_ptr,
+    lp_ptr,
+    V,
+    GREEDY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NSP: tl.constexpr,
+):
     """Program (row, split): ``BLOCK`` logits of the row -> (max, sum of exp below it, best race score,
     its index, its scaled logit); the row's last program combines the splits in split order.
 
@@ -74,8 +86,9 @@ def _sample_kernel(
 SAMPLE_BLOCK = 2048
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, greedy: bool
-           ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, greedy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``rollout.sampling.sample`` without top-k / top-p, in one launch: ``(tokens int64 [B], log-probs fp32
     [B])`` of ``logits [B, V]`` at ``temperature`` (a 0-d tensor), drawn with Philox from the int64
     ``seed`` and ``step`` tensors (read at run time: a captured graph replays with new values). Replaces
@@ -89,17 +102,43 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, 
     tok = torch.empty(b, dtype=torch.long, device=logits.device)
     lp = torch.empty(b, dtype=torch.float32, device=logits.device)
     _sample_kernel[(b, nsplit)](
-        logits, logits.stride(0), temperature, seed, step, part, idx, backend.tickets(logits.device, b), tok, lp, v,
-        GREEDY=greedy, BLOCK=SAMPLE_BLOCK, NSP=nsp, num_warps=4,
-    )  # fmt: skip
+        logits,
+        logits.stride(0),
+        temperature,
+        seed,
+        step,
+        part,
+        idx,
+        backend.tickets(logits.device, b),
+        tok,
+        lp,
+        v,
+        GREEDY=greedy,
+        BLOCK=SAMPLE_BLOCK,
+        NSP=nsp,
+        num_warps=4,
+    )
     return tok, lp
 
 
 @triton.jit
 def _finish_step_kernel(
-    tok_ptr, lp_ptr, done_ptr, row_ptr, stop_ptr, step_ptr, tokens_ptr, pos_ptr, out_tok_ptr, out_lp_ptr,
-    b, n_stop, pad_id, out_stride, BLOCK: tl.constexpr,
-):  # fmt: skip
+    tok_ptr,
+    lp_ptr,
+    done_ptr,
+    row_ptr,
+    stop_ptr,
+    step_ptr,
+    tokens_ptr,
+    pos_ptr,
+    out_tok_ptr,
+    out_lp_ptr,
+    b,
+    n_stop,
+    pad_id,
+    out_stride,
+    BLOCK: tl.constexpr,
+):
     """One program for all rows: what ``NativeEngine._finish_step`` does in ~12 torch ops."""
     offs = tl.arange(0, BLOCK)
     mask = offs < b
@@ -121,14 +160,36 @@ def _finish_step_kernel(
 
 
 def finish_step(
-    tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, row_id: torch.Tensor, stop: torch.Tensor,
-    step: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, out_tok: torch.Tensor, out_lp: torch.Tensor,
+    tok: torch.Tensor,
+    lp: torch.Tensor,
+    done: torch.Tensor,
+    row_id: torch.Tensor,
+    stop: torch.Tensor,
+    step: torch.Tensor,
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    out_tok: torch.Tensor,
+    out_lp: torch.Tensor,
     pad_id: int,
-) -> None:  # fmt: skip
+) -> None:
     """Record this step's tokens/log-probs (pad and 0 for finished rows), mark stop tokens done, feed
     the tokens back, advance positions and the step counter: one launch."""
     b = tok.shape[0]
     _finish_step_kernel[(1,)](
-        tok, lp, done, row_id, stop, step, tokens, pos, out_tok, out_lp, b, stop.numel(), pad_id,
-        out_tok.stride(0), BLOCK=max(16, triton.next_power_of_2(b)), num_warps=4,
-    )  # fmt: skip
+        tok,
+        lp,
+        done,
+        row_id,
+        stop,
+        step,
+        tokens,
+        pos,
+        out_tok,
+        out_lp,
+        b,
+        stop.numel(),
+        pad_id,
+        out_tok.stride(0),
+        BLOCK=max(16, triton.next_power_of_2(b)),
+        num_warps=4,
+    )

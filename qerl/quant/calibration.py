@@ -47,15 +47,18 @@ def encode(tokenizer: Any, row: dict[str, Any]) -> list[int]:
     return tokenizer(f"{question}\n{answer}").input_ids
 
 
-def calibration_dataset(tokenizer: Any, path: Path | None = None, samples: int = DEFAULT_SAMPLES,
-                        max_tokens: int = DEFAULT_MAX_TOKENS) -> Dataset:
+def calibration_dataset(
+    tokenizer: Any, path: Path | None = None, samples: int = DEFAULT_SAMPLES, max_tokens: int = DEFAULT_MAX_TOKENS
+) -> Dataset:
     """The first ``samples`` rows of ``path`` (default: the bundled GSM8K rows), tokenized and cut to
     ``max_tokens``: ``input_ids`` and ``attention_mask`` columns, as llm-compressor's oneshot takes them."""
     path = path or BUNDLED
     raw = _read(path)
     if "text" not in raw.column_names and not {"question", "answer"} <= set(raw.column_names):
-        raise ValueError(f"--calibration-data {path}: needs a 'text' column or 'question' and 'answer' columns, "
-                         f"found {raw.column_names}")
+        raise ValueError(
+            f"--calibration-data {path}: needs a 'text' column or 'question' and 'answer' columns, "
+            f"found {raw.column_names}"
+        )
     if max_tokens < 1:
         raise ValueError(f"--calibration-max-tokens {max_tokens}: must be positive")
     if samples < 1 or samples > len(raw):

@@ -88,9 +88,16 @@ def input_moments(tensors: checkpoint.TensorIndex, config: dict, names: Iterable
         o_in = values[query_to_kv].reshape(-1)
         residual = residual + linear(f"{layer}.self_attn.o_proj", o_in)
         mlp_in = normed(f"{layer}.post_attention_layernorm", residual)
-        down_in = activation_moment(act, linear(f"{layer}.mlp.gate_proj", mlp_in).sqrt()) * linear(f"{layer}.mlp.up_proj", mlp_in)
+        down_in = activation_moment(act, linear(f"{layer}.mlp.gate_proj", mlp_in).sqrt()) * linear(
+            f"{layer}.mlp.up_proj", mlp_in
+        )
         residual = residual + linear(f"{layer}.mlp.down_proj", down_in)
-        inputs = {**dict.fromkeys(arch.QKV, attn_in), "o_proj": o_in, **dict.fromkeys(arch.GATE_UP, mlp_in), "down_proj": down_in}
+        inputs = {
+            **dict.fromkeys(arch.QKV, attn_in),
+            "o_proj": o_in,
+            **dict.fromkeys(arch.GATE_UP, mlp_in),
+            "down_proj": down_in,
+        }
         for leaf, x2 in inputs.items():
             block = "self_attn" if leaf in arch.QKV or leaf == "o_proj" else "mlp"
             moments[f"{layer}.{block}.{leaf}"] = x2

@@ -48,8 +48,9 @@ TARGETS = (6.0, 4.0)
 _CHUNK = 1 << 22
 
 
-def block_errors(weight: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor,
-                 importance: torch.Tensor | None = None) -> torch.Tensor:
+def block_errors(
+    weight: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor, importance: torch.Tensor | None = None
+) -> torch.Tensor:
     """Squared reconstruction error of each block (``[N, K/16]``) under the given scales, each input
     column's error weighted by ``importance[j]`` (``[K]``) when given."""
     n, k = weight.shape
@@ -85,14 +86,17 @@ def search_scales(weight: torch.Tensor, gscale: torch.Tensor, importance: torch.
     """
     nvfp4.check_quantizable(weight.shape)
     if importance is not None and tuple(importance.shape) != (weight.shape[1],):
-        raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({weight.shape[1]},) "
-                         "(one value per input column)")
+        raise ValueError(
+            f"importance has shape {tuple(importance.shape)}, expected ({weight.shape[1]},) "
+            "(one value per input column)"
+        )
     rows = max(1, _CHUNK // weight.shape[1])
-    return torch.cat([_search_rows(weight[i:i + rows], gscale, importance) for i in range(0, weight.shape[0], rows)])
+    return torch.cat([_search_rows(weight[i : i + rows], gscale, importance) for i in range(0, weight.shape[0], rows)])
 
 
-def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None,
-             importance: torch.Tensor | None = None) -> nvfp4.NVFP4Tensors:
+def quantize(
+    weight: torch.Tensor, gscale: torch.Tensor | None = None, importance: torch.Tensor | None = None
+) -> nvfp4.NVFP4Tensors:
     """:func:`qerl.nvfp4.quantize` with searched block scales (same format, same global scale);
     ``importance`` (``[K]``, :func:`qerl.quant.importance.input_moments`) weighs the input columns."""
     g = nvfp4.global_scale(weight) if gscale is None else gscale.float().reshape(1)

@@ -85,8 +85,10 @@ class SourceModel:
                 ignored.append(name)
                 continue
             if name == LM_HEAD and self.tied_lm_head:
-                raise ValueError("--quantize-lm-head: lm_head shares its weight with the input embeddings "
-                                 "(tie_word_embeddings); it cannot be quantized on its own")
+                raise ValueError(
+                    "--quantize-lm-head: lm_head shares its weight with the input embeddings "
+                    "(tie_word_embeddings); it cannot be quantized on its own"
+                )
             nvfp4.check_quantizable((module.out_features, module.in_features), name)
             names.append(name)
         unused = [p for p in ignore if p not in used]
@@ -106,8 +108,10 @@ class SourceModel:
         ignorable = [*(getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or []), r"rotary_emb\.inv_freq$"]
         for name in tensors.names():
             if name not in expected and not any(re.search(p, name) for p in ignorable):
-                raise ValueError(f"{tensors.files[name]}: tensor {name!r} is not part of the model config.json "
-                                 "describes (does config.json match the weights?)")
+                raise ValueError(
+                    f"{tensors.files[name]}: tensor {name!r} is not part of the model config.json "
+                    "describes (does config.json match the weights?)"
+                )
         tied = {LM_HEAD + ".weight"} if self.tied_lm_head else set()
         for name, shape in expected.items():
             if name not in tensors:
@@ -127,9 +131,10 @@ def check_finite(name: str, tensor: torch.Tensor, where: Path | str) -> None:
         return
     flat = tensor.reshape(-1)
     for start in range(0, flat.numel(), _FINITE_CHUNK):
-        part = flat[start:start + _FINITE_CHUNK]
+        part = flat[start : start + _FINITE_CHUNK]
         if not torch.isfinite(part).all():
             nan = int(torch.isnan(flat).sum())
             inf = int(torch.isinf(flat).sum())
-            raise ValueError(f"{where}: tensor {name!r} has {nan} NaN and {inf} Inf values; "
-                             "refusing to quantize a broken weight")
+            raise ValueError(
+                f"{where}: tensor {name!r} has {nan} NaN and {inf} Inf values; refusing to quantize a broken weight"
+            )

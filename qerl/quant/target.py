@@ -42,15 +42,19 @@ def check_target(out_dir: Path, sources: Sequence[Path], overwrite: bool) -> Non
         if is_within(path, target):
             raise ValueError(f"--output {out_dir} is or contains {what} ({path}); --overwrite would delete it")
     if not out_dir.is_dir() or not (out_dir / "config.json").is_file():
-        raise ValueError(f"--output {out_dir} is not a checkpoint written by this tool (no config.json); "
-                         "--overwrite replaces only an earlier NVFP4 output")
+        raise ValueError(
+            f"--output {out_dir} is not a checkpoint written by this tool (no config.json); "
+            "--overwrite replaces only an earlier NVFP4 output"
+        )
     try:
         config = checkpoint.read_config(out_dir)
     except ValueError:
         config = {}
     if not checkpoint.is_nvfp4_config(config):
-        raise ValueError(f"--output {out_dir} is not an NVFP4 checkpoint (its config.json has no compressed-tensors "
-                         "nvfp4 quantization_config); --overwrite replaces only an earlier output of this tool")
+        raise ValueError(
+            f"--output {out_dir} is not an NVFP4 checkpoint (its config.json has no compressed-tensors "
+            "nvfp4 quantization_config); --overwrite replaces only an earlier output of this tool"
+        )
 
 
 def scratch_prefix(out_dir: Path, kind: str) -> str:
@@ -66,7 +70,9 @@ def remove_stale_scratch(out_dir: Path) -> list[Path]:
     """
     removed = []
     for kind in SCRATCH_KINDS:
-        for path in glob.glob(os.path.join(glob.escape(str(out_dir.parent)), glob.escape(scratch_prefix(out_dir, kind)) + "*")):
+        for path in glob.glob(
+            os.path.join(glob.escape(str(out_dir.parent)), glob.escape(scratch_prefix(out_dir, kind)) + "*")
+        ):
             p = Path(path)
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)

@@ -64,8 +64,10 @@ class LoraU:
         if self.bounds is None:
             return [None if s is None else self.u[..., s] for s in slices]
         rows = math.prod(self.lead)
-        return [None if s is None else self.u[s.start * rows : s.stop * rows].view(*self.lead, s.stop - s.start)
-                for s in slices]
+        return [
+            None if s is None else self.u[s.start * rows : s.stop * rows].view(*self.lead, s.stop - s.start)
+            for s in slices
+        ]
 
 
 LoraInputs = LoraU | None
@@ -94,9 +96,12 @@ def _gluon_order(like: torch.Tensor, rows: int, k: int, group: Group | None) -> 
     (``kernels.gluon_order``), and its shrink, if any, has ``lora_a_gluon`` (used when the shrink is not
     fused). This replaces a permute launch per GEMM (4 a layer: ~0.34 ms of a 7B b=64 step, H200)."""
     launch = None if group is None else group.fp4_launch()
-    return (launch is not None and (STACK_GROUPS or group.stacked is None)
-            and (group.lora_a is None or group.lora_a_gluon is not None)
-            and kernels.gluon_order(rows, launch[0].packed.shape[0], k, like))  # fmt: skip
+    return (
+        launch is not None
+        and (STACK_GROUPS or group.stacked is None)
+        and (group.lora_a is None or group.lora_a_gluon is not None)
+        and kernels.gluon_order(rows, launch[0].packed.shape[0], k, like)
+    )
 
 
 def _segmented(flat: torch.Tensor, like: torch.Tensor, group: Group) -> LoraInputs:
@@ -117,7 +122,9 @@ def rms_norm(
         rows = h.numel() // h.shape[-1]
         permuted = _gluon_order(h, rows, h.shape[-1], group)
         if _fuse_lora(h, rows, group):
-            h, x, flat = fused.rms_norm_shrink(h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds, permuted)
+            h, x, flat = fused.rms_norm_shrink(
+                h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds, permuted
+            )
             return h, x, _segmented(flat, x, group)
         x = fused.rms_norm(h, delta, norm.weight, norm.eps, permute=permuted)
         return h, x, lora_inputs(x, group, permuted)
@@ -125,7 +132,9 @@ def rms_norm(
     return h, x, lora_inputs(x, group)
 
 
-def qk_norm(q: torch.Tensor, k: torch.Tensor, norms: tuple[Norm, Norm], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm(
+    q: torch.Tensor, k: torch.Tensor, norms: tuple[Norm, Norm], head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorms on q ``[..., H*D]`` and k ``[..., Hkv*D]``, before RoPE, as transformers
     applies them (over each head's D values, one weight shared by every head).
 
@@ -164,7 +173,9 @@ def rope_attention(
         return decode_attention(q, k_cache, v_cache, pos, scale, group)
     norms = None if qk_norms is None else (qk_norms[0].weight, qk_norms[1].weight, qk_norms[0].eps, qk_norms[1].eps)
     if schedule.ROPE_IN_ATTENTION:
-        return decode_attention(q.view(b, -1, d), k_cache, v_cache, pos, scale, group, rope=(k, v, cos, sin), qk_norm=norms)
+        return decode_attention(
+            q.view(b, -1, d), k_cache, v_cache, pos, scale, group, rope=(k, v, cos, sin), qk_norm=norms
+        )
     q = kernels.step_kernels().rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv, d, norms)
     return decode_attention(q, k_cache, v_cache, pos, scale, group)
 
@@ -212,7 +223,9 @@ def project(x: torch.Tensor, proj: Proj, u: torch.Tensor | None) -> torch.Tensor
     if proj.is_nvfp4 and x.is_cuda:
         base = proj.base
         bias = None if base.bias is None else base.bias.to(x.dtype)
-        return kernels.nvfp4_decode(x, base.weight_packed, base.weight_scale, base.weight_global_scale, bias, u, proj.lora_b)
+        return kernels.nvfp4_decode(
+            x, base.weight_packed, base.weight_scale, base.weight_global_scale, bias, u, proj.lora_b
+        )
     y = base_forward(x, proj)
     flat = y.reshape(-1, y.shape[-1])
     flat = torch.addmm(flat, u.reshape(-1, u.shape[-1]).to(y.dtype), proj.lora_b.t().to(y.dtype))
@@ -242,8 +255,9 @@ def stacked_forward(x: torch.Tensor, group: Group, lora: LoraInputs, permuted: b
     st, lora_b = group.fp4_launch()
     bias = None if st.bias is None else st.bias.to(x.dtype)
     u, bounds, lora_b = (None, None, None) if lora is None else (lora.u, lora.bounds, lora_b)
-    return kernels.nvfp4_group_decode(x, st.packed, st.scale, st.gscale, bias, st.splits, u, bounds, lora_b, permuted,
-                                      pdl=True)  # the base weights are frozen
+    return kernels.nvfp4_group_decode(
+        x, st.packed, st.scale, st.gscale, bias, st.splits, u, bounds, lora_b, permuted, pdl=True
+    )  # the base weights are frozen
 
 
 def decode_attention(
@@ -268,8 +282,17 @@ def decode_attention(
     if backend.available(q):
         permuted = _gluon_order(q, q.shape[0], q.shape[1] * q.shape[2], group)
         fuse = _fuse_lora(q, q.shape[0], group)
-        out, flat = kernels.step_kernels().decode_attention(q, k_cache, v_cache, pos, scale, group.lora_a if fuse else None,
-                                                          permute=permuted, rope=rope, qk_norm=qk_norm)  # fmt: skip
+        out, flat = kernels.step_kernels().decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            pos,
+            scale,
+            group.lora_a if fuse else None,
+            permute=permuted,
+            rope=rope,
+            qk_norm=qk_norm,
+        )
         return out, (_segmented(flat, out, group) if fuse else lora_inputs(out, group, permuted))
     out = reference.decode_attention(q, k_cache, v_cache, pos, scale)
     return out, lora_inputs(out, group)

@@ -35,7 +35,9 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside a peft ``PeftModel`` (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     lm = get_base() if callable(get_base) else model
-    arch.check_config(getattr(lm, "config", None) or {}, f"rollout engine ({type(lm).__name__}; kind='hf' runs any model)")
+    arch.check_config(
+        getattr(lm, "config", None) or {}, f"rollout engine ({type(lm).__name__}; kind='hf' runs any model)"
+    )
     if not hasattr(lm, "lm_head"):
         raise ValueError(f"native rollout engine: {type(lm).__name__} has no lm_head; expected a *ForCausalLM")
     return lm
@@ -107,8 +109,12 @@ def _rows_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     row = first.stride(0)  # elements per row (1 for a bias)
     offset = first.storage_offset()
     for t in tensors:
-        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or t.storage_offset() != offset or t.shape[1:] != first.shape[1:]):
+        if (
+            not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or t.storage_offset() != offset
+            or t.shape[1:] != first.shape[1:]
+        ):
             return None
         offset += t.shape[0] * row
     return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
@@ -154,7 +160,9 @@ class Group:
             return self.stacked, self.lora_b
         if len(self.projs) == 1 and self.projs[0].is_nvfp4:
             b = self.projs[0].base
-            return Stacked(b.weight_packed, b.weight_scale, b.weight_global_scale, b.bias, (b.out_features,)), self.projs[0].lora_b
+            return Stacked(
+                b.weight_packed, b.weight_scale, b.weight_global_scale, b.bias, (b.out_features,)
+            ), self.projs[0].lora_b
         return None
 
     @property
@@ -290,7 +298,9 @@ class ModelPlan:
                     qkv=_group([getattr(attn, n) for n in arch.QKV], dtype, None if prev is None else prev.qkv),
                     o=_group([attn.o_proj], dtype, None if prev is None else prev.o),
                     mlp_norm=Norm.of(layer.post_attention_layernorm),
-                    gate_up=_group([getattr(mlp, n) for n in arch.GATE_UP], dtype, None if prev is None else prev.gate_up),
+                    gate_up=_group(
+                        [getattr(mlp, n) for n in arch.GATE_UP], dtype, None if prev is None else prev.gate_up
+                    ),
                     down=_group([mlp.down_proj], dtype, None if prev is None else prev.down),
                     qk_norms=tuple(Norm.of(getattr(attn, n)) for n in arch.QK_NORMS) if family.qk_norm else None,
                 )

@@ -142,9 +142,11 @@ class NativeEngine:
         max_len = max(len(p) for p in prompt_ids)
         window = plan.sliding_window
         if window is not None and max_len + params.max_new_tokens > window:
-            raise ValueError(f"native rollout engine: prompt ({max_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                             f"exceeds the model's sliding_window ({window}); the engine attends to the whole "
-                             "sequence, so shorten them or use kind='hf'")
+            raise ValueError(
+                f"native rollout engine: prompt ({max_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the model's sliding_window ({window}); the engine attends to the whole "
+                "sequence, so shorten them or use kind='hf'"
+            )
         state = self._prepare(plan, rows, max_len + params.max_new_tokens, params)
         if force:
             self._forced = self._forced_buffers(plan, state, params.max_new_tokens)
@@ -249,9 +251,7 @@ class NativeEngine:
             logits.append(self._prefill_chunk(plan, state, chunk, start, n))
         return torch.cat(logits)
 
-    def _prefill_chunk(
-        self, plan: ModelPlan, state: State, chunk: list[list[int]], first: int, n: int
-    ) -> torch.Tensor:
+    def _prefill_chunk(self, plan: ModelPlan, state: State, chunk: list[list[int]], first: int, n: int) -> torch.Tensor:
         dev = plan.device
         p, width = len(chunk), max(len(c) for c in chunk)
         tokens = torch.full((p, width), self.pad_id, dtype=torch.long)
@@ -312,11 +312,24 @@ class NativeEngine:
         slots = state.slots[key.batch]
         hd = plan.head_dim
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, decoder.LoraInputs]:
+        def attend(
+            i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> tuple[torch.Tensor, decoder.LoraInputs]:
             k_cache, v_cache = state.k[i, : key.batch], state.v[i, : key.batch]
             kv = key.kv_len
-            return decoder.rope_attention(q, k, v, state.cos, state.sin, slots.pos, k_cache[:, :, :kv], v_cache[:, :, :kv],
-                                          hd**-0.5, plan.layers[i].o, plan.layers[i].qk_norms)  # fmt: skip
+            return decoder.rope_attention(
+                q,
+                k,
+                v,
+                state.cos,
+                state.sin,
+                slots.pos,
+                k_cache[:, :, :kv],
+                v_cache[:, :, :kv],
+                hd**-0.5,
+                plan.layers[i].o,
+                plan.layers[i].qk_norms,
+            )
 
         logits = plan.lm_head(self._layers(plan, plan.embed(slots.tokens), attend))
         if key.forced:
@@ -325,8 +338,9 @@ class NativeEngine:
             tok, lp = self._sample(logits, state, key.greedy, key.filtered, slots.row_id)
         self._finish_step(state, slots, tok, lp)
 
-    def _sample(self, logits: torch.Tensor, state: State, greedy: bool, filtered: bool, row_id: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _sample(
+        self, logits: torch.Tensor, state: State, greedy: bool, filtered: bool, row_id: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``sampling.sample`` with the state's knobs: one fused kernel where the Triton kernels run and
         nothing beyond temperature shapes the distribution (its draws come from ``state.seed``, which
         ``_prepare`` takes from the engine's generator, so a seed still fixes the tokens), else the torch
@@ -337,8 +351,16 @@ class NativeEngine:
             return sample(logits, state.temperature, generator=self._gen, greedy=greedy, filtered=False)
         banned = state.stop_mask & (state.step < state.min_tokens)
         logits = adjust_logits(logits, state.seen[row_id], state.penalty, banned)
-        tok, lp = sample(logits, state.temperature, state.top_k, state.top_p, self._gen, min_p=state.min_p,
-                         greedy=greedy, filtered=True)
+        tok, lp = sample(
+            logits,
+            state.temperature,
+            state.top_k,
+            state.top_p,
+            self._gen,
+            min_p=state.min_p,
+            greedy=greedy,
+            filtered=True,
+        )
         # A device-side True: ``seen[row_id, tok] = True`` would copy a host scalar in, which graph capture refuses.
         state.seen.index_put_((row_id, tok), torch.ones_like(tok, dtype=torch.bool))
         return tok, lp
@@ -363,9 +385,18 @@ class NativeEngine:
         """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
         impl = kernels.step_kernels() if backend.available(tok) else reference
         impl.finish_step(
-            tok, lp, slots.done, slots.row_id, state.stop, state.step, slots.tokens, slots.pos,
-            state.out_tok, state.out_lp, self.pad_id,
-        )  # fmt: skip
+            tok,
+            lp,
+            slots.done,
+            slots.row_id,
+            state.stop,
+            state.step,
+            slots.tokens,
+            slots.pos,
+            state.out_tok,
+            state.out_lp,
+            self.pad_id,
+        )
 
     def _graphed(self, plan: ModelPlan) -> bool:
         """Whether decode steps are captured and replayed (else run eagerly)."""
