@@ -127,9 +127,10 @@ def _load_tokenizer(args: argparse.Namespace) -> tuple[Any, int]:
     from transformers import AutoConfig
 
     from qerl.hub import local_model_dir
-    from qerl.loader import load_tokenizer
+    from qerl.loader import check_supported, load_tokenizer
 
     try:
+        check_supported(args.model)  # a config that does not describe the weights: transformers reads it first
         tokenizer = load_tokenizer(args.model)
         config = AutoConfig.from_pretrained(local_model_dir(args.model))
     except (OSError, ValueError) as e:

@@ -7,6 +7,7 @@ so the format lives in one place.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,26 @@ def shard_files(model_dir: Path) -> list[Path]:
         if not f.exists():
             raise FileNotFoundError(f"{f}: listed in model.safetensors.index.json but missing")
     return files
+
+
+#: A decoder layer's tensors: ``model.layers.N.self_attn.q_proj.weight_packed`` and the like.
+_LAYER_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(model_dir: Path, config: dict) -> None:
+    """Raise a one-line ``ValueError`` unless ``config``'s ``num_hidden_layers`` is exactly the decoder layers
+    the weights hold (read from the safetensors headers, no tensor data). A config that claims fewer layers
+    runs a truncated model with every extra weight ignored, more layers adds random ones (or allocates a
+    huge skeleton before any tensor is compared), so the count is settled before anything is allocated."""
+    where = model_dir / "config.json"
+    count = config.get("num_hidden_layers")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{where}: num_hidden_layers is {count!r}; expected a positive integer")
+    held = {int(m.group(1)) for name in TensorIndex(model_dir).names() if (m := _LAYER_TENSOR.search(name))}
+    if len(held) != count or max(held) != count - 1:  # distinct indices from 0: exactly 0..count-1
+        found = f"layers {min(held)}-{max(held)} ({len(held)} in all)" if held else "no decoder layers"
+        raise ValueError(f"{where}: num_hidden_layers is {count}, but the weights hold {found}; "
+                         "the config does not describe these weights")
 
 
 class TensorIndex:

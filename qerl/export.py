@@ -147,6 +147,7 @@ class MergeStats:
 def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_bytes: int | None = None) -> MergeStats:
     """Write ``model_dir`` with ``adapter`` folded in as a dense bf16 safetensors checkpoint into ``out_dir``."""
     config = checkpoint.read_config(model_dir)
+    checkpoint.check_layer_count(model_dir, config)
     tensors = checkpoint.TensorIndex(model_dir, check=check_tensor)
     packed = checkpoint.packed_layers(tensors.names())
     for layer in adapter.deltas:

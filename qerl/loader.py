@@ -44,10 +44,17 @@ def load_tokenizer(path: str | os.PathLike[str]):
 
 def check_supported(path: str | os.PathLike[str]) -> arch.Family:
     """The family of the model at ``path`` (directory, hub id or ``smollm2-135m``) from its config.json
-    alone, or the one-line error of ``arch.check_config``: for commands that do other work (hashing,
-    data) before loading."""
-    model_dir = hub.local_model_dir(path)
-    return arch.check_config(checkpoint.read_config(model_dir), str(model_dir / "config.json"))
+    and its weights' headers, or the one-line error of ``arch.check_config`` or ``checkpoint.check_layer_count``:
+    for commands that do other work (hashing, data) before loading."""
+    return _checked_config(hub.local_model_dir(path))[1]
+
+
+def _checked_config(model_dir: Path) -> tuple[dict, arch.Family]:
+    """``model_dir``'s config.json and family, once it is known to be a supported one that describes the weights."""
+    config = checkpoint.read_config(model_dir)
+    family = arch.check_config(config, str(model_dir / "config.json"))
+    checkpoint.check_layer_count(model_dir, config)
+    return config, family
 
 
 def load_model(
@@ -68,8 +75,7 @@ def load_model(
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or default_dtype(device)
     model_dir = hub.local_model_dir(path)
-    config = checkpoint.read_config(model_dir)
-    arch.check_config(config, str(model_dir / "config.json"))
+    config, _ = _checked_config(model_dir)
     quantized = checkpoint.is_nvfp4_config(config)
     if load == "nvfp4" and not quantized:
         raise ValueError(f"{model_dir}: not an NVFP4 checkpoint (no compressed-tensors nvfp4-pack-quantized config); "

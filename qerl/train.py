@@ -254,8 +254,8 @@ def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, 
     """The run itself, once ``out`` is this process's to write."""
     # Setup: everything here that fails is the user's input (paths, names, values), reported in one line.
     try:
+        check_supported(script.model_name)  # before the tokenizer (which reads the config), hashing and the data
         tokenizer = load_tokenizer(script.model_name)
-        check_supported(script.model_name)  # before hashing the model and reading the data
     except (OSError, ValueError) as e:
         raise UsageError(f"--model_name {script.model_name}: {one_line(e)}") from None
     with usage_errors(ValueError, OSError):

@@ -3,17 +3,52 @@ fail before its fix."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+GOOD = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
+EVAL_FLAGS = ["--engine", "hf", "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "3", "--temperature", "0"]
 
 
 @pytest.fixture(autouse=True)
 def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def qtiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny NVFP4 chat Llama (2 decoder layers) that the evaluation and training CLIs run in about a second."""
+    from tiny_models import make_tiny_chat_model
+
+    from qerl.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("reliability3")
+    return quantize_checkpoint(make_tiny_chat_model(root / "tiny", smollm2_dir), root / "qtiny")
+
+
+def _data(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _one_error(code: int, err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _with_config(model: Path, out: Path, **changes: object) -> Path:
+    """A copy of ``model`` whose config.json has ``changes``."""
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
 
 
 # --- the trl drop-in's config ------------------------------------------------------------------------------
@@ -70,3 +105,28 @@ def test_lock_is_keyed_by_the_resolved_directory(tmp_path: Path) -> None:
         for other in (tmp_path / "alias", tmp_path / "runs-alias" / "real", real / ".." / "real"):
             with pytest.raises(OutputBusy), run_lock(other):
                 pass
+
+
+# --- checkpoints and models that lie ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers", [1, 3, -1, "2", 10**9])
+def test_config_that_does_not_describe_the_weights_is_refused(qtiny, tiny_dense_dir, tmp_path: Path, capsys,
+                                                               layers: object) -> None:
+    """A config.json with fewer layers than the weights ran a truncated model with rc 0 (more: random layers, or
+    gigabytes allocated first); -1 or a string: a traceback. Refused by load, eval and train before any allocation."""
+    from eval import gsm8k
+    from qerl import train
+    from qerl.cli import run
+    from qerl.loader import load_model
+
+    for model in (qtiny, tiny_dense_dir):
+        lying = _with_config(model, tmp_path / f"lying-{model.name}", num_hidden_layers=layers)
+        with pytest.raises(ValueError, match="num_hidden_layers"):
+            load_model(lying, device="cpu")
+    argv = ["--model", str(lying), "--data", str(_data(tmp_path, [GOOD])), "--output", str(tmp_path / "r.jsonl"),
+            *EVAL_FLAGS]
+    assert "num_hidden_layers" in _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
+    argv = ["--model-name", str(lying), "--dataset", "arithmetic", "--output-dir", str(tmp_path / "run"),
+            "--report-to", "none", "--max_steps", "1"]
+    assert "num_hidden_layers" in _one_error(run(train.main, argv), capsys.readouterr().err)
+    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "run").exists()
