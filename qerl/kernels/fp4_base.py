@@ -53,8 +53,8 @@ def nibble_asm(i: int, fp16: bool, halves: bool = False) -> str:
     bf16: the code isolated, then one multiply by 2^a + 2^b writes two copies of it, one with the sign at
     bit 15 and one with the magnitude at bits 8..6 (the copies do not overlap, so the add carries nothing),
     and an AND keeps those bits: 3 instructions per pair + one shift shared by nibbles 2 and 3, 13 per 8
-    weights against 15 for shifts (H200, b107c8a:benchmarks/results/decode_gluon_nibble_mul.json: the 7B decode GEMMs 5% faster at
-    M = 1 / 8, 3% at M = 16 / 32). fp16: 2 shifts + 2 LOP3 per pair (its copies would overlap).
+    weights against 15 for shifts (docs/kernels.md#nibble-mul). fp16: 2 shifts + 2 LOP3 per pair (its copies would
+    overlap).
     """
     if not fp16:
         mask, mul = ("0x000F000F", 4096 + 64) if i % 2 == 0 else ("0x00F000F0", 256 + 4)

@@ -3,53 +3,25 @@ scales straight from global memory into ``mma.sync`` operand registers, one K st
 its program's x slice staged in shared memory (a ring refilled every ``MAX_STEPS`` K steps of a longer
 slice), and never waits for another warp inside the K loop between fills.
 
-Why: at M = 1..8 the Triton decode kernel (``fp4_decode._decode_kernel``) runs at ~40% of copy bandwidth,
-and Nsight Compute put its cycles in the per-K-step pipeline barrier of its shared-memory ring, global
-loads into registers, and ~3 warps per scheduler to hide them (docs/kernels.md, "Nsight Compute: the
-M=1 decode kernel is issue-bound"). A wgmma needs its B operand in shared memory and a warpgroup to issue
-it; ``mma.sync`` (m16n8k16) needs neither, so here:
+Why: at M = 1..8 the Triton decode kernel waits on its shared-memory ring's per-K-step barrier and has too few warps
+to hide its loads; ``mma.sync`` (m16n8k16), unlike wgmma, needs neither its A operand in shared memory nor a
+warpgroup to issue it (docs/kernels.md#direct-kernel). Here:
 
-* each warp owns 16 weight rows (the MMA's M); the tokens are its N dimension (8; rows past M are
-  never stored);
-* the A operand layout is ``DotOperandLayout(k_width=8)``: per 64-element K step a thread holds two runs
-  of 8 consecutive int16 elements (32 codes each, one 16-byte load) of each of its two rows, straight
-  from the checkpoint's layout (no repack);
-* x comes in the Gluon K order (``fp4_base.nibble_major``, as the rollout engine's producers write it),
-  so nibble ``i``'s slice of x for a K step is 64 contiguous elements; a program cp.asyncs its x slice
-  into a shared-memory ring of up to ``MAX_STEPS`` K steps (4 KB each; a longer slice refills it) and
-  reads each nibble's B operand with 16-byte LDS (x from global memory inside the loop missed L1 every step);
-* the weights are loaded and carried across the K loop as int32 words (two int16 elements, the pair a bf16
-  A register holds: ``_word_layout``) and decoded by ``fp4_base.nibble_asm``'s 3 instructions per bf16 pair on
-  the word itself (``_word_nibble``), times the fp8 block scale converted once per (row, group)
-  (``gluon_base.scale_layout``): exact, as in the other kernels. Carried as int16 elements, the next step's
-  weights were re-paired by PRMTs at the end of each iteration, and the step waited there: Nsight Compute's
-  source view (H200, 7B down, M=1) put 23% of the kernel's stall samples on that copy (docs/kernels.md);
-* launched by the rollout engine with programmatic dependent launch (``pdl.py``): a slice's first weights are loaded
-  before the wait for the kernel before it, its x after, and the next kernel may launch once the K loop is done
-  (x behind the weights costs 7B down 0.4 us after another GEMM, where waiting first would not, and saves 0.85 us
-  after the engine's SiLU + shrink kernel; H200, b107c8a:benchmarks/results/pdl_prologue_s34.json);
-* split-K with the same ticket reduction as the other decode kernels (partials read ``SPLIT_CHUNK`` per
-  round trip), and their epilogue (bias, segmented outputs); the LoRA expand (``mma.sync`` over rank chunks)
-  is done by each tile's last slice before its K loop, off the split-K tail (the ring build: in the epilogue).
+* each warp owns 16 weight rows (the MMA's M); the tokens are its N (8; rows past M are never stored);
+* A is ``DotOperandLayout(k_width=8)``: per 64-element K step a thread holds two runs of 8 int16 elements (one
+  16-byte load each) of each of its two rows, straight from the checkpoint's layout (no repack), loaded and carried
+  as int32 words (``_word_layout``; int16 elements cost PRMTs a step) and decoded on the word by
+  ``fp4_base.nibble_asm`` (``_word_nibble``), times the fp8 block scale converted once per (row, group)
+  (``gluon_base.scale_layout``): exact, as in the other kernels;
+* x comes in the Gluon K order (``fp4_base.nibble_major``), so nibble ``i``'s x for a K step is 64 contiguous
+  elements, cp.async'd into a ring of up to ``MAX_STEPS`` K steps (4 KB each) and read with 16-byte LDS (read from
+  global memory inside the loop it missed L1 every step);
+* with programmatic dependent launch (``pdl.py``) a slice's first weights are loaded before the wait for the kernel
+  before it, its x after (docs/kernels.md#pdl), and the next kernel may launch once the K loop is done;
+* split-K with the other decode kernels' ticket reduction (``SPLIT_CHUNK`` partials a round trip) and epilogue; the
+  LoRA expand (``mma.sync`` over rank chunks) runs on each tile's last slice before its K loop (RING build: epilogue).
 
-About 60-72 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM up to rank 32 (the RING build,
-82: 5). The K loop is 337 SASS instructions per step of 128 weights a thread (2.6 per weight; 395 before the K
-pairing, the unmasked loads and the scale pairs below, 422 with int16 elements; the RING build 473), the nibble
-decode 208 of them. Three cuts, each from the offline SASS: ``_pair_k`` (24 register copies a step), unmasked loads
-where every tile's rows exist (8 zeroings), ``_scale_pairs`` (two scales in 6 instructions instead of ~11). H200,
-same process (b107c8a:benchmarks/results/direct_s27_probe.json): the 7B decode GEMMs summed 58.7 -> 56.8 us at M=1, 62.2 -> 60.8 at M=8, and
-the 7B engine 2.73 -> 2.66 ms a step at b=8 (b107c8a:benchmarks/results/rollout_direct_s27_ab.json). The RING build keeps neither the pairing
-nor the unmasked loads: with them 32B gate_up took 57.1 us against 54.1 (b107c8a:benchmarks/results/direct_s27_ring_probe.json). A bit-
-interleaved weight layout that decodes a word in 9 instructions instead of 13 (the loop at 290) was measured in the
-same probe and bought nothing more (56.1 / 60.7 us summed): at these sizes the loop does not wait on its issue slots.
-Floor, 7B down at M=1: 38.2 MB at 4.25 TB/s = 9.0 us; measured 16.6 us (kernels.json, 54% of copy bandwidth). The 7B decode GEMMs
-with LoRA summed 61.96 -> 59.85 us at M=1 and 65.79 -> 63.76 at M=8 for the int32 words (bitwise equal; the 7B
-engine step 2.505 -> 2.441 ms at b=1, 2.772 -> 2.716 at b=8; b107c8a:benchmarks/results/direct_words_probe.json,
-b107c8a:benchmarks/results/rollout_direct_words_ab.json); 7B down 16.6-18.2 us in two kernels.json runs of the same code (50-54% of copy
-bandwidth); 76.8 us summed at M=1 for the Triton kernel (b107c8a:benchmarks/results/decode_gluon_nibble_mul.json). The ring's refill let
-the 32B GEMMs keep ``decode_split``'s 10-20-step slices: -7% / -10% summed at M = 1 / 8 (b107c8a:benchmarks/results/decode_direct_ring.json).
-Nsight Compute: issuing on 58% of active cycles, SMs idle on 21% (docs/kernels.md, "A decode kernel without
-shared memory" and the sections after it).
+About 60-72 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per SM (the RING build, 82: 5).
 """
 
 from __future__ import annotations
@@ -197,7 +169,7 @@ def _pair_k(t, dim: gl.constexpr, layout: gl.constexpr, ON: gl.constexpr):
     on both operands (K bits 0..5 read from bits 0, 2, 5, 3, 4, 1; the sum is over the same products, in
     another order), each mma's B pair is two adjacent registers of one 16-byte load and the moves are gone
     (the K loop 373 instructions a step against 395; nothing moves at run time: the permute is a relabelling
-    of registers)."""
+    of registers; docs/kernels.md#direct-sass-cuts)."""
     if ON:
         if dim == 0:
             u = gl.permute(gl.reshape(t, [2, 2, 2, 2, 2, 2, t.shape[1]]), (4, 1, 2, 0, 3, 5, 6))
@@ -311,10 +283,8 @@ def _direct_kernel(
     # before the loop; a longer one (``decode_split`` wants 10-20 steps for the 32B shapes) refills the ring
     # every STEPS steps instead of being cut into more, shorter programs. The refill is a block the K loop
     # skips: a loop of fills nested around the K loop compiled to 80-93 registers. The next step's weights are
-    # loaded before that block, so their loads stay at the top of the step and overlap a refill's wait: after
-    # it, ptxas sank them to ~70 of the loop's 487 instructions before its end, and the RING build took 36.6
-    # us on 7B gate_up at split 1 (M=1, no LoRA) against 27.4 with them first (H200,
-    # b107c8a:benchmarks/results/direct_ring_early_probe.json; 82 registers against 72, 5 programs per SM; the other build is unchanged).
+    # loaded before that block, so their loads stay at the top of the step and overlap a refill's wait (after it,
+    # ptxas sank them to the loop's end; docs/kernels.md#direct-ring-refill).
     x_s = gl.allocate_shared_memory(
         gl.bfloat16, [STEPS, BM, 4 * HW], gl.NVMMASharedLayout.get_default_for([BM, 4 * HW], gl.bfloat16)
     )
@@ -334,9 +304,8 @@ def _direct_kernel(
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     # The LoRA expand rides on the tile's last (shortest) slice, before its K loop and in the shadow of the loads
     # above, instead of after the split-K round trips on the critical tail: it starts the slice's accumulator in
-    # the weights' scale (store_tile multiplies the sum by 2^8 / g). H200, 7B decode GEMMs with their ranks
-    # (b107c8a:benchmarks/results/decode_direct_lora_prologue.json): -0.6 us a layer at M=1, -1.3 at M=8. The RING build keeps it in the
-    # epilogue: there ptxas spilled a pointer inside the K loop (offline sm_90), and 32B gate_up at M=8 was 5% slower.
+    # the weights' scale (store_tile multiplies the sum by 2^8 / g). The RING build keeps it in the epilogue: there
+    # ptxas spilled a pointer inside the K loop (offline sm_90; docs/kernels.md#direct-lora-first).
     LORA_FIRST: gl.constexpr = HAS_LORA and not RING
     if LORA_FIRST:
         if pid_k == gl.num_programs(1) - 1:
@@ -366,8 +335,7 @@ def _direct_kernel(
 
     if PDL:
         # Here rather than at the start: the next GEMM's programs then take the slots this one's split-K tail leaves
-        # (H200, 7B decode GEMMs after their RMSNorm / SiLU shrink kernels, summed: 67.1 us at the start, 66.9 here, the
-        # committed kernel without PDL 68.5 at M=1; 73.4 / 72.8 / 75.1 at M=8; b107c8a:benchmarks/results/pdl_direct_trigger_s33.json).
+        # (docs/kernels.md#direct-pdl-trigger).
         gdc_launch_dependents()
     offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, mma)
     LORA_LAST: gl.constexpr = HAS_LORA and RING
@@ -410,32 +378,23 @@ WARPS = 4
 HW = 64
 #: Programs an SM holds (66 registers and up to 28 KB of shared memory each allow 7), the count
 #: ``decode_split`` schedules for; and the K steps of x a program's shared-memory ring holds (4 KB a step:
-#: 7 keeps 7 programs per SM). H200 (b107c8a:benchmarks/results/decode_gluon_direct_schedule.json), summed 7B
-#: decode GEMMs at M = 1 / 8: 65.1 / 70.1 us, against 65.1 / 70.7 at 8 programs and 4 steps and 65.7 / 70.8
-#: at 8 and 6: the waves these change (7B down 0.91 or 1.15) cost nothing measurable. (The RING build, 82 registers,
-#: holds 5; ``PROGRAM_STEPS`` below was fitted with 7 for every build.)
+#: 7 keeps 7 programs per SM); 8 programs or other ring depths were no faster (docs/kernels.md#direct-resident).
+#: (The RING build, 82 registers, holds 5; ``PROGRAM_STEPS`` below was fitted with 7 for every build.)
 RESIDENT = 7
 MAX_STEPS = 7
 #: A program's fixed cost in K steps for ``decode_split``, fitted on the sweep of every split of the 7B / 32B
-#: decode GEMMs (H200, b107c8a:benchmarks/results/direct_ring_early_probe.json, LoRA, M = 1 / 8): 4 to 6 all pick 7B gate_up's one 14-step
-#: ring slice per tile (28.3 / 28.6 us) over 3 slices (28.8 / 30.7; 4 only through the tie to fewer slices),
-#: and every other GEMM's split as 2 (the Triton kernel's) did. Summed 7B GEMMs with LoRA at their picks: 60.6
-#: -> 60.1 us at M=1, 64.9 -> 62.8 at M=8.
+#: decode GEMMs: 4 to 6 pick alike (docs/kernels.md#direct-program-steps).
 PROGRAM_STEPS = 5
 #: Split-K partials the last program reads per round trip: 8 reads 7B down's 15 in two instead of four, at the same
-#: 72 registers (offline sm_90; 16 takes 80). H200, same process, bitwise equal (b107c8a:benchmarks/results/direct_s28_probe.json): summed 7B
-#: decode GEMMs with LoRA 59.96 -> 59.08 us at M=1, 62.70 -> 61.81 at M=8; 7B down 16.36 -> 15.94 (M=1, no LoRA).
-#: (4 against 1: 62.4 / 66.9 against 63.0 / 68.3, b107c8a:benchmarks/results/decode_gluon_nibble_mul.json.)
+#: 72 registers (offline sm_90; 16 takes 80) (docs/kernels.md#direct-split-chunk).
 SPLIT_CHUNK = 8
 
 
 def refills(N: int, K: int, device: torch.device) -> bool:
     """Whether this GEMM is split into K slices (``decode_split``'s choice, as ``matmul`` launches it) longer than
     the x ring, so each slice refills it (the ``RING`` build); ``fp4_gemm.gluon_takes`` gives those GEMMs (the 32B
-    down; no 7B GEMM) to the TMA/wgmma kernel instead. As the engine calls it (LoRA r16, x permuted; H100,
-    b107c8a:benchmarks/results/ring_probe.json) 32B down took 43.0 / 46.5 us here at M = 1 / 8 against 41.8 / 39.5 there
-    (H200 without LoRA, b107c8a:benchmarks/results/cap_probe.json: 35.4 / 41.7 against 34.7 / 34.3). A GEMM whose single slice per tile
-    refills the ring (32B gate_up) stays here: with LoRA on the H100 it took 76.0 / 72.8 us against 79.5 / 79.3."""
+    down; no 7B GEMM) to the TMA/wgmma kernel instead, faster on them. A GEMM whose single slice per tile refills the
+    ring (32B gate_up) stays here, faster here (docs/kernels.md#direct-ring)."""
     tiles, k_steps, slots = launch_shape(N, K, device)
     split = decode_split(tiles, k_steps, slots, PROGRAM_STEPS)
     return split > 1 and cdiv(k_steps, split) > MAX_STEPS

@@ -167,8 +167,8 @@ def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
       not in that order itself;
     * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,
       ``schedule.DIRECT_DECODE``), for an x already in that order (``x_permuted``); an x in natural order
-      takes ``fp4_decode`` (a direct kernel reading natural order measured 2% faster at M=1 and ~48%
-      slower at M=8, summed over the 7B GEMMs: docs/kernels.md, "A decode kernel without shared memory").
+      takes ``fp4_decode`` (a direct kernel reading natural order was 2% faster at M=1 but ~48% slower at
+      M=8: docs/kernels.md#direct-max-m).
 
     False without a Triton that has Gluon."""
     if not HAS_GLUON:

@@ -5,18 +5,14 @@
 
 Why another kernel: Nsight Compute put the Triton decode kernel's time at M >= 64 in the CTA-wide
 barrier every K step (its shared-memory ring is read by every warp), global loads of scales and x into
-registers, and the decode's fixed-latency chains, never in the tensor cores (docs/kernels.md,
-"Decode at the batches GRPO decodes"). Triton 3.6 cannot express the fix for a register A operand; Gluon
-can. Here:
+registers, and the decode's fixed-latency chains, never in the tensor cores (docs/kernels.md#gluon-kernel).
+Triton 3.6 cannot express the fix for a register A operand; Gluon can. Here:
 
 * a one-warp producer partition streams the K steps through TMA into a ``STAGES``-deep ring (x, the
   packed weight as int16 words of 4 codes, the fp8 scales), with mbarriers, no CTA barrier: a slot's
   weights are released as soon as the consumer's loads of them are safe from the refill (``_consumer``), its x
-  once the step's wgmma are done, so the next weights are in flight during the step (H200, against one release per slot after
-  the wgmma, bitwise equal: 7B + 32B decode GEMMs summed 287.6 -> 279.5 us at M=64, 459.2 -> 451.7 at
-  M=128, unchanged at 16 / 32; the 7B engine at b=128 7.606 / 7.587 -> 7.371 / 7.395 ms,
-  b107c8a:benchmarks/results/gluon_early_release_probe.json, b107c8a:benchmarks/results/rollout_early_release_ab.json). Deeper weight rings
-  than x rings were slower at every M (b107c8a:benchmarks/results/gluon_split_ring_probe.json);
+  once the step's wgmma are done, so the next weights are in flight during the step (faster than one release per
+  slot at M = 64 / 128; one ring depth for both: docs/kernels.md#gluon-early-release);
 * a four-warp consumer warpgroup loads each int16 weight tile from shared memory straight into the
   wgmma A-operand register layout, decodes nibble ``i`` with the same bit placement as the Triton
   kernel (it calls ``fp4_base.nibble``), multiplies by the block scale and issues ``wgmma`` asynchronously
@@ -32,17 +28,12 @@ y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs:
 decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
 ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``gluon_base.split_k_sum``); up to
 ``BALANCE_MAX_BM`` tokens, where the wave model's split leaves resident slots empty, some tiles take one slice
-more so the programs fill them (``schedule.balanced_split``, a 1-D grid: 7B down at M=64 26.6 -> 26.0 us, b107c8a:benchmarks/results/release_landed_s32.json).
+more so the programs fill them (``schedule.balanced_split``, a 1-D grid; docs/kernels.md#balanced-split).
 Launched by the rollout engine with programmatic dependent launch (``pdl.py``: the producer loads the first ring of
 weights before its wait for the kernel before, x after it). ``fp4_gemm.matmul`` sends it the decode GEMMs
 ``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs;
-``QERL_DECODE_GLUON=0`` turns it off). On the H200 (docs/kernels.md, "The Gluon decode kernel, measured") it is bitwise
-equal to the Triton kernel at M <= 64 and within 1.3e-4 relative at M = 100 / 128. Summed over the 7B decode GEMMs it takes 107.3 / 167.7 us against the
-Triton kernel's 119.3 / 185.3 at M = 64 / 128 (x pre-permuted, b107c8a:benchmarks/results/decode_gluon_candidates.json; floor 31 us:
-131 MB of weights at 4.26 TB/s), and
-the 7B engine step (1024 tokens, its input written in this kernel's K order, split-K refit) from 7.19 to
-5.82 ms at b=64 and 11.89 to 8.70 ms at b=128. Latency-bound at M=64 (Nsight Compute: 0.35 issues per
-scheduler-cycle, 8 consumer warps per SM).
+``QERL_DECODE_GLUON=0`` turns it off). Bitwise equal to the Triton kernel at M <= 64, within 1.3e-4 relative at
+M = 100 / 128, and ~10% faster than it at M = 64 / 128 (docs/kernels.md#gluon-kernel).
 """
 
 from __future__ import annotations
@@ -73,22 +64,12 @@ from .schedule import balanced_split, cdiv, resolve_split, sm_count
 BK = reference.GLUON_K_STEP
 BN = 64
 #: Per padded token count BM: (ring stages, register cap, CTAs an SM holds, a program's fixed cost in K steps
-#: for ``decode_split``). From offline sm_90 compiles (triton 3.6, no spills at these caps): BM=16 80 registers
-#: x 256 threads (4 consumer + 1 producer warps, padded to 8) and 3 x 17 KB stages -> 3 CTAs per SM; BM=32 2 stages,
-#: 80 registers, 51 KB -> 3 (the split still planned for 2: measured against 3 stages at 128 registers, 75 KB, 2 an
-#: SM, H200, b107c8a:benchmarks/results/cap_probe.json: 7B gate_up at M=32 40.3 -> 33.0 us, down 22.1 -> 21.1, q/k/v 10.2 -> 9.9, o 9.8 -> 9.4,
-#: 32B gate_up 70.6 -> 62.2, q/k/v 14.6 -> 14.0, o 12.0 -> 11.5, down 35.7 -> 35.2; planning the split for 3 lost
-#: on all but 7B down); BM=64 2 stages, 128 registers, 82 KB -> 2; BM=128 2 stages, 146 KB -> 1 (168
-#: registers, uncapped). The fixed cost (the Triton kernel's is 2: pipeline fill, barrier setup and the split-K
-#: partials cost this kernel more) was fit on decode_gluon_splits.json (H200, 7B decode GEMMs at M = 64 / 128):
-#: 4 to 15 pick alike, 273.4 us summed against 295.3 at 2 (gate_up at M=64: 1 split, 48.4 us, instead of 2,
-#: 65.4 us). At BM=16 (9..16 rows, ``schedule.GLUON_MIN_WEIGHTS``) 8 picks the fastest split measured for every
-#: 7B and 32B GEMM it takes (b107c8a:benchmarks/results/decode_gluon_m16_probe.json); 6 picked 2 slices for 7B gate_up, 36.4 us against
-#: 31.2 for one. 2 or 4 stages at BM=16: within -4% / +9% of 3 per GEMM (same file).
+#: for ``decode_split``). Stages and caps that fit the most CTAs an SM without spills (offline sm_90; BM=32 plans for 2
+#: of its 3), the fixed cost fitted on split sweeps (docs/kernels.md#gluon-schedule).
 
 
 class GluonSchedule(NamedTuple):
-    """How the TMA/wgmma decode kernel runs at one padded token count BM (the measurements above)."""
+    """How the TMA/wgmma decode kernel runs at one padded token count BM (docs/kernels.md#gluon-schedule)."""
 
     stages: int  #: weight / x ring stages
     maxnreg: int | None  #: register cap per thread (None: uncapped)
@@ -105,24 +86,18 @@ SCHEDULE = {
 
 #: Split-K partials the last program reads per round trip, per BM (``split_k_sum``, vector partials): a partial
 #: is BM / 2 fp32 registers a thread, so these keep the loads in flight to 32-64 registers (two at BM=128 spilled,
-#: offline sm_90). H200, 7B + 32B GEMMs (b107c8a:benchmarks/results/tail_ab_gemm.json): 1, 2 and 4 within 2% of each other at BM = 32 / 64,
-#: 4 the fastest at 16 (7B down 18.4 us against 18.6 / 18.8).
+#: offline sm_90; docs/kernels.md#gluon-split-chunk).
 SPLIT_CHUNK = {16: 4, 32: 4, 64: 2, 128: 1}
 #: The BMs whose K loop releases a weight slot right after its loads, behind a proxy fence (``_consumer``); the others
-#: release it after the step's wgmma are issued. H200, 20-60 calls each, same run (b107c8a:benchmarks/results/split_race_fence_s32.json): both
-#: exact (0 calls differing, the unfenced early release 59 of 60 at 7B down M=64); release-after-issue / fenced, us:
-#: BM=64 7B gate_up 50.25 / 47.37, 32B gate_up 94.63 / 90.25, the other 7B/32B GEMMs within 0.5%; BM=16 7B gate_up
-#: 32.30 / 32.92, 32B down 30.85 / 31.28; BM=128 7B qkv 17.07 / 17.46, 32B gate_up 151.5 / 155.2.
+#: release it after the step's wgmma are issued. Both are exact; the fence is faster at BM=64 only
+#: (docs/kernels.md#fenced-release).
 FENCED_RELEASE = (64,)
 #: Up to this BM the split the wave model picks is balanced over the resident slots where that lightens the busiest
-#: SM (``schedule.balanced_split``). H200, uniform / balanced, us (b107c8a:benchmarks/results/balanced_split_gluon_s31.json, min of 2, no LoRA):
-#: 7B down M=32 21.65 / 20.99, M=64 26.73 / 26.17; 7B qkv M=32 10.27 / 9.84; 32B down M=16 35.24 / 31.55; at
-#: BM=128 (one CTA an SM) it lost (7B qkv 17.14 / 19.82), so that BM keeps the uniform split.
+#: SM (``schedule.balanced_split``); at BM=128 (one CTA an SM) it lost, so that BM keeps the uniform split
+#: (docs/kernels.md#balanced-split).
 BALANCE_MAX_BM = 64
 #: The BMs launched with programmatic dependent launch where the caller asks for it (``pdl.py``). Not 32: its split is
-#: planned for 2 CTAs an SM of the 3 that fit, and the 7B engine at b=32 lost with PDL, off / on / off 3.579 / 3.780 /
-#: 3.554 ms a step (H200, b107c8a:benchmarks/results/rollout_pdl_ab_b16_32_s34.json; b=16 3.159 / 3.152 / 3.093), as its GEMMs did one after
-#: another (kernels.json: 7B down 21.73 -> 24.58 us, 32B down 39.47 -> 46.44).
+#: planned for 2 CTAs an SM of the 3 that fit, and the 7B engine at b=32 was 6% slower with PDL (docs/kernels.md#pdl-bm).
 PDL_BM = (16, 64, 128)
 
 
@@ -205,9 +180,8 @@ def _consumer(
     refill: with ``FENCED`` right after those loads behind a proxy fence (the loads are generic-proxy reads, the TMA
     refill an async-proxy write, and only ``fence.proxy.async`` orders the two), else after the step's four wgmma are
     issued (they consume every loaded register, so the loads have landed). Released right after the loads with neither,
-    the refill can land under a load in flight: with the balanced split, 7B down at
-    M=64 got a few weight rows of one K step wrong in 19 of 19 calls (b107c8a:benchmarks/results/split_race_s32.json); the
-    uniform split ran that code with the race unseen. Which release is faster depends on BM (``FENCED_RELEASE``)."""
+    the refill can land under a load in flight (seen with the balanced split: wrong weight rows in every call;
+    docs/kernels.md#fenced-release). Which release is faster depends on BM (``FENCED_RELEASE``)."""
     HW: gl.constexpr = BK // 4
     G: gl.constexpr = BK // 16
     mma: gl.constexpr = _acc_layout(BM)

@@ -68,10 +68,8 @@ def split_k_sum(
     s x M x N) in the accumulator's layout, where a thread's elements are 4 bytes apart along n: one 4-byte
     access each, 32 a partial per thread at BM=64. With ``VECTOR`` slice s of tile t is the [BM, BN] block at
     (s x tiles + t) x BN x BM, n fastest, moved through ``_partial_layout`` (a shared-memory layout conversion
-    each way) in 16-byte vectors. H200, bitwise equal (b107c8a:benchmarks/results/tail_ab_gemm.json): the TMA/wgmma
-    kernel's 7B down at M=64 29.6 -> 26.6 us, o 14.7 -> 12.1, q/k/v 14.4 -> 12.6, M=16 down 19.5 -> 18.4; the direct
-    kernel (M <= 8, a partial is 4 values a thread and mostly masked at M=1) was 0.2-0.4 us slower with
-    it, 32B down at M=1 2.6 us, so it keeps y's offsets."""
+    each way) in 16-byte vectors: faster for the TMA/wgmma kernel; the direct kernel (M <= 8, a partial is 4 values a
+    thread and mostly masked at M=1) was slower with it, so it keeps y's offsets (docs/kernels.md#vector-partials)."""
     BN: gl.constexpr = acc.shape[0]
     BM: gl.constexpr = acc.shape[1]
     if VECTOR:

@@ -3,7 +3,7 @@ schedule's environment override. Pure Python, no Triton, so the choices are test
 
 Why split-K: a decode GEMM (M <= 128 tokens) has few output tiles (7B down_proj: 56 of 64 rows), so
 the K dimension is cut into slices to give every SM work; ``decode_split`` picks how many from a
-model of waves of resident programs (docs/kernels.md, "Split-K from a wave model").
+model of waves of resident programs (docs/kernels.md#wave-model).
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ class DecodeConfig:
     ``resident``: programs one SM holds at BM=16, halving per doubling of BM (ptxas, BN=64 BK=256 3
     stages: 105 registers + 43 KB -> 4; BM=32 -> 2; BM=64, 255 registers + 117 KB -> 1)."""
 
-    # benchmarks/decode_tune.py --quick (H200): best summed time of 12 schedules over
-    # 7B down/gate_up at M=1/16 (120.6 us vs 129.5 with stages=4); confirmed 23:12 (b107c8a:benchmarks/results/decode_tune_quick.json).
+    # The fastest of the schedules swept over 7B down / gate_up at M = 1 / 16 (docs/kernels.md#decode-schedule).
     BN: int = 64
     BK: int = 256
     warps: int = 4
@@ -80,54 +79,39 @@ ENV_DECODE = DecodeConfig.from_env()
 #: The decode GEMMs with more than ``GLUON_MIN_M`` rows that the Gluon kernel takes (``fp4_gemm.gluon_takes``:
 #: sm_90, bf16, K % 256 == 0) run on it instead of ``_decode_kernel``; ``QERL_DECODE_GLUON=0`` turns it off.
 GLUON_DECODE = os.environ.get("QERL_DECODE_GLUON", "1") != "0"
-#: From M = 64 the Gluon kernel won from the start (b=64 6.24 vs 6.84 ms, b=128 8.61 vs 11.27 ms,
-#: b107c8a:benchmarks/results/rollout_gluon_ab2.json). Below, it lost while its x was permuted per call and its LoRA shrinks could not
-#: be fused (b=32 4.83 vs 4.69 ms); with both fixed (the producers write its K order, the fused shrinks store
-#: in it), on the H200: 7B engine b=32 4.334 vs 4.666 / 4.645 ms, b=16 3.667 vs 3.738 / 3.666
-#: (b107c8a:benchmarks/results/rollout_gluon_b16_b32.json); 7B decode GEMMs summed, x pre-permuted, M=16 79.6 vs 81.1 us, M=32 89.5 vs
-#: 105.8 (b107c8a:benchmarks/results/decode_gluon_direct.json). So it takes 17..128 rows.
+#: The Gluon kernel takes 17..128 rows: with x in its K order it beats the Triton kernel from 32 rows on and ties it at 16
+#: (docs/kernels.md#gluon-min-m).
 GLUON_MIN_M = 16
 #: From 9 rows (above ``DIRECT_MAX_M``) up to ``GLUON_MIN_M`` the TMA/wgmma kernel also takes the GEMMs of at
-#: least ``GLUON_MIN_WEIGHTS`` weights (N x K). H200, graph-timed, x pre-permuted, us at M = 9 / 12 / 16,
-#: Triton kernel vs TMA/wgmma kernel (b107c8a:benchmarks/results/decode_gluon_m16_probe.json): 7B gate_up (136 M weights)
-#: 38.5 / 38.4 / 37.7 vs 31.2 / 31.4 / 31.2, down (68 M) 22.3 / 22.1 / 21.9 vs 18.6 / 19.1 / 19.4, 32B q/k/v (37 M)
-#: 14.5 / 14.6 / 14.3 vs 12.8 / 13.3 / 13.3, o (26 M) 12.2 / 12.3 / 12.3 vs 11.2 / 11.5 / 11.9, gate_up 67.2 / 67.1 /
-#: 67.0 vs 56.3, down 38.1 / 38.0 / 37.0 vs 34.9 / 34.8 / 34.9; below it loses: 7B q/k/v (16.5 M) 9.2 / 9.2 / 9.4 vs
-#: 9.4 / 9.8 / 10.3, o (12.8 M) 7.9 / 8.5 / 8.6 vs 8.7 / 9.6 / 10.5.
+#: least ``GLUON_MIN_WEIGHTS`` weights (N x K): 20 M lies between the smallest GEMM it beats the Triton kernel on (26 M)
+#: and the largest it loses on (16.5 M) (docs/kernels.md#gluon-min-weights).
 GLUON_MIN_WEIGHTS = 20_000_000
 #: Decode GEMMs of at most ``DIRECT_MAX_M`` rows whose x comes in the Gluon K order run the register-only
-#: ``mma.sync`` kernel (``fp4_direct``; ``fp4_gemm.gluon_takes``), ``QERL_DECODE_DIRECT=0`` turns it off.
-#: H200, 7B decode GEMMs summed (docs/kernels.md, "A decode kernel without shared memory"): M=1 68.5 vs
-#: 75.8 us for the Triton kernel, M=8 81.2 vs 80.4, M=16 135.5 vs 81.9.
+#: ``mma.sync`` kernel (``fp4_direct``; ``fp4_gemm.gluon_takes``), ``QERL_DECODE_DIRECT=0`` turns it off. 8: it beats
+#: the Triton kernel at 1 row, ties it at 8 and loses by far at 16 (docs/kernels.md#direct-max-m).
 DIRECT_DECODE = os.environ.get("QERL_DECODE_DIRECT", "1") != "0"
 DIRECT_MAX_M = 8
 #: ``QERL_DECODE_DIRECT_RING=1`` keeps the GEMMs split into K slices that would refill the mma.sync kernel's x ring
-#: on it; by default they go to the TMA/wgmma kernel (``fp4_direct.refills``).
+#: on it; by default they go to the TMA/wgmma kernel (``fp4_direct.refills``), faster on them (docs/kernels.md#direct-ring).
 DIRECT_RING = os.environ.get("QERL_DECODE_DIRECT_RING", "0") != "0"
 #: The decode attention's partial kernel ropes q and writes this step's k / v into the cache itself
 #: (``fused_step.decode_attention(rope=)``): one launch a layer fewer than ``rope_and_cache`` + attention,
-#: the same bits. H200, 7B NVFP4 + LoRA, ``python -m benchmarks.rollout --kernel-ab rope`` (off / on / off,
-#: b107c8a:benchmarks/results/rollout_rope_ab.json): b=1 2.773 / 2.677 / 2.743 ms a step, b=8 3.018 / 3.058 / 3.170, b=64 5.515 /
-#: 5.464 / 5.512. ``QERL_ROPE_IN_ATTENTION=0`` turns it off.
+#: the same bits (docs/kernels.md#rope-in-attention). ``QERL_ROPE_IN_ATTENTION=0`` turns it off.
 ROPE_IN_ATTENTION = os.environ.get("QERL_ROPE_IN_ATTENTION", "1") != "0"
 #: Up to ``step_norm.RANK_SPLIT_MAX_ROWS`` rows the RMSNorm + LoRA shrink kernel splits u's ranks over programs,
 #: not the row's columns (``fused_step.rank_block``); ``QERL_SHRINK_BY_RANK=0`` turns it off.
 SHRINK_BY_RANK = os.environ.get("QERL_SHRINK_BY_RANK", "1") != "0"
 #: The decode GEMMs the rollout engine launches (frozen base weights) use programmatic dependent launch, and the
-#: kernels feeding them trigger it as they start (``qerl/kernels/pdl.py``); ``QERL_DECODE_PDL=0`` turns it off.
+#: kernels feeding them trigger it as they start (``qerl/kernels/pdl.py``, docs/kernels.md#pdl); ``QERL_DECODE_PDL=0``
+#: turns it off.
 DECODE_PDL = os.environ.get("QERL_DECODE_PDL", "1") != "0"
 #: The native engine samples without top-k / top-p through one kernel (``fused_step.sample``) instead of
 #: ~10 torch launches over the whole ``[B, V]`` logits. ``QERL_FUSED_SAMPLER=0`` turns it off (its draws
-#: then come from the engine's torch generator). H200, 7B NVFP4 + LoRA, ``python -m benchmarks.rollout
-#: --kernel-ab sampler`` (off / on / off at 256 tokens, rollout_sampler_ab.json): b=1 2.661 / 2.546 / 2.705 ms
-#: a step, b=8 3.028 / 2.916 / 3.028, b=64 5.444 / 5.312 / 5.488, b=128 7.911 / 7.595 / 7.985.
+#: then come from the engine's torch generator); faster at every batch (docs/kernels.md#fused-sampler).
 FUSED_SAMPLER = os.environ.get("QERL_FUSED_SAMPLER", "1") != "0"
-#: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps'
-#: best (docs/kernels.md, decode schedule sweeps). BM = 64 / 128 (the batches GRPO decodes): ``decode_tune.py --large``,
-#: H200, summed over the four 7B decode GEMMs (decode_tune_large.json): eight warps over 128
-#: weight rows (two warpgroups sharing one x tile, half the x re-reads of BN=64) run M=64 in 161.0 us
-#: (the BM <= 32 schedule: 186.7) and M=128 in 286.3 us (the BM=64 schedule: 367.4; dequantize +
-#: cuBLAS: 339.7). BK=128 at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the
+#: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps' best
+#: (docs/kernels.md#decode-schedule). BM = 64 / 128: eight warps over 128 weight rows, two warpgroups sharing one x
+#: tile (docs/kernels.md#decode-by-bm). BK=128 at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the
 #: 227 KB an SM has).
 DECODE_BY_BM = {
     16: DecodeConfig(),
@@ -160,7 +144,7 @@ def sm_count(device: torch.device) -> int:
 
 
 #: Fixed cost of one decode program (pipeline fill, split-K partial + ticket, epilogue) in K steps:
-#: the one parameter of ``decode_split``'s model, fit on b107c8a:benchmarks/results/decode_splits_fit.json (1-4 pick alike).
+#: the one parameter of ``decode_split``'s model, fitted on a split sweep (docs/kernels.md#wave-model).
 DECODE_PROGRAM_STEPS = 2
 
 
@@ -171,9 +155,8 @@ def decode_split(tiles: int, k_steps: int, slots: int, program_steps: int = DECO
     ``DECODE_PROGRAM_STEPS``). Minimizing waves x program length avoids both a last wave that is
     mostly empty (7B gate_up at M=1: 592 one-slice programs for 528 slots) and programs too short
     to pay their fixed cost (BM=64, one resident program per SM). Ties go to fewer slices (fewer
-    partials). H200, decode_splits.json (this rule as the default), sums over the 7B + 32B GEMMs:
-    M=1 212.8 us, M=64 541.0; the best split per shape: 210.5 / 538.5 (docs/kernels.md, "Split-K
-    from a wave model"). ``program_steps``: the fixed cost, in K steps, of the kernel being scheduled.
+    partials). Within ~1% of the best split per shape (docs/kernels.md#wave-model). ``program_steps``: the
+    fixed cost, in K steps, of the kernel being scheduled.
     """
     best, best_cost = 1, None
     for split in range(1, min(64, k_steps) + 1):
@@ -209,13 +192,12 @@ def balanced_split(tiles: int, split: int, slots: int, k_steps: int, sms: int) -
     ``extra`` tiles where a uniform split leaves resident slots empty and filling them shortens the busiest SM.
 
     Why: one wave of equal programs on fewer programs than slots leaves some SMs with fewer of them, and those
-    finish early and idle. 7B down at M=64 (56 tiles x 4 slices = 224 programs on 264 slots of 2 an SM): the
-    40 SMs holding one CTA ended their K loop at 15.8 us, the 92 holding two at 19.8 (H200, per-program
-    timestamps, b107c8a:benchmarks/results/timeline_s30.json). With 40 tiles in 5 slices the grid is 264 programs and
+    finish early and idle (7B down at M=64: 56 tiles x 4 slices = 224 programs on 264 slots of 2 an SM,
+    docs/kernels.md#balanced-split). With 40 tiles in 5 slices the grid is 264 programs and
     the kernel launches the longer slices' programs first (``fp4_gluon._slice_of``), so each SM holds at most one
     of them. Where there are more long programs than SMs, some SM still runs two and the extra slices only add
-    partials (32B down at M=32: 56 long programs x 3 > 132 SMs, 35.6 -> 37.1 us, b107c8a:benchmarks/results/balanced_split_gluon_s31.json):
-    the plan is kept only when the round-robin load model (``_max_sm_steps``) says the busiest SM gets lighter.
+    partials (32B down at M=32: 56 long programs x 3 > 132 SMs): the plan is kept only when the round-robin load
+    model (``_max_sm_steps``) says the busiest SM gets lighter.
     ``extra`` stays below ``tiles`` (all of them would be a uniform split the wave model did not pick)."""
     if split + 1 > k_steps or tiles * split >= slots:
         return split, 0

@@ -211,23 +211,13 @@ def rms_norm(
 #: Rows up to which ``rms_norm_shrink`` splits u's ranks over programs (``_rms_norm_rank_kernel``: each program
 #: normalises the whole row and reduces ``rb`` ranks over all of it) instead of the row's columns (partials summed by
 #: the row's last program, ``_finish_shrink``), for rows of at most ``RANK_MAX_BLOCK`` columns (held in registers).
-#: Why: the column split cost a 7B step 4.0 us a launch at b=1 against 2.0 for the plain RMSNorm, in the chain of
-#: each program (docs/kernels.md, "What the shrink producers spend their time on"); a by-rank program's chain
-#: has no partial store, ticket or partial sum. H200, 7B q/k/v (R=48) / gate_up (R=32) shapes, graph-timed with A
-#: from DRAM (benchmarks/results/shrink_rank_probe.json), us, column split -> by rank (this rule's choice):
-#: b=1 3.95 -> 2.52 / 3.87 -> 2.56, b=8 4.75 -> 3.21 / 4.05 -> 2.77, b=16 5.44 -> 3.47 / 4.39 -> 2.91, b=32 6.61 ->
-#: 4.56 / 5.18 -> 3.51 (the plain RMSNorm: 2.0-2.2); the 7B engine, b=1 2.691 / 2.621 -> 2.517 ms a step
-#: (rollout_shrink_rank_ab.json), b=8 2.884 / 2.860 -> 2.776, b=16 3.256 / 3.187 -> 3.086, b=32 3.662 / 3.643 -> 3.525
-#: (rollout_shrink_rank_ab_b8_32.json); at 48 / 64 rows 11.17 -> 6.13 / 13.18 -> 7.26 and 6.12 -> 4.39 / 9.28 -> 4.49
-#: (b107c8a:benchmarks/results/shrink_rank_probe_48_64.json), which moved ``decoder.FUSED_LORA_MAX_ROWS`` to 64 with it. The same split for the
-#: SiLU shrink was 2x slower.
+#: Why: the column split's partial store, ticket and partial sum sit in each program's chain; a by-rank program has
+#: none, and is faster at every row count up to 64 (docs/kernels.md#rank-split). The SiLU shrink keeps the column split.
 RANK_SPLIT_MAX_ROWS = 64
 RANK_MAX_BLOCK = 8192
 #: Warps of a by-rank program, the programs a launch aims at, and the most A values a thread holds (``rank_block``:
-#: ranks x row width / threads). The same probe: 8 warps were the fastest or within 0.25 us of 4 and 16 at every
-#: shape, and the fewest ranks a program that keep a launch at 128 programs the fastest ``rb`` or within 0.1 us, up
-#: to 8 ranks of the 7B row (4096 columns padded, 128 values a thread); wider rows (32B: 8192) take fewer ranks a
-#: program rather than more values a thread (offline sm_90: 8 ranks of an 8192-column row spill, 4 do not).
+#: ranks x row width / threads): the fastest measured up to 8 ranks of the 7B row (4096 columns padded, 128 values a
+#: thread); wider rows take fewer ranks a program, as more values a thread spill (docs/kernels.md#rank-split).
 RANK_WARPS = 8
 RANKTARGET_PROGRAMS = 128
 RANK_MAX_VALUES = 128
@@ -394,7 +384,7 @@ def silu_mul_shrink(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer); ``permute`` as in ``rms_norm``
     (the first result only). Always the column split: a by-rank program would gate the whole row (18,944 columns
-    at 7B) and measured 2x slower (H200, docs/kernels.md)."""
+    at 7B) and measured 2x slower (docs/kernels.md#rank-split)."""
     k = gate.shape[-1]
     m = gate.numel() // k
     rank = lora_a.shape[0]

@@ -39,11 +39,8 @@ from qerl.kernels import backend, reference, schedule
 from qerl.rollout.layers import Group, Norm, Proj
 
 #: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input (above, one
-#: cuBLAS matmul per group). With the column-split RMSNorm shrink (each row's programs re-read A from L2) cuBLAS
-#: won from 48 rows (7B step 7.10 vs 6.98 ms at b=48, 7.14 vs 6.96 at b=64); with the RMSNorm shrink split over
-#: u's ranks up to 64 rows (``step_norm.RANK_SPLIT_MAX_ROWS``) the fused path wins there too: H200, 7B NVFP4 +
-#: LoRA r16, 256 tokens, cuBLAS above 32 / fused up to 64, A/B/A/B (git show b107c8a:benchmarks/results/rollout_fused64_ab.json):
-#: b=48 5.067 / 4.889 / 5.062 / 4.866 ms a step, b=64 5.015 / 4.850 / 5.034 / 4.822 (-3.7% at both).
+#: cuBLAS matmul per group). 64: with the RMSNorm shrink split over u's ranks up to 64 rows
+#: (``step_norm.RANK_SPLIT_MAX_ROWS``) the fused path beats cuBLAS there too (docs/kernels.md#fused-lora-rows).
 FUSED_LORA_MAX_ROWS = 64
 
 
