@@ -39,25 +39,6 @@ def load_base(model: str, load: str, dtype: torch.dtype | None, device: str | No
     return base
 
 
-def _names(name_or_path: str | None) -> set[str]:
-    """Spellings under which a model may be recorded: the path as given and resolved, its last component,
-    and the repo id behind a hub-cache snapshot path (``models--org--name/snapshots/<hash>``).
-
-    Matching by last component lets an adapter trained on ``/gpu-box/qmodel/X`` be evaluated on
-    ``./qmodel/X``; it is only a guard against obvious mix-ups, the shape check is the hard one."""
-    if not name_or_path:
-        return set()
-    text = str(name_or_path).rstrip("/")
-    names = {text, Path(text).name}
-    path = Path(text).expanduser()
-    if path.exists():
-        names.add(str(path.resolve()))
-    hub = re.search(r"models--([^/]+?)--([^/]+)", text)
-    if hub:
-        names |= {f"{hub.group(1)}/{hub.group(2)}", hub.group(2)}
-    return names
-
-
 def _read_adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
     for name in ADAPTER_WEIGHT_FILES:
         path = adapter_dir / name
@@ -89,13 +70,7 @@ def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_misma
     if not isinstance(config, LoraConfig):
         raise UsageError(f"--lora {adapter_dir}: a {type(config).__name__} adapter; only LoRA adapters are supported")
     recorded = config.base_model_name_or_path
-    base_names = _names(getattr(model, "name_or_path", None)) | _names(model_arg)
-    same_content = check_adapter_base(path, model_arg, allow_base_mismatch)
-    if same_content is None and recorded and not (_names(recorded) & base_names) and not allow_base_mismatch:
-        raise UsageError(
-            f"--lora {adapter_dir}: adapter was made for base model {recorded!r}, but --model is {model_arg!r}; "
-            "pass --allow-base-mismatch if they are the same weights"
-        )
+    check_adapter_base(path, model_arg, allow_base_mismatch)
     try:
         wrapped = load_adapter(model, str(path))
     except (RuntimeError, ValueError, KeyError) as e:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from qerl.cli import UsageError
@@ -63,15 +64,21 @@ def _file_sha256(path: Path, cache: dict[str, list]) -> str:
     return h.hexdigest()
 
 
-def tree_sha256(path: str | os.PathLike[str]) -> str | None:
-    """sha256 over every regular file below ``path`` (relative name and content; symlinks followed, as
-    in hub snapshots), or of the file itself; None when ``path`` does not exist."""
+#: What shapes a model's outputs: its weights, their index and the config that builds the modules around them.
+#: Anything else in its directory (notes, a README, a lock file of an output written there) is not the model.
+MODEL_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
+
+
+def tree_sha256(path: str | os.PathLike[str], patterns: tuple[str, ...] = ("*",)) -> str | None:
+    """sha256 over every regular file below ``path`` whose name matches one of ``patterns`` (relative name and
+    content; symlinks followed, as in hub snapshots), or of the file itself; None when ``path`` does not exist."""
     root = Path(path).expanduser()
     if not root.exists():
         return None
     cache = _load_cache()
     before = dict(cache)
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    files = [root] if root.is_file() else sorted(
+        p for p in root.rglob("*") if p.is_file() and any(p.match(pattern) for pattern in patterns))
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.relative_to(root) if f != root else f.name}\0{_file_sha256(f, cache)}\n".encode())
@@ -85,8 +92,8 @@ def tree_sha256(path: str | os.PathLike[str]) -> str | None:
 
 
 def model_sha256(name_or_path: str | os.PathLike[str]) -> str | None:
-    """Digest of the model behind a ``--model`` argument: its local directory (the embedded default
-    included) or file; None for a hub id, or for a path that is no model (missing, or a directory
+    """Digest of the model behind a ``--model`` argument: the :data:`MODEL_FILES` of its local directory (the
+    embedded default included), or the file itself; None for a hub id, or for a path that is no model (missing, or a directory
     without config.json, which is not read: loading it will fail with the reason)."""
     from qerl.hub import resolve_model
 
@@ -96,7 +103,7 @@ def model_sha256(name_or_path: str | os.PathLike[str]) -> str | None:
         return None
     if isinstance(resolved, str) or (resolved.is_dir() and not (resolved / "config.json").is_file()):
         return None
-    return tree_sha256(resolved)
+    return tree_sha256(resolved, MODEL_FILES)
 
 
 def adapter_sha256(path: str | os.PathLike[str]) -> str | None:
@@ -127,10 +134,13 @@ def _recorded_base(adapter_dir: Path) -> tuple[str | None, str | None]:
 def check_adapter_base(adapter_dir: str | os.PathLike[str], model: str, allow_mismatch: bool = False) -> bool | None:
     """Whether the adapter in ``adapter_dir`` was trained on ``model``, by content: True when its recorded
     base digest (:func:`_recorded_base`) is ``model``'s, None when that cannot be known (no record, e.g. an
-    adapter made elsewhere; a hub id). A different digest raises a one-line UsageError unless ``allow_mismatch``."""
+    adapter made elsewhere; a hub id), after the name peft recorded was checked (:func:`_check_recorded_name`).
+    A different digest raises a one-line UsageError unless ``allow_mismatch``. Export and evaluation both ask
+    here, so an adapter one of them refuses the other refuses too."""
     name, recorded = _recorded_base(Path(adapter_dir).expanduser())
     digest = model_sha256(model) if recorded is not None else None
     if digest is None:
+        _check_recorded_name(Path(adapter_dir).expanduser(), model, allow_mismatch)
         return None
     if digest == recorded:
         return True
@@ -140,4 +150,44 @@ def check_adapter_base(adapter_dir: str | os.PathLike[str], model: str, allow_mi
                      f"--model {model} has other weights (sha256 {digest[:12]}); pass --allow-base-mismatch to use it anyway")
 
 
-__all__ = ["BASE_RECORD", "adapter_sha256", "check_adapter_base", "model_sha256", "tree_sha256", "write_base_record"]
+def _names(name_or_path: str | None) -> set[str]:
+    """Spellings under which a model may be recorded: the path as given and resolved, its last component,
+    and the repo id behind a hub-cache snapshot path (``models--org--name/snapshots/<hash>``).
+
+    Matching by last component lets an adapter trained on ``/gpu-box/qmodel/X`` be evaluated on
+    ``./qmodel/X``; it is only a guard against obvious mix-ups, the shape check is the hard one."""
+    if not name_or_path:
+        return set()
+    text = str(name_or_path).rstrip("/")
+    names = {text, Path(text).name}
+    path = Path(text).expanduser()
+    if path.exists():
+        names.add(str(path.resolve()))
+    hub = re.search(r"models--([^/]+?)--([^/]+)", text)
+    if hub:
+        names |= {f"{hub.group(1)}/{hub.group(2)}", hub.group(2)}
+    return names
+
+
+def _check_recorded_name(adapter_dir: Path, model: str, allow_mismatch: bool) -> None:
+    """For an adapter without a digest record: refuse (unless ``allow_mismatch``) when the base peft recorded in
+    its adapter_config.json (``base_model_name_or_path``) shares no spelling (:func:`_names`) with ``model``."""
+    from qerl.hub import resolve_model
+
+    try:
+        recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not recorded or allow_mismatch:
+        return
+    try:
+        resolved = resolve_model(model)
+    except (FileNotFoundError, ValueError):
+        resolved = None
+    if _names(recorded) & (_names(model) | _names(None if resolved is None else str(resolved))):
+        return
+    raise UsageError(f"--lora {adapter_dir}: adapter was made for base model {recorded!r}, but --model is {model!r}; "
+                     "pass --allow-base-mismatch if they are the same weights")
+
+
+__all__ = ["BASE_RECORD", "MODEL_FILES", "adapter_sha256", "check_adapter_base", "model_sha256", "tree_sha256", "write_base_record"]

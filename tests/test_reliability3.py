@@ -130,3 +130,44 @@ def test_config_that_does_not_describe_the_weights_is_refused(qtiny, tiny_dense_
             "--report-to", "none", "--max_steps", "1"]
     assert "num_hidden_layers" in _one_error(run(train.main, argv), capsys.readouterr().err)
     assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "run").exists()
+
+
+def test_model_digest_covers_the_weights_and_config_only(qtiny, tmp_path: Path) -> None:
+    """A NOTES.md, or eval's lock file of an output written inside the model directory, made every adapter of the
+    model 'trained on other weights'; a changed config or weight still does."""
+    from qerl.fingerprint import model_sha256
+
+    model = shutil.copytree(qtiny, tmp_path / "model")
+    digest = model_sha256(model)
+    (model / "NOTES.md").write_text("my notes\n")
+    (model / ".results.jsonl.lock").write_text("123\n")
+    (model / "results.jsonl").write_text("{}\n")
+    assert model_sha256(model) == digest
+    _with_config(model, tmp_path / "other", rms_norm_eps=1e-3)
+    assert model_sha256(tmp_path / "other") != digest
+
+
+def test_export_refuses_an_adapter_made_for_another_base_as_eval_does(qtiny, tmp_path: Path, capsys) -> None:
+    """An adapter without qerl_base.json (made elsewhere) records its base's name only: eval refused it on another
+    base, export merged it with rc 0 and no warning."""
+    from peft import get_peft_model
+
+    from eval import gsm8k
+    from qerl import export
+    from qerl.cli import run
+    from qerl.loader import load_model
+    from qerl.lora import lora_config
+
+    adapter = tmp_path / "adapter"
+    get_peft_model(load_model(qtiny, device="cpu", dtype=torch.float32), lora_config(r=2)).save_pretrained(adapter)
+    assert not (adapter / "qerl_base.json").exists()
+    other = shutil.copytree(qtiny, tmp_path / "other-model")
+    argv = ["--model", str(other), "--lora", str(adapter), "--output", str(tmp_path / "merged")]
+    line = _one_error(export.main(argv), capsys.readouterr().err)
+    assert "adapter was made for base model" in line and "--allow-base-mismatch" in line, line
+    eval_argv = ["--model", str(other), "--lora", str(adapter), "--data", str(_data(tmp_path, [GOOD])),
+                 "--output", str(tmp_path / "r.jsonl"), *EVAL_FLAGS]
+    assert "adapter was made for base model" in _one_error(run(gsm8k.main, eval_argv), capsys.readouterr().err)
+    assert not (tmp_path / "merged").exists()
+    assert export.main(argv + ["--allow-base-mismatch"]) == 0
+    assert export.main(["--model", str(qtiny), "--lora", str(adapter), "--output", str(tmp_path / "m2")]) == 0
