@@ -12,6 +12,7 @@ do the model is not even loaded and the run just recounts the file.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -84,14 +85,21 @@ def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = No
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
+#: The most ``--samples`` per question: every (question, sample) pair is planned in memory before the first
+#: generation, and pass@1 over more samples than this changes in the fourth decimal at most.
+MAX_SAMPLES = 1024
+
+
 def _check_arguments(args: argparse.Namespace) -> None:
     positive = {"--limit": args.limit, "--batch-size": args.batch_size, "--max-new-tokens": args.max_new_tokens,
                 "--samples": args.samples}
     for flag, value in positive.items():
         if value is not None and value < 1:
             raise UsageError(f"{flag}: expected a positive integer, got {value}")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature: expected >= 0, got {args.temperature}")
+    if args.samples is not None and args.samples > MAX_SAMPLES:
+        raise UsageError(f"--samples: expected at most {MAX_SAMPLES} samples per question, got {args.samples}")
+    if not 0 <= args.temperature < math.inf:  # false for nan, which the results would record as invalid JSON
+        raise UsageError(f"--temperature: expected a finite number >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p: expected a value in (0, 1], got {args.top_p}")
 

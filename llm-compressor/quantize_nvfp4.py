@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from qerl.cli import ArgumentParser, UsageError, environment_error, run  # noqa: E402
+from qerl.cli import ArgumentParser, UsageError, environment_error, run, shard_gb  # noqa: E402
 from qerl.quant.calibration import DEFAULT_MAX_TOKENS, DEFAULT_SAMPLES, Calibration  # noqa: E402
 from qerl.quantize import METHOD_BACKENDS, default_output, quantize_checkpoint  # noqa: E402
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Linear modules to keep in bf16 besides lm_head: full or last-part names (down_proj) "
                         "or re:REGEX patterns matched against full names, for both backends")
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too (kept in bf16 by default)")
-    p.add_argument("--max-shard-gb", type=float, default=4.0, help="output shard size; bounds the streaming peak memory")
+    p.add_argument("--max-shard-gb", type=shard_gb, default=4.0, help="output shard size; bounds the streaming peak memory")
     p.add_argument("--skip_generation", "--skip-generation", action="store_true", help="do not print a sample generation")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output directory (only an earlier NVFP4 output of this tool)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -84,6 +85,22 @@ class ArgumentParser(StrictParsing, argparse.ArgumentParser):
     """``argparse.ArgumentParser`` with :class:`StrictParsing`."""
 
 
+#: The largest output shard ``--max-shard-gb`` takes: a shard is held in memory while it is written.
+MAX_SHARD_GB = 1024.0
+
+
+def shard_gb(text: str) -> float:
+    """argparse type of ``--max-shard-gb``: a size in GB in (0, :data:`MAX_SHARD_GB`]. ``inf`` crashed the size
+    arithmetic, ``0`` meant the default and a negative size one shard per tensor, all without a word."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_SHARD_GB:  # false for nan
+        raise argparse.ArgumentTypeError(f"expected a size in GB in (0, {MAX_SHARD_GB:g}], got {text!r}")
+    return value
+
+
 def run(
     main: Callable[[Sequence[str] | None], Any],
     argv: Sequence[str] | None = None,
@@ -136,5 +153,5 @@ def _fail(message: object) -> int:
     return USAGE_EXIT
 
 
-__all__ = ["ArgumentParser", "StrictParsing", "UsageError", "run", "usage_errors", "one_line", "environment_error",
+__all__ = ["ArgumentParser", "shard_gb", "MAX_SHARD_GB", "StrictParsing", "UsageError", "run", "usage_errors", "one_line", "environment_error",
            "ENVIRONMENT_ERRNOS", "USAGE_EXIT", "INTERRUPTED_EXIT"]

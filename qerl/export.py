@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 
 from qerl import checkpoint, hub, nvfp4, quantize
-from qerl.cli import ArgumentParser, UsageError, run
+from qerl.cli import ArgumentParser, UsageError, run, shard_gb
 from qerl.fingerprint import check_adapter_base
 from qerl.fsutil import atomic_directory
 from qerl.integrity import check_tensor, check_tensors
@@ -297,7 +297,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="output directory (written atomically)")
     p.add_argument("--format", default="bf16", choices=FORMATS, help="bf16: dense merge; nvfp4: re-quantized merge")
     p.add_argument("--method", default="rtn", choices=QUANT_METHODS, help="re-quantization method (--format nvfp4)")
-    p.add_argument("--max-shard-gb", type=float, default=4.0, help="output shard size")
+    p.add_argument("--max-shard-gb", type=shard_gb, default=4.0, help="output shard size (GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
     p.add_argument("--allow-base-mismatch", action="store_true",
                    help="merge --lora even if it records another base model's digest (shapes are still checked)")
@@ -312,8 +312,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _export(argv: Sequence[str] | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    if not args.max_shard_gb > 0:
-        raise UsageError(f"--max-shard-gb: expected a positive size, got {args.max_shard_gb}")
     try:
         record = export(args.model, args.lora, args.output, fmt=args.format, method=args.method,
                         overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),

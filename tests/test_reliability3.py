@@ -171,3 +171,37 @@ def test_export_refuses_an_adapter_made_for_another_base_as_eval_does(qtiny, tmp
     assert not (tmp_path / "merged").exists()
     assert export.main(argv + ["--allow-base-mismatch"]) == 0
     assert export.main(["--model", str(qtiny), "--lora", str(adapter), "--output", str(tmp_path / "m2")]) == 0
+
+
+# --- bounded inputs -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", ["inf", "nan", "-1", "0", "1e9"])
+def test_shard_size_out_of_range_is_one_line(size: str, tmp_path: Path, capsys) -> None:
+    """--max-shard-gb inf: a traceback; -1: one shard per tensor; 0: silently 4 GB. Both commands refuse them."""
+    import importlib.util
+
+    from qerl import export
+
+    spec = importlib.util.spec_from_file_location("quantize_nvfp4", Path(__file__).parents[1] / "llm-compressor" /
+                                                  "quantize_nvfp4.py")
+    quantize_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quantize_cli)
+    for main, argv in ((export.main, ["--model", "m", "--lora", "a", "--output", str(tmp_path / "o")]),
+                       (quantize_cli.main, ["--model", "m", "--output", str(tmp_path / "q")])):
+        line = _one_error(main([*argv, "--max-shard-gb", size]), capsys.readouterr().err)
+        assert "--max-shard-gb" in line and "expected a size in GB" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flags, expected", [(["--temperature", "nan"], "--temperature"),
+                                             (["--temperature", "inf"], "--temperature"),
+                                             (["--samples", "100000000"], "--samples")])
+def test_eval_numbers_out_of_range_are_one_line(qtiny, tmp_path: Path, capsys, flags: list[str], expected: str) -> None:
+    """--samples 100000000 ran out of memory before any output; --temperature nan was recorded as invalid JSON."""
+    from eval import gsm8k
+    from qerl.cli import run
+
+    out = tmp_path / "r.jsonl"
+    argv = ["--model", str(qtiny), "--data", str(_data(tmp_path, [GOOD])), "--output", str(out), *EVAL_FLAGS, *flags]
+    assert _one_error(run(gsm8k.main, argv), capsys.readouterr().err).startswith(f"error: {expected}")
+    assert not out.exists()
