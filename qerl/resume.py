@@ -8,7 +8,8 @@ of the model weights. A later run into the same directory compares its own setti
   run already reached ``max_steps``, do nothing and report that summary (``--resume auto``);
 * different settings: refuse with one line naming the keys that differ, because continuing would
   train an adapter on a mixture and label it with the new settings; ``--resume force`` continues
-  anyway and the summary lists the keys that changed (``resumed_with_changes``);
+  anyway and the summary lists the keys that changed (``resumed_with_changes``); a run that saved
+  nothing yet (no complete checkpoint, adapter or summary: it crashed early) is simply started afresh;
 * a directory holding run files but no record (an older qerl): refused likewise, its settings unknown.
 
 Some settings may change between the runs (``RESUMABLE_KEYS``): where results go, how often they are
@@ -116,11 +117,23 @@ def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
     else:
         has_run = any((out / name).exists() for name in RUN_FILES) or any(out.glob("checkpoint-*"))
         changed = ["(unknown: no run_config.json)"] if has_run else []
+    if changed and mode != "force" and record.exists() and not _holds_work(out):  # no record: an older qerl's run
+        logger.info("%s: its run (different %s) saved no checkpoint, adapter or summary; starting afresh with these "
+                    "settings", out, ", ".join(changed))
+        changed = []
     if changed and mode != "force":
         raise UsageError(f"--output_dir {out}: holds a run with different {', '.join(changed)}; {force}")
     summary = _read_summary(out / SUMMARY_FILE)
     done = summary is not None and (max_steps <= 0 or int(summary.get("global_step") or 0) >= max_steps)
     return Plan(changed=changed, finished=summary if done and not changed else None)
+
+
+def _holds_work(out: Path) -> bool:
+    """Whether ``out`` holds anything a run with other settings could spoil: a complete checkpoint, the final
+    adapter or the summary. A run that crashed before its first save (a wrong flag found in step 1) holds
+    nothing worth protecting, so the corrected rerun into the same directory is not refused."""
+    return ((out / SUMMARY_FILE).exists() or (out / "adapter").exists()
+            or any(out.glob(f"{PREFIX_CHECKPOINT_DIR}-*/{CHECKPOINT_MARKER}")))
 
 
 def _read_summary(path: Path) -> dict[str, Any] | None:

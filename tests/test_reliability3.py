@@ -205,3 +205,21 @@ def test_eval_numbers_out_of_range_are_one_line(qtiny, tmp_path: Path, capsys, f
     argv = ["--model", str(qtiny), "--data", str(_data(tmp_path, [GOOD])), "--output", str(out), *EVAL_FLAGS, *flags]
     assert _one_error(run(gsm8k.main, argv), capsys.readouterr().err).startswith(f"error: {expected}")
     assert not out.exists()
+
+
+# --- leftovers ----------------------------------------------------------------------------------------------
+
+def test_run_that_saved_nothing_does_not_block_the_corrected_rerun(tmp_path: Path) -> None:
+    """A run that crashed in step 1 refused the corrected rerun into its directory ('different settings')."""
+    from qerl import resume
+    from qerl.cli import UsageError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    resume.save(out, {"learning_rate": 1.0})
+    (out / resume.METRICS_FILE).write_text('{"step": 1, "loss": 0.5}\n')
+    assert resume.plan(out, {"learning_rate": 1e-5}, "auto", 10) == resume.Plan(changed=[], finished=None)
+    (out / "checkpoint-1").mkdir()
+    (out / "checkpoint-1" / resume.CHECKPOINT_MARKER).write_text("{}")
+    with pytest.raises(UsageError, match="different learning_rate"):
+        resume.plan(out, {"learning_rate": 1e-5}, "auto", 10)
