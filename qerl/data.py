@@ -243,12 +243,18 @@ def load_dataset(
 
 
 def filter_prompt_length(ds: Dataset, tokenizer: Any, max_tokens: int) -> Dataset:
-    """Drop rows whose chat-templated prompt exceeds ``max_tokens`` (trl no longer truncates prompts)."""
+    """Drop rows whose chat-templated prompt exceeds ``max_tokens`` (trl no longer truncates prompts).
+
+    A prompt with more characters than ``max_tokens`` times the longest vocabulary entry certainly has more
+    tokens, so it is dropped without tokenizing it (as eval bounds its prompts, ``eval.prompting``): one 64 MB
+    question ran the tokenizer out of memory here."""
     if max_tokens is None or max_tokens <= 0:
         return ds
+    max_chars = max_tokens * max(len(t) for t in tokenizer.get_vocab())
 
     def short(row: dict[str, Any]) -> bool:
-        return len(encode_chat(tokenizer, row["prompt"])) <= max_tokens
+        chars = sum(len(message["content"]) for message in row["prompt"])
+        return chars <= max_chars and len(encode_chat(tokenizer, row["prompt"])) <= max_tokens
 
     return ds.filter(short)
 

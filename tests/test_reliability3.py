@@ -223,3 +223,22 @@ def test_run_that_saved_nothing_does_not_block_the_corrected_rerun(tmp_path: Pat
     (out / "checkpoint-1" / resume.CHECKPOINT_MARKER).write_text("{}")
     with pytest.raises(UsageError, match="different learning_rate"):
         resume.plan(out, {"learning_rate": 1e-5}, "auto", 10)
+
+
+def test_training_prompt_filter_never_tokenizes_a_huge_question(smollm2_dir: Path, monkeypatch) -> None:
+    """With --max_prompt_length 512, one 64 MB question was tokenized whole and ran out of memory in the filter."""
+    from datasets import Dataset
+
+    from qerl import data
+    from qerl.loader import load_tokenizer
+    from qerl.prompts import chat_messages, encode_chat
+
+    def bounded(tokenizer, messages):
+        assert sum(len(m["content"]) for m in messages) < 1_000_000, "a huge question reached the tokenizer"
+        return encode_chat(tokenizer, messages)
+
+    monkeypatch.setattr(data, "encode_chat", bounded)
+    rows = Dataset.from_list([{"prompt": chat_messages(q, "plain"), "answer": "5"}
+                              for q in ("What is 2 + 3?", "1 + 1 = ? " * 400_000)])
+    kept = data.filter_prompt_length(rows, load_tokenizer(smollm2_dir), 512)
+    assert [p[-1]["content"] for p in kept["prompt"]] == ["What is 2 + 3?"]
