@@ -219,9 +219,10 @@ def test_existing_output_rules(dirs, adapter, tmp_path: Path, capsys) -> None:
 
 
 def test_bad_adapters(dirs, adapter, tmp_path: Path, capsys) -> None:
-    def fails(lora: Path, expected: str) -> None:
+    def fails(lora: Path, expected: str, *flags: str) -> None:
         # 10 kB shards: a mismatch found late comes after shards were written (none may remain).
-        args = ["--model", str(dirs["nvfp4"]), "--lora", str(lora), "--output", str(tmp_path / "out"), "--max-shard-gb", "1e-5"]
+        args = ["--model", str(dirs["nvfp4"]), "--lora", str(lora), "--output", str(tmp_path / "out"), "--max-shard-gb", "1e-5",
+                *flags]
         code, err = run_cli(args, capsys)
         assert code == 2 and expected in err, err
         assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
@@ -233,11 +234,13 @@ def test_bad_adapters(dirs, adapter, tmp_path: Path, capsys) -> None:
     config = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     fails(dora, "use_dora is set")
-    # An adapter of another model: a 3-layer one targets layers the 2-layer checkpoint lacks; one with a
-    # wider MLP only shows at the MLP's tensors, midway through the writing.
+    # An adapter of another model is refused by the base name peft recorded (as eval does); past that check
+    # (--allow-base-mismatch) a 3-layer one targets layers the 2-layer checkpoint lacks, and one with a wider
+    # MLP only shows at the MLP's tensors, midway through the writing.
     for name, overrides, expected in (("deeper", dict(layers=3), "does not have"), ("wider", dict(intermediate=192), "shape")):
         other = quantize_checkpoint(make_tiny_llama(tmp_path / f"{name}-src", vocab=VOCAB, **overrides), tmp_path / f"{name}-q")
-        fails(make_adapter(other, tmp_path / f"{name}-ad"), expected)
+        fails(make_adapter(other, tmp_path / f"{name}-ad"), "adapter was made for base model")
+        fails(tmp_path / f"{name}-ad", expected, "--allow-base-mismatch")
         for suffix in ("src", "q", "ad"):
             shutil.rmtree(tmp_path / f"{name}-{suffix}")
 
@@ -247,7 +250,7 @@ def test_bad_model_and_flags(adapter, tmp_path: Path, capsys) -> None:
     assert code == 2 and "does not exist" in err
     for flag, needle in ((["--format", "int4"], "--format: invalid choice: 'int4'"),
                          (["--method", "gptq"], "--method: invalid choice: 'gptq'"),
-                         (["--max-shard-gb", "0"], "--max-shard-gb: expected a positive size")):
+                         (["--max-shard-gb", "0"], "--max-shard-gb: expected a size in GB")):
         # Issue 53, item 8: one ``error:`` line, as every qerl CLI, not argparse's 3-line usage dump.
         assert main(["--model", "x", "--lora", "y", "--output", "z", *flag]) == 2
         err = capsys.readouterr().err
