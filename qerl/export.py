@@ -16,8 +16,10 @@ step rounds back to the base code. The export therefore measures, over all merge
 of the LoRA delta the new codes keep (``<Q(W + d) - Q(W), d> / |d|^2``: 1 kept, 0 lost) and records it
 in ``qerl_export.json``; below one half it warns and suggests ``--format bf16``.
 
-Tensors stream one at a time (peak memory: one output shard plus a few fp32 copies of the largest
-Linear), each checked as it is read (``qerl.integrity``: a NaN block scale stops the export in one
+Every tensor's declared shape and dtype are checked against the model its config.json describes before
+anything is written (a damaged header declaring a 16 GiB tensor, or one the model has not, is refused,
+not copied). Tensors stream one at a time (peak memory: one output shard plus a few fp32 copies of the
+largest Linear), each checked as it is read (``qerl.integrity``: a NaN block scale stops the export in one
 line instead of writing NaN weights), the output appears atomically (temp dir, then rename) under its
 run lock (``qerl.runlock``), and an existing output is replaced only with ``--overwrite`` and only if
 this tool wrote it (its ``qerl_export.json`` marker). An adapter that records the digest of the model
@@ -109,7 +111,9 @@ def read_adapter(path: Path) -> Adapter:
         suffix = next((s for s in _LORA_SUFFIXES if name.endswith(s)), None)
         if suffix is not None:
             pairs.setdefault(name[: -len(suffix)], {})[suffix[1:7]] = value
-        elif name.endswith(".weight") and any(name[: -len(".weight")].split(".")[-1] == m for m in config.modules_to_save or ()):
+        elif name.endswith(".weight") and any(
+            name[: -len(".weight")].split(".")[-1] == m for m in config.modules_to_save or ()
+        ):
             adapter.overrides[name] = value
         else:
             raise ValueError(f"{weights}: tensor {key!r} is neither a LoRA A/B weight nor a modules_to_save weight")
@@ -118,7 +122,9 @@ def read_adapter(path: Path) -> Adapter:
             raise ValueError(f"{weights}: layer {layer!r} has {sorted(ab)} but needs both lora_A and lora_B")
         a, b = ab["lora_A"], ab["lora_B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"{weights}: layer {layer!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; ranks differ")
+            raise ValueError(
+                f"{weights}: layer {layer!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; ranks differ"
+            )
         # The scaling peft gives this layer (LoraModel._create_and_replace, LoraLayer.update_layer).
         r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), layer), config.r)
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), layer), config.lora_alpha)
@@ -149,13 +155,18 @@ def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_b
     config = checkpoint.read_config(model_dir)
     checkpoint.check_layer_count(model_dir, config)
     tensors = checkpoint.TensorIndex(model_dir, check=check_tensor)
+    checkpoint.check_headers(model_dir, tensors)
     packed = checkpoint.packed_layers(tensors.names())
     for layer in adapter.deltas:
         if layer not in packed and f"{layer}.weight" not in tensors:
-            raise ValueError(f"--lora {adapter.path}: targets {layer!r}, which {model_dir} does not have; wrong base model?")
+            raise ValueError(
+                f"--lora {adapter.path}: targets {layer!r}, which {model_dir} does not have; wrong base model?"
+            )
     for name in adapter.overrides:
         if name not in tensors and name.removesuffix(".weight") not in packed:
-            raise ValueError(f"--lora {adapter.path}: replaces {name!r}, which {model_dir} does not have; wrong base model?")
+            raise ValueError(
+                f"--lora {adapter.path}: replaces {name!r}, which {model_dir} does not have; wrong base model?"
+            )
     stats = MergeStats()
     writer = quantize._ShardWriter(out_dir, max_shard_bytes)
     for name in tensors.names():
@@ -190,7 +201,9 @@ def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_b
 
 def _checked(value: torch.Tensor, target: torch.Tensor, name: str, adapter: Path) -> torch.Tensor:
     if tuple(value.shape) != tuple(target.shape):
-        raise ValueError(f"--lora {adapter}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}")
+        raise ValueError(
+            f"--lora {adapter}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}"
+        )
     return value
 
 
@@ -231,7 +244,9 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> None:
     if not out.exists():
         return
     if not (out / MARKER).is_file():
-        raise FileExistsError(f"--output {out}: exists and was not written by qerl.export (no {MARKER}); refusing to replace it")
+        raise FileExistsError(
+            f"--output {out}: exists and was not written by qerl.export (no {MARKER}); refusing to replace it"
+        )
     if not overwrite:
         raise FileExistsError(f"--output {out}: exists (an earlier export); pass --overwrite to replace it")
 
@@ -271,8 +286,16 @@ def export(
     return record
 
 
-def _write(model_dir: Path, adapter: Adapter, out: Path, record: dict, fmt: str, method: str, source_config: dict,
-           max_shard_bytes: int | None) -> None:
+def _write(
+    model_dir: Path,
+    adapter: Adapter,
+    out: Path,
+    record: dict,
+    fmt: str,
+    method: str,
+    source_config: dict,
+    max_shard_bytes: int | None,
+) -> None:
     """The merge into ``out`` (atomically), its statistics added to ``record``, which is written last."""
     with atomic_directory(out) as tmp:
         if fmt == "bf16":
@@ -292,15 +315,20 @@ def _write(model_dir: Path, adapter: Adapter, out: Path, record: dict, fmt: str,
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The flags; a mistake is one ``error:`` line (``qerl.cli``), as in every qerl command."""
     p = ArgumentParser(prog="python -m qerl.export", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="the checkpoint the adapter was trained on (NVFP4 or dense dir, hub id)")
+    p.add_argument(
+        "--model", required=True, help="the checkpoint the adapter was trained on (NVFP4 or dense dir, hub id)"
+    )
     p.add_argument("--lora", required=True, help="peft adapter directory (e.g. RUN/adapter or RUN/checkpoint-N)")
     p.add_argument("--output", required=True, help="output directory (written atomically)")
     p.add_argument("--format", default="bf16", choices=FORMATS, help="bf16: dense merge; nvfp4: re-quantized merge")
     p.add_argument("--method", default="rtn", choices=QUANT_METHODS, help="re-quantization method (--format nvfp4)")
     p.add_argument("--max-shard-gb", type=shard_gb, default=4.0, help="output shard size (GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
-    p.add_argument("--allow-base-mismatch", action="store_true",
-                   help="merge --lora even if it records another base model's digest (shapes are still checked)")
+    p.add_argument(
+        "--allow-base-mismatch",
+        action="store_true",
+        help="merge --lora even if it records another base model's digest (shapes are still checked)",
+    )
     return p.parse_args(argv)
 
 
