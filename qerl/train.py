@@ -13,10 +13,11 @@ scripts' choice: one epoch, the data set's completion budget (``qerl.data``), AQ
 (``qerl.config``), the data set's prompt (``--prompt-style``). ``--push_to_hub`` uploads only when a
 Hugging Face token is configured; otherwise it logs one note and the run stays local.
 
-A run into an ``output_dir`` that already holds one continues it from its newest complete checkpoint,
-but only when the recorded settings (``run_config.json``: flags, data and model digests) match; a
+A run into an ``output_dir`` that already holds one continues it from its newest complete checkpoint
+(every file of it read back and checked first: a damaged one is refused in one line, or moved aside for the
+one before with ``--damaged_checkpoint previous``), but only when the recorded settings (``run_config.json``: flags, data and model digests) match; a
 finished run is a no-op, and different settings are refused in one line unless ``--resume force``
-(``qerl.resume``); settings that may change (``--save_steps``, ``--logging_steps``) take effect on the
+(``qerl.resume``; the record is written only once these checks pass); settings that may change (``--save_steps``, ``--logging_steps``) take effect on the
 resumed run. The run writes the final adapter to ``output_dir/adapter`` (temp dir, then rename) with
 the base model's digest (``qerl_base.json``; checkpoints have it in ``run_config.json`` beside them),
 so that export and evaluation can refuse another base, logs every step to ``output_dir/metrics.jsonl``
@@ -30,6 +31,7 @@ file) stops before any work with ``error: <one line>`` and exit status 2 (``qerl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
 from trl import TrlParser
 
@@ -52,7 +55,6 @@ from qerl.answers import judge
 from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
 from qerl.fingerprint import model_sha256, write_base_record
 from qerl.fsutil import atomic_directory, atomic_write_text, is_within
-from qerl.integrity import DamagedTensor
 from qerl.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
 from qerl.lora import DEFAULT_TARGETS, lora_config
 from qerl.prompts import encode_chat
@@ -64,26 +66,52 @@ from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
 logger = logging.getLogger("qerl.train")
 
 #: Reference flags kept only so that its scripts parse; they change nothing here.
-IGNORED_REFERENCE_FLAGS = ("max_seq_length", "fast_inference", "random_state", "load_in_4bit", "load_in_8bit",
-                           "full_finetuning", "gpu_memory_utilization", "use_gradient_checkpointing", "activation_offloading")
+IGNORED_REFERENCE_FLAGS = (
+    "max_seq_length",
+    "fast_inference",
+    "random_state",
+    "load_in_4bit",
+    "load_in_8bit",
+    "full_finetuning",
+    "gpu_memory_utilization",
+    "use_gradient_checkpointing",
+    "activation_offloading",
+)
+
+#: ``--damaged_checkpoint``: what a resume does when the newest complete checkpoint is damaged.
+DAMAGED_CHECKPOINT_CHOICES = ("refuse", "previous")
 
 
 @dataclass
 class ScriptArguments:
     """Model, data and adapter choices (the training knobs live in QeRLConfig)."""
 
-    model_name: str = field(default="smollm2-135m", metadata={"help": "Model dir, hub id, or smollm2-135m (embedded default)."})
+    model_name: str = field(
+        default="smollm2-135m", metadata={"help": "Model dir, hub id, or smollm2-135m (embedded default)."}
+    )
     load: str = field(default="auto", metadata={"help": "auto | nvfp4 | bf16: what the checkpoint must be."})
-    dataset: str = field(default="gsm8k", metadata={"help": f"One of {sorted(qdata.DATASETS)} (or the reference's dapomath)."})
-    dataset_path: str | None = field(default=None, metadata={"help": "Local .jsonl/.parquet/dir or hub id (default: the set's hub id)."})
+    dataset: str = field(
+        default="gsm8k", metadata={"help": f"One of {sorted(qdata.DATASETS)} (or the reference's dapomath)."}
+    )
+    dataset_path: str | None = field(
+        default=None, metadata={"help": "Local .jsonl/.parquet/dir or hub id (default: the set's hub id)."}
+    )
     num_samples: int | None = field(default=None, metadata={"help": "Use N rows (seeded shuffle)."})
     arithmetic_level: str | None = field(
-        default=None, metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(qdata.ARITHMETIC_LEVELS)} (default hard)."}
+        default=None,
+        metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(qdata.ARITHMETIC_LEVELS)} (default hard)."},
     )
-    prompt_style: str | None = field(default=None, metadata={"help": "plain | tags | dapo | source (a row's own "
-                                     "conversation); unset: the reference's for the data set (gsm8k plain, bigmath "
-                                     "tags, dapo-math source, arithmetic tags). See qerl/prompts.py."})
-    heldout: int = field(default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."})
+    prompt_style: str | None = field(
+        default=None,
+        metadata={
+            "help": "plain | tags | dapo | source (a row's own "
+            "conversation); unset: the reference's for the data set (gsm8k plain, bigmath "
+            "tags, dapo-math source, arithmetic tags). See qerl/prompts.py."
+        },
+    )
+    heldout: int = field(
+        default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."}
+    )
     heldout_max_tokens: int = field(default=256, metadata={"help": "Completion budget of the held-out evaluation."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Drop prompts longer than this many tokens."})
     rewards: list[str] | None = field(default=None, metadata={"help": "Reward names (default: the data set's)."})
@@ -91,18 +119,38 @@ class ScriptArguments:
     lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default: the rank)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS), metadata={"help": "LoRA targets."})
-    ln: bool = field(default=True, metadata={"help": "Also train the input/post-attention RMSNorm weights (all reference scripts)."})
-    resume: str = field(default="auto", metadata={"help": "auto: continue output_dir's run if its settings match "
-                                                  "(a finished one is a no-op), refuse otherwise; force: continue anyway."})
+    ln: bool = field(
+        default=True, metadata={"help": "Also train the input/post-attention RMSNorm weights (all reference scripts)."}
+    )
+    resume: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: continue output_dir's run if its settings match "
+            "(a finished one is a no-op), refuse otherwise; force: continue anyway."
+        },
+    )
+    damaged_checkpoint: str = field(
+        default="refuse",
+        metadata={
+            "help": "refuse: a damaged newest checkpoint stops "
+            "the resume in one line; previous: move it aside and resume from the one before."
+        },
+    )
     plot: bool = field(default=True, metadata={"help": "Write reward/entropy/sigma curves at the end."})
     max_seq_length: int | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
     fast_inference: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
     random_state: int | None = field(default=None, metadata={"help": "Ignored (reference leftover; use --seed)."})
-    load_in_4bit: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover; NVFP4 comes from the checkpoint)."})
+    load_in_4bit: bool | None = field(
+        default=None, metadata={"help": "Ignored (reference leftover; NVFP4 comes from the checkpoint)."}
+    )
     load_in_8bit: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
     full_finetuning: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
-    gpu_memory_utilization: float | None = field(default=None, metadata={"help": "Ignored (use --vllm_gpu_memory_utilization)."})
-    use_gradient_checkpointing: str | None = field(default=None, metadata={"help": "Ignored (use --gradient_checkpointing)."})
+    gpu_memory_utilization: float | None = field(
+        default=None, metadata={"help": "Ignored (use --vllm_gpu_memory_utilization)."}
+    )
+    use_gradient_checkpointing: str | None = field(
+        default=None, metadata={"help": "Ignored (use --gradient_checkpointing)."}
+    )
     activation_offloading: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
 
 
@@ -144,7 +192,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, QeRL
     parser = _Parser((ScriptArguments, QeRLConfig), prog="python -m qerl.train")
     try:
         script, config, unknown_keys, unknown_args = parser.parse_args_and_config(
-            argv, return_remaining_strings=True, separate_remaining_strings=True)
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
     except yaml.MarkedYAMLError as e:
         where = f", line {e.problem_mark.line + 1}" if e.problem_mark else ""
         raise UsageError(f"--config {recipe}: not valid YAML ({e.problem or e.context}{where})") from None
@@ -173,6 +222,11 @@ def _check_values(script: ScriptArguments, config: QeRLConfig) -> None:
         raise UsageError(f"--lora_rank: expected a positive integer, got {script.lora_rank}")
     if script.heldout < 0:
         raise UsageError(f"--heldout: expected a count >= 0, got {script.heldout}")
+    if script.damaged_checkpoint not in DAMAGED_CHECKPOINT_CHOICES:
+        raise UsageError(
+            f"--damaged_checkpoint: expected one of {', '.join(DAMAGED_CHECKPOINT_CHOICES)}, "
+            f"got {script.damaged_checkpoint!r}"
+        )
     if script.num_samples is not None and script.num_samples < 1:
         raise UsageError(f"--num_samples: expected a positive integer, got {script.num_samples}")
 
@@ -210,8 +264,10 @@ def check_output_dir(out: Path, model: str) -> None:
         return
     if is_within(out, Path(resolved)):
         same = out.expanduser().resolve() == Path(resolved).resolve()
-        raise UsageError(f"--output_dir {out}: is {'the' if same else 'inside the'} model directory "
-                         f"({model}); choose a directory outside it")
+        raise UsageError(
+            f"--output_dir {out}: is {'the' if same else 'inside the'} model directory "
+            f"({model}); choose a directory outside it"
+        )
 
 
 def is_main_launch_process() -> bool:
@@ -250,17 +306,45 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return summary
 
 
+@dataclass
+class Prepared:
+    """What :func:`prepare` hands to :func:`fit` and :func:`finish`: the trainer and the run's inputs and record."""
+
+    trainer: QeRLTrainer
+    train_rows: Any
+    heldout_rows: Any
+    reward_names: list[str]
+    wanted: dict[str, Any]
+    base_digest: str | None
+    summary: dict[str, Any]
+
+
 def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, Any]:
-    """The run itself, once ``out`` is this process's to write."""
-    # Setup: everything here that fails is the user's input (paths, names, values), reported in one line.
+    """The run itself, once ``out`` is this process's to write: a finished run's summary, or prepare, fit, finish."""
+    prepared = prepare(script, config, out)
+    if isinstance(prepared, dict):
+        return prepared
+    fit(script, prepared, out)
+    return finish(script, prepared, out)
+
+
+def prepare(script: ScriptArguments, config: QeRLConfig, out: Path) -> Prepared | dict[str, Any]:
+    """Inputs, settings record and trainer, or the summary of a run that already finished. Everything that fails
+    here is the user's input (paths, names, values), reported in one line; nothing is written yet."""
     try:
         check_supported(script.model_name)  # before the tokenizer (which reads the config), hashing and the data
         tokenizer = load_tokenizer(script.model_name)
     except (OSError, ValueError) as e:
         raise UsageError(f"--model_name {script.model_name}: {one_line(e)}") from None
     with usage_errors(ValueError, OSError):
-        rows = qdata.load_dataset(script.dataset, script.dataset_path, num_samples=script.num_samples,
-                                  seed=config.seed, arithmetic_level=script.arithmetic_level, style=script.prompt_style)
+        rows = qdata.load_dataset(
+            script.dataset,
+            script.dataset_path,
+            num_samples=script.num_samples,
+            seed=config.seed,
+            arithmetic_level=script.arithmetic_level,
+            style=script.prompt_style,
+        )
         if script.max_prompt_length:
             rows = qdata.filter_prompt_length(rows, tokenizer, script.max_prompt_length)
         train_rows, heldout_rows = qdata.train_heldout_split(rows, script.heldout, seed=config.seed)
@@ -268,73 +352,117 @@ def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, 
         rewards = get_rewards(reward_names)
         used = {k: v for k, v in dataclasses.asdict(script).items() if k not in IGNORED_REFERENCE_FLAGS}
         base_digest = model_sha256(script.model_name)
-        wanted = run_record.run_config(used, config.to_dict(), rewards=reward_names, model_sha256=base_digest,
-                                       data_sha256=run_record.rows_sha256(train_rows, heldout_rows))
+        wanted = run_record.run_config(
+            used,
+            config.to_dict(),
+            rewards=reward_names,
+            model_sha256=base_digest,
+            data_sha256=run_record.rows_sha256(train_rows, heldout_rows),
+        )
         todo = run_record.plan(out, wanted, script.resume, config.max_steps)
         if todo.finished is not None:
-            logger.info("%s: this run finished at step %s; nothing to do (summary.json)", out, todo.finished.get("global_step"))
+            logger.info(
+                "%s: this run finished at step %s; nothing to do (summary.json)", out, todo.finished.get("global_step")
+            )
             return todo.finished
-        peft = lora_config(script.lora_rank, script.lora_alpha, script.lora_dropout, script.target_modules,
-                           train_norms=script.ln)
-        # This process's device: cuda:LOCAL_RANK under `accelerate launch` (one process per GPU), cuda
-        # alone, else CPU. Loading straight there keeps N processes from all filling the first GPU.
-        model = load_model(script.model_name, device=config.device, load=script.load)
-        quantized = is_nvfp4_model(model)
-        logger.info("model %s: %s", script.model_name, "NVFP4 base" if quantized else "dense base")
-        if config.rollout_engine == "vllm":  # vLLM serves the same checkpoint the trainer loaded
-            engine_kwargs = dict(config.rollout_engine_kwargs or {})
-            engine_kwargs.setdefault("checkpoint", str(model.config.name_or_path))
-            engine_kwargs.setdefault("gpu_memory_utilization", config.vllm_gpu_memory_utilization)
-            config.rollout_engine_kwargs = engine_kwargs
-        trainer = QeRLTrainer(model, rewards, config, train_dataset=train_rows, processing_class=tokenizer,
-                              peft_config=peft)
-        trainer.add_callback(CurrentIntervals())
-
-    out.mkdir(parents=True, exist_ok=True)
-    main_process = trainer.accelerator.is_main_process  # the one that writes files under data parallelism
-    if len(heldout_rows) and main_process:  # question/answer rows: `python -m eval.gsm8k` (numeric golds) or eval.math can score them
-        write_jsonl(out / "heldout.jsonl", [{"question": p[-1]["content"], "answer": a}
-                                             for p, a in zip(heldout_rows["prompt"], heldout_rows["answer"], strict=True)])
-    summary: dict[str, Any] = {"model": script.model_name, "nvfp4": quantized, "dataset": script.dataset,
-                               "train_rows": len(train_rows), "heldout_rows": len(heldout_rows), "rewards": reward_names}
+        trainer = build_trainer(script, config, rewards, train_rows, tokenizer)
+    summary: dict[str, Any] = {
+        "model": script.model_name,
+        "nvfp4": is_nvfp4_model(trainer.model),
+        "dataset": script.dataset,
+        "train_rows": len(train_rows),
+        "heldout_rows": len(heldout_rows),
+        "rewards": reward_names,
+    }
     if todo.changed:
         summary["resumed_with_changes"] = todo.changed
-    reading = qdata.spec(script.dataset).reading
-    if len(heldout_rows):
-        summary["heldout_accuracy_before"] = heldout_accuracy(trainer, heldout_rows, reading, script.heldout_max_tokens)
-        logger.info("held-out accuracy before training: %.4f", summary["heldout_accuracy_before"])
+    return Prepared(trainer, train_rows, heldout_rows, reward_names, wanted, base_digest, summary)
 
+
+def build_trainer(
+    script: ScriptArguments, config: QeRLConfig, rewards: list[Any], train_rows: Any, tokenizer: Any
+) -> QeRLTrainer:
+    """The model on this process's device and the trainer around it, with LoRA as the flags ask."""
+    peft = lora_config(
+        script.lora_rank, script.lora_alpha, script.lora_dropout, script.target_modules, train_norms=script.ln
+    )
+    # This process's device: cuda:LOCAL_RANK under `accelerate launch` (one process per GPU), cuda
+    # alone, else CPU. Loading straight there keeps N processes from all filling the first GPU.
+    model = load_model(script.model_name, device=config.device, load=script.load)
+    logger.info("model %s: %s", script.model_name, "NVFP4 base" if is_nvfp4_model(model) else "dense base")
+    if config.rollout_engine == "vllm":  # vLLM serves the same checkpoint the trainer loaded
+        engine_kwargs = dict(config.rollout_engine_kwargs or {})
+        engine_kwargs.setdefault("checkpoint", str(model.config.name_or_path))
+        engine_kwargs.setdefault("gpu_memory_utilization", config.vllm_gpu_memory_utilization)
+        config = copy.copy(config)  # the parsed flags stay as the user gave them (the run record holds those)
+        config.rollout_engine_kwargs = engine_kwargs
+    trainer = QeRLTrainer(
+        model, rewards, config, train_dataset=train_rows, processing_class=tokenizer, peft_config=peft
+    )
+    trainer.add_callback(CurrentIntervals())
+    return trainer
+
+
+def fit(script: ScriptArguments, run: Prepared, out: Path) -> None:
+    """Held-out rows written and measured, the checkpoint to resume checked, the settings recorded (only then:
+    a refused resume leaves the recorded run as it was), and the training itself."""
+    trainer = run.trainer
+    out.mkdir(parents=True, exist_ok=True)
+    if len(run.heldout_rows) and trainer.accelerator.is_main_process:  # rows `python -m eval.gsm8k` / eval.math score
+        write_jsonl(
+            out / "heldout.jsonl",
+            [
+                {"question": p[-1]["content"], "answer": a}
+                for p, a in zip(run.heldout_rows["prompt"], run.heldout_rows["answer"], strict=True)
+            ],
+        )
+    _measure_heldout(script, run, "before")
+    with trainer.accelerator.main_process_first():  # it may move checkpoints aside: one process at a time
+        shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(trainer.model).items()}
+        checkpoint = run_record.sound_checkpoint(out, shapes, take_previous=script.damaged_checkpoint == "previous")
     if trainer.is_world_process_zero():
-        run_record.save(out, wanted)
-    with trainer.accelerator.main_process_first():  # it may move incomplete checkpoints aside: one at a time
-        checkpoint = last_complete_checkpoint(out)
+        run_record.save(out, run.wanted)
     if checkpoint:
         logger.info("resuming from %s", checkpoint)
     try:
         result = trainer.train(resume_from_checkpoint=checkpoint)
-    except DamagedTensor as e:  # raised while restoring ``checkpoint``, before any step
-        raise UsageError(f"{e}; move that checkpoint aside to resume from an earlier one") from None
     except BaseException:
-        if main_process:  # a save cut short (full disk, Ctrl-C) must not stay under its checkpoint-N name
+        if trainer.accelerator.is_main_process:  # a save cut short (full disk, Ctrl-C) must not stay as checkpoint-N
             _hide_incomplete_checkpoints(out)
         raise
-    summary["train_runtime_s"] = result.metrics.get("train_runtime")
-    summary["global_step"] = trainer.state.global_step
-    summary["adapter"] = str(save_adapter(trainer, out / "adapter", script.model_name, base_digest)
-                             if main_process else out / "adapter")
-    if len(heldout_rows):
-        summary["heldout_accuracy_after"] = heldout_accuracy(trainer, heldout_rows, reading, script.heldout_max_tokens)
-        logger.info("held-out accuracy after training: %.4f", summary["heldout_accuracy_after"])
+    run.summary["train_runtime_s"] = result.metrics.get("train_runtime")
+    run.summary["global_step"] = trainer.state.global_step
+
+
+def finish(script: ScriptArguments, run: Prepared, out: Path) -> dict[str, Any]:
+    """The final adapter, the held-out accuracy after training, the plots and ``summary.json``."""
+    main_process = run.trainer.accelerator.is_main_process
+    run.summary["adapter"] = str(
+        save_adapter(run.trainer, out / "adapter", script.model_name, run.base_digest)
+        if main_process
+        else out / "adapter"
+    )
+    _measure_heldout(script, run, "after")
     if not main_process:
-        return summary
+        return run.summary
     if script.plot:
         from qerl.plot import write_plots
 
-        summary["plots"] = [str(p) for p in write_plots([out], out / "plots")]
-    summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
+        run.summary["plots"] = [str(p) for p in write_plots([out], out / "plots")]
+    summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in run.summary.items()}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     logger.info("run summary: %s", json.dumps(summary))
     return summary
+
+
+def _measure_heldout(script: ScriptArguments, run: Prepared, when: str) -> None:
+    """``heldout_accuracy_{when}`` in the summary (and the log), when rows are held out."""
+    if not len(run.heldout_rows):
+        return
+    reading = qdata.spec(script.dataset).reading
+    accuracy = heldout_accuracy(run.trainer, run.heldout_rows, reading, script.heldout_max_tokens)
+    run.summary[f"heldout_accuracy_{when}"] = accuracy
+    logger.info("held-out accuracy %s training: %.4f", when, accuracy)
 
 
 def _hide_incomplete_checkpoints(out: Path) -> None:

@@ -1,0 +1,145 @@
+"""Reliability of training on hostile input (issue 60, training side): one test per class of defect, each seen
+to fail before its fix. Tiny random dense model with SmolLM2's tokenizer, 2-3 steps: a few seconds per run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl.cli import run
+from qerl.train import main
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def narrow_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny chat Llama of another width than ``tiny_dense_dir``'s: its adapters do not fit that model."""
+    from tiny_models import _copy_tokenizer, make_tiny_llama
+
+    out = tmp_path_factory.mktemp("narrow") / "narrow"
+    return _copy_tokenizer(smollm2_dir, make_tiny_llama(out, hidden=32, vocab=49152, bos_token_id=1, eos_token_id=2))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_dense_dir: Path) -> Path:
+    """A finished 2-step run with checkpoints 1 and 2 (copied by each test that changes it)."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    main(_argv(tiny_dense_dir, out, steps=2))
+    return out
+
+
+def _argv(model: Path, out: Path, *extra: str, steps: int = 2) -> list[str]:
+    return [
+        "--model-name",
+        str(model),
+        "--dataset",
+        "arithmetic",
+        "--num-samples",
+        "12",
+        "--lora-rank",
+        "2",
+        "--max-steps",
+        str(steps),
+        "--save-steps",
+        "1",
+        "--per-device-train-batch-size",
+        "2",
+        "--num-generations",
+        "2",
+        "--max-completion-length",
+        "4",
+        "--output-dir",
+        str(out),
+        "--report-to",
+        "none",
+        "--disable-tqdm",
+        "True",
+        "--plot",
+        "False",
+        "--seed",
+        "0",
+        "--logging-steps",
+        "1",
+        *extra,
+    ]
+
+
+def _one_error(code: int, err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _copy(trained: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    return out
+
+
+# --- resume -------------------------------------------------------------------------------------------------
+
+
+def test_forced_resume_with_another_model_leaves_the_record_alone(
+    trained: Path, narrow_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """--resume force with a model the checkpoint does not fit rewrote run_config.json, then failed (a traceback):
+    the original run then refused to resume. Now: one line, and the record is the original run's."""
+    out = _copy(trained, tmp_path)
+    record = (out / "run_config.json").read_bytes()
+    capsys.readouterr()
+    line = _one_error(run(main, _argv(narrow_dir, out, "--resume", "force", steps=3)), capsys.readouterr().err)
+    assert str(out / "checkpoint-2") in line and "shape" in line, line
+    assert (out / "run_config.json").read_bytes() == record
+    assert not (out / "checkpoint-3").exists()
+
+
+def _nan_in_optimizer(ckpt: Path) -> None:
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    next(iter(state["state"].values()))["exp_avg_sq"].view(-1)[0] = float("nan")
+    torch.save(state, ckpt / "optimizer.pt")
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "damage, file",
+    [
+        (_nan_in_optimizer, "optimizer.pt"),
+        (lambda ckpt: _truncate(ckpt / "optimizer.pt"), "optimizer.pt"),
+        (lambda ckpt: _truncate(ckpt / "trainer_state.json"), "trainer_state.json"),
+        (lambda ckpt: _truncate(ckpt / "adapter_model.safetensors"), "adapter_model.safetensors"),
+        (lambda ckpt: _truncate(ckpt / "scheduler.pt"), "scheduler.pt"),
+    ],
+)
+def test_damaged_checkpoint_is_refused_and_the_previous_one_offered(
+    trained: Path, tiny_dense_dir: Path, tmp_path: Path, capsys, damage, file: str
+) -> None:
+    """One NaN in the optimizer state gave rc 0 and an all-NaN adapter; a truncated file gave a traceback. Now the
+    whole checkpoint is checked: one line naming the file and the previous checkpoint, nothing changed; with
+    --damaged_checkpoint previous the damaged one is moved aside and the run resumes from the one before."""
+    out = _copy(trained, tmp_path)
+    damage(out / "checkpoint-2")
+    record = (out / "run_config.json").read_bytes()
+    capsys.readouterr()
+    line = _one_error(run(main, _argv(tiny_dense_dir, out, steps=3)), capsys.readouterr().err)
+    assert str(out / "checkpoint-2" / file) in line and "--damaged_checkpoint previous" in line, line
+    assert "checkpoint-1" in line, line
+    assert (out / "run_config.json").read_bytes() == record and not (out / "checkpoint-3").exists()
+
+    summary = main(_argv(tiny_dense_dir, out, "--damaged_checkpoint", "previous", steps=3))
+    assert summary["global_step"] == 3 and list(out.glob(".damaged-checkpoint-2-*"))
+    from safetensors.torch import load_file
+
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in adapter.values())
