@@ -159,9 +159,7 @@ class Layer:
         return [
             lambda q=q: fg.matmul(
                 xin,
-                q.weight_packed,
-                q.weight_scale,
-                q.weight_global_scale,
+                q,
                 config=config,
                 x_permuted=permuted,
                 pdl=permuted,
@@ -172,33 +170,24 @@ class Layer:
     def bwd_fns(self, gy: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
         from qerl.kernels import fp4_gemm as fg
 
-        return [
-            lambda q=q: fg.matmul_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale, config=config)
-            for q in self.q
-        ]
+        return [lambda q=q: fg.matmul_t(gy, q, config=config) for q in self.q]
 
     def dq_fwd_fns(self, x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
         """The large-M path: dequantize to bf16, then cuBLAS."""
         from qerl.kernels import fp4_gemm as fg
 
-        return [
-            lambda q=q: F.linear(x, fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale))
-            for q in self.q
-        ]
+        return [lambda q=q: F.linear(x, fg.dequantize(q)) for q in self.q]
 
     def dq_bwd_fns(self, gy: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
         from qerl.kernels import fp4_gemm as fg
 
-        return [lambda q=q: gy @ fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale) for q in self.q]
+        return [lambda q=q: gy @ fg.dequantize(q) for q in self.q]
 
     def dequant_fns(self, block: tuple[int, int, int]) -> list[Callable[[], torch.Tensor]]:
         """The dequantize kernel alone, with program ``block`` (rows, int32 words, warps)."""
         from qerl.kernels import fp4_gemm as fg
 
-        return [
-            lambda q=q: fg.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, block=block)
-            for q in self.q
-        ]
+        return [lambda q=q: fg.dequantize(q, block=block) for q in self.q]
 
     def bf16_fwd_fns(self, x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
         return [lambda w=w: F.linear(x, w) for w in self.w]

@@ -161,15 +161,10 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
                 y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, out=y, config=cfg)
+                fg.matmul(x, q0, out=y, config=cfg)
                 torch.cuda.synchronize()
                 row["rel_err"] = rel(y, ref)
-                fns = [
-                    lambda q=q, cfg=cfg, x=x: fg.matmul(
-                        x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg
-                    )
-                    for q in layer.q
-                ]
+                fns = [lambda q=q, cfg=cfg, x=x: fg.matmul(x, q, config=cfg) for q in layer.q]
                 t = graph_time(fns) * 1e6
                 row.update(us=t, speedup=base / t, wbw_TBps=layer.packed_bytes / t / 1e6)
             except Exception as e:  # a candidate that fails to compile or run is reported, not fatal
@@ -201,16 +196,12 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
         ref = x.double() @ w64.t()
         base = graph_time(layer.bf16_fwd_fns(x)) * 1e6
         calls = {
-            "triton": lambda q, x=x: fg.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale),
-            "gluon": lambda q, x=x: fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale),
-            "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(
-                xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True
-            ),
+            "triton": lambda q, x=x: fg.matmul(x, q),
+            "gluon": lambda q, x=x: fp4_gluon.matmul(x, q),
+            "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(xp, q, permuted=True),
         }
         if fp4_direct.supports(m, layer.k, x.dtype, x.device):
-            calls["direct_prepermuted"] = lambda q, xp=xp: fp4_direct.matmul(
-                xp, q.weight_packed, q.weight_scale, q.weight_global_scale
-            )
+            calls["direct_prepermuted"] = lambda q, xp=xp: fp4_direct.matmul(xp, q)
         for name, call in calls.items():
             row = {"shape": shape, "M": m, "cand": name, "bf16_us": base}
             try:
@@ -247,9 +238,7 @@ def gluon_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (64, 128)) 
         for split in (0, *splits):
 
             def call(q: nvfp4.NVFP4Tensors, xp: torch.Tensor = xp, split: int = split) -> torch.Tensor:
-                return fp4_gluon.matmul(
-                    xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True, split=split
-                )
+                return fp4_gluon.matmul(xp, q, permuted=True, split=split)
 
             t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
             rows.append(
@@ -285,13 +274,8 @@ def split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[
         ref = x.double() @ w64.t()
         for split in splits:
             cfg = sch.DecodeConfig(split=split)
-            y = fg.matmul(x, q0.weight_packed, q0.weight_scale, q0.weight_global_scale, config=cfg)
-            fns = [
-                lambda q=q, x=x, cfg=cfg: fg.matmul(
-                    x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=cfg
-                )
-                for q in layer.q
-            ]
+            y = fg.matmul(x, q0, config=cfg)
+            fns = [lambda q=q, x=x, cfg=cfg: fg.matmul(x, q, config=cfg) for q in layer.q]
             t = graph_time(fns) * 1e6
             rows.append(
                 {
@@ -342,7 +326,7 @@ def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) ->
                 def call(
                     q: nvfp4.NVFP4Tensors, split: int = split, extra: dict = extra, xp: torch.Tensor = xp
                 ) -> torch.Tensor:
-                    return fd.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split, **extra)
+                    return fd.matmul(xp, q, split=split, **extra)
 
                 err = rel(call(q0), ref)
                 t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
@@ -390,10 +374,10 @@ def with_split_table(
     """``fp4_direct.matmul`` (passed in, so a patched module attribute never calls itself) launching each ``(N, K, M)``
     of ``table`` at its split where the caller left the split to ``decode_split``."""
 
-    def launch(x: torch.Tensor, weight_packed: torch.Tensor, *args: Any, split: int = 0, **kwargs: Any) -> torch.Tensor:
+    def launch(x: torch.Tensor, weight: nvfp4.NVFP4Tensors, *, split: int = 0, **kwargs: Any) -> torch.Tensor:
         if split == 0:
-            split = table.get((weight_packed.shape[0], x.shape[1], x.shape[0]), 0)
-        return matmul(x, weight_packed, *args, split=split, **kwargs)
+            split = table.get((weight.out_features, x.shape[1], x.shape[0]), 0)
+        return matmul(x, weight, split=split, **kwargs)
 
     return launch
 
@@ -406,7 +390,7 @@ def dequant_rows(layer: Layer, bw: float) -> list[dict]:
     for block in DEQUANT_BLOCKS:
         row = {"block": list(block)}
         try:
-            w = fg.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, block=block)
+            w = fg.dequantize(q0, block=block)
             row["max_abs_diff"] = (w.float() - ref.float()).abs().max().item()
             t = graph_time(layer.dequant_fns(block)) * 1e6
             row.update(us=t, TBps=moved / t / 1e6, frac_of_copy=moved / (t * 1e-6) / bw)

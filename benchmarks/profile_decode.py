@@ -59,16 +59,16 @@ def main(argv: list[str] | None = None) -> None:
 
         xp = reference.nibble_major(x)
         launch = lambda: fp4_gluon.matmul(  # noqa: E731
-            xp, q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True, pdl=args.pdl
+            xp, q, permuted=True, pdl=args.pdl
         )
     elif args.kernel == "direct":
         from qerl.kernels import fp4_direct, reference
 
         xp = reference.nibble_major(x)
-        launch = lambda: fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, pdl=args.pdl)  # noqa: E731
+        launch = lambda: fp4_direct.matmul(xp, q, pdl=args.pdl)  # noqa: E731
     else:
         launch = lambda: fg.matmul(  # noqa: E731
-            x, q.weight_packed, q.weight_scale, q.weight_global_scale, config=sch.default_decode(args.m)
+            x, q, config=sch.default_decode(args.m)
         )
     for _ in range(args.launches):
         y = launch()

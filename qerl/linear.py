@@ -88,12 +88,18 @@ class NVFP4Linear(nn.Module):
         layer's device; its uint8 dtype tells peft not to cast adapters to it."""
         return self.weight_packed
 
+    @property
+    def packed_weight(self) -> nvfp4.NVFP4Tensors:
+        """The three buffers as the one weight operand the kernels take (built on each call: ``stack_fused_groups``
+        and ``.to()`` replace the buffers, so a cached copy could go stale)."""
+        return nvfp4.NVFP4Tensors(self.weight_packed, self.weight_scale, self.weight_global_scale)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return nvfp4.dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+        return self.packed_weight.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return kernels.nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
+        return kernels.nvfp4_linear(x, self.packed_weight, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format=nvfp4"

@@ -34,13 +34,23 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class NVFP4Tensors:
-    """The three tensors that stand for one quantized weight in a checkpoint."""
+    """The three tensors that stand for one quantized weight: in a checkpoint, and as the one weight operand of every
+    FP4 kernel (``qerl.kernels``), which never takes them apart in its signatures."""
 
     weight_packed: torch.Tensor
     weight_scale: torch.Tensor
     weight_global_scale: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        """N, the weight's rows."""
+        return self.weight_packed.shape[0]
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The dense ``[N, K]`` weight in ``dtype`` (module-level ``dequantize``)."""
+        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
 
     def as_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """The checkpoint's ``{prefix}weight_packed`` / ``weight_scale`` / ``weight_global_scale`` tensors

@@ -331,6 +331,7 @@ def check_stacked_decode(device: str, dtype: torch.dtype, tol: float, ms: tuple[
     block-diagonal LoRA expand; u row-major or segmented) vs each projection on its own in fp32."""
     from qerl import kernels, nvfp4
     from qerl.kernels import reference
+    from qerl.kernels.epilogue import Epilogue
 
     gen = torch.Generator().manual_seed(3)
     for splits, ranks, k, bias in (((96, 32, 32), (4, 0, 6), 256, True), ((64, 96), (8, 8), 128, False)):
@@ -348,21 +349,22 @@ def check_stacked_decode(device: str, dtype: torch.dtype, tol: float, ms: tuple[
         for m in ms:
             x = torch.randn(m, k, generator=gen)
             u = torch.randn(m, rank, generator=gen) * 0.5
-            want = reference.mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, b, u, block)
-            dev = [t.to(device) for t in (q.weight_packed, q.weight_scale, q.weight_global_scale)]
+            want = reference.mm(x, q, Epilogue(b, u, block))
+            dev = nvfp4.NVFP4Tensors(*(t.to(device) for t in (q.weight_packed, q.weight_scale, q.weight_global_scale)))
             xd, bd, blk = x.to(device, dtype), None if b is None else b.to(device, dtype), block.to(device, dtype)
             for layout, ud, ub in (
                 ("row-major", u.to(device, dtype), None),
                 ("segmented", reference.segment(u, bounds).to(device, dtype), bounds),
             ):
-                outs = kernels.nvfp4_group_decode(xd, *dev, bd, splits, ud, ub, blk)
+                epilogue = Epilogue(bd, ud, blk, lora_bounds=ub)
+                outs = kernels.nvfp4_group_decode(xd, dev, splits, epilogue=epilogue)
                 start = 0
                 for j, (got, rows) in enumerate(zip(outs, splits, strict=True)):
                     assert got.is_contiguous() and got.shape == (m, rows)
                     _close(got, want[:, start : start + rows], tol, f"stacked decode {splits} m={m} {layout} part {j}")
                     start += rows
-            plain = kernels.nvfp4_group_decode(xd, *dev, bd, splits)
-            base = reference.mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, b)
+            plain = kernels.nvfp4_group_decode(xd, dev, splits, epilogue=Epilogue(bd))
+            base = reference.mm(x, q, Epilogue(b))
             _close(torch.cat(plain, dim=1), base, tol, f"stacked decode without LoRA {splits} m={m}")
 
 
@@ -372,6 +374,7 @@ def check_decode_kernel(dtype: torch.dtype, tol: float) -> None:
     multiple of BN, bias and the LoRA epilogue."""
     from qerl import nvfp4
     from qerl.kernels import fp4_gemm, reference
+    from qerl.kernels.epilogue import Epilogue
     from qerl.kernels.schedule import DecodeConfig
 
     gen = torch.Generator().manual_seed(5)
@@ -382,18 +385,9 @@ def check_decode_kernel(dtype: torch.dtype, tol: float) -> None:
         x, u = torch.randn(m, k, generator=gen), torch.randn(m, r, generator=gen)
         for split in (1, 2):
             cfg = DecodeConfig(BN=32, BK=64, warps=4, stages=1, split=split)
-            got = fp4_gemm.matmul(
-                x.to(dtype),
-                q.weight_packed,
-                q.weight_scale,
-                q.weight_global_scale,
-                bias.to(dtype),
-                u.to(dtype),
-                lora_b.to(dtype),
-                0.5,
-                config=cfg,
-            )
-            want = reference.mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b, 0.5)
+            epilogue = Epilogue(bias.to(dtype), u.to(dtype), lora_b.to(dtype), 0.5)
+            got = fp4_gemm.matmul(x.to(dtype), q, epilogue=epilogue, config=cfg)
+            want = reference.mm(x, q, Epilogue(bias, u, lora_b, 0.5))
             _close(got, want, tol, f"decode kernel m={m} split={split}")
 
 
@@ -433,14 +427,11 @@ def check_engine_interpreted() -> None:
     assert stack_fused_groups(model) == 4, "q/k/v and gate/up of both layers"  # the stacked group path too
     prompts = PROMPTS[:3]  # the interpreter runs every program in Python: keep the grids small
     ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))
-    default = schedule.ROPE_IN_ATTENTION
     runs = {}
-    try:  # RoPE and the cache write in their own kernel, then in the attention kernel: the same tokens
-        for rope_in_attention in (False, True):
-            schedule.ROPE_IN_ATTENTION = rope_in_attention
+    # RoPE and the cache write in their own kernel, then in the attention kernel: the same tokens
+    for rope_in_attention in (False, True):
+        with schedule.switched(rope_in_attention=rope_in_attention):
             runs[rope_in_attention] = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
-    finally:
-        schedule.ROPE_IN_ATTENTION = default
     out, fused = runs[False], runs[True]
     assert out.completion_ids == ref.completion_ids, "interpreted kernels: greedy differs from transformers"
     assert fused.completion_ids == out.completion_ids and fused.logprobs == out.logprobs, "rope in attention"
@@ -464,20 +455,14 @@ def check_qwen3_engine_interpreted() -> None:
     model = nvfp4_lora(tiny_family("qwen3", 3), group_scales=True)
     prompts = PROMPTS[:3]
     ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))
-    default = schedule.ROPE_IN_ATTENTION
-    try:
-        for rope_in_attention in (False, True):
-            schedule.ROPE_IN_ATTENTION = rope_in_attention
+    for rope_in_attention in (False, True):
+        with schedule.switched(rope_in_attention=rope_in_attention):
             out = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
-            assert out.completion_ids == ref.completion_ids, f"qwen3 (rope in attention {rope_in_attention}): greedy"
-            worst = max(
-                abs(a - b)
-                for la, lb in zip(out.logprobs, ref.logprobs, strict=True)
-                for a, b in zip(la, lb, strict=True)
-            )
-            assert worst < 1e-4, (rope_in_attention, worst)
-    finally:
-        schedule.ROPE_IN_ATTENTION = default
+        assert out.completion_ids == ref.completion_ids, f"qwen3 (rope in attention {rope_in_attention}): greedy"
+        worst = max(
+            abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)
+        )
+        assert worst < 1e-4, (rope_in_attention, worst)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,15 @@ launch schedules (split-K, routing between the decode kernels) are pure Python.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from qerl import nvfp4
 from qerl.kernels import backend, nvfp4_decode, nvfp4_linear, ops
+from qerl.kernels.epilogue import Epilogue
 from qerl.linear import NVFP4Linear
 
 torch.set_num_threads(1)
@@ -44,9 +47,7 @@ def test_reference_and_op_on_cpu_match_float64() -> None:
     ref = x.double() @ w.t() + bias.double() + 0.25 * u.double() @ b.double().t()
     y = torch.ops.qerl.nvfp4_mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, b, 0.25)
     assert y.shape == (5, 48) and _rel(y, ref) < 1e-5
-    y3 = nvfp4_decode(
-        x.reshape(1, 5, 80), q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u.reshape(1, 5, 4), b, 0.25
-    )
+    y3 = nvfp4_decode(x.reshape(1, 5, 80), q, epilogue=Epilogue(bias, u.reshape(1, 5, 4), b, 0.25))
     assert y3.shape == (1, 5, 48) and _rel(y3.reshape(5, 48), ref) < 1e-5
     gy = torch.randn(5, 48, generator=g)
     gx = torch.ops.qerl.nvfp4_mm_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale)
@@ -62,7 +63,7 @@ def test_op_autograd_matches_dense() -> None:
     u = torch.randn(6, 8, generator=g, requires_grad=True)
     b = torch.randn(32, 8, generator=g, requires_grad=True)
     gy = torch.randn(6, 32, generator=g)
-    y = nvfp4_decode(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, b, 0.5)
+    y = nvfp4_decode(x, q, epilogue=Epilogue(bias, u, b, 0.5))
     grads = torch.autograd.grad(y, (x, bias, u, b), gy)
     leaves = [t.detach().clone().requires_grad_() for t in (x, bias, u, b)]
     ref = torch.nn.functional.linear(leaves[0], w, leaves[1]) + 0.5 * leaves[2] @ leaves[3].t()
@@ -88,9 +89,7 @@ def test_nvfp4linear_cpu_uses_reference() -> None:
     x = torch.randn(3, 64)
     want = nvfp4.dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale, torch.float32)
     assert _rel(layer(x), torch.nn.functional.linear(x, want, lin.bias)) < 1e-5
-    assert (
-        _rel(nvfp4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale), x @ want.t()) < 1e-5
-    )
+    assert _rel(nvfp4_linear(x, layer.packed_weight), x @ want.t()) < 1e-5
 
 
 @pytest.mark.skipif(not backend.HAS_TRITON, reason="needs triton")
@@ -101,11 +100,8 @@ def test_bad_lora_shapes_raise() -> None:
     with pytest.raises(ValueError, match="LoRA epilogue"):
         fp4_gemm.matmul(
             torch.zeros(2, 32, dtype=torch.bfloat16),
-            q.weight_packed,
-            q.weight_scale,
-            q.weight_global_scale,
-            lora_u=torch.zeros(3, 4),
-            lora_b=torch.zeros(16, 4),
+            q,
+            epilogue=Epilogue(lora_u=torch.zeros(3, 4), lora_b=torch.zeros(16, 4)),
         )
 
 
@@ -148,7 +144,7 @@ def test_decode_schedule_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(KeyError):
         sch.default_decode(129)  # beyond DECODE_MAX_M the forward dequantizes and calls cuBLAS
     assert sch.decode_config(100, 3584, 18944, cpu).BK == 128
-    monkeypatch.setattr(sch, "ENV_DECODE", sch.DecodeConfig(BN=64, BK=128))
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, decode_config=sch.DecodeConfig(BN=64, BK=128)))
     assert sch.decode_config(100, 3584, 18944, cpu).BN == 64 == sch.default_decode(1).BN
 
 
@@ -205,12 +201,13 @@ def test_direct_split_table_takes_only_clear_lora_wins() -> None:
 
     calls: list[int] = []
 
-    def fake(x: object, weight_packed: object, *args: object, split: int = 0, **kwargs: object) -> None:
+    def fake(x: object, weight: object, *, split: int = 0, **kwargs: object) -> None:
         calls.append(split)
 
     class T:
         def __init__(self, *shape: int) -> None:
             self.shape = shape
+            self.out_features = shape[0]
 
     launch = with_split_table(fake, {(3584, 3584, 1): 7})
     launch(T(1, 3584), T(3584, 1792))  # in the table
@@ -297,8 +294,8 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
     asked: list[str] = []
     monkeypatch.setattr(fp4_gluon, "supports", lambda *a: asked.append("tma") or True)
     monkeypatch.setattr(fp4_direct, "supports", lambda *a: asked.append("direct") or True)
-    monkeypatch.setattr(sch, "GLUON_DECODE", True)
-    monkeypatch.setattr(sch, "DIRECT_DECODE", True)
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, gluon_decode=True))
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, direct_decode=True))
     monkeypatch.setattr(fp4_direct, "sm_count", lambda device: 132)  # an H200's, for the mma.sync kernel's split
 
     def route(m: int, n: int, k: int) -> str | None:
@@ -316,11 +313,11 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
     assert [route(m, 5120, 27648) for m in (1, 4, 8)] == ["tma"] * 3
     assert [route(1, n, k) for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944))] == ["direct"] * 4
     assert [route(8, n, 5120) for n in (7168, 5120, 55296)] == ["direct"] * 3  # 32B q/k/v, o, gate_up
-    monkeypatch.setattr(sch, "DIRECT_DECODE", False)
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, direct_decode=False))
     assert route(1, 5120, 27648) is None  # without the mma.sync kernel, few rows stay on the Triton kernel
-    monkeypatch.setattr(sch, "DIRECT_DECODE", True)
-    monkeypatch.setattr(sch, "DIRECT_RING", True)
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, direct_decode=True))
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, direct_ring=True))
     assert route(8, 5120, 27648) == "direct"  # QERL_DECODE_DIRECT_RING=1 keeps them on the mma.sync kernel
-    monkeypatch.setattr(sch, "DIRECT_RING", False)
-    monkeypatch.setattr(sch, "GLUON_DECODE", False)
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, direct_ring=False))
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, gluon_decode=False))
     assert route(12, 37888, 3584) is None and route(1, 5120, 27648) == "direct"

@@ -7,11 +7,14 @@ product on the dequantized weight: both ||out - ref|| / ||ref|| and max |out - r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_kernels_interp import MLP, check_backward, check_compile, check_lora_grads, dequantize_ulps, max_err
 
 from qerl import nvfp4
+from qerl.kernels.epilogue import Epilogue
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,18 +55,10 @@ def _stacked_epilogue_case(m: int, rank: int, lora_bounds: tuple[int, int]):
             _rand(rows[j + 1] - rows[j], ranks[j + 1] - ranks[j]) * 0.1
         )
     u = _rand(m * rank)
-    ref = reference.group_mm(
-        x.double(),
-        q.weight_packed,
-        q.weight_scale,
-        q.weight_global_scale,
-        bias.double(),
-        out_bounds,
-        u.double(),
-        lora_bounds,
-        lora_b.double(),
+    ref = reference.mm(
+        x.double(), q, Epilogue(bias.double(), u.double(), lora_b.double(), 1.0, out_bounds, lora_bounds)
     )
-    return q, x, bias, u, lora_b, out_bounds, ref
+    return q, x, Epilogue(bias, u, lora_b, 1.0, out_bounds, lora_bounds), ref
 
 
 def _poison_allocator() -> None:
@@ -109,9 +104,7 @@ def test_forward_all_paths(M: int, N: int, K: int, dtype: torch.dtype) -> None:
         x, bias = _rand(M, K, dtype=dtype), _rand(N, dtype=dtype)
         ref = x.double() @ _w64(q).t() + bias.double()
         _poison_allocator()
-        y = fg.matmul(
-            x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, out=_nan((M, N), dtype), config=cfg
-        )
+        y = fg.matmul(x, q, epilogue=Epilogue(bias), out=_nan((M, N), dtype), config=cfg)
         assert max_err(y, ref) < TOL, (cfg, max_err(y, ref))
         # again without bias, through the custom op and its own allocation
         x = _rand(M, K, dtype=dtype)
@@ -134,23 +127,21 @@ def test_gluon_decode(M: int, N: int, K: int, monkeypatch: pytest.MonkeyPatch) -
     ref = x.double() @ _w64(q).t()
     _poison_allocator()
     for split in (0, 1, 3):
-        y = fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
+        y = fp4_gluon.matmul(x, q, split=split)
         assert max_err(y, ref) < TOL, (split, max_err(y, ref))
-    y = fp4_gluon.matmul(
-        reference.nibble_major(x), q.weight_packed, q.weight_scale, q.weight_global_scale, permuted=True
-    )
+    y = fp4_gluon.matmul(reference.nibble_major(x), q, permuted=True)
     assert max_err(y, ref) < TOL
-    assert max_err(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
+    assert max_err(fp4_gemm.matmul(x, q), ref) < TOL
     # The last program sums the vector partials in slice order however many it reads per round trip.
     bm = max(16, 1 << (M - 1).bit_length())
     chunks = {}
     for ch in (1, 2, 4):
         monkeypatch.setitem(fp4_gluon.SPLIT_CHUNK, bm, ch)
-        chunks[ch] = fp4_gluon.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, split=5)
+        chunks[ch] = fp4_gluon.matmul(x, q, split=5)
     assert torch.equal(chunks[1], chunks[2]) and torch.equal(chunks[1], chunks[4]) and max_err(chunks[1], ref) < TOL
     odd = _weight(N, K + 16)  # K not a whole number of 256-code steps
     with pytest.raises(ValueError, match="Gluon decode kernel"):
-        fp4_gluon.matmul(_rand(M, K + 16), odd.weight_packed, odd.weight_scale, odd.weight_global_scale)
+        fp4_gluon.matmul(_rand(M, K + 16), odd)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
@@ -164,41 +155,17 @@ def test_gluon_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mon
     from qerl.kernels import fp4_gemm, fp4_gluon, reference
     from qerl.kernels import schedule as sch
 
-    monkeypatch.setattr(sch, "GLUON_DECODE", True)
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, gluon_decode=True))
     calls = []
     monkeypatch.setattr(fp4_gluon, "matmul", lambda *a, _f=fp4_gluon.matmul, **k: calls.append(1) or _f(*a, **k))
-    q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
+    q, x, epilogue, ref = _stacked_epilogue_case(M, r, lora_bounds)
     _poison_allocator()
-    y = fp4_gemm.matmul(
-        x,
-        q.weight_packed,
-        q.weight_scale,
-        q.weight_global_scale,
-        bias,
-        u,
-        lora_b,
-        out_bounds=out_bounds,
-        lora_bounds=lora_bounds,
-    )
+    y = fp4_gemm.matmul(x, q, epilogue=epilogue)
     assert max_err(y, ref) < TOL
-    y = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u.view(M, r), lora_b, 0.5)
-    assert (
-        max_err(
-            y,
-            reference.mm(
-                x.double(),
-                q.weight_packed,
-                q.weight_scale,
-                q.weight_global_scale,
-                bias.double(),
-                u.view(M, r).double(),
-                lora_b.double(),
-                0.5,
-            ),
-        )
-        < TOL
-    )
-    y = fp4_gemm.matmul(x.half(), q.weight_packed, q.weight_scale, q.weight_global_scale)
+    bias, u, lora_b = epilogue.bias, epilogue.lora_u.view(M, r), epilogue.lora_b
+    y = fp4_gemm.matmul(x, q, epilogue=Epilogue(bias, u, lora_b, 0.5))
+    assert max_err(y, reference.mm(x.double(), q, Epilogue(bias.double(), u.double(), lora_b.double(), 0.5))) < TOL
+    y = fp4_gemm.matmul(x.half(), q)
     assert max_err(y, x.double() @ _w64(q).t()) < TOL
     assert len(calls) == 2  # both bf16 calls took the Gluon kernel
 
@@ -216,19 +183,10 @@ def test_split_k_decode_is_repeatable_on_real_shapes(M: int, N: int, K: int) -> 
     q = _weight(N, K)
     x, u, lora_b = _rand(M, K), _rand(M, 16), _rand(N, 16) * 0.1
     for lora in ((), (None, u, lora_b, 0.5)):
-        ref = reference.mm(
-            x.double(),
-            q.weight_packed,
-            q.weight_scale,
-            q.weight_global_scale,
-            *(a.double() if torch.is_tensor(a) else a for a in lora),
-        )
-        first = fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, *lora)
+        ref = reference.mm(x.double(), q, Epilogue(*(a.double() if torch.is_tensor(a) else a for a in lora)))
+        first = fp4_gemm.matmul(x, q, epilogue=Epilogue(*lora))
         assert max_err(first, ref) < TOL
-        differ = sum(
-            not torch.equal(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, *lora), first)
-            for _ in range(19)
-        )
+        differ = sum(not torch.equal(fp4_gemm.matmul(x, q, epilogue=Epilogue(*lora)), first) for _ in range(19))
         assert differ == 0, f"{differ} of 19 repeated calls differ from the first (lora={bool(lora)})"
 
 
@@ -255,23 +213,13 @@ def test_pdl_decode_chain_matches_serial(M: int, monkeypatch: pytest.MonkeyPatch
         h, outs = h0, []
         for q in qs:
             _, x, u = fused_step.rms_norm_shrink(h, None, norm_w, 1e-6, lora_a, (16, 16), permute=takes)
-            h = fp4_gemm.matmul(
-                x,
-                q.weight_packed,
-                q.weight_scale,
-                q.weight_global_scale,
-                None,
-                u.view(M, 16),
-                lora_b,
-                x_permuted=takes,
-                pdl=True,
-            )
+            h = fp4_gemm.matmul(x, q, epilogue=Epilogue(None, u.view(M, 16), lora_b), x_permuted=takes, pdl=True)
             outs.append(h)
         return outs
 
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(schedule, "DECODE_PDL", on)
+        monkeypatch.setattr(schedule, "SWITCHES", replace(schedule.SWITCHES, decode_pdl=on))
         eager = [y.clone() for y in chain()]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -314,14 +262,14 @@ def test_direct_decode(M: int, N: int, K: int) -> None:
     xp = reference.nibble_major(x)
     _poison_allocator()
     for split in (0, 1, 3):  # one slice refills the x ring past MAX_STEPS steps; 3 leaves the last slice short
-        y = fp4_direct.matmul(xp, q.weight_packed, q.weight_scale, q.weight_global_scale, split=split)
+        y = fp4_direct.matmul(xp, q, split=split)
         assert max_err(y, ref) < TOL, (split, max_err(y, ref))
-    assert max_err(fp4_gemm.matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale), ref) < TOL
+    assert max_err(fp4_gemm.matmul(x, q), ref) < TOL
     with pytest.raises(ValueError, match="direct decode kernel"):
-        fp4_direct.matmul(_rand(9, K), q.weight_packed, q.weight_scale, q.weight_global_scale)
+        fp4_direct.matmul(_rand(9, K), q)
     odd = _weight(N, K + 16)
     with pytest.raises(ValueError, match="direct decode kernel"):
-        fp4_direct.matmul(_rand(M, K + 16), odd.weight_packed, odd.weight_scale, odd.weight_global_scale)
+        fp4_direct.matmul(_rand(M, K + 16), odd)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
@@ -336,30 +284,25 @@ def test_direct_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mo
     from qerl.kernels import fp4_direct, fp4_gemm, fp4_gluon, reference
     from qerl.kernels import schedule as sch
 
-    monkeypatch.setattr(sch, "DIRECT_DECODE", True)
-    monkeypatch.setattr(sch, "GLUON_DECODE", True)
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, direct_decode=True))
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, gluon_decode=True))
     calls = []
     monkeypatch.setattr(
         fp4_direct, "matmul", lambda *a, _f=fp4_direct.matmul, **k: calls.append("direct") or _f(*a, **k)
     )
     monkeypatch.setattr(fp4_gluon, "matmul", lambda *a, _f=fp4_gluon.matmul, **k: calls.append("tma") or _f(*a, **k))
-    q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
-    args = (q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, lora_b)
+    q, x, epilogue, ref = _stacked_epilogue_case(M, r, lora_bounds)
     _poison_allocator()
-    y = fp4_gemm.matmul(
-        reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True
-    )
+    y = fp4_gemm.matmul(reference.nibble_major(x), q, epilogue=epilogue, x_permuted=True)
     assert calls == ["direct"]
     assert max_err(y, ref) < TOL
-    assert max_err(fp4_gemm.matmul(x, *args, out_bounds=out_bounds, lora_bounds=lora_bounds), ref) < TOL
+    assert max_err(fp4_gemm.matmul(x, q, epilogue=epilogue), ref) < TOL
     assert calls == ["direct"]  # natural order: the Triton kernel
     monkeypatch.setattr(fp4_direct, "refills", lambda *a: True)
-    y = fp4_gemm.matmul(
-        reference.nibble_major(x), *args, out_bounds=out_bounds, lora_bounds=lora_bounds, x_permuted=True
-    )
+    y = fp4_gemm.matmul(reference.nibble_major(x), q, epilogue=epilogue, x_permuted=True)
     assert calls == ["direct", "tma"] and max_err(y, ref) < TOL
     with pytest.raises(ValueError, match="x_permuted"):
-        fp4_gemm.matmul(_rand(9, x.shape[1]), q.weight_packed, q.weight_scale, q.weight_global_scale, x_permuted=True)
+        fp4_gemm.matmul(_rand(9, x.shape[1]), q, x_permuted=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
@@ -371,22 +314,11 @@ def test_direct_decode_lora_split(M: int, r: int, lora_bounds: tuple[int, int]) 
     ranks of one, three and five 16-rank chunks."""
     from qerl.kernels import fp4_direct, reference
 
-    q, x, bias, u, lora_b, out_bounds, ref = _stacked_epilogue_case(M, r, lora_bounds)
+    q, x, epilogue, ref = _stacked_epilogue_case(M, r, lora_bounds)
     xp = reference.nibble_major(x)
     _poison_allocator()
     for split in (1, 2, 3, 5, 8):
-        y = fp4_direct.matmul(
-            xp,
-            q.weight_packed,
-            q.weight_scale,
-            q.weight_global_scale,
-            bias,
-            u,
-            lora_b,
-            out_bounds=out_bounds,
-            lora_bounds=lora_bounds,
-            split=split,
-        )
+        y = fp4_direct.matmul(xp, q, epilogue=epilogue, split=split)
         assert max_err(y, ref) < TOL, (split, max_err(y, ref))
 
 
@@ -402,7 +334,7 @@ def test_lora_epilogue(M: int, rank: int) -> None:
     b = _rand(N, rank, dtype=torch.float32) * 0.1
     ref = x.double() @ _w64(q).t() + 0.5 * u.double() @ b.double().t()
     _poison_allocator()
-    y = nvfp4_decode(x, q.weight_packed, q.weight_scale, q.weight_global_scale, None, u, b, 0.5)
+    y = nvfp4_decode(x, q, epilogue=Epilogue(None, u, b, 0.5))
     assert max_err(y, ref) < TOL
 
 

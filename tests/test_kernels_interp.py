@@ -50,7 +50,7 @@ def check_backward(device: str, dtype: torch.dtype, shapes: list[tuple[int, int,
         q = _weight(n, k, device, i)
         gy = torch.randn(m, n, generator=torch.Generator().manual_seed(100 + i)).to(device, dtype)
         out = torch.full((m, k), float("nan"), dtype=dtype, device=device)
-        gx = fp4_gemm.matmul_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale, out=out)
+        gx = fp4_gemm.matmul_t(gy, q, out=out)
         w64 = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float64)
         err = max_err(gx, gy.double() @ w64)
         assert err < tol, f"grad_x M={m} N={n} K={k} {dtype}: error {err:.3g} >= {tol}"
@@ -62,7 +62,7 @@ def dequantize_ulps(device: str, dtype: torch.dtype, n: int, k: int) -> float:
     from qerl.kernels import fp4_gemm
 
     q = _weight(n, k, device, n + k)
-    got = fp4_gemm.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, dtype)
+    got = fp4_gemm.dequantize(q, dtype)
     want = nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, dtype)
     assert got.dtype == dtype and got.shape == want.shape and torch.isfinite(got).all()
     diff = (got.float() - want.float()).abs()

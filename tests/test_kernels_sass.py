@@ -403,12 +403,13 @@ def test_decode_kernels_pdl_order_sm90(kernel: str) -> None:
 @pytest.mark.parametrize("kernel", ["direct", "gluon"])
 def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both Gluon decode launchers hand their kernel every argument under the right name (the shared host
-    tail, ``gluon_base.launch_tail``, fills ``g_ptr`` .. ``lora_scale`` by position): the launch is captured on
+    tail, ``gluon_base.launch_tail``, names ``g_ptr`` .. ``RC``): the launch is captured on
     CPU tensors and bound to the kernel's Python signature, then checked field by field."""
     import inspect
 
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import fp4_direct, fp4_gluon
+    from qerl.kernels.epilogue import Epilogue
 
     module, name = (fp4_direct, "_direct_kernel") if kernel == "direct" else (fp4_gluon, "_decode_gluon_kernel")
     launches = []
@@ -427,7 +428,8 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
     scale = torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
     g, x, bias = torch.ones(1), torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
     u, lora_b = torch.zeros(m * rank, dtype=torch.bfloat16), torch.zeros(n, rank, dtype=torch.bfloat16)
-    y = module.matmul(x, packed, scale, g, bias, u, lora_b, 0.5, out_bounds=(100, 150), lora_bounds=(8, 16), split=3)
+    epilogue = Epilogue(bias, u, lora_b, 0.5, out_bounds=(100, 150), lora_bounds=(8, 16))
+    y = module.matmul(x, nvfp4.NVFP4Tensors(packed, scale, g), epilogue=epilogue, split=3)
     ((grid, args, kwargs),) = launches
     launch_options = {"num_warps", "maxnreg"}  # Triton's, not the kernel's (num_warps is both for these kernels)
     signature = inspect.signature(Capture.fn)
@@ -475,7 +477,7 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
         # x goes through a ring of at most MAX_STEPS K steps: a slice of MAX_STEPS + 1 steps stays one slice.
         k = 256 * (fp4_direct.MAX_STEPS + 1)
         packed, scale = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
-        module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), packed, scale, g, split=1)
+        module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), nvfp4.NVFP4Tensors(packed, scale, g), split=1)
         grid, args, kwargs = launches[-1]
         bound = bind(args, kwargs)
         assert grid == (-(-n // 64), 1) and bound["STEPS"] == fp4_direct.MAX_STEPS and bound["RING"]
@@ -485,7 +487,7 @@ def test_gluon_decode_launch_binds_arguments(kernel: str, monkeypatch: pytest.Mo
         # (schedule.balanced_split), 264 programs and room for 5 slices of partials.
         n, k, m = 3584, 18944, 64
         packed, scale = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
-        module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), packed, scale, g)
+        module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), nvfp4.NVFP4Tensors(packed, scale, g))
         grid, args, kwargs = launches[-1]
         bound = bind(args, kwargs)
         assert (

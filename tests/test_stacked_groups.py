@@ -91,7 +91,7 @@ def test_stacked_forward_matches_each_projection(segmented: bool) -> None:
             others[proj.lora_slice] = False
             assert not group.lora_b[row : row + n, others].any(), "off-diagonal blocks must be zero"
             row += n
-        x = torch.randn(3, 2, group.stacked.packed.shape[1] * 2)
+        x = torch.randn(3, 2, group.stacked.weight.weight_packed.shape[1] * 2)
         lora = decoder.lora_inputs(x, group)
         want = [decoder.project(x, p, u) for p, u in zip(group.projs, lora.per_projection(group), strict=True)]
         if segmented:
@@ -101,7 +101,7 @@ def test_stacked_forward_matches_each_projection(segmented: bool) -> None:
                 lora.per_projection(group), decoder.lora_inputs(x, group).per_projection(group), strict=True
             ):
                 assert torch.equal(got_u, want_u)
-        got = decoder.stacked_forward(x, group, lora)
+        got = decoder.stacked_forward(x, lora, group=group)
         assert [g.shape for g in got] == [w.shape for w in want]
         for g, w in zip(got, want, strict=True):
             assert g.is_contiguous()

@@ -39,13 +39,13 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     seen: Counter = Counter()
     reference = kernel_reference.mm
 
-    def matmul(x, packed, scale, gscale, bias=None, lora_u=None, lora_b=None, lora_scale=1.0):
+    def matmul(x, weight, *, epilogue):
         seen["kernel_fwd", x.dtype] += 1
-        return reference(x, packed, scale, gscale, bias, lora_u, lora_b, lora_scale)
+        return reference(x, weight, epilogue)
 
-    def matmul_t(grad_y, packed, scale, gscale):
+    def matmul_t(grad_y, weight):
         seen["kernel_grad_x", grad_y.dtype] += 1
-        return grad_y @ nvfp4.dequantize(packed, scale, gscale, grad_y.dtype)
+        return grad_y @ weight.dequantize(grad_y.dtype)
 
     def reference_mm(x, *args, **kwargs):
         seen["reference", x.dtype] += 1

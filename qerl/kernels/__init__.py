@@ -1,7 +1,7 @@
 """FP4 x BF16 matmul: the one seam between ``NVFP4Linear`` and the kernels behind it.
 
-``nvfp4_linear(x, weight_packed, weight_scale, weight_global_scale, bias)`` computes
-``x @ W_hat.T + bias`` with gradients to ``x`` and ``bias`` only (the packed weight is frozen).
+``nvfp4_linear(x, weight, bias)`` (``weight`` an ``nvfp4.NVFP4Tensors``) computes ``x @ W_hat.T + bias`` with
+gradients to ``x`` and ``bias`` only (the packed weight is frozen).
 
 On CUDA with bf16/fp16 activations it runs the Triton NVFP4 kernels through the custom op
 ``torch.ops.qerl.nvfp4_mm`` (``qerl/kernels/ops.py``; split-K Triton kernel for M <= 128, Triton
@@ -9,13 +9,14 @@ dequantize + cuBLAS above; ``grad_x`` in backward: a fused Triton kernel for M <
 cuBLAS above). On CPU, fp32, or without Triton it dequantizes and calls
 ``F.linear``: the reference path that every fast path is tested against.
 
-``nvfp4_decode`` is the same op with an optional LoRA expand fused into its epilogue, for the
+``nvfp4_decode`` is the same op with an optional LoRA expand fused into its epilogue (an ``Epilogue``), for the
 rollout engine: ``y = x @ W_hat.T + bias + lora_scale * lora_u @ lora_B.T`` where ``lora_u = x @ A.T``
 is computed once per input (shared by q/k/v or gate/up).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from functools import cache
 from types import ModuleType
@@ -23,6 +24,8 @@ from types import ModuleType
 import torch
 
 from qerl.kernels import ops, reference
+from qerl.kernels.epilogue import PLAIN, Epilogue
+from qerl.nvfp4 import NVFP4Tensors
 
 
 @cache
@@ -35,52 +38,42 @@ def step_kernels() -> ModuleType:
     return fused_step
 
 
-def nvfp4_linear(
-    x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensors, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W).T + bias, through the fastest path available for x's device."""
     if not ops.use_triton(x):
-        return reference.mm(x, weight_packed, weight_scale, weight_global_scale, bias)
-    return nvfp4_decode(x, weight_packed, weight_scale, weight_global_scale, bias)
+        return reference.mm(x, weight, Epilogue(bias))
+    return nvfp4_decode(x, weight, epilogue=Epilogue(bias))
 
 
-def nvfp4_decode(
-    x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    lora_u: torch.Tensor | None = None,
-    lora_B: torch.Tensor | None = None,
-    lora_scale: float = 1.0,
-) -> torch.Tensor:
-    """``x @ W_hat.T + bias + lora_scale * lora_u @ lora_B.T`` for x of shape ``[..., K]``.
+def nvfp4_decode(x: torch.Tensor, weight: NVFP4Tensors, *, epilogue: Epilogue = PLAIN) -> torch.Tensor:
+    """``x @ W_hat.T + bias + lora_scale * lora_u @ lora_b.T`` for x of shape ``[..., K]`` (``epilogue`` holds all
+    but x and W; not segmented).
 
-    ``lora_u`` is ``[..., r]`` (same leading dims as x), ``lora_B`` is ``[N, r]``. Any device and
+    ``lora_u`` is ``[..., r]`` (same leading dims as x), ``lora_b`` is ``[N, r]``. Any device and
     dtype (the reference path serves what the kernels do not); differentiable in x, bias and the
     LoRA operands. On CUDA the LoRA term costs one tiny dot per output tile, not a launch.
     """
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    u2 = None if lora_u is None else lora_u.reshape(-1, lora_u.shape[-1])
-    y = ops.nvfp4_mm(x2, weight_packed, weight_scale, weight_global_scale, bias, u2, lora_B, float(lora_scale))
-    return y.reshape(*lead, weight_packed.shape[0])
+    u = epilogue.lora_u
+    y = ops.nvfp4_mm(
+        x.reshape(-1, x.shape[-1]),
+        weight.weight_packed,
+        weight.weight_scale,
+        weight.weight_global_scale,
+        epilogue.bias,
+        None if u is None else u.reshape(-1, u.shape[-1]),
+        epilogue.lora_b,
+        float(epilogue.lora_scale),
+    )
+    return y.reshape(*lead, weight.out_features)
 
 
 def nvfp4_group_decode(
     x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    bias: torch.Tensor | None,
+    weight: NVFP4Tensors,
     splits: tuple[int, ...],
-    lora_u: torch.Tensor | None = None,
-    lora_bounds: tuple[int, int] | None = None,
-    lora_B: torch.Tensor | None = None,
+    *,
+    epilogue: Epilogue = PLAIN,
     x_permuted: bool = False,
     pdl: bool = False,
 ) -> list[torch.Tensor]:
@@ -92,41 +85,30 @@ def nvfp4_group_decode(
 
     Why: q/k/v and gate/up as separate launches cost the 7B decode step 27-42% more FP4-kernel time
     than the same GEMMs stacked (small k/v tiles, a partial last wave per launch; docs/kernels.md, "Where a
-    b=64/128 step goes"). ``lora_u`` is ``[..., R]`` or, with ``lora_bounds``, the flat segmented
-    buffer the fused shrinks write; ``lora_B`` ``[N, R]`` is block-diagonal (projection j's rows only
-    see its own rank columns), so one epilogue dot applies every projection's expand.
+    b=64/128 step goes"). ``epilogue.lora_u`` is ``[..., R]`` or, with ``lora_bounds``, the flat segmented
+    buffer the fused shrinks write; ``lora_b`` ``[N, R]`` is block-diagonal (projection j's rows only
+    see its own rank columns), so one epilogue dot applies every projection's expand. The epilogue's
+    ``out_bounds`` are set here, from ``splits``.
     """
-    n_rows = weight_packed.shape[0]
+    n_rows = weight.out_features
     if len(splits) not in (1, 2, 3) or sum(splits) != n_rows:
         raise ValueError(f"splits {splits} must be 1 to 3 row counts summing to the weight's {n_rows} rows")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     ends = [*itertools.accumulate(splits[:-1]), n_rows, n_rows]
-    out_bounds = (ends[0], ends[1])
-    u = lora_u if lora_u is None or lora_bounds is not None else lora_u.reshape(m, -1)
+    u = epilogue.lora_u
+    if u is not None and epilogue.lora_bounds is None:
+        u = u.reshape(m, -1)
+    epilogue = dataclasses.replace(epilogue, lora_u=u, out_bounds=(ends[0], ends[1]))
     if ops.use_triton(x2):
         from qerl.kernels import fp4_gemm
 
-        flat = fp4_gemm.matmul(
-            x2,
-            weight_packed,
-            weight_scale,
-            weight_global_scale,
-            bias,
-            u,
-            lora_B,
-            out_bounds=out_bounds,
-            lora_bounds=lora_bounds,
-            x_permuted=x_permuted,
-            pdl=pdl,
-        )
+        flat = fp4_gemm.matmul(x2, weight, epilogue=epilogue, x_permuted=x_permuted, pdl=pdl)
     elif x_permuted:
         raise ValueError("x_permuted: the Gluon K order is for the CUDA decode kernels only")
     else:
-        flat = reference.group_mm(
-            x2, weight_packed, weight_scale, weight_global_scale, bias, out_bounds, u, lora_bounds, lora_B
-        )
+        flat = reference.mm(x2, weight, epilogue)
     outs, start = [], 0
     for n in splits:
         outs.append(flat[start * m : (start + n) * m].view(*lead, n))

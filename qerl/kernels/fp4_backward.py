@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.nvfp4 import NVFP4Tensors
+
 from .fp4_base import as_words
 from .schedule import Config, bwd_config
 
@@ -154,28 +156,24 @@ def _bwd_kernel(
 
 
 def matmul_t(
-    grad_y: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    out: torch.Tensor | None,
-    config: Config | None,
+    grad_y: torch.Tensor, weight: NVFP4Tensors, *, out: torch.Tensor | None, config: Config | None
 ) -> torch.Tensor:
     """grad_x ``[M, K]`` = grad_y ``[M, N]`` @ W_hat on ``_bwd_kernel``, for operands ``fp4_gemm.matmul_t`` has checked
     (grad_y contiguous); ``config`` (None: ``bwd_config``'s choice) sets the tiles."""
     M, N = grad_y.shape
-    K = 2 * weight_packed.shape[1]
+    K = 2 * weight.weight_packed.shape[1]
     gx = torch.empty((M, K), dtype=grad_y.dtype, device=grad_y.device) if out is None else out
     if M == 0:
         return gx
     cfg = config or bwd_config(M, N, K)
-    packed = as_words(weight_packed)
+    packed = as_words(weight.weight_packed)
+    weight_scale = weight.weight_scale
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(K, cfg.BK),)
     _bwd_kernel[grid](
         grad_y,
         packed,
         weight_scale,
-        weight_global_scale,
+        weight.weight_global_scale,
         gx,
         M,
         N,

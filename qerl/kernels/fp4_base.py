@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.nvfp4 import NVFP4Tensors
+
 
 @triton.jit
 def segmented(col, row, rows, S1, S2, TOTAL):
@@ -150,8 +152,9 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
         raise ValueError(f"nvfp4 kernels take bf16/fp16 {what}, got {dtype}")
 
 
-def check_weight(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int]:
+def check_weight(weight: NVFP4Tensors) -> tuple[int, int]:
     """(N, K) of a well-formed NVFP4 weight; a one-line error otherwise."""
+    weight_packed, weight_scale = weight.weight_packed, weight.weight_scale
     N, half_k = weight_packed.shape
     K = 2 * half_k
     if weight_packed.dtype != torch.uint8 or weight_scale.shape != (N, K // 16) or K % 16:

@@ -22,7 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.nvfp4 import NVFP4Tensors
+
 from . import backend
+from .epilogue import Epilogue
 from .fp4_base import nibble, segmented
 from .schedule import DecodeConfig, decode_config
 
@@ -266,51 +269,41 @@ def _decode_epilogue(
 
 
 def matmul(
-    x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_u: torch.Tensor | None,
-    lora_b: torch.Tensor | None,
-    lora_scale: float,
-    out: torch.Tensor | None,
-    config: DecodeConfig | None,
-    out_bounds: tuple[int, int] | None,
-    lora_bounds: tuple[int, int] | None,
+    x: torch.Tensor, weight: NVFP4Tensors, *, epilogue: Epilogue, out: torch.Tensor | None, config: DecodeConfig | None
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract on ``_decode_kernel`` for operands it has checked (x contiguous
-    ``[M <= DECODE_MAX_M, K]``, LoRA operands contiguous and shaped); ``config`` (None: ``decode_config``'s
+    ``[M <= DECODE_MAX_M, K]``, the epilogue's LoRA operands shaped); ``config`` (None: ``decode_config``'s
     choice) sets the schedule."""
     M, K = x.shape
-    N = weight_packed.shape[0]
-    has_lora = lora_u is not None
-    shape = (M, N) if out_bounds is None else (M * N,)
-    y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    N = weight.out_features
+    y = out
+    if y is None:
+        y = torch.empty((M, N) if epilogue.out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    rank = lora_b.shape[1] if has_lora else 0
-    lora_args = (lora_u if has_lora else y, lora_b if has_lora else y)
-    y1, y2 = out_bounds or (N, N)
-    s1, s2 = lora_bounds or (rank, rank)
-    br = max(16, triton.next_power_of_2(rank))
+    has_lora = epilogue.lora_u is not None
+    rank = epilogue.rank if has_lora else 0
+    lora_b = epilogue.lora_b.contiguous() if has_lora else y
+    y1, y2 = epilogue.out_bounds or (N, N)
+    s1, s2 = epilogue.lora_bounds or (rank, rank)
     cfg = decode_config(M, N, K, x.device, config)
     k_steps = triton.cdiv(K, cfg.BK)
     steps_per_split = triton.cdiv(k_steps, cfg.split)
     split = triton.cdiv(k_steps, steps_per_split)
     tiles = triton.cdiv(N, cfg.BN)
     part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
-    h = weight_packed.contiguous().view(torch.int16)
-    scale = weight_scale.contiguous()
+    h = weight.weight_packed.contiguous().view(torch.int16)
+    scale = weight.weight_scale.contiguous()
     h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))  # (row, K step, tile)
     s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
     _decode_kernel[(tiles, split)](
         x,
         h,
         scale,
-        weight_global_scale,
-        bias if bias is not None else y,
-        *lora_args,
+        weight.weight_global_scale,
+        y if epilogue.bias is None else epilogue.bias,
+        epilogue.lora_u.contiguous() if has_lora else y,
+        lora_b,
         y,
         part,
         tickets,
@@ -326,16 +319,16 @@ def matmul(
         s2,
         lora_b.stride(0) if has_lora else 0,
         rank,
-        float(lora_scale),
+        float(epilogue.lora_scale),
         steps_per_split,
         BM=max(16, triton.next_power_of_2(M)),
         BN=cfg.BN,
         BK=cfg.BK,
         SPLIT=split > 1,
         EVEN_K=K % cfg.BK == 0,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=epilogue.bias is not None,
         HAS_LORA=has_lora,
-        BR=br,
+        BR=max(16, triton.next_power_of_2(rank)),
         IS_FP16=x.dtype == torch.float16,
         X_SPLIT=cfg.x_split,
         num_warps=cfg.warps,

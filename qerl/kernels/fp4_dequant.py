@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.nvfp4 import NVFP4Tensors
+
 from .fp4_base import as_words, check_dtype, check_weight
 
 
@@ -59,25 +61,22 @@ def _dequant_kernel(
 
 
 def dequantize(
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    dtype: torch.dtype = torch.bfloat16,
-    block: tuple[int, int, int] = (8, 128, 4),
+    weight: NVFP4Tensors, dtype: torch.dtype = torch.bfloat16, block: tuple[int, int, int] = (8, 128, 4)
 ) -> torch.Tensor:
     """Dense W_hat [N, K] in bf16/fp16 on the GPU (one pass: 0.5625 B/weight read, 2 B written).
 
     ``block`` = (rows, int32 words of 8 codes per row, warps) of one program.
     """
-    N, K = check_weight(weight_packed, weight_scale)
+    N, K = check_weight(weight)
     check_dtype(dtype, "dequantize dtype")
-    out = torch.empty((N, K), dtype=dtype, device=weight_packed.device)
-    packed = as_words(weight_packed)
+    out = torch.empty((N, K), dtype=dtype, device=weight.weight_packed.device)
+    packed = as_words(weight.weight_packed)
+    weight_scale = weight.weight_scale
     BN, BW, warps = block
     _dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K // 8, BW))](
         packed,
         weight_scale,
-        weight_global_scale,
+        weight.weight_global_scale,
         out,
         N,
         K,

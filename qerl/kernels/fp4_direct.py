@@ -27,12 +27,14 @@ About 60-72 registers, no spills (sm_90, triton 3.6): 7 programs of 4 warps per 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from qerl.nvfp4 import NVFP4Tensors
+
+from .epilogue import PLAIN, Epilogue
 from .fp4_base import check_act, check_weight, nibble_asm, segmented
 from .gluon_base import launch_tail, scale_layout, split_k_sum, store_tile, tile_offsets
 from .pdl import gemm_launch
@@ -419,25 +421,19 @@ def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 def matmul(
     x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    lora_u: torch.Tensor | None = None,
-    lora_b: torch.Tensor | None = None,
-    lora_scale: float = 1.0,
+    weight: NVFP4Tensors,
+    *,
+    epilogue: Epilogue = PLAIN,
     out: torch.Tensor | None = None,
-    out_bounds: tuple[int, int] | None = None,
-    lora_bounds: tuple[int, int] | None = None,
     split: int = 0,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
-    there when it dispatches here) for an x already in the Gluon K order (``reference.nibble_major``);
-    see ``supports`` for what it takes. ``split``: K slices (0: ``decode_split``'s choice). ``pdl``: a programmatic
-    dependent launch (``pdl.py``; the caller vouches that no kernel in flight writes the weights)."""
+    """``fp4_gemm.matmul``'s decode contract (the ``epilogue``; operands checked there when it dispatches here) for
+    an x already in the Gluon K order (``reference.nibble_major``); see ``supports`` for what it takes. ``split``: K
+    slices (0: ``decode_split``'s choice). ``pdl``: a programmatic dependent launch (``pdl.py``; the caller vouches
+    that no kernel in flight writes the weights)."""
     check_act(x)
-    N, K = check_weight(weight_packed, weight_scale)
+    N, K = check_weight(weight)
     M = x.shape[0]
     if not supports(M, K, x.dtype, x.device) or x.shape[1] != K:
         raise ValueError(
@@ -448,26 +444,10 @@ def matmul(
     tiles, k_steps, slots = launch_shape(N, K, x.device)
     split = resolve_split(tiles, k_steps, split, slots, PROGRAM_STEPS)
     steps = cdiv(k_steps, split)  # per slice
-    rank, out, tail = launch_tail(
-        x,
-        weight_global_scale,
-        N,
-        K,
-        tiles,
-        bn * BM,
-        split,
-        (steps,),
-        bias,
-        lora_u,
-        lora_b,
-        lora_scale,
-        out,
-        out_bounds,
-        lora_bounds,
-    )
+    out, tail = launch_tail(x, weight, epilogue, out, tiles=tiles, tile_size=bn * BM, slices=split)
     x = x.contiguous()
-    h = weight_packed.contiguous().view(torch.int32)
-    s = weight_scale.contiguous().view(torch.int16)
+    h = weight.weight_packed.contiguous().view(torch.int32)
+    s = weight.weight_scale.contiguous().view(torch.int16)
     ring = steps > MAX_STEPS
     _direct_kernel[(tiles, split)](
         x,
@@ -476,19 +456,16 @@ def matmul(
         x.stride(0),
         h.stride(0),
         s.stride(0),
-        *tail,
+        steps_per_split=steps,
         BM=BM,
         BN=bn,
         HW=HW,
         STEPS=min(steps, MAX_STEPS),
         RING=ring,
-        SPLIT=split > 1,
         CH=SPLIT_CHUNK,
-        HAS_BIAS=bias is not None,
-        HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))),
         WHOLE=N % bn == 0 and not ring,
         num_warps=WARPS,
-        **gemm_launch(pdl, x.device, weight_packed, weight_scale),
+        **tail,
+        **gemm_launch(pdl, x.device, weight.weight_packed, weight.weight_scale),
     )
     return out

@@ -17,9 +17,15 @@ M=16 1.86x (``fp4_decode``), M=64 1.32x (``fp4_gluon``); M=1024 fwd 0.73x / bwd 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
+from qerl.nvfp4 import NVFP4Tensors
+
 from . import fp4_backward, fp4_decode, reference, schedule
+from .epilogue import PLAIN, Epilogue
 from .fp4_base import check_act, check_weight
 from .fp4_dequant import dequantize
 from .schedule import DECODE_MAX_M, FUSED_BWD_MAX_M, Config, DecodeConfig
@@ -32,126 +38,91 @@ else:
     HAS_GLUON = True
 
 
+class Request(NamedTuple):
+    """What routes one forward GEMM (``ROUTES``) besides its operands."""
+
+    m: int  #: x's rows
+    config: DecodeConfig | None  #: an explicit Triton decode schedule (tests, tuning), else None
+    x_permuted: bool  #: x is in the Gluon kernels' K order (``nibble_major``)
+    gluon: str | None  #: the Gluon kernel ``gluon_takes`` gives the GEMM: "tma", "direct" or None
+    pdl: bool  #: the caller allows programmatic dependent launch (``pdl.gemm_launch``)
+
+
+Launcher = Callable[[torch.Tensor, NVFP4Tensors, Epilogue, "torch.Tensor | None", Request], torch.Tensor]
+
+
+def _dequantized(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Tensor | None, _: Request):
+    """One dequantize pass into a transient bf16/fp16 weight, then cuBLAS, the epilogue in torch."""
+    y = reference.linear(x, dequantize(weight, x.dtype), epi)
+    return y if out is None or epi.out_bounds is not None else out.copy_(y)
+
+
+def _tma(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Tensor | None, req: Request):
+    return fp4_gluon.matmul(x, weight, epilogue=epi, out=out, permuted=req.x_permuted, pdl=req.pdl)
+
+
+def _direct(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Tensor | None, req: Request):
+    return fp4_direct.matmul(x, weight, epilogue=epi, out=out, pdl=req.pdl)
+
+
+def _triton(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Tensor | None, req: Request):
+    return fp4_decode.matmul(x, weight, epilogue=epi, out=out, config=req.config)
+
+
+#: The forward's routing, first match wins; docs/kernels.md#routing is this table in words, each row's "why" there.
+ROUTES: tuple[tuple[Launcher, Callable[[Request], bool]], ...] = (
+    (_dequantized, lambda r: r.m > DECODE_MAX_M),
+    (_tma, lambda r: r.gluon == "tma"),
+    (_direct, lambda r: r.gluon == "direct" and r.x_permuted),
+    (_triton, lambda r: not r.x_permuted),
+)
+
+
 def matmul(
     x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    lora_u: torch.Tensor | None = None,
-    lora_b: torch.Tensor | None = None,
-    lora_scale: float = 1.0,
+    weight: NVFP4Tensors,
+    *,
+    epilogue: Epilogue = PLAIN,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
-    out_bounds: tuple[int, int] | None = None,
-    lora_bounds: tuple[int, int] | None = None,
     x_permuted: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """y = x @ W_hat^T (+ bias) (+ lora_scale * lora_u @ lora_b^T) for 2-D bf16/fp16 x on CUDA.
+    """y = x @ W_hat^T and the ``epilogue`` (bias, LoRA expand, segmented y / u) for 2-D bf16/fp16 x on CUDA, on the
+    first kernel of ``ROUTES`` whose condition holds.
 
-    Decode-sized M (<= DECODE_MAX_M) takes ``fp4_decode`` (one launch, split-K), or a Gluon kernel
-    where ``gluon_takes`` (``fp4_direct`` only for an x already in its K order). Larger M
-    dequantizes the weight once into a transient bf16/fp16 copy and calls cuBLAS. An explicit
-    ``DecodeConfig`` sets the decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
-    contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer.
-
-    ``out_bounds`` returns y as a flat ``[M * N]`` buffer in the segmented layout (``segmented``:
-    output columns split at the two bounds, each block a contiguous ``[M, len]``); ``lora_bounds``
-    says ``lora_u`` is such a flat ``[M * r]`` buffer (as the rollout's fused shrinks write it).
-    ``x_permuted``: x is in the Gluon kernels' K order (``nibble_major``); only for GEMMs ``gluon_takes``.
-    ``pdl``: the Gluon kernels launch with programmatic dependent launch where ``pdl.gemm_launch`` allows it
-    (``qerl/kernels/pdl.py``); the caller vouches that no kernel still in flight writes the weight (a model's frozen
-    base weights).
+    An explicit ``DecodeConfig`` sets the Triton decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
+    contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer. ``x_permuted``: x is in the Gluon
+    kernels' K order (``nibble_major``); only for GEMMs ``gluon_takes``. ``pdl``: the Gluon kernels launch with
+    programmatic dependent launch where ``pdl.gemm_launch`` allows it (``qerl/kernels/pdl.py``); the caller vouches
+    that no kernel still in flight writes the weight (a model's frozen base weights).
     """
     check_act(x)
-    N, K = check_weight(weight_packed, weight_scale)
+    N, K = check_weight(weight)
     M = x.shape[0]
     if x.shape[1] != K:
         raise ValueError(f"x must be [M, {K}] for this weight, got {tuple(x.shape)}")
-    x = x.contiguous()
-    has_lora = lora_u is not None
-    if has_lora:
-        rank = lora_b.shape[1] if lora_b is not None else -1
-        u_shape = (M * rank,) if lora_bounds is not None else (M, rank)
-        if lora_b is None or lora_b.shape[0] != N or tuple(lora_u.shape) != u_shape:
-            raise ValueError(
-                f"LoRA epilogue needs lora_u {'[M*r]' if lora_bounds else '[M, r]'} (M={M}) and lora_B [N={N}, r], "
-                f"got {tuple(lora_u.shape)} and {None if lora_b is None else tuple(lora_b.shape)}"
-            )
-        lora_u = lora_u.contiguous()
-        lora_b = lora_b.contiguous()
-    if M > DECODE_MAX_M:
-        if config is not None:
-            raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
-        # Large M: one dequantize pass + cuBLAS beats the fused kernels measured (docs/kernels.md).
-        y = torch.nn.functional.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, x.dtype), bias)
-        if has_lora:
-            u = lora_u if lora_bounds is None else reference.unsegment(lora_u, M, lora_bounds, rank)
-            y = y + lora_scale * (u.to(x.dtype) @ lora_b.to(x.dtype).t())
-        if out_bounds is not None:
-            return reference.segment(y, out_bounds)
-        return y if out is None else out.copy_(y)
-    if config is None and gluon_takes(M, N, K, x.dtype, x.device):
-        if _tma_rows(M, N, K, x.device):  # gluon_takes's first case
-            return fp4_gluon.matmul(
-                x,
-                weight_packed,
-                weight_scale,
-                weight_global_scale,
-                bias,
-                lora_u,
-                lora_b,
-                lora_scale,
-                out,
-                out_bounds,
-                lora_bounds,
-                permuted=x_permuted,
-                pdl=pdl,
-            )
-        if x_permuted:
-            return fp4_direct.matmul(
-                x,
-                weight_packed,
-                weight_scale,
-                weight_global_scale,
-                bias,
-                lora_u,
-                lora_b,
-                lora_scale,
-                out,
-                out_bounds,
-                lora_bounds,
-                pdl=pdl,
-            )
-    elif x_permuted:
-        raise ValueError(
-            f"x in the Gluon kernels' K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
-            f"{x.dtype}, config={config}"
-        )
-    return fp4_decode.matmul(
-        x,
-        weight_packed,
-        weight_scale,
-        weight_global_scale,
-        bias,
-        lora_u,
-        lora_b,
-        lora_scale,
-        out,
-        config,
-        out_bounds,
-        lora_bounds,
+    epilogue.check(M, N)
+    if M > DECODE_MAX_M and config is not None:
+        raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
+    decode = M <= DECODE_MAX_M and config is None
+    req = Request(M, config, x_permuted, _gluon_kernel(M, N, K, x.dtype, x.device) if decode else None, pdl)
+    for launch, applies in ROUTES:
+        if applies(req):
+            return launch(x.contiguous(), weight, epilogue, out, req)
+    raise ValueError(
+        f"x in the Gluon kernels' K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
+        f"{x.dtype}, config={config}"
     )
 
 
 def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:
     """Whether the TMA/wgmma kernel is the Gluon kernel for this many rows of this GEMM (``gluon_takes``)."""
-    if not schedule.GLUON_DECODE:
+    if not schedule.SWITCHES.gluon_decode:
         return False
     if M > schedule.GLUON_MIN_M or (M > schedule.DIRECT_MAX_M and N * K >= schedule.GLUON_MIN_WEIGHTS):
         return True
-    if M > schedule.DIRECT_MAX_M or not schedule.DIRECT_DECODE or schedule.DIRECT_RING:
+    if M > schedule.DIRECT_MAX_M or not schedule.SWITCHES.direct_decode or schedule.SWITCHES.direct_ring:
         return False
     return fp4_direct.refills(N, K, device)
 
@@ -163,42 +134,42 @@ def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     * above ``GLUON_MIN_M`` rows, from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least ``GLUON_MIN_WEIGHTS``
       weights, and at fewer rows for GEMMs whose split-K slices the mma.sync kernel would stream through its
       x ring (``fp4_direct.refills``: the 32B down), the TMA/wgmma kernel (``fp4_gluon``,
-      ``schedule.GLUON_DECODE``: sm_90, bf16, M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is
+      ``schedule.SWITCHES.gluon_decode``: sm_90, bf16, M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is
       not in that order itself;
     * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,
-      ``schedule.DIRECT_DECODE``), for an x already in that order (``x_permuted``); an x in natural order
+      ``schedule.SWITCHES.direct_decode``), for an x already in that order (``x_permuted``); an x in natural order
       takes ``fp4_decode`` (a direct kernel reading natural order was 2% faster at M=1 but ~48% slower at
       M=8: docs/kernels.md#direct-max-m).
 
     False without a Triton that has Gluon."""
+    return _gluon_kernel(M, N, K, dtype, device) is not None
+
+
+def _gluon_kernel(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """``gluon_takes``'s kernel: "tma" (``fp4_gluon``), "direct" (``fp4_direct``) or None (neither)."""
     if not HAS_GLUON:
-        return False
+        return None
     if _tma_rows(M, N, K, device):
-        return fp4_gluon.supports(M, K, dtype, device)
-    if schedule.DIRECT_DECODE and M <= schedule.DIRECT_MAX_M:
-        return fp4_direct.supports(M, K, dtype, device)
-    return False
+        return "tma" if fp4_gluon.supports(M, K, dtype, device) else None
+    if schedule.SWITCHES.direct_decode and M <= schedule.DIRECT_MAX_M and fp4_direct.supports(M, K, dtype, device):
+        return "direct"
+    return None
 
 
 def matmul_t(
-    grad_y: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    out: torch.Tensor | None = None,
-    config: Config | None = None,
+    grad_y: torch.Tensor, weight: NVFP4Tensors, *, out: torch.Tensor | None = None, config: Config | None = None
 ) -> torch.Tensor:
     """grad_x = grad_y @ W_hat for 2-D bf16/fp16 grad_y [M, N]; returns [M, K].
 
     The fused kernel (``fp4_backward``) for M <= FUSED_BWD_MAX_M or an explicit ``config``, dequantize + cuBLAS above.
     """
-    N, K = check_weight(weight_packed, weight_scale)
+    N, K = check_weight(weight)
     check_act(grad_y, "grad_y")
     if grad_y.shape[1] != N:
         raise ValueError(f"grad_y must be [M, {N}], got {tuple(grad_y.shape)}")
     M = grad_y.shape[0]
     grad_y = grad_y.contiguous()
     if config is None and M > FUSED_BWD_MAX_M:
-        gx = grad_y @ dequantize(weight_packed, weight_scale, weight_global_scale, grad_y.dtype)
+        gx = grad_y @ dequantize(weight, grad_y.dtype)
         return gx if out is None else out.copy_(gx)
-    return fp4_backward.matmul_t(grad_y, weight_packed, weight_scale, weight_global_scale, out, config)
+    return fp4_backward.matmul_t(grad_y, weight, out=out, config=config)

@@ -53,7 +53,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from qerl.nvfp4 import NVFP4Tensors
+
 from . import reference
+from .epilogue import PLAIN, Epilogue
 from .fp4_base import check_act, check_weight, nibble, segmented
 from .gluon_base import launch_tail, scale_layout, split_k_sum, store_tile, tile_offsets
 from .pdl import gemm_launch
@@ -379,30 +382,21 @@ def supports(M: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 def matmul(
     x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    lora_u: torch.Tensor | None = None,
-    lora_b: torch.Tensor | None = None,
-    lora_scale: float = 1.0,
+    weight: NVFP4Tensors,
+    *,
+    epilogue: Epilogue = PLAIN,
     out: torch.Tensor | None = None,
-    out_bounds: tuple[int, int] | None = None,
-    lora_bounds: tuple[int, int] | None = None,
     split: int = 0,
     permuted: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``fp4_gemm.matmul``'s decode contract (bias, LoRA epilogue, segmented y and u; operands checked
-    there when it dispatches here) through the Gluon kernel; see ``supports`` for what it takes.
-    ``permuted``: x is already in ``reference.nibble_major`` order (as the rollout engine's producers write it).
-    ``split``: K slices for every tile (0: ``decode_split``'s choice, balanced over the resident slots up to
-    ``BALANCE_MAX_BM``). ``pdl``: a programmatic dependent launch (``pdl.py``; the caller vouches that no kernel in
-    flight writes the weights)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    """``fp4_gemm.matmul``'s decode contract (the ``epilogue``; operands checked there when it dispatches here)
+    through the Gluon kernel; see ``supports`` for what it takes. ``permuted``: x is already in
+    ``reference.nibble_major`` order (as the rollout engine's producers write it). ``split``: K slices for every tile
+    (0: ``decode_split``'s choice, balanced over the resident slots up to ``BALANCE_MAX_BM``). ``pdl``: a
+    programmatic dependent launch (``pdl.py``; the caller vouches that no kernel in flight writes the weights)."""
     check_act(x)
-    N, K = check_weight(weight_packed, weight_scale)
+    N, K = check_weight(weight)
     M = x.shape[0]
     if not supports(M, K, x.dtype, x.device) or x.shape[1] != K:
         raise ValueError(
@@ -418,51 +412,35 @@ def matmul(
     extra = 0
     if split <= 0 and bm <= BALANCE_MAX_BM:
         base, extra = balanced_split(tiles, base, sms * resident, k_steps, sms)
-    slices = base + (extra > 0)
-    rank, out, tail = launch_tail(
-        x,
-        weight_global_scale,
-        N,
-        K,
-        tiles,
-        BN * bm,
-        slices,
-        (base, extra),
-        bias,
-        lora_u,
-        lora_b,
-        lora_scale,
-        out,
-        out_bounds,
-        lora_bounds,
-    )
-    xp = x.contiguous() if permuted else reference.nibble_major(x)
-    h = weight_packed.contiguous().view(torch.int16)
-    s = weight_scale.contiguous()
-    x_desc = TensorDescriptor.from_tensor(xp, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
-    h_desc = TensorDescriptor.from_tensor(
-        h, [BN, BK // 4], gl.NVMMASharedLayout.get_default_for([BN, BK // 4], gl.int16)
-    )
-    s_desc = TensorDescriptor.from_tensor(
-        s, [BN, BK // 16], gl.NVMMASharedLayout.get_default_for([BN, BK // 16], gl.float8e4nv)
-    )
+    out, tail = launch_tail(x, weight, epilogue, out, tiles=tiles, tile_size=BN * bm, slices=base + (extra > 0))
     _decode_gluon_kernel[(tiles * base + extra,)](
-        x_desc,
-        h_desc,
-        s_desc,
-        *tail,
+        *_descriptors(x if permuted else reference.nibble_major(x), weight, bm),
+        base=base,
+        extra=extra,
         BM=bm,
         BN=BN,
         BK=BK,
         STAGES=stages,
-        SPLIT=slices > 1,
         CH=SPLIT_CHUNK[bm],
-        HAS_BIAS=bias is not None,
-        HAS_LORA=lora_u is not None,
-        RC=min(64, max(16, triton.next_power_of_2(rank))),
         FENCED=bm in FENCED_RELEASE,
         num_warps=4,
+        **tail,
         **({"maxnreg": maxnreg} if maxnreg else {}),
-        **gemm_launch(pdl and bm in PDL_BM, x.device, weight_packed, weight_scale),
+        **gemm_launch(pdl and bm in PDL_BM, x.device, weight.weight_packed, weight.weight_scale),
     )
     return out
+
+
+def _descriptors(xp: torch.Tensor, weight: NVFP4Tensors, bm: int) -> tuple[object, object, object]:
+    """TMA descriptors of x (in the Gluon K order), the packed weight (int16 elements) and its scales, one kernel
+    tile a box."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def desc(t: torch.Tensor, box: list[int], dtype: object) -> object:
+        return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+    return (
+        desc(xp.contiguous(), [bm, BK], gl.bfloat16),
+        desc(weight.weight_packed.contiguous().view(torch.int16), [BN, BK // 4], gl.int16),
+        desc(weight.weight_scale.contiguous(), [BN, BK // 16], gl.float8e4nv),
+    )

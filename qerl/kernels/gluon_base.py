@@ -8,10 +8,14 @@ side of their launch (output, partials, tickets and the argument tail). Both ker
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from qerl.nvfp4 import NVFP4Tensors
+
 from . import backend
+from .epilogue import Epilogue
 from .fp4_base import segmented
 
 
@@ -115,53 +119,48 @@ def store_tile(
 
 def launch_tail(
     x: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    N: int,
-    K: int,
+    weight: NVFP4Tensors,
+    epilogue: Epilogue,
+    out: torch.Tensor | None,
+    *,
     tiles: int,
     tile_size: int,
     slices: int,
-    schedule: tuple[int, ...],
-    bias: torch.Tensor | None,
-    lora_u: torch.Tensor | None,
-    lora_b: torch.Tensor | None,
-    lora_scale: float,
-    out: torch.Tensor | None,
-    out_bounds: tuple[int, int] | None,
-    lora_bounds: tuple[int, int] | None,
-) -> tuple[int, torch.Tensor, tuple]:
-    """Host side of the tail both Gluon decode kernels share: ``(rank, out, args)`` with y allocated (``[M, N]``, or
-    flat segmented with ``out_bounds``), the fp32 partials of a split launch (``slices`` a tile at most; ``tile_size``
-    = BN x BM elements a tile and slice: room for either of ``split_k_sum``'s layouts) and its tickets, and the kernel
-    arguments from ``g_ptr`` to ``lora_scale`` in their order, the kernel's split schedule (``schedule``: the mma.sync
-    kernel's steps per slice, this kernel's ``balanced_split``) after ``K``."""
+) -> tuple[torch.Tensor, dict[str, object]]:
+    """Host side of the tail both Gluon decode kernels share: ``(out, args)`` with y allocated (``[M, N]``, or
+    flat segmented with the epilogue's ``out_bounds``), the fp32 partials of a split launch (``slices`` a tile at
+    most; ``tile_size`` = BN x BM elements a tile and slice: room for either of ``split_k_sum``'s layouts) and its
+    tickets, and the kernel arguments from ``g_ptr`` to ``lora_scale`` by name (both kernels name them alike)."""
     M = x.shape[0]
+    N = weight.out_features
     if out is None:
-        out = torch.empty((M, N) if out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
-    lb = None if lora_b is None else lora_b.contiguous()
-    rank = 0 if lb is None else lb.shape[1]
-    y1, y2 = out_bounds or (N, N)
-    s1, s2 = lora_bounds or (rank, rank)
-    part = torch.empty((slices, tiles, tile_size), dtype=torch.float32, device=x.device) if slices > 1 else out
-    tickets = backend.tickets(x.device, tiles) if slices > 1 else out
-    args = (
-        weight_global_scale,
-        out,
-        part,
-        tickets,
-        out if bias is None else bias,
-        out if lora_u is None else lora_u.contiguous(),
-        out if lb is None else lb,
-        M,
-        N,
-        K,
-        *schedule,
-        y1,
-        y2,
-        s1,
-        s2,
-        0 if lb is None else lb.stride(0),
-        rank,
-        float(lora_scale),
-    )
-    return rank, out, args
+        out = torch.empty((M, N) if epilogue.out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
+    lb = None if epilogue.lora_b is None else epilogue.lora_b.contiguous()
+    rank = epilogue.rank
+    y1, y2 = epilogue.out_bounds or (N, N)
+    s1, s2 = epilogue.lora_bounds or (rank, rank)
+    split = slices > 1
+    args = {
+        "g_ptr": weight.weight_global_scale,
+        "y_ptr": out,
+        "part_ptr": torch.empty((slices, tiles, tile_size), dtype=torch.float32, device=x.device) if split else out,
+        "ticket_ptr": backend.tickets(x.device, tiles) if split else out,
+        "bias_ptr": out if epilogue.bias is None else epilogue.bias,
+        "u_ptr": out if epilogue.lora_u is None else epilogue.lora_u.contiguous(),
+        "lb_ptr": out if lb is None else lb,
+        "M": M,
+        "N": N,
+        "K": x.shape[1],
+        "Y1": y1,
+        "Y2": y2,
+        "S1": s1,
+        "S2": s2,
+        "stride_lb": 0 if lb is None else lb.stride(0),
+        "R": rank,
+        "lora_scale": float(epilogue.lora_scale),
+        "SPLIT": split,
+        "HAS_BIAS": epilogue.bias is not None,
+        "HAS_LORA": epilogue.lora_u is not None,
+        "RC": min(64, max(16, triton.next_power_of_2(rank))),
+    }
+    return out, args

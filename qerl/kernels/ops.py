@@ -1,6 +1,7 @@
 """torch.library custom ops over the NVFP4 GEMMs, so torch.compile and CUDA graphs see opaque ops.
 
-* ``qerl::nvfp4_mm(x, packed, scale, gscale, bias?, lora_u?, lora_b?, lora_scale) -> y`` (2-D x):
+* ``qerl::nvfp4_mm(x, packed, scale, gscale, bias?, lora_u?, lora_b?, lora_scale) -> y`` (2-D x; the weight and
+  epilogue objects of ``fp4_gemm.matmul`` as the plain tensors an op schema takes):
   ``x @ W_hat^T + bias + lora_scale * lora_u @ lora_b^T``; the decode path (M <= 128, split-K) and the
   prefill path are picked inside by M; the LoRA expand rides in the kernel's epilogue.
 * ``qerl::nvfp4_mm_t(grad_y, packed, scale, gscale) -> grad_x`` (``grad_y @ W_hat``).
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from qerl.kernels import backend, reference
+from qerl.kernels.epilogue import Epilogue
+from qerl.nvfp4 import NVFP4Tensors
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -25,40 +28,43 @@ def use_triton(x: torch.Tensor) -> bool:
 @torch.library.custom_op("qerl::nvfp4_mm", mutates_args=())
 def nvfp4_mm(
     x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    gscale: torch.Tensor,
     bias: torch.Tensor | None = None,
     lora_u: torch.Tensor | None = None,
     lora_b: torch.Tensor | None = None,
     lora_scale: float = 1.0,
 ) -> torch.Tensor:
+    """The op's schema takes tensors only, so the weight and epilogue objects are taken apart here, and only here
+    (``qerl.kernels.nvfp4_decode`` does it), and put back together for the kernels."""
+    weight = NVFP4Tensors(packed, scale, gscale)
+    epilogue = Epilogue(bias, lora_u, lora_b, lora_scale)
     if use_triton(x):
         from qerl.kernels import fp4_gemm
 
-        return fp4_gemm.matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
-    return reference.mm(x, weight_packed, weight_scale, weight_global_scale, bias, lora_u, lora_b, lora_scale)
+        return fp4_gemm.matmul(x, weight, epilogue=epilogue)
+    return reference.mm(x, weight, epilogue)
 
 
 @nvfp4_mm.register_fake
-def _(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_u=None, lora_b=None, lora_scale=1.0):
-    return x.new_empty((x.shape[0], weight_packed.shape[0]))
+def _(x, packed, *_):
+    return x.new_empty((x.shape[0], packed.shape[0]))
 
 
 @torch.library.custom_op("qerl::nvfp4_mm_t", mutates_args=())
-def nvfp4_mm_t(
-    grad_y: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor
-) -> torch.Tensor:
+def nvfp4_mm_t(grad_y: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+    weight = NVFP4Tensors(packed, scale, gscale)
     if use_triton(grad_y):
         from qerl.kernels import fp4_gemm
 
-        return fp4_gemm.matmul_t(grad_y, weight_packed, weight_scale, weight_global_scale)
-    return reference.mm_t(grad_y, weight_packed, weight_scale, weight_global_scale)
+        return fp4_gemm.matmul_t(grad_y, weight)
+    return reference.mm_t(grad_y, weight)
 
 
 @nvfp4_mm_t.register_fake
-def _(grad_y, weight_packed, weight_scale, weight_global_scale):
-    return grad_y.new_empty((grad_y.shape[0], 2 * weight_packed.shape[1]))
+def _(grad_y, packed, *_):
+    return grad_y.new_empty((grad_y.shape[0], 2 * packed.shape[1]))
 
 
 def _setup_context(ctx, inputs, output) -> None:

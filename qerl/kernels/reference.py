@@ -12,28 +12,25 @@ import torch
 import torch.nn.functional as F
 
 from qerl import nvfp4
+from qerl.kernels.epilogue import PLAIN, Bounds, Epilogue
 
 
-def mm(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    gscale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    lora_u: torch.Tensor | None = None,
-    lora_b: torch.Tensor | None = None,
-    lora_scale: float = 1.0,
-) -> torch.Tensor:
-    """``x @ W_hat^T + bias + lora_scale * lora_u @ lora_b^T``: dequantize to x's dtype, then plain
-    matmuls (``fp4_gemm.matmul``'s reference). Autograd flows to x, bias and the LoRA operands."""
-    w = nvfp4.dequantize(packed, scale, gscale, dtype=x.dtype)
-    y = F.linear(x, w, bias)
-    if lora_u is not None:
-        y = y + lora_scale * (lora_u.to(x.dtype) @ lora_b.to(x.dtype).t())
-    return y
+def mm(x: torch.Tensor, weight: nvfp4.NVFP4Tensors, epilogue: Epilogue = PLAIN) -> torch.Tensor:
+    """``x @ W_hat^T`` and its ``epilogue``: dequantize to x's dtype, then ``linear`` (``fp4_gemm.matmul``'s
+    reference). Autograd flows to x, bias and the LoRA operands."""
+    return linear(x, weight.dequantize(x.dtype), epilogue)
 
 
-Bounds = tuple[int, int]
+def linear(x: torch.Tensor, w: torch.Tensor, epilogue: Epilogue = PLAIN) -> torch.Tensor:
+    """``x @ w^T`` for a dense ``w`` of x's dtype, and the ``epilogue`` in plain matmuls, y (and a flat ``lora_u``)
+    segmented as it says; also ``fp4_gemm.matmul``'s path above the decode sizes, after a kernel dequantize."""
+    y = F.linear(x, w, epilogue.bias)
+    u = epilogue.lora_u
+    if u is not None:
+        if epilogue.lora_bounds is not None:
+            u = unsegment(u, x.shape[0], epilogue.lora_bounds, epilogue.rank)
+        y = y + epilogue.lora_scale * (u.to(x.dtype) @ epilogue.lora_b.to(x.dtype).t())
+    return y if epilogue.out_bounds is None else segment(y, epilogue.out_bounds)
 
 
 def _segments(bounds: Bounds, total: int) -> list[tuple[int, int]]:
@@ -52,27 +49,9 @@ def segment(mat: torch.Tensor, bounds: Bounds) -> torch.Tensor:
     return torch.cat([mat[:, lo:hi].reshape(-1) for lo, hi in _segments(bounds, mat.shape[1])])
 
 
-def group_mm(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    gscale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_bounds: Bounds,
-    lora_u: torch.Tensor | None = None,
-    lora_bounds: Bounds | None = None,
-    lora_b: torch.Tensor | None = None,
-    lora_scale: float = 1.0,
-) -> torch.Tensor:
-    """``mm`` with the output (and a 1-D ``lora_u``) segmented: ``fp4_gemm.matmul(out_bounds=...)``'s reference."""
-    if lora_u is not None and lora_bounds is not None:
-        lora_u = unsegment(lora_u, x.shape[0], lora_bounds, lora_b.shape[1])
-    return segment(mm(x, packed, scale, gscale, bias, lora_u, lora_b, lora_scale), out_bounds)
-
-
-def mm_t(grad_y: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+def mm_t(grad_y: torch.Tensor, weight: nvfp4.NVFP4Tensors) -> torch.Tensor:
     """``grad_y @ W_hat`` (``fp4_gemm.matmul_t``'s reference)."""
-    return grad_y @ nvfp4.dequantize(packed, scale, gscale, dtype=grad_y.dtype)
+    return grad_y @ weight.dequantize(grad_y.dtype)
 
 
 #: Codes per K step of the Gluon decode kernel (``fp4_gluon.BK``): its x order permutes within such steps,

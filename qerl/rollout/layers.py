@@ -26,7 +26,7 @@ from peft.tuners.lora.layer import LoraLayer
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
-from qerl import arch
+from qerl import arch, nvfp4
 from qerl.kernels import reference
 from qerl.linear import NVFP4Linear
 
@@ -91,14 +91,12 @@ class Proj:
         return (self.base.weight_packed if self.is_nvfp4 else self.base.weight).data_ptr()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Stacked:
-    """A group's NVFP4 weights as one row-stacked tensor (``qerl.linear.stack_fused_groups``): views
+    """A group's NVFP4 weights as one row-stacked weight (``qerl.linear.stack_fused_groups``): views
     over the members' own storage, so the group runs as one FP4 launch with nothing copied."""
 
-    packed: torch.Tensor  # [sum N, K/2] u8
-    scale: torch.Tensor  # [sum N, K/16] fp8
-    gscale: torch.Tensor  # the members' one global scale
+    weight: nvfp4.NVFP4Tensors  # [sum N, K/2] packed, [sum N, K/16] scales, the members' one global scale
     bias: torch.Tensor | None  # [sum N]
     splits: tuple[int, ...]  # each member's rows
 
@@ -133,7 +131,8 @@ def _stacked(projs: list[Proj]) -> Stacked | None:
     bias = None
     if any(b is not None for b in biases) and (any(b is None for b in biases) or (bias := _rows_view(biases)) is None):
         return None  # some members without a bias, or biases that do not lie back to back
-    return Stacked(packed, scale, bases[0].weight_global_scale, bias, tuple(b.out_features for b in bases))
+    weight = nvfp4.NVFP4Tensors(packed, scale, bases[0].weight_global_scale)
+    return Stacked(weight, bias, tuple(b.out_features for b in bases))
 
 
 @dataclass
@@ -160,9 +159,7 @@ class Group:
             return self.stacked, self.lora_b
         if len(self.projs) == 1 and self.projs[0].is_nvfp4:
             b = self.projs[0].base
-            return Stacked(
-                b.weight_packed, b.weight_scale, b.weight_global_scale, b.bias, (b.out_features,)
-            ), self.projs[0].lora_b
+            return Stacked(b.packed_weight, b.bias, (b.out_features,)), self.projs[0].lora_b
         return None
 
     @property
