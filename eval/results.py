@@ -55,8 +55,9 @@ class ResultFile:
         meta = meta_path(self.path)
         if not meta.exists():
             if self.path.exists() and self.path.stat().st_size > 0:
-                raise UsageError(f"--output {self.path}: exists without {meta.name}, so its settings are unknown; "
-                                 "use a new --output")
+                raise UsageError(
+                    f"--output {self.path}: exists without {meta.name}, so its settings are unknown; use a new --output"
+                )
             return []
         try:
             previous = json.loads(meta.read_text(encoding="utf-8"))
@@ -90,8 +91,10 @@ class ResultFile:
         meta = meta_path(self.path)
         if self.stale:
             aside = self._move_aside()
-            print(f"note: {self.path} was made with other {', '.join(self.stale)}; starting afresh "
-                  f"(the old results are now {aside})")
+            print(
+                f"note: {self.path} was made with other {', '.join(self.stale)}; starting afresh "
+                f"(the old results are now {aside})"
+            )
             self.stale = []
         if self._whole_bytes is not None:
             with self.path.open("r+b") as f:
@@ -118,9 +121,20 @@ class ResultFile:
     def append(self, records: list[dict[str, Any]]) -> None:
         """Append whole lines and push them to disk, so a kill loses at most the batch in flight and a
         full disk none of a line; the first append calls :meth:`start`, so that a run stopped
-        before its first result leaves nothing behind (not even the meta file)."""
+        before its first result leaves nothing behind (not even the meta file). A new file's first batch
+        is written beside it and renamed into place: a run stopped by that write (a full disk, Ctrl-C)
+        leaves no empty results file, and the meta file written for them is removed again."""
         if not self._started:
             self.start()
-        append_whole(self.path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+        text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+        if self.path.exists():
+            append_whole(self.path, text)
+        else:
+            try:
+                atomic_write_text(self.path, text, durable=True)
+            except BaseException:
+                meta_path(self.path).unlink(missing_ok=True)  # settings of results that do not exist
+                self._started = False
+                raise
         for record in records:
             self.records[record_key(record)] = record

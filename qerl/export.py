@@ -45,7 +45,7 @@ from safetensors import safe_open
 from qerl import checkpoint, hub, nvfp4, quantize
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
 from qerl.fingerprint import check_adapter_base
-from qerl.fsutil import atomic_directory
+from qerl.fsutil import atomic_directory, write_text
 from qerl.integrity import check_tensor, check_tensors
 from qerl.runlock import run_lock
 
@@ -194,7 +194,7 @@ def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_b
         for key in ("dtype", "torch_dtype"):
             if key in config:
                 config[key] = "bfloat16"
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_text(out_dir / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     quantize._copy_side_files(model_dir, out_dir)
     return stats
 
@@ -237,8 +237,10 @@ def _dequantized(tensors: checkpoint.TensorIndex, layer: str) -> torch.Tensor:
 
 
 def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> None:
-    """Refuse an output that is one of the inputs, or exists and was not written by this tool, or
-    exists without ``--overwrite``."""
+    """Refuse an output that is a symbolic link or one of the inputs, or exists and was not written by this
+    tool, or exists without ``--overwrite``; all before any work."""
+    if out.is_symlink():  # replacing it would remove the link's target, or fail on the link after the whole merge
+        raise ValueError(f"--output {out}: is a symbolic link; name the directory itself")
     if any(out.resolve() == p.resolve() for p in inputs):
         raise ValueError(f"--output {out}: is one of the inputs; choose a new directory")
     if not out.exists():
@@ -309,7 +311,7 @@ def _write(
                 record["method"] = method
                 record["lora_delta_retained"] = retained_share(model_dir, dense, tmp, list(adapter.deltas))
         record.update(stats.as_dict())
-        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+        write_text(tmp / MARKER, json.dumps(record, indent=1) + "\n")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

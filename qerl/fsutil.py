@@ -1,5 +1,7 @@
 """Atomic outputs: a directory or file appears complete or not at all, whatever crashes on the way
-(a kill, a full disk, a read-only file system), and an appended line is whole or absent."""
+(a kill, a full disk, a read-only file system), and an appended line is whole or absent. A failed
+``write()`` or ``fsync()`` reports only its errno; every writer here names the file it was writing
+(:func:`naming`), so a full disk reads ``cannot write FILE``, not ``cannot write``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,21 @@ if TYPE_CHECKING:
 
 
 @contextmanager
+def naming(path: Path, temporary: Path | None = None) -> Iterator[None]:
+    """Give an ``OSError`` raised inside the file name it lacks: ``path``, or for a file under ``temporary``
+    (the scratch copy of ``path`` being written) the same file under ``path``, which is what the user asked for."""
+    try:
+        yield
+    except OSError as e:
+        name = None if e.filename is None else Path(os.fsdecode(e.filename))
+        if name is None:
+            e.filename = str(path)
+        elif temporary is not None and name.is_relative_to(temporary):
+            e.filename = str(path / name.relative_to(temporary)) if name != temporary else str(path)
+        raise
+
+
+@contextmanager
 def atomic_directory(target: Path, *, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling of ``target`` to write into; rename it onto ``target`` on success.
 
@@ -28,7 +45,8 @@ def atomic_directory(target: Path, *, replace: bool = True) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
-        yield tmp
+        with naming(target, tmp):
+            yield tmp
         os.chmod(tmp, 0o755)
         if target.exists():
             if not replace:
@@ -51,7 +69,8 @@ def atomic_file(target: Path) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(name)
     try:
-        yield tmp
+        with naming(target, tmp):
+            yield tmp
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
@@ -59,10 +78,21 @@ def atomic_file(target: Path) -> Iterator[Path]:
         raise
 
 
-def atomic_write_text(target: Path, text: str) -> Path:
-    with atomic_file(target) as tmp:
-        tmp.write_text(text)
+def atomic_write_text(target: Path, text: str, *, durable: bool = False) -> Path:
+    """Write ``text`` to ``target`` through :func:`atomic_file`; ``durable`` pushes it to disk before the
+    rename, so that a full disk found only by ``fsync`` leaves no file rather than an empty one."""
+    with atomic_file(target) as tmp, tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     return target
+
+
+def write_text(path: Path, text: str) -> None:
+    """``path.write_text(text)`` whose failure names ``path`` (a full disk found by ``write()`` names no file)."""
+    with naming(path):
+        path.write_text(text)
 
 
 def is_within(path: Path, root: Path) -> bool:
@@ -74,19 +104,20 @@ def is_within(path: Path, root: Path) -> bool:
 def append_whole(path: Path, text: str) -> None:
     """Append ``text`` (whole lines) to ``path`` and push it to disk; if any of it fails (a full disk
     half-way), cut the file back to its old length, so that readers never see part of a line."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.fstat(fd).st_size
+    with naming(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            data = memoryview(text.encode("utf-8"))
-            while data:
-                data = data[os.write(fd, data):]
-            os.fsync(fd)
-        except BaseException:
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)
+            size = os.fstat(fd).st_size
+            try:
+                data = memoryview(text.encode("utf-8"))
+                while data:
+                    data = data[os.write(fd, data) :]
+                os.fsync(fd)
+            except BaseException:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

@@ -3,6 +3,8 @@ class of defect, each seen to fail before its fix."""
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_export import VOCAB, make_adapter
+from test_export import MARKER, VOCAB, make_adapter
+from test_reliability3 import (
+    EVAL_FLAGS,
+    GOOD,
+    _data,
+    _one_error,
+    qtiny,  # noqa: F401 (a fixture: a tiny NVFP4 chat Llama)
+)
 from tiny_models import make_tiny_llama
 
 from qerl import export
@@ -30,12 +39,6 @@ def merge(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("reliability5")
     model = quantize_checkpoint(make_tiny_llama(root / "bf16", vocab=VOCAB), root / "nvfp4", backend="qerl")
     return {"model": model, "adapter": make_adapter(model, root / "adapter")}
-
-
-def _one_error(code: int, err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def _export(
@@ -87,3 +90,47 @@ def test_export_checks_every_tensor_against_the_model(merge, tmp_path: Path, cap
     code, err = _export(merge, tmp_path / "out", capsys, "--allow-base-mismatch", model=model)  # a copy: other weights
     assert expected in _one_error(code, err)
     assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == ["damaged"]
+
+
+# --- one-line errors that name their file; no empty output ----------------------------------------------------
+
+
+def _full_disk(*args: object, **kwargs: object) -> None:
+    """A full disk as ``write()`` or ``fsync()`` report it: an errno and no file name."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_export_full_disk_names_the_file(merge, tmp_path: Path, capsys, monkeypatch) -> None:
+    """``error: cannot write: no space left on device`` named no file; now the file, under the output's own name."""
+    real = Path.write_text
+    monkeypatch.setattr(
+        Path, "write_text", lambda self, *a, **k: _full_disk() if self.name == "config.json" else real(self, *a, **k)
+    )
+    code, err = _export(merge, tmp_path / "out", capsys)
+    assert _one_error(code, err) == f"error: cannot write {tmp_path / 'out' / 'config.json'}: no space left on device"
+    assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == []
+
+
+def test_export_to_a_symlink_is_refused_before_the_merge(merge, tmp_path: Path, capsys, monkeypatch) -> None:
+    """--output LINK --overwrite, LINK pointing at an earlier export: a traceback after the whole merge; now one line
+    before any work, the earlier export untouched."""
+    assert _export(merge, tmp_path / "real", capsys)[0] == 0
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setattr(export, "merge_to_dense", lambda *a, **k: pytest.fail("merged before checking --output"))
+    code, err = _export(merge, tmp_path / "link", capsys, "--overwrite")
+    assert "is a symbolic link" in _one_error(code, err)
+    assert (tmp_path / "real" / MARKER).is_file() and (tmp_path / "link").is_symlink()
+
+
+def test_eval_stopped_at_its_first_write_leaves_no_empty_output(qtiny, tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: F811
+    """A full disk at eval's first write left a 0-byte JSONL (and its meta file) and named no file; now nothing
+    is left and the message names the results file."""
+    from eval import gsm8k
+    from qerl.cli import run
+
+    out = tmp_path / "r.jsonl"
+    argv = ["--model", str(qtiny), "--data", str(_data(tmp_path, [GOOD])), "--output", str(out), *EVAL_FLAGS]
+    monkeypatch.setattr(os, "fsync", _full_disk)
+    error = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["d.jsonl"]
+    assert error == f"error: cannot write {out}: no space left on device"
