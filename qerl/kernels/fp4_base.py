@@ -79,8 +79,14 @@ def nibble_asm(i: int, fp16: bool, halves: bool = False) -> str:
     )
 
 
-_NIB_BF16_0, _NIB_BF16_1, _NIB_BF16_2, _NIB_BF16_3 = (tl.constexpr(nibble_asm(i, False)) for i in range(4))
-_NIB_FP16_0, _NIB_FP16_1, _NIB_FP16_2, _NIB_FP16_3 = (tl.constexpr(nibble_asm(i, True)) for i in range(4))
+#: ``nibble_asm`` for each (fp16, nibble): ``_NIBBLE_PTX[fp16][i]``.
+_NIBBLE_PTX = tuple(tuple(nibble_asm(i, fp16) for i in range(4)) for fp16 in (False, True))
+
+
+@triton.constexpr_function
+def _nibble_ptx(i: int, fp16: bool) -> str:
+    """Nibble ``i``'s ``_NIBBLE_PTX`` for the act dtype, looked up at compile time."""
+    return _NIBBLE_PTX[fp16][i]
 
 
 #: Under Triton's interpreter (CPU tests) ``nibble`` computes the same bits with plain integer ops:
@@ -118,25 +124,9 @@ def nibble(h, NIB: tl.constexpr, IS_FP16: tl.constexpr):
     if _INTERPRETED:
         return _nibble_plain(h, NIB, IS_FP16)
     if IS_FP16:
-        if NIB == 0:
-            asm: tl.constexpr = _NIB_FP16_0
-        elif NIB == 1:
-            asm: tl.constexpr = _NIB_FP16_1
-        elif NIB == 2:
-            asm: tl.constexpr = _NIB_FP16_2
-        else:
-            asm: tl.constexpr = _NIB_FP16_3
-        return tl.inline_asm_elementwise(asm, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        if NIB == 0:
-            asm: tl.constexpr = _NIB_BF16_0
-        elif NIB == 1:
-            asm: tl.constexpr = _NIB_BF16_1
-        elif NIB == 2:
-            asm: tl.constexpr = _NIB_BF16_2
-        else:
-            asm: tl.constexpr = _NIB_BF16_3
-        return tl.inline_asm_elementwise(asm, "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(_nibble_ptx(NIB, True), "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+    else:  # (an else: Triton takes the two returns as one function's only under a constexpr if / else)
+        return tl.inline_asm_elementwise(_nibble_ptx(NIB, False), "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 def check_act(t: torch.Tensor, what: str = "activations") -> None:

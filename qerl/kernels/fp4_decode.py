@@ -155,6 +155,7 @@ def _decode_kernel(
 
     tile_nm = offs_m[None, :] * N + offs_n[:, None]
     mask_nm = mask_n[:, None] & mask_m[None, :]
+    run = True
     if SPLIT:
         # Publish this fp32 partial, take a ticket; the program that draws the tile's last ticket
         # sums all partials (L2 reads, .cg), runs the epilogue and resets the ticket, so stream
@@ -163,36 +164,13 @@ def _decode_kernel(
         tl.store(part_ptr + pid_k * M * N + tile_nm, acc, mask=mask_nm)
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == nsplit - 1:
+        run = ticket == nsplit - 1
+        if run:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
             for s_ in range(0, nsplit):
                 acc += tl.load(part_ptr + s_ * M * N + tile_nm, mask=mask_nm, other=0.0, cache_modifier=".cg")
             tl.store(ticket_ptr + pid_n, 0)
-            _decode_epilogue(
-                acc,
-                g_ptr,
-                offs_m,
-                offs_n,
-                mask_m,
-                mask_n,
-                M,
-                N,
-                y_ptr,
-                Y1,
-                Y2,
-                bias_ptr,
-                u_ptr,
-                S1,
-                S2,
-                b_ptr,
-                stride_bn,
-                R,
-                lora_scale,
-                HAS_BIAS,
-                HAS_LORA,
-                BR,
-            )
-    else:
+    if run:
         _decode_epilogue(
             acc,
             g_ptr,
@@ -276,26 +254,20 @@ def matmul(
     choice) sets the schedule."""
     M, K = x.shape
     N = weight.out_features
-    y = out
-    if y is None:
-        y = torch.empty((M, N) if epilogue.out_bounds is None else (M * N,), dtype=x.dtype, device=x.device)
+    shape = (M, N) if epilogue.out_bounds is None else (M * N,)
+    y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:
         return y
     has_lora = epilogue.lora_u is not None
     rank = epilogue.rank if has_lora else 0
     lora_b = epilogue.lora_b.contiguous() if has_lora else y
-    y1, y2 = epilogue.out_bounds or (N, N)
-    s1, s2 = epilogue.lora_bounds or (rank, rank)
     cfg = decode_config(M, N, K, x.device, config)
     k_steps = triton.cdiv(K, cfg.BK)
     steps_per_split = triton.cdiv(k_steps, cfg.split)
     split = triton.cdiv(k_steps, steps_per_split)
     tiles = triton.cdiv(N, cfg.BN)
     part, tickets = _split_buffers(split, tiles, M, N, x.device, y)
-    h = weight.weight_packed.contiguous().view(torch.int16)
-    scale = weight.weight_scale.contiguous()
-    h_strides = (h.stride(0), cfg.BK // 4, cfg.BN * h.stride(0))  # (row, K step, tile)
-    s_strides = (scale.stride(0), cfg.BK // 16, cfg.BN * scale.stride(0))
+    h, scale = weight.weight_packed.contiguous().view(torch.int16), weight.weight_scale.contiguous()
     _decode_kernel[(tiles, split)](
         x,
         h,
@@ -311,12 +283,10 @@ def matmul(
         N,
         K,
         x.stride(0),
-        *h_strides,
-        *s_strides,
-        y1,
-        y2,
-        s1,
-        s2,
+        *_strides(h, cfg.BK // 4, cfg.BN),
+        *_strides(scale, cfg.BK // 16, cfg.BN),
+        *(epilogue.out_bounds or (N, N)),  # Y1, Y2
+        *(epilogue.lora_bounds or (rank, rank)),  # S1, S2
         lora_b.stride(0) if has_lora else 0,
         rank,
         float(epilogue.lora_scale),
@@ -335,6 +305,11 @@ def matmul(
         num_stages=cfg.stages,
     )
     return y
+
+
+def _strides(t: torch.Tensor, step: int, rows: int) -> tuple[int, int, int]:
+    """A packed weight tensor's (row, K step, tile) strides for ``_decode_kernel``'s three-stride addressing."""
+    return t.stride(0), step, rows * t.stride(0)
 
 
 def _split_buffers(split: int, tiles: int, M: int, N: int, device: torch.device, dummy: torch.Tensor):
