@@ -144,12 +144,9 @@ def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) 
             "bf16_TFLOPs": flops / tb / 1e12,
             "speedup_vs_bf16": tb / t,
         }
-    if row["x_in_gluon_order"] and sch.DECODE_PDL:  # the same calls launched without PDL, for the record
-        sch.DECODE_PDL = False
-        try:
+    if row["x_in_gluon_order"] and sch.SWITCHES.decode_pdl:  # the same calls launched without PDL, for the record
+        with sch.switched(decode_pdl=False):
             row["fwd"]["time_us_no_pdl"] = graph_time(layer.fwd_fns(x)) * 1e6
-        finally:
-            sch.DECODE_PDL = True
     if marlin is not None:
         tm, fwd = graph_time(marlin.fns(x)), row["fwd"]
         fwd.update(

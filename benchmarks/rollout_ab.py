@@ -1,11 +1,11 @@
 """The A/B modes of benchmarks/rollout.py: one engine setting against another in one process.
 
-``--kernel-ab gluon|direct|rope|sampler|direct_ring|shrink_rank`` times only the NVFP4 + LoRA engine (the first of
+``--kernel-ab gluon|direct|rope|sampler|direct_ring|shrink_rank|pdl`` times only the NVFP4 + LoRA engine (the first of
 ``--shapes``) at ``--batches`` with the ``qerl.kernels.schedule`` switch ``AB_SWITCHES`` names off / on / off, fresh
-graphs each: the Gluon decode GEMMs above 16 rows (``GLUON_DECODE``) or up to 8 (``DIRECT_DECODE``) against the
-Triton kernel, the RoPE and cache write in the attention kernel (``ROPE_IN_ATTENTION``), the one-kernel sampler
-(``FUSED_SAMPLER``), the 32B down's slices on the mma.sync kernel's x ring (``DIRECT_RING``), the RMSNorm shrink
-split over u's ranks (``SHRINK_BY_RANK``).
+graphs each: the Gluon decode GEMMs above 16 rows (``gluon_decode``) or up to 8 (``direct_decode``) against the
+Triton kernel, the RoPE and cache write in the attention kernel (``rope_in_attention``), the one-kernel sampler
+(``fused_sampler``), the 32B down's slices on the mma.sync kernel's x ring (``direct_ring``), the RMSNorm shrink
+split over u's ranks (``shrink_by_rank``), programmatic dependent launch (``decode_pdl``).
 
 ``--ab-constant MODULE.NAME=BASE:VARIANT ...`` does the same for module constants set together (e.g.
 ``qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64 qerl.kernels.step_norm.RANK_SPLIT_MAX_ROWS=32:64``), so a
@@ -23,6 +23,7 @@ import contextlib
 import gc
 import importlib
 from collections.abc import Iterator
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -33,12 +34,13 @@ from benchmarks.rollout_models import build_model, environment, ms_per_step
 
 #: ``--kernel-ab`` variants: the ``schedule`` switch each has, and what runs with it off.
 AB_SWITCHES = {
-    "gluon": ("GLUON_DECODE", "triton"),
-    "direct": ("DIRECT_DECODE", "triton"),
-    "rope": ("ROPE_IN_ATTENTION", "rope_kernel"),
-    "sampler": ("FUSED_SAMPLER", "torch_sampler"),
-    "direct_ring": ("DIRECT_RING", "tma_for_ring"),
-    "shrink_rank": ("SHRINK_BY_RANK", "column_split"),
+    "gluon": ("gluon_decode", "triton"),
+    "direct": ("direct_decode", "triton"),
+    "rope": ("rope_in_attention", "rope_kernel"),
+    "sampler": ("fused_sampler", "torch_sampler"),
+    "direct_ring": ("direct_ring", "tma_for_ring"),
+    "shrink_rank": ("shrink_by_rank", "column_split"),
+    "pdl": ("decode_pdl", "no_pdl"),
 }
 
 
@@ -95,7 +97,8 @@ def kernel_ab(args: argparse.Namespace) -> dict:
     from qerl.kernels import schedule
 
     switch, base = AB_SWITCHES[args.kernel_ab]
-    return engine_ab(args, base, [(schedule, switch, False)], args.kernel_ab, [(schedule, switch, True)])
+    off, on = (replace(schedule.SWITCHES, **{switch: value}) for value in (False, True))
+    return engine_ab(args, base, [(schedule, "SWITCHES", off)], args.kernel_ab, [(schedule, "SWITCHES", on)])
 
 
 def constant_ab(args: argparse.Namespace, base: Setting, variant: Setting) -> dict:

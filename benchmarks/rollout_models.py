@@ -154,5 +154,5 @@ def environment() -> dict:
         "device": torch.cuda.get_device_name(),
         "versions": found,
         # ``QERL_DECODE_CONFIG``, or the code's per-BM defaults.
-        "decode_config": str(schedule.ENV_DECODE or schedule.DECODE_BY_BM),
+        "decode_config": str(schedule.SWITCHES.decode_config or schedule.DECODE_BY_BM),
     }

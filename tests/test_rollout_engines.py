@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -426,7 +428,7 @@ def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.Monk
     from qerl.kernels import fp4_direct, fp4_gluon
     from qerl.kernels import schedule as sch
 
-    module, switch = (fp4_gluon, "GLUON_DECODE") if kernel == "gluon" else (fp4_direct, "DIRECT_DECODE")
+    module, switch = (fp4_gluon, "gluon_decode") if kernel == "gluon" else (fp4_direct, "direct_decode")
     monkeypatch.setattr(sch, "GLUON_MIN_WEIGHTS", 0)
     model = medium_model(
         True, stacked=True, hidden_size=1024, intermediate_size=2560, num_attention_heads=8, num_key_value_heads=2
@@ -443,11 +445,11 @@ def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.Monk
         return _f(*args, **kwargs)
 
     monkeypatch.setattr(module, "matmul", counted)
-    monkeypatch.setattr(sch, switch, True)
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, **{switch: True}))
     got = NativeEngine(model, 0).teacher_forced_logits(prompts, completions)
     n = len(calls)  # 4 layers x (qkv, o, gate_up, down) per warm-up or capture of a step graph
     assert n and n % 16 == 0 and all(calls), calls
-    monkeypatch.setattr(sch, switch, False)
+    monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, **{switch: False}))
     base = NativeEngine(model, 0).teacher_forced_logits(prompts, completions)
     assert len(calls) == n
     worst = max((g - b).abs().max().item() for g, b in zip(got, base, strict=True))

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -53,10 +54,10 @@ def test_rank_block_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shrink's split: by rank up to 64 rows of at most 8192 (padded) columns, the fewest ranks a program that keep
     a launch at 128 programs (the choices measured fastest on the H200 at the 7B shapes), at most 128 values of A a
     thread (8 ranks of a 4096-column row, 4 of an 8192-column one), and the column split otherwise or with
-    ``schedule.SHRINK_BY_RANK`` off."""
+    ``schedule.SWITCHES.shrink_by_rank`` off."""
     from qerl.kernels import schedule, step_norm
 
-    monkeypatch.setattr(schedule, "SHRINK_BY_RANK", True)
+    monkeypatch.setattr(schedule, "SWITCHES", replace(schedule.SWITCHES, shrink_by_rank=True))
     assert [step_norm.rank_block(m, 48, 4096) for m in (1, 2, 4, 8, 16, 32)] == [1, 1, 2, 4, 8, 8]
     assert [step_norm.rank_block(m, 32, 4096) for m in (1, 4, 8, 16, 32)] == [1, 1, 2, 4, 8]
     assert [step_norm.rank_block(m, 48, 8192) for m in (1, 8, 16, 32)] == [1, 4, 4, 4]  # 32B: 4 ranks at most
@@ -64,7 +65,7 @@ def test_rank_block_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert step_norm.rank_block(32, 8, 4096) == 2
     assert [step_norm.rank_block(m, 48, 4096) for m in (48, 64)] == [8, 8]  # measured at 48 / 64 rows: 8 ranks
     assert step_norm.rank_block(65, 48, 4096) == 0 and step_norm.rank_block(1, 48, 16384) == 0
-    monkeypatch.setattr(schedule, "SHRINK_BY_RANK", False)
+    monkeypatch.setattr(schedule, "SWITCHES", replace(schedule.SWITCHES, shrink_by_rank=False))
     assert step_norm.rank_block(1, 48, 4096) == 0
 
 

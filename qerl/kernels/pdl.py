@@ -13,7 +13,7 @@ still in flight on the stream (true of a model's frozen base weights, which the 
 quantized or copied by the kernel just before the call is not, so ``fp4_gemm.matmul`` takes PDL only when asked).
 Everything else (x, LoRA u and B, bias, tickets, partials, outputs) is read or written after the wait. Waiting is
 transitive (a kernel finishes only after its own wait returns), so the GEMM is ordered after every kernel before
-it; a kernel launched without PDL after it waits for it as usual. ``QERL_DECODE_PDL=0`` (``schedule.DECODE_PDL``)
+it; a kernel launched without PDL after it waits for it as usual. ``QERL_DECODE_PDL=0`` (``schedule.SWITCHES.decode_pdl``)
 launches everything without it. The TMA/wgmma kernel's BM=32 launches take none: the engine at b=32 was slower with
 it (``fp4_gluon.PDL_BM``, docs/kernels.md#pdl-bm).
 """
@@ -39,9 +39,9 @@ def _capable(device: torch.device) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL and trigger their dependents early: ``schedule.DECODE_PDL``
+    """Whether kernels on ``device`` launch with PDL and trigger their dependents early: ``schedule.SWITCHES.decode_pdl``
     (read at each launch; a CUDA graph keeps what it captured) on an sm_90+ device."""
-    return schedule.DECODE_PDL and _capable(torch.device(device))
+    return schedule.SWITCHES.decode_pdl and _capable(torch.device(device))
 
 
 def gemm_launch(requested: bool, device: torch.device, *weights: torch.Tensor) -> dict:

@@ -8,8 +8,10 @@ model of waves of resident programs (docs/kernels.md#wave-model).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,41 +76,73 @@ class DecodeConfig:
         return cls(**values)
 
 
-#: The schedule ``QERL_DECODE_CONFIG`` forces at every M (read once, at import), else None.
-ENV_DECODE = DecodeConfig.from_env()
-#: The decode GEMMs with more than ``GLUON_MIN_M`` rows that the Gluon kernel takes (``fp4_gemm.gluon_takes``:
-#: sm_90, bf16, K % 256 == 0) run on it instead of ``_decode_kernel``; ``QERL_DECODE_GLUON=0`` turns it off.
-GLUON_DECODE = os.environ.get("QERL_DECODE_GLUON", "1") != "0"
-#: The Gluon kernel takes 17..128 rows: with x in its K order it beats the Triton kernel from 32 rows on and ties it at 16
-#: (docs/kernels.md#gluon-min-m).
+def _flag(name: str, default: bool) -> bool:
+    """``QERL_<name>`` as a switch: unset gives ``default``, ``0`` turns it off, anything else on."""
+    return os.environ.get(name, "1" if default else "0") != "0"
+
+
+@dataclass(frozen=True)
+class Switches:
+    """Every ``QERL_*`` switch of the kernels, read once at import (table: docs/kernels.md#switches). Frozen, so
+    a test or an A/B swaps the whole object (``switched``); a captured CUDA graph keeps what it was built with."""
+
+    #: The Gluon TMA/wgmma decode GEMM (``fp4_gemm.gluon_takes``; docs/kernels.md#gluon-min-m).
+    gluon_decode: bool = True
+    #: The register-only mma.sync decode GEMM up to ``DIRECT_MAX_M`` rows (docs/kernels.md#direct-max-m).
+    direct_decode: bool = True
+    #: Ring-refilling K slices stay on the mma.sync kernel, not the TMA/wgmma one (docs/kernels.md#direct-ring).
+    direct_ring: bool = False
+    #: The attention kernel ropes q / k and writes the cache itself (docs/kernels.md#rope-in-attention).
+    rope_in_attention: bool = True
+    #: The RMSNorm + LoRA shrink splits u's ranks over programs up to 64 rows (docs/kernels.md#rank-split).
+    shrink_by_rank: bool = True
+    #: Decode GEMMs launch with programmatic dependent launch (docs/kernels.md#pdl).
+    decode_pdl: bool = True
+    #: Sampling without top-k / top-p is one kernel (docs/kernels.md#fused-sampler).
+    fused_sampler: bool = True
+    #: One Triton decode schedule forced at every M (a tuning run), else None (docs/kernels.md#decode-schedule).
+    decode_config: DecodeConfig | None = None
+
+    @classmethod
+    def from_env(cls) -> Switches:
+        """The switches the environment sets (docs/kernels.md#switches)."""
+        return cls(
+            gluon_decode=_flag("QERL_DECODE_GLUON", True),
+            direct_decode=_flag("QERL_DECODE_DIRECT", True),
+            direct_ring=_flag("QERL_DECODE_DIRECT_RING", False),
+            rope_in_attention=_flag("QERL_ROPE_IN_ATTENTION", True),
+            shrink_by_rank=_flag("QERL_SHRINK_BY_RANK", True),
+            decode_pdl=_flag("QERL_DECODE_PDL", True),
+            fused_sampler=_flag("QERL_FUSED_SAMPLER", True),
+            decode_config=DecodeConfig.from_env(),
+        )
+
+
+#: The switches in force; replaced whole, never mutated (``switched``).
+SWITCHES = Switches.from_env()
+
+
+@contextlib.contextmanager
+def switched(**changes: object) -> Iterator[Switches]:
+    """``SWITCHES`` with ``changes`` (field=value) inside the block, restored after it: how tests and A/B runs
+    flip a switch without touching the environment. Engines built inside keep the plans they built."""
+    global SWITCHES
+    saved = SWITCHES
+    SWITCHES = replace(saved, **changes)
+    try:
+        yield SWITCHES
+    finally:
+        SWITCHES = saved
+
+
+#: The Gluon kernel takes 17..128 rows: from 32 rows it beats the Triton kernel, at 16 it ties (docs/kernels.md#gluon-min-m).
 GLUON_MIN_M = 16
-#: From 9 rows (above ``DIRECT_MAX_M``) up to ``GLUON_MIN_M`` the TMA/wgmma kernel also takes the GEMMs of at
-#: least ``GLUON_MIN_WEIGHTS`` weights (N x K): 20 M lies between the smallest GEMM it beats the Triton kernel on (26 M)
-#: and the largest it loses on (16.5 M) (docs/kernels.md#gluon-min-weights).
+#: From 9 rows the TMA/wgmma kernel also takes GEMMs of at least this many weights: it wins from 26 M, loses at 16.5 M
+#: (docs/kernels.md#gluon-min-weights).
 GLUON_MIN_WEIGHTS = 20_000_000
-#: Decode GEMMs of at most ``DIRECT_MAX_M`` rows whose x comes in the Gluon K order run the register-only
-#: ``mma.sync`` kernel (``fp4_direct``; ``fp4_gemm.gluon_takes``), ``QERL_DECODE_DIRECT=0`` turns it off. 8: it beats
-#: the Triton kernel at 1 row, ties it at 8 and loses by far at 16 (docs/kernels.md#direct-max-m).
-DIRECT_DECODE = os.environ.get("QERL_DECODE_DIRECT", "1") != "0"
+#: Rows up to which x in the Gluon K order runs the mma.sync kernel: it wins at 1, ties at 8, loses at 16
+#: (docs/kernels.md#direct-max-m).
 DIRECT_MAX_M = 8
-#: ``QERL_DECODE_DIRECT_RING=1`` keeps the GEMMs split into K slices that would refill the mma.sync kernel's x ring
-#: on it; by default they go to the TMA/wgmma kernel (``fp4_direct.refills``), faster on them (docs/kernels.md#direct-ring).
-DIRECT_RING = os.environ.get("QERL_DECODE_DIRECT_RING", "0") != "0"
-#: The decode attention's partial kernel ropes q and writes this step's k / v into the cache itself
-#: (``fused_step.decode_attention(rope=)``): one launch a layer fewer than ``rope_and_cache`` + attention,
-#: the same bits (docs/kernels.md#rope-in-attention). ``QERL_ROPE_IN_ATTENTION=0`` turns it off.
-ROPE_IN_ATTENTION = os.environ.get("QERL_ROPE_IN_ATTENTION", "1") != "0"
-#: Up to ``step_norm.RANK_SPLIT_MAX_ROWS`` rows the RMSNorm + LoRA shrink kernel splits u's ranks over programs,
-#: not the row's columns (``fused_step.rank_block``); ``QERL_SHRINK_BY_RANK=0`` turns it off.
-SHRINK_BY_RANK = os.environ.get("QERL_SHRINK_BY_RANK", "1") != "0"
-#: The decode GEMMs the rollout engine launches (frozen base weights) use programmatic dependent launch, and the
-#: kernels feeding them trigger it as they start (``qerl/kernels/pdl.py``, docs/kernels.md#pdl); ``QERL_DECODE_PDL=0``
-#: turns it off.
-DECODE_PDL = os.environ.get("QERL_DECODE_PDL", "1") != "0"
-#: The native engine samples without top-k / top-p through one kernel (``fused_step.sample``) instead of
-#: ~10 torch launches over the whole ``[B, V]`` logits. ``QERL_FUSED_SAMPLER=0`` turns it off (its draws
-#: then come from the engine's torch generator); faster at every batch (docs/kernels.md#fused-sampler).
-FUSED_SAMPLER = os.environ.get("QERL_FUSED_SAMPLER", "1") != "0"
 #: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps' best
 #: (docs/kernels.md#decode-schedule). BM = 64 / 128: eight warps over 128 weight rows, two warpgroups sharing one x
 #: tile (docs/kernels.md#decode-by-bm). BK=128 at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the
@@ -123,7 +157,7 @@ DECODE_BY_BM = {
 
 def default_decode(M: int) -> DecodeConfig:
     """The schedule for M tokens: ``QERL_DECODE_CONFIG`` if set, else the measured one for its BM."""
-    return ENV_DECODE or DECODE_BY_BM[max(16, 1 << (M - 1).bit_length())]
+    return SWITCHES.decode_config or DECODE_BY_BM[max(16, 1 << (M - 1).bit_length())]
 
 
 #: M at or below which the forward takes the split-K decode kernel (BM = 16..128 padded tokens).

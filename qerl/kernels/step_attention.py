@@ -1,7 +1,7 @@
 """The decode step's attention: RoPE + the KV-cache write (``rope_and_cache``) and split-K flash-decoding over the
 static cache (``decode_attention``: a partial kernel per key chunk, a combine kernel per head that also reduces
 o_proj's LoRA shrink, ``step_base``). With ``rope=`` the partial kernel ropes q and writes this step's k / v itself,
-one launch a layer fewer (``schedule.ROPE_IN_ATTENTION``). Qwen3's per-head q / k RMSNorms (``qk_norm=``) run inside
+one launch a layer fewer (``schedule.SWITCHES.rope_in_attention``). Qwen3's per-head q / k RMSNorms (``qk_norm=``) run inside
 whichever kernel does the RoPE, on the head it already holds: no launch and no pass over q / k of their own. Without
 them the norm weights are None, a compile-time constant: the other families' kernels are compiled as before.
 Rounding follows transformers' modules.

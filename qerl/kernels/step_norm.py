@@ -227,9 +227,9 @@ def rank_block(rows: int, rank: int, k: int) -> int:
     """Ranks per program of a by-rank shrink over rows of ``k`` columns (``block``: padded to a power of two): a
     power of two, the fewest that keep ``rows`` x blocks at most ``RANKTARGET_PROGRAMS``, with at most
     ``RANK_MAX_VALUES`` of A a thread; or 0 where the column split serves (more rows than ``RANK_SPLIT_MAX_ROWS``,
-    rows wider than ``RANK_MAX_BLOCK``, or ``schedule.SHRINK_BY_RANK`` off)."""
+    rows wider than ``RANK_MAX_BLOCK``, or ``schedule.SWITCHES.shrink_by_rank`` off)."""
     block = triton.next_power_of_2(k)
-    if not schedule.SHRINK_BY_RANK or rows > RANK_SPLIT_MAX_ROWS or block > RANK_MAX_BLOCK:
+    if not schedule.SWITCHES.shrink_by_rank or rows > RANK_SPLIT_MAX_ROWS or block > RANK_MAX_BLOCK:
         return 0
     most = max(1, RANK_MAX_VALUES * 32 * RANK_WARPS // block)
     rb = 1

@@ -159,7 +159,7 @@ def rope_attention(
     """Qwen3's q / k head norms (``qk_norms``), RoPE of this step's q and k, k / v written at slot ``pos``,
     then ``decode_attention``: q ``[B, H*D]``, k / v ``[B, Hkv*D]``, cos / sin the full ``[S, D]`` tables,
     caches ``[B, Hkv, S, D]`` views of this layer cut to the attended length. On the GPU the kernel that
-    does the RoPE does the norms too, and with ``schedule.ROPE_IN_ATTENTION`` that kernel is the attention
+    does the RoPE does the norms too, and with ``schedule.SWITCHES.rope_in_attention`` that kernel is the attention
     kernel itself (one launch fewer, the same bits)."""
     d = cos.shape[-1]
     b, hkv = q.shape[0], k_cache.shape[1]
@@ -169,7 +169,7 @@ def rope_attention(
         q = reference.rope_and_cache(q, k, v, cos, sin, pos, k_cache, v_cache, q.shape[1] // d, hkv, d)
         return decode_attention(q, k_cache, v_cache, pos, scale, group)
     norms = None if qk_norms is None else (qk_norms[0].weight, qk_norms[1].weight, qk_norms[0].eps, qk_norms[1].eps)
-    if schedule.ROPE_IN_ATTENTION:
+    if schedule.SWITCHES.rope_in_attention:
         return decode_attention(
             q.view(b, -1, d), k_cache, v_cache, pos, scale, group, rope=(k, v, cos, sin), qk_norm=norms
         )

@@ -235,7 +235,7 @@ class NativeEngine:
             self._gen.seed()
         else:
             self._gen.manual_seed(int(params.seed))
-        if schedule.FUSED_SAMPLER and backend.available(state.seed):
+        if schedule.SWITCHES.fused_sampler and backend.available(state.seed):
             state.seed.random_(generator=self._gen)
         return state
 
@@ -345,7 +345,7 @@ class NativeEngine:
         nothing beyond temperature shapes the distribution (its draws come from ``state.seed``, which
         ``_prepare`` takes from the engine's generator, so a seed still fixes the tokens), else the torch
         ops, after ``adjust_logits`` with the rows' token history (``row_id``: their output rows)."""
-        if schedule.FUSED_SAMPLER and backend.available(logits) and not filtered:
+        if schedule.SWITCHES.fused_sampler and backend.available(logits) and not filtered:
             return kernels.step_kernels().sample(logits, state.temperature, state.seed, state.step, greedy)
         if not filtered:
             return sample(logits, state.temperature, generator=self._gen, greedy=greedy, filtered=False)
