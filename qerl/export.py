@@ -21,7 +21,8 @@ anything is written (a damaged header declaring a 16 GiB tensor, or one the mode
 not copied). Tensors stream one at a time (peak memory: one output shard plus a few fp32 copies of the
 largest Linear), each checked as it is read (``qerl.integrity``: a NaN block scale stops the export in one
 line instead of writing NaN weights), the output appears atomically (temp dir, then rename) under its
-run lock (``qerl.runlock``), and an existing output is replaced only with ``--overwrite`` and only if
+run lock (``qerl.runlock``), what a killed export left beside it (the partial output, ``--format nvfp4``'s
+dense copy of the whole model) is removed by the next export to it (``qerl.fsutil.remove_leftovers``), and an existing output is replaced only with ``--overwrite`` and only if
 this tool wrote it (its ``qerl_export.json`` marker). An adapter that records the digest of the model
 it was trained on (``qerl_base.json``, written by ``qerl.train``) is refused on another model unless
 ``--allow-base-mismatch``.
@@ -34,7 +35,6 @@ import json
 import logging
 import math
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +45,7 @@ from safetensors import safe_open
 from qerl import checkpoint, hub, nvfp4, quantize
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
 from qerl.fingerprint import check_adapter_base
-from qerl.fsutil import atomic_directory, write_text
+from qerl.fsutil import atomic_directory, remove_leftovers, scratch_directory, write_text
 from qerl.integrity import check_tensor, check_tensors
 from qerl.runlock import run_lock
 
@@ -280,6 +280,7 @@ def export(
                     "quantized_source": checkpoint.is_nvfp4_config(source_config), "base_verified": same_base}  # fmt: skip
     with run_lock(out):  # checked under the lock: a run that finished meanwhile is an existing output
         check_output(out, overwrite, (model_dir, adapter_dir))
+        remove_leftovers(out)  # of a killed export to the same output (the lock says none is running)
         _write(model_dir, adapter, out, record, fmt, method, source_config, max_shard_bytes)
     kept = record.get("lora_delta_retained")
     if kept is not None and kept < RETAINED_WARNING:
@@ -304,8 +305,7 @@ def _write(
             stats = merge_to_dense(model_dir, adapter, tmp, max_shard_bytes)
         else:
             ignore = tuple((source_config.get("quantization_config") or {}).get("ignore") or quantize.DEFAULT_IGNORE)
-            with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.bf16-") as scratch:
-                dense = Path(scratch)
+            with scratch_directory(out, "bf16") as dense:
                 stats = merge_to_dense(model_dir, adapter, dense, max_shard_bytes)
                 requantize(dense, tmp, ignore, method)
                 record["method"] = method

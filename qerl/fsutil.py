@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import errno
+import glob
+import logging
 import os
 import re
 import shutil
@@ -17,6 +19,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
+
+#: Written into every scratch directory made here (and taken out of one renamed into place), so that a later
+#: run can tell a directory a killed run of ours left from one someone else named alike.
+SCRATCH_MARK = ".qerl-scratch"
 
 
 @contextmanager
@@ -42,11 +50,11 @@ def atomic_directory(target: Path, *, replace: bool = True) -> Iterator[Path]:
     is left as it was. With ``replace=False`` an existing ``target`` wins (another process finished
     the same work first) and ours is dropped.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    tmp = _scratch(target, "tmp")
     try:
         with naming(target, tmp):
             yield tmp
+        (tmp / SCRATCH_MARK).unlink()
         os.chmod(tmp, 0o755)
         if target.exists():
             if not replace:
@@ -57,6 +65,42 @@ def atomic_directory(target: Path, *, replace: bool = True) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _scratch(target: Path, kind: str) -> Path:
+    """A new marked directory ``.NAME.KIND-XXXX`` beside ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{kind}-"))
+    (tmp / SCRATCH_MARK).touch()
+    return tmp
+
+
+@contextmanager
+def scratch_directory(target: Path, kind: str) -> Iterator[Path]:
+    """A marked temporary directory beside ``target`` for intermediate work (``kind`` names it), removed
+    on the way out whatever happens; one a kill left behind is found by :func:`remove_leftovers`."""
+    tmp = _scratch(target, kind)
+    try:
+        with naming(target, tmp):
+            yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_leftovers(target: Path) -> list[Path]:
+    """Remove the scratch directories of :func:`atomic_directory` and :func:`scratch_directory` for ``target``
+    that a killed run left beside it (a killed ``--format nvfp4`` export leaves a whole dense copy of the model),
+    and return them. Only a real directory named ``.NAME.KIND-XXXX`` holding :data:`SCRATCH_MARK` is ours: a
+    link or an unmarked directory is left alone. Call it only while holding ``target``'s run lock
+    (``qerl.runlock``), so that no live writer's scratch is taken for a leftover."""
+    removed = []
+    for entry in sorted(target.parent.glob(f".{glob.escape(target.name)}.*-*")):
+        mark = entry / SCRATCH_MARK
+        if entry.is_dir() and not entry.is_symlink() and mark.is_file() and not mark.is_symlink():
+            shutil.rmtree(entry)
+            logger.info("removed %s, left by an interrupted run", entry)
+            removed.append(entry)
+    return removed
 
 
 @contextmanager

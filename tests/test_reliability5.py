@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,3 +136,41 @@ def test_eval_stopped_at_its_first_write_leaves_no_empty_output(qtiny, tmp_path:
     error = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["d.jsonl"]
     assert error == f"error: cannot write {out}: no space left on device"
+
+
+# --- leftovers ------------------------------------------------------------------------------------------------
+
+#: An export killed (SIGKILL: nothing of it runs on the way out) after its dense merge, inside the re-quantization.
+_KILLED_EXPORT = """
+import os, signal, sys
+from qerl import export
+export.requantize = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(export.main(sys.argv[1:]))
+"""
+
+
+def test_rerun_removes_what_a_killed_nvfp4_export_left(merge, tmp_path: Path, capsys) -> None:
+    """A killed --format nvfp4 export left a dense copy of the model (``.NAME.bf16-*``) and its partial output
+    (``.NAME.tmp-*``) that no rerun removed; now the rerun removes them, and only them: a look-alike directory
+    without our mark, and a link to a marked one, stay."""
+    from qerl.fsutil import SCRATCH_MARK
+
+    out = tmp_path / "out"
+    argv = ["--model", str(merge["model"]), "--lora", str(merge["adapter"]), "--output", str(out), "--format", "nvfp4"]
+    killed = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, *argv], capture_output=True, text=True,
+                            cwd=Path(__file__).parent.parent, timeout=300)  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    left = sorted(p.name.rpartition("-")[0] for p in tmp_path.glob(".out.*-*"))
+    assert left == [".out.bf16", ".out.tmp"] and not out.exists()
+    foreign = tmp_path / ".out.tmp-notours"
+    foreign.mkdir()
+    (foreign / "keep").write_text("mine")
+    marked = tmp_path / "elsewhere"
+    marked.mkdir()
+    (marked / SCRATCH_MARK).touch()
+    (tmp_path / ".out.bf16-link").symlink_to(marked)
+
+    assert export.main(argv) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob(".out.*-*")) == [".out.bf16-link", ".out.tmp-notours"]
+    assert (foreign / "keep").read_text() == "mine" and (marked / SCRATCH_MARK).exists()
+    assert not (out / SCRATCH_MARK).exists()
