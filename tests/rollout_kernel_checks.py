@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from qerl.kernels import fused_step, reference, step_base, step_sampler
+from qerl.kernels import fused_step, plan, reference, step_base, step_sampler
 from qerl.kernels.reference import nibble_major
 from qerl.linear import stack_fused_groups
-from qerl.rollout import decoder
 from qerl.rollout.layers import Group, Norm, Proj
 
 
@@ -39,6 +38,27 @@ def _group(ranks: list[int], lora_a: torch.Tensor) -> Group:
     return Group(projs, lora_a)
 
 
+#: The torch reference route of ``kernels.plan`` (what CPU rollouts run), the kernels' oracle here.
+_REFERENCE = plan.Route(kernel=False)
+
+
+def _ref_norm(
+    h: torch.Tensor, norm: Norm, delta: torch.Tensor | None = None, group: Group | None = None
+) -> tuple[torch.Tensor, torch.Tensor, plan.LoraInputs]:
+    return plan.norm_op(_REFERENCE, norm, group)(h, delta)
+
+
+def _ref_silu(gate: torch.Tensor, up: torch.Tensor, group: Group) -> tuple[torch.Tensor, plan.LoraInputs]:
+    return plan.silu_op(_REFERENCE, group)(gate, up)
+
+
+def _ref_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, scale: float, group: Group
+) -> tuple[torch.Tensor, plan.LoraInputs]:
+    out = reference.decode_attention(q, k_cache, v_cache, pos, scale)
+    return out, plan.lora_inputs(out, group)
+
+
 def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     """Each fused kernel on ``device``/``dtype`` vs the plain-torch op in fp32; raises AssertionError."""
     gen = torch.Generator().manual_seed(0)
@@ -54,7 +74,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         h, d, w = rnd(m, k), rnd(m, k), rnd(k, scale=0.3) + 1
         a = rnd(sum(ranks), k, scale=0.2)
         group = _group(ranks, a.float())
-        ref_h, ref_x, ref_u = decoder.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
+        ref_h, ref_x, ref_u = _ref_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
         # Both splits of the shrink: over the row's columns (rb=0) and over u's ranks, 1 and 4 to a program.
         for rb in (0, 1, 4):
             hc = dev(h)
@@ -63,7 +83,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
             _close(h_out, ref_h, tol, f"rms_norm_shrink residual (rb={rb})")
             _close(x, ref_x, tol, f"rms_norm_shrink output (rb={rb})")
             for got, want in zip(
-                decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
+                plan.segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
             ):
                 assert (got is None) == (want is None)
                 if got is not None:
@@ -71,7 +91,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
                     _close(got, want, 2 * tol, f"rms_norm_shrink u (m={m}, k={k}, rb={rb})")
         same, x2, flat2 = fused_step.rms_norm_shrink(hc, None, dev(w), 1e-6, dev(a), group.lora_bounds)
         assert same is hc
-        _close(x2, decoder.rms_norm(h.float(), Norm(w.float(), 1e-6))[1], tol, "rms_norm_shrink without delta")
+        _close(x2, _ref_norm(h.float(), Norm(w.float(), 1e-6))[1], tol, "rms_norm_shrink without delta")
         hc = dev(h)
         x3 = fused_step.rms_norm(hc, dev(d), dev(w), 1e-6)
         _close(hc, ref_h, tol, "rms_norm in-place residual")
@@ -115,7 +135,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     assert step_base.part_tile(nsplit, step_base.rank_pad(200)) < nsplit
     for m, k, r in ((1, 1000, 16), (4, 300, 5), (1, 1024, 200)):
         g, u, a = rnd(m, k), rnd(m, k), rnd(r, k, scale=0.1)
-        ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([r], a.float()))
+        ref_act, ref_u = _ref_silu(g.float(), u.float(), _group([r], a.float()))
         act, flat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
         _close(act, ref_act, tol, "silu_mul_shrink output")
         _close(flat.view(m, r), ref_u.u, 2 * tol, "silu_mul_shrink u")
@@ -137,7 +157,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     _close(kcc, kr, 2 * tol, "rope k cache")
     assert torch.equal(vcc.cpu().float(), vr), "v cache"
     qa, a = rnd(b, nh, hd), rnd(12, nh * hd, scale=0.1)
-    ref_att, ref_u = decoder.decode_attention(
+    ref_att, ref_u = _ref_attention(
         qa.float(), kcc.cpu().float(), vcc.cpu().float(), pos, hd**-0.5, _group([12], a.float())
     )
     att, none = fused_step.decode_attention(dev(qa), kcc, vcc, dev(pos), hd**-0.5)
@@ -228,7 +248,7 @@ def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> Non
 
 def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: int = 200) -> None:  # noqa: ANN001
     """Qwen3's per-head q / k norms inside the RoPE kernels: ``rope_and_cache(qk_norm=)`` against torch's
-    ``decoder.qk_norm`` + ``reference.rope_and_cache`` (q, k cache, v cache), and ``decode_attention(rope=,
+    ``plan.qk_norm`` + ``reference.rope_and_cache`` (q, k cache, v cache), and ``decode_attention(rope=,
     qk_norm=)`` against ``rope_and_cache(qk_norm=)`` + ``decode_attention``: the caches bit for bit (each kernel
     norms a k head as one ``[D]`` vector), the output and the shrink within ``tol``. A q head's sum of squares is
     reduced over a ``[D]`` vector by ``rope_and_cache`` and over a ``[G, D]`` tile by the attention kernel: on a GPU
@@ -247,7 +267,7 @@ def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: in
     norms = (Norm(qw, 1e-6), Norm(kw, 1e-5))
     fused = (dev(qw), dev(kw), 1e-6, 1e-5)
     kr, vr = kc.float().clone(), vc.float().clone()
-    qn, kn = decoder.qk_norm(q.float(), k.float(), norms, hd)
+    qn, kn = plan.qk_norm(q.float(), k.float(), norms, hd)
     q_ref = reference.rope_and_cache(qn, kn, v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv, hd)
     k1, v1 = dev(kc), dev(vc)
     q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), k1, v1, nh, nkv, hd, fused)
@@ -297,18 +317,18 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
         for ranks in ([16, 16, 16], [16, 16]):
             a = rnd(sum(ranks), hidden, scale=0.05)
             group = _group(ranks, a.float())
-            _, ref_x, ref_u = decoder.rms_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
+            _, ref_x, ref_u = _ref_norm(h.float().clone(), Norm(w.float(), 1e-6), d.float(), group)
             args = (h.to(device), d.to(device), w.to(device), 1e-6, a.to(device), group.lora_bounds)
             for rb in (None, 0):  # the default (by rank up to 64 rows) and the column split
                 _, x, flat = fused_step.rms_norm_shrink(*args, rb=rb)
                 assert torch.equal(flat, fused_step.rms_norm_shrink(*args, rb=rb)[2]), "rms_norm_shrink not repeatable"
                 _close(x, ref_x, tol, "7b rms_norm_shrink output")
                 for got, want in zip(
-                    decoder._segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
+                    plan.segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
                 ):
                     _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks}, rb={rb})")
         g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)
-        ref_act, ref_u = decoder.silu_mul(g.float(), u.float(), _group([16], a.float()))
+        ref_act, ref_u = _ref_silu(g.float(), u.float(), _group([16], a.float()))
         act, flat = fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))
         assert torch.equal(flat, fused_step.silu_mul_shrink(g.to(device), u.to(device), a.to(device))[1])
         _close(act, ref_act, tol, "7b silu_mul_shrink output")
@@ -316,9 +336,7 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
         s = 600
         kc, vc, q, a = rnd(m, nkv, s, hd), rnd(m, nkv, s, hd), rnd(m, nh, hd), rnd(16, nh * hd, scale=0.05)
         pos = torch.randint(0, s, (m,), generator=gen)
-        ref_att, ref_u = decoder.decode_attention(
-            q.float(), kc.float(), vc.float(), pos, hd**-0.5, _group([16], a.float())
-        )
+        ref_att, ref_u = _ref_attention(q.float(), kc.float(), vc.float(), pos, hd**-0.5, _group([16], a.float()))
         args = (q.to(device), kc.to(device), vc.to(device), pos.to(device), hd**-0.5, a.to(device))
         att, flat = fused_step.decode_attention(*args)
         assert torch.equal(flat, fused_step.decode_attention(*args)[1]), "decode_attention shrink not repeatable"

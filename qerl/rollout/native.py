@@ -35,12 +35,17 @@ import torch
 import torch.nn.functional as F
 
 from qerl import kernels
-from qerl.kernels import backend, reference, schedule
+from qerl.kernels import plan as step_ops
+from qerl.kernels import reference
+from qerl.kernels.plan import LoraInputs
 from qerl.rollout import decoder
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.buffers import Slots, State, StepKey, bucket, round_up, side_stream
 from qerl.rollout.layers import ModelPlan
 from qerl.rollout.sampling import adjust_logits, is_filtered, make_generator, sample
+
+#: ``attend(layer, q, k, v) -> (attention output, o_proj's LoRA inputs)``: what prefill and decode differ in.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, LoraInputs]]
 
 
 class NativeEngine:
@@ -81,6 +86,7 @@ class NativeEngine:
         self._gen: torch.Generator | None = None
         self._forced: object = None  # teacher_forced_logits: the completions, then (tokens, logits) buffers
         self._plan: ModelPlan | None = None  # kept so that its LoRA buffers (read by graphs) are reused
+        self._step_plans: dict[int, step_ops.StepPlan] = {}  # batch bucket -> its decode ops, for ``_plan``
         self.last_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public API
@@ -102,6 +108,7 @@ class NativeEngine:
         self._drop_graphs()
         self._state = None
         self._plan = None
+        self._step_plans = {}
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput:
         return self._generate(prompt_ids, params, n, force=False)
@@ -137,6 +144,7 @@ class NativeEngine:
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int, force: bool) -> RolloutOutput:
         check_prompts(prompt_ids, n)
         plan = self._plan = ModelPlan.from_model(self.model, previous=self._plan)
+        self._step_plans = {}
         plan.refresh_lora()
         rows = len(prompt_ids) * n
         max_len = max(len(p) for p in prompt_ids)
@@ -235,7 +243,7 @@ class NativeEngine:
             self._gen.seed()
         else:
             self._gen.manual_seed(int(params.seed))
-        if schedule.SWITCHES.fused_sampler and backend.available(state.seed):
+        if step_ops.fused_sampler(state.seed):
             state.seed.random_(generator=self._gen)
         return state
 
@@ -274,33 +282,28 @@ class NativeEngine:
             state.k[i, rows, :, :width] = k[src]
             state.v[i, rows, :, :width] = v[src]
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=nkv != nh)
-            return attn.transpose(1, 2).reshape(p, width, nh * hd), None
+            out = attn.transpose(1, 2).reshape(p, width, nh * hd)
+            return out, step_ops.lora_inputs(out, plan.layers[i].o)
 
-        x = self._layers(plan, plan.embed(tokens), attend)
+        x = self._layers(decoder.step_plan(plan, p * width, decode=False), plan.embed(tokens), attend)
         # Only each prompt's last position is sampled from.
         return plan.lm_head(x[torch.arange(p, device=dev), lens - 1])
 
     @staticmethod
-    def _layers(
-        plan: ModelPlan, h: torch.Tensor, attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple]
-    ) -> torch.Tensor:
-        """The decoder stack on embeddings ``h`` (any leading shape) -> final-normed hidden states.
-
-        Prefill and decode differ only in ``attend(i, q, k, v) -> (attention output, o_proj's LoRA
-        inputs or None)``; every norm feeds the next group's LoRA shrink (see ``decoder.rms_norm``).
-        """
-        h, x, lora = decoder.rms_norm(h, plan.layers[0].attn_norm, group=plan.layers[0].qkv)
-        for i, layer in enumerate(plan.layers):
-            q, k, v = decoder.group_forward(x, layer.qkv, lora)
+    def _layers(ops: step_ops.StepPlan, h: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The decoder stack on embeddings ``h`` (any leading shape) -> final-normed hidden states, through the ops
+        ``ops`` chose. Prefill and decode differ only in ``attend(i, q, k, v) -> (attention output, o_proj's LoRA
+        inputs)``; every norm feeds the next group's LoRA shrink (``kernels.plan``)."""
+        h, x, lora = ops.first_norm(h, None)
+        for i, layer in enumerate(ops.layers):
+            q, k, v = layer.qkv(x, lora)
             attn, lora = attend(i, q, k, v)  # Qwen3's q / k norms included
-            (o,) = decoder.group_forward(attn, layer.o, lora)
-            h, x, lora = decoder.rms_norm(h, layer.mlp_norm, o, layer.gate_up)
-            gate, up = decoder.group_forward(x, layer.gate_up, lora)
-            act, lora = decoder.silu_mul(gate, up, layer.down)
-            (mlp,) = decoder.group_forward(act, layer.down, lora)
-            last = i + 1 == len(plan.layers)
-            nxt = plan.final_norm if last else plan.layers[i + 1].attn_norm
-            h, x, lora = decoder.rms_norm(h, nxt, mlp, None if last else plan.layers[i + 1].qkv)
+            (o,) = layer.o(attn, lora)
+            h, x, lora = layer.mlp_norm(h, o)
+            gate, up = layer.gate_up(x, lora)
+            act, lora = layer.silu(gate, up)
+            (mlp,) = layer.down(act, lora)
+            h, x, lora = layer.next_norm(h, mlp)
         return x
 
     # ------------------------------------------------------------------ decode
@@ -310,33 +313,27 @@ class NativeEngine:
         if self._hook is not None:
             self._hook()
         slots = state.slots[key.batch]
-        hd = plan.head_dim
+        ops = self._step_plan(plan, key.batch)
+        kv, scale = key.kv_len, plan.head_dim**-0.5
 
-        def attend(
-            i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-        ) -> tuple[torch.Tensor, decoder.LoraInputs]:
-            k_cache, v_cache = state.k[i, : key.batch], state.v[i, : key.batch]
-            kv = key.kv_len
-            return decoder.rope_attention(
-                q,
-                k,
-                v,
-                state.cos,
-                state.sin,
-                slots.pos,
-                k_cache[:, :, :kv],
-                v_cache[:, :, :kv],
-                hd**-0.5,
-                plan.layers[i].o,
-                plan.layers[i].qk_norms,
-            )
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, LoraInputs]:
+            k_cache, v_cache = state.k[i, : key.batch, :, :kv], state.v[i, : key.batch, :, :kv]
+            args = step_ops.AttentionArgs(state.cos, state.sin, slots.pos, k_cache, v_cache, scale)
+            return ops.layers[i].attention(q, k, v, args)
 
-        logits = plan.lm_head(self._layers(plan, plan.embed(slots.tokens), attend))
+        logits = plan.lm_head(self._layers(ops, plan.embed(slots.tokens), attend))
         if key.forced:
             tok, lp = self._forced_tokens(logits, slots.row_id, state.step)
         else:
             tok, lp = self._sample(logits, state, key.greedy, key.filtered, slots.row_id)
         self._finish_step(state, slots, tok, lp)
+
+    def _step_plan(self, plan: ModelPlan, batch: int) -> step_ops.StepPlan:
+        """The decode ops of bucket ``batch`` for this generation's model plan, built at its first step."""
+        ops = self._step_plans.get(batch)
+        if ops is None:
+            ops = self._step_plans[batch] = decoder.step_plan(plan, batch, decode=True)
+        return ops
 
     def _sample(
         self, logits: torch.Tensor, state: State, greedy: bool, filtered: bool, row_id: torch.Tensor
@@ -345,7 +342,7 @@ class NativeEngine:
         nothing beyond temperature shapes the distribution (its draws come from ``state.seed``, which
         ``_prepare`` takes from the engine's generator, so a seed still fixes the tokens), else the torch
         ops, after ``adjust_logits`` with the rows' token history (``row_id``: their output rows)."""
-        if schedule.SWITCHES.fused_sampler and backend.available(logits) and not filtered:
+        if not filtered and step_ops.fused_sampler(logits):
             return kernels.step_kernels().sample(logits, state.temperature, state.seed, state.step, greedy)
         if not filtered:
             return sample(logits, state.temperature, generator=self._gen, greedy=greedy, filtered=False)
@@ -383,8 +380,7 @@ class NativeEngine:
 
     def _finish_step(self, state: State, slots: Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
-        impl = kernels.step_kernels() if backend.available(tok) else reference
-        impl.finish_step(
+        step_ops.finish_step_op(tok)(
             tok,
             lp,
             slots.done,
