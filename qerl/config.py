@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import importlib.util
 import json
 import logging
+import math
+import types
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from huggingface_hub import get_token
 from torch import nn
 from trl import GRPOConfig
@@ -39,15 +45,15 @@ TRL_COMPLETION_LENGTH = 512
 #: The fields whose ``QeRLConfig`` default differs from trl's ``GRPOConfig`` default, and why.
 TRL_DEFAULT_OVERRIDES: dict[str, str] = {
     "learning_rate": "unset: 1e-5 for NVFP4 models, 5e-6 for bf16 (the paper's LoRA rates; trl's 1e-6 is a "
-                     "full fine-tuning rate, and LoRA barely moves at it)",
+    "full fine-tuning rate, and LoRA barely moves at it)",
     "max_completion_length": "unset: trl's 512 in the trainer; the CLI fills in the data set's budget",
     "vllm_importance_sampling_mode": "token_truncate: AQN shifts every token's log-prob, and trl's sequence_mask "
-                                     "would drop almost every noisy completion",
+    "would drop almost every noisy completion",
     "vllm_importance_sampling_clip_max": "2.0 with token_truncate (FlashRL/verl's TIS cap); trl's 3.0 is its "
-                                         "sequence-level cap",
+    "sequence-level cap",
     "bf16": "unset: on with CUDA, off on CPU (bf16 autocast is emulated, and many times slower, on CPUs)",
     "ddp_broadcast_buffers": "False: the packed NVFP4 weights are buffers, identical on every rank; "
-                             "re-broadcasting tens of GB each forward would dominate the step",
+    "re-broadcasting tens of GB each forward would dominate the step",
     "ddp_find_unused_parameters": "False: every LoRA/norm parameter is used in every forward",
     "use_cpu": "True without CUDA, so that `accelerate launch` gives CPU processes gloo DDP",
 }
@@ -67,8 +73,11 @@ class QeRLConfig(GRPOConfig):
         default=None, metadata={"help": "Peak LR; unset: 1e-5 for NVFP4 models, 5e-6 for bf16."}
     )
     max_completion_length: int | None = field(
-        default=None, metadata={"help": "Completion token budget; unset: trl's 512 (python -m qerl.train: the "
-                                        "reference scripts' budget for --dataset: gsm8k 2048, bigmath 4096, else 8192)."}
+        default=None,
+        metadata={
+            "help": "Completion token budget; unset: trl's 512 (python -m qerl.train: the "
+            "reference scripts' budget for --dataset: gsm8k 2048, bigmath 4096, else 8192)."
+        },
     )
     warmup_ratio: float | None = field(
         default=None, metadata={"help": "Reference spelling of a fractional warmup_steps."}
@@ -79,18 +88,28 @@ class QeRLConfig(GRPOConfig):
     )
     vllm_importance_sampling_clip_max: float | None = field(default=2.0, metadata={"help": "IS cap C."})
     is_ratio_from_loss_pass: bool = field(
-        default=True, metadata={"help": "Take the rollout IS ratio from the loss forward's log-probs when each "
-                                        "generation feeds one optimizer step, skipping trl's extra no-grad pass over "
-                                        "the batch (the same ratio: qerl.is_ratio); False: trl's separate pass."}
+        default=True,
+        metadata={
+            "help": "Take the rollout IS ratio from the loss forward's log-probs when each "
+            "generation feeds one optimizer step, skipping trl's extra no-grad pass over "
+            "the batch (the same ratio: qerl.is_ratio); False: trl's separate pass."
+        },
     )
     # Data parallelism (`accelerate launch`): the buffers are the frozen packed weights, identical on every
     # rank (each loads the same checkpoint), so DDP must not re-broadcast them (tens of GB) every forward;
     # every trainable tensor (LoRA, norms) is used in every forward, so DDP need not search for unused ones.
-    ddp_broadcast_buffers: bool | None = field(default=False, metadata={"help": "DDP: re-broadcast buffers each forward."})
-    ddp_find_unused_parameters: bool | None = field(default=False, metadata={"help": "DDP: look for unused parameters."})
+    ddp_broadcast_buffers: bool | None = field(
+        default=False, metadata={"help": "DDP: re-broadcast buffers each forward."}
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "DDP: look for unused parameters."}
+    )
     push_to_hub: bool = field(
-        default=False, metadata={"help": "Upload checkpoints and the final adapter to the Hub repo --hub_model_id "
-                                         "(default: the output dir's name); only with a token configured, else a note."}
+        default=False,
+        metadata={
+            "help": "Upload checkpoints and the final adapter to the Hub repo --hub_model_id "
+            "(default: the output dir's name); only with a token configured, else a note."
+        },
     )
 
     rollout_engine: str = field(default="native", metadata={"help": f"Rollout engine: one of {KINDS}."})
@@ -99,8 +118,11 @@ class QeRLConfig(GRPOConfig):
     )
 
     aqn: bool | None = field(
-        default=None, metadata={"help": "Adaptive Quantization Noise on the rollout's q/k/v and gate/up norms; "
-                                        "unset: on for NVFP4 models only (as the reference)."}
+        default=None,
+        metadata={
+            "help": "Adaptive Quantization Noise on the rollout's q/k/v and gate/up norms; "
+            "unset: on for NVFP4 models only (as the reference)."
+        },
     )
     sigma_start: float = field(default=1e-2, metadata={"help": "AQN sigma of stage 1."})
     sigma_end: float = field(default=1e-4, metadata={"help": "AQN sigma of the last stage (the reference's scripts)."})
@@ -109,6 +131,7 @@ class QeRLConfig(GRPOConfig):
     aqn_resample: str = field(default="step", metadata={"help": f"AQN draw frequency: one of {RESAMPLE_MODES}."})
 
     def __post_init__(self) -> None:
+        self._check_batch_shape()
         if self.warmup_ratio is not None:
             if not 0 <= self.warmup_ratio < 1:
                 raise ValueError(f"--warmup_ratio: expected a fraction in [0, 1), got {self.warmup_ratio}")
@@ -133,20 +156,121 @@ class QeRLConfig(GRPOConfig):
         if self.aqn is not False:  # on, or on for an NVFP4 model: either way the schedule must be valid
             AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule)  # validates
         if self.push_to_hub and not (self.hub_token or get_token()):
-            logger.warning("--push_to_hub: no Hugging Face token is configured (HF_TOKEN, `hf auth login` or "
-                           "--hub_token), so nothing will be uploaded; the run stays in --output_dir %s", self.output_dir)
+            logger.warning(
+                "--push_to_hub: no Hugging Face token is configured (HF_TOKEN, `hf auth login` or "
+                "--hub_token), so nothing will be uploaded; the run stays in --output_dir %s",
+                self.output_dir,
+            )
             self.push_to_hub = False
         if any(tag in str(self.optim) for tag in _BNB_OPTIMIZERS) and importlib.util.find_spec("bitsandbytes") is None:
             # The GPU recipes ask for 8-bit AdamW; without bitsandbytes (CPU installs) a recipe must still run.
             # Only LoRA and norm weights train, so 32-bit states cost little: ~0.3 GB at rank 16 on a 7B model.
-            logger.warning("--optim %s: bitsandbytes is not installed, using adamw_torch "
-                           "(pip install bitsandbytes for the 8-bit optimizer)", self.optim)
+            logger.warning(
+                "--optim %s: bitsandbytes is not installed, using adamw_torch "
+                "(pip install bitsandbytes for the 8-bit optimizer)",
+                self.optim,
+            )
             self.optim = "adamw_torch"
         super().__post_init__()
+
+    def _check_batch_shape(self) -> None:
+        """The values trl and transformers take and only fail on later (a ZeroDivisionError building the config, a
+        traceback in the first step, or a run that never samples), refused in one line naming the flag."""
+        steps = self.max_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not (steps == -1 or steps >= 1):
+            raise ValueError(
+                f"--max_steps: expected a positive integer (or -1: --num_train_epochs decides), got {steps!r}"
+            )
+        for name, least in (
+            ("per_device_train_batch_size", 1),
+            ("gradient_accumulation_steps", 1),
+            ("num_generations", 2),
+        ):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                why = " (GRPO compares completions of one prompt)" if name == "num_generations" else ""
+                raise ValueError(f"--{name}: expected an integer >= {least}{why}, got {value!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+            raise ValueError(f"--temperature: expected a finite number > 0 (rollouts must sample), got {t!r}")
 
     @property
     def aqn_plan(self) -> AQNSchedule | None:
         return AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule) if self.aqn else None
+
+
+#: A recipe is a page of settings: a larger file is refused before it is parsed.
+MAX_RECIPE_BYTES = 1 << 20
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases (a nested alias bomb of a few lines expands past any memory once trl turns
+    its values into flags) and without duplicate keys (the later value silently won)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise ValueError(f"line {event.start_mark.line + 1}: YAML anchors and aliases are not allowed in a recipe")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"line {key_node.start_mark.line + 1}: key {key} appears twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_recipe(path: str | Path, fields_of: tuple[type, ...]) -> dict[str, Any]:
+    """The settings of recipe ``path``: a mapping read with :class:`_RecipeLoader`, every value of a known field of the
+    ``fields_of`` dataclasses of that field's type (a string is left to the flag parser, which converts it as it
+    converts a command line). ValueError (one line, naming the key) for anything else; unknown keys are the parser's."""
+    path = Path(path)
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise ValueError(f"{path.stat().st_size} bytes; a recipe is at most {MAX_RECIPE_BYTES} bytes")
+    recipe = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
+    if not isinstance(recipe, dict):
+        raise ValueError("expected a mapping of settings (key: value lines)")
+    hints = {name: hint for cls in fields_of for name, hint in typing.get_type_hints(cls).items()}
+    for key, value in recipe.items():
+        if key in hints and not isinstance(value, str) and _fits(value, hints[key]) is False:
+            raise ValueError(f"key {key}: expected {_describe(hints[key])}, got {value!r}")
+    return recipe
+
+
+def _fits(value: Any, hint: Any) -> bool | None:
+    """Whether ``value`` (as YAML gives it) is of type ``hint``; None when the hint is not one this can judge."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [_fits(value, arg) for arg in args]
+        return True if True in verdicts else (False if all(v is False for v in verdicts) else None)
+    if hint is type(None):
+        return value is None
+    if hint in (bool, int, float):
+        numeric = (int, float) if hint is float else (int,)
+        return isinstance(value, bool) if hint is bool else isinstance(value, numeric) and not isinstance(value, bool)
+    if hint is str or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(isinstance(v, str) or _fits(v, args[0]) is not False for v in value)
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    return None
+
+
+def _describe(hint: Any) -> str:
+    """``list[str] | None`` as 'a list of strings (or null)', for the refusal of a value of another type."""
+    nouns = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "mapping"}
+    words = []
+    for arg in [a for a in typing.get_args(hint) if a is not type(None)] or [hint]:
+        if typing.get_origin(arg) is list:
+            words.append(f"a list of {nouns.get(typing.get_args(arg)[0], 'value')}s")
+        else:
+            noun = nouns.get(typing.get_origin(arg) or arg, getattr(arg, "__name__", str(arg)))
+            words.append(("an " if noun[0] in "aeiou" else "a ") + noun)
+    return " or ".join(words) + (" (or null)" if type(None) in typing.get_args(hint) else "")
 
 
 def with_model_defaults(args: QeRLConfig, model: Any) -> QeRLConfig:
@@ -164,8 +288,11 @@ def with_model_defaults(args: QeRLConfig, model: Any) -> QeRLConfig:
         args.learning_rate = LR_NVFP4 if nvfp4 else LR_BF16
     if args.aqn is None:
         args.aqn = nvfp4
-        logger.info("AQN %s (default for a%s model; set --aqn to choose)", "on" if nvfp4 else "off",
-                    "n NVFP4" if nvfp4 else " dense")
+        logger.info(
+            "AQN %s (default for a%s model; set --aqn to choose)",
+            "on" if nvfp4 else "off",
+            "n NVFP4" if nvfp4 else " dense",
+        )
     if args.max_completion_length is None:
         args.max_completion_length = TRL_COMPLETION_LENGTH
     return args
@@ -181,8 +308,14 @@ def trl_differences(args: GRPOConfig) -> dict[str, tuple[Any, Any]]:
     default cannot be built on a CPU-only machine), so values trl derives from those (logging dir) are not
     reported. A reference trl still refuses only costs the report (a warning): logging never stops a run.
     """
-    same = ("output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "use_cpu",
-            "steps_per_generation")
+    same = (
+        "output_dir",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_generations",
+        "use_cpu",
+        "steps_per_generation",
+    )
     try:  # steps_per_generation alone: trl derives the generation batch from it and refuses both at once
         reference = GRPOConfig(**{name: getattr(args, name) for name in same})
     except (ValueError, TypeError) as e:
@@ -199,5 +332,14 @@ def trl_differences(args: GRPOConfig) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-__all__ = ["QeRLConfig", "with_model_defaults", "trl_differences", "TRL_DEFAULT_OVERRIDES", "LR_NVFP4", "LR_BF16",
-           "TRL_COMPLETION_LENGTH"]
+__all__ = [
+    "QeRLConfig",
+    "load_recipe",
+    "MAX_RECIPE_BYTES",
+    "with_model_defaults",
+    "trl_differences",
+    "TRL_DEFAULT_OVERRIDES",
+    "LR_NVFP4",
+    "LR_BF16",
+    "TRL_COMPLETION_LENGTH",
+]

@@ -53,6 +53,7 @@ from qerl import hub
 from qerl import resume as run_record
 from qerl.answers import judge
 from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
+from qerl.config import load_recipe
 from qerl.fingerprint import model_sha256, write_base_record
 from qerl.fsutil import atomic_directory, atomic_write_text, is_within
 from qerl.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
@@ -189,16 +190,19 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, QeRL
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
     if argv and argv[-1] == "--config":
         raise UsageError("--config: expected a YAML recipe path")
+    if recipe is not None:  # checked whole before trl reads it: trl would expand aliases and take any value
+        try:
+            load_recipe(recipe, (ScriptArguments, QeRLConfig))
+        except yaml.MarkedYAMLError as e:
+            where = f", line {e.problem_mark.line + 1}" if e.problem_mark else ""
+            raise UsageError(f"--config {recipe}: not valid YAML ({e.problem or e.context}{where})") from None
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise UsageError(f"--config {recipe}: {one_line(e)}") from None
     parser = _Parser((ScriptArguments, QeRLConfig), prog="python -m qerl.train")
     try:
         script, config, unknown_keys, unknown_args = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
         )
-    except yaml.MarkedYAMLError as e:
-        where = f", line {e.problem_mark.line + 1}" if e.problem_mark else ""
-        raise UsageError(f"--config {recipe}: not valid YAML ({e.problem or e.context}{where})") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"--config {recipe}: {one_line(e)}") from None
     except (ValueError, TypeError) as e:  # a value the config classes refused; their messages name the flag
         raise UsageError(one_line(e)) from None
     if unknown_keys:
