@@ -104,29 +104,29 @@ def test_nibble_asm_decodes_every_code(fp16: bool) -> None:
 
 
 def test_word_nibble_asm_decodes_every_code() -> None:
-    """``fp4_direct``'s decode of an int32 word of two int16 elements (``_WORD_NIBBLE_ASM``: ``fp4_base.nibble_asm``'s bits,
+    """``fp4_direct``'s decode of an int32 word of two int16 elements (``mma_decode.WORD_NIBBLE_ASM``: ``fp4_base.nibble_asm``'s bits,
     its bf16 pair handed back as two halves) gives element 0's code ``i`` in ``$0`` and element 1's in ``$1``."""
     pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels import fp4_direct
+    from qerl.kernels import mma_decode
 
     word, table = _every_word(), _code_table(False)
     for i in range(4):
-        regs = _run_ptx(fp4_direct._WORD_NIBBLE_ASM[i], word, src="$2")
+        regs = _run_ptx(mma_decode.WORD_NIBBLE_ASM[i], word, src="$2")
         for out, half in (("$0", 0), ("$1", 16)):
             assert torch.equal(regs[out], table[(word >> (half + 4 * i)) & 0xF]), (i, out)
 
 
 def test_scale_pair_asm_converts_every_scale() -> None:
-    """``fp4_direct``'s scale conversion (``_SCALE_PAIR_ASM``, run by the interpreter above) turns every pair of
+    """``fp4_direct``'s scale conversion (``mma_decode.SCALE_PAIR_ASM``, run by the interpreter above) turns every pair of
     non-negative e4m3 scale bytes (subnormals and zero included; NaN is no scale) into the bf16 bits of the
     scale times 2^118, exactly, low byte in ``$0``; a negative zero byte gives zero."""
     pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels import fp4_direct
+    from qerl.kernels import mma_decode
 
     byte = torch.arange(0x7F, dtype=torch.int64)  # 0x00 .. 0x7E
     lo, hi = byte.repeat(len(byte)), byte.repeat_interleave(len(byte))
     regs = _run_ptx(
-        str(fp4_direct._SCALE_PAIR_ASM.value), torch.cat([lo | (hi << 8), torch.tensor([0x8080])]), src="$2"
+        str(mma_decode.SCALE_PAIR_ASM.value), torch.cat([lo | (hi << 8), torch.tensor([0x8080])]), src="$2"
     )
     value = byte.to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**118
     want = _u16(value.to(torch.bfloat16))

@@ -10,8 +10,8 @@ warpgroup to issue it (docs/kernels.md#direct-kernel). Here:
 * each warp owns 16 weight rows (the MMA's M); the tokens are its N (8; rows past M are never stored);
 * A is ``DotOperandLayout(k_width=8)``: per 64-element K step a thread holds two runs of 8 int16 elements (one
   16-byte load each) of each of its two rows, straight from the checkpoint's layout (no repack), loaded and carried
-  as int32 words (``_word_layout``; int16 elements cost PRMTs a step) and decoded on the word by
-  ``fp4_base.nibble_asm`` (``_word_nibble``), times the fp8 block scale converted once per (row, group)
+  as int32 words (``word_layout``; int16 elements cost PRMTs a step) and decoded on the word by
+  ``fp4_base.nibble_asm`` (``word_nibble``), times the fp8 block scale converted once per (row, group)
   (``gluon_base.scale_layout``): exact, as in the other kernels;
 * x comes in the Gluon K order (``fp4_base.nibble_major``), so nibble ``i``'s x for a K step is 64 contiguous
   elements, cp.async'd into a ring of up to ``MAX_STEPS`` K steps (4 KB each) and read with 16-byte LDS (read from
@@ -35,8 +35,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from qerl.nvfp4 import NVFP4Tensors
 
 from .epilogue import PLAIN, Epilogue
-from .fp4_base import check_act, check_weight, nibble_asm, segmented
+from .fp4_base import check_act, check_weight, segmented
 from .gluon_base import launch_tail, scale_layout, split_k_sum, store_tile, tile_offsets
+from .mma_decode import load_rows, pair_k, scale_pairs, word_layout, word_nibble
 from .pdl import gemm_launch
 from .schedule import cdiv, decode_split, resolve_split, sm_count
 
@@ -119,100 +120,6 @@ def _stage_x(
     async_copy.commit_group()
 
 
-@gluon.constexpr_function
-def _word_layout(a_linear):
-    """The int32 [BN, HW / 2] layout of the A operand's int16 elements taken in pairs (``a_linear``, its linear
-    layout, has the pair as its first register basis): a thread's word j holds its elements 2j and 2j + 1."""
-
-    def half(basis):
-        return [basis[0], basis[1] // 2]
-
-    assert a_linear.reg_bases[0] == [0, 1], a_linear
-    return gl.DistributedLinearLayout(
-        reg_bases=[half(b) for b in a_linear.reg_bases[1:]],
-        lane_bases=[half(b) for b in a_linear.lane_bases],
-        warp_bases=[half(b) for b in a_linear.warp_bases],
-        block_bases=[half(b) for b in a_linear.block_bases],
-        shape=[a_linear.shape[0], a_linear.shape[1] // 2],
-    )
-
-
-#: ``fp4_base.nibble_asm`` for each nibble of an int32 word, the bf16 pair handed back as two halves.
-_WORD_NIBBLE_ASM = tuple(nibble_asm(i, False, halves=True) for i in range(4))
-
-
-@gluon.constexpr_function
-def _word_asm(i):
-    """Nibble ``i``'s ``_WORD_NIBBLE_ASM``, looked up at compile time."""
-    return _WORD_NIBBLE_ASM[i]
-
-
-@gluon.jit
-def _asm_pairs(asm: gl.constexpr, constraints: gl.constexpr, v, layout: gl.constexpr):
-    """``asm`` on each element of ``v`` [R, C], giving two bf16 halves, as the bf16 tensor [R, 2 C] in ``layout``
-    (the halves side by side: a relabelling of the registers, checked trivial at compile time)."""
-    lo, hi = gl.inline_asm_elementwise(asm, constraints, [v], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-    both = gl.join(lo, hi)
-    return gl.convert_layout(gl.reshape(both, [both.shape[0], 2 * both.shape[1]]), layout, assert_trivial=True)
-
-
-@gluon.jit
-def _word_nibble(w, i: gl.constexpr, a_l: gl.constexpr):
-    """Code ``i`` of every int16 element of the int32 words ``w`` [BN, HW / 2] as the bf16 A operand [BN, HW]."""
-    return _asm_pairs(_word_asm(i), "=h,=h,r", w, a_l)
-
-
-@gluon.jit
-def _pair_k(t, dim: gl.constexpr, layout: gl.constexpr, ON: gl.constexpr):
-    """``t`` (an mma operand in ``layout``, K along ``dim``, 64 wide) with its K axis relabelled (when ``ON``) so
-    that each ``mma.sync``'s two K halves are one thread's adjacent registers. Read as loaded, a thread's x
-    registers hold K offsets 8t..8t+7 and 8t+32..8t+39 and each mma pairs k with k+32: ptxas then copied the
-    pairs together for every mma (24 IMAD.MOV a K step, offline sm_90). Relabelled by the same bit permutation
-    on both operands (K bits 0..5 read from bits 0, 2, 5, 3, 4, 1; the sum is over the same products, in
-    another order), each mma's B pair is two adjacent registers of one 16-byte load and the moves are gone
-    (the K loop 373 instructions a step against 395; nothing moves at run time: the permute is a relabelling
-    of registers; docs/kernels.md#direct-sass-cuts)."""
-    if ON:
-        if dim == 0:
-            u = gl.permute(gl.reshape(t, [2, 2, 2, 2, 2, 2, t.shape[1]]), (4, 1, 2, 0, 3, 5, 6))
-        else:
-            u = gl.permute(gl.reshape(t, [t.shape[0], 2, 2, 2, 2, 2, 2]), (0, 5, 2, 3, 1, 4, 6))
-        return gl.convert_layout(gl.reshape(u, t.shape), layout)
-    return t
-
-
-#: Two e4m3 scale bytes -> their bf16 pair times 2^118: e4m3 -> f16 is exact (e4m3 subnormals are f16 normals
-#: with at most 3 mantissa bits, so the f16 bits' low 3 are zero); the f16 bits shifted right 3 are the bf16 bits
-#: of the value times 2^-112 (the AND drops the sign, 0 for a scale, and the high half's bits that the shift
-#: brought down), and two exact multiplies by 2^115 (0x7900) give 2^118. 6 instructions for 2 scales, against 10-11
-#: for the fp32 path (unpack, 2 f16 -> f32, 2 FMUL, pack, and the bytes' regrouping).
-_SCALE_PAIR_ASM = gl.constexpr("""{
-.reg .b32 t, c;
-cvt.rn.f16x2.e4m3x2 t, $2;
-shr.b32 t, t, 3;
-and.b32 t, t, 0x0FFF0FFF;
-mov.b32 c, 0x79007900;
-mul.rn.bf16x2 t, t, c;
-mul.rn.bf16x2 t, t, c;
-mov.b32 {$0, $1}, t;
-}""")
-
-
-@gluon.jit
-def _scale_pairs(sc, s_l: gl.constexpr):
-    """The int16 scale pairs ``sc`` [BN, G / 2] as the bf16 scales times 2^118 [BN, G] in ``s_l``."""
-    return _asm_pairs(_SCALE_PAIR_ASM, "=h,=h,h", sc, s_l)
-
-
-@gluon.jit
-def _load_rows(ptrs, mask, other, WHOLE: gl.constexpr):
-    """A K step's weights or scales; ``WHOLE`` (every tile's rows exist) loads them unmasked, which drops the
-    zeroing of the destination registers a masked load needs (8 of the K loop's instructions a step)."""
-    if WHOLE:
-        return gl.load(ptrs)
-    return gl.load(ptrs, mask=mask, other=other)
-
-
 @gluon.jit
 def _direct_kernel(
     x_ptr,
@@ -266,12 +173,12 @@ def _direct_kernel(
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     s_l: gl.constexpr = gl.SliceLayout(2, scale_layout(gl.to_linear_layout(a_l, [BN, HW])))
-    sp_l: gl.constexpr = _word_layout(gl.to_linear_layout(s_l, [BN, HW // 4]))  # the scale bytes in pairs
+    sp_l: gl.constexpr = word_layout(gl.to_linear_layout(s_l, [BN, HW // 4]))  # the scale bytes in pairs
     G: gl.constexpr = HW // 4
-    # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 (_scale_pairs) = e2m1 * scale * 2^-8, exact in bf16.
+    # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 (scale_pairs) = e2m1 * scale * 2^-8, exact in bf16.
 
     k_steps = K // (4 * HW)
-    w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BN, HW]))
+    w_l: gl.constexpr = word_layout(gl.to_linear_layout(a_l, [BN, HW]))
     rows_h = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)), 1)
     h_ptrs = h_ptr + rows_h * stride_h + gl.expand_dims(gl.arange(0, HW // 2, layout=gl.SliceLayout(0, w_l)), 0)
     h_mask = rows_h < N
@@ -294,8 +201,8 @@ def _direct_kernel(
     last = gl.minimum(first + steps_per_split, k_steps) - 1
     if not PDL:
         _stage_x(x_s, x_ptr, stride_xm, M, first, last, BM, HW, STEPS, num_warps)
-    h = _load_rows(h_ptrs + first * (HW // 2), h_mask, 0, WHOLE)
-    sc = _load_rows(s_ptrs + first * (G // 2), s_mask, 0, WHOLE)
+    h = load_rows(h_ptrs + first * (HW // 2), h_mask, 0, WHOLE)
+    sc = load_rows(s_ptrs + first * (G // 2), s_mask, 0, WHOLE)
     if PDL:  # x is the kernel before's output: staged once it has finished (the weights are in flight meanwhile)
         gdc_wait()
         _stage_x(x_s, x_ptr, stride_xm, M, first, last, BM, HW, STEPS, num_warps)
@@ -316,8 +223,8 @@ def _direct_kernel(
     for kt in range(first, last + 1):
         slot = kt - first
         ahead = gl.minimum(kt + 1, last)
-        h_next = _load_rows(h_ptrs + ahead * (HW // 2), h_mask, 0, WHOLE)
-        sc_next = _load_rows(s_ptrs + ahead * (G // 2), s_mask, 0, WHOLE)
+        h_next = load_rows(h_ptrs + ahead * (HW // 2), h_mask, 0, WHOLE)
+        sc_next = load_rows(s_ptrs + ahead * (G // 2), s_mask, 0, WHOLE)
         if RING:  # compiled only for slices longer than the ring: the check cost 2.4% of the 7B GEMMs
             slot = slot % STEPS
             if (slot == 0) & (kt > first):  # the ring is used up: every warp is done with it, refill it
@@ -325,13 +232,13 @@ def _direct_kernel(
                 _stage_x(x_s, x_ptr, stride_xm, M, kt, last, BM, HW, STEPS, num_warps)
                 async_copy.wait_group(0)
                 gl.thread_barrier()
-        s = _scale_pairs(sc, s_l)
+        s = scale_pairs(sc, s_l)
         sb = gl.convert_layout(
             gl.reshape(gl.expand_dims(s, 2).broadcast_to(BN, G, 4), [BN, HW]), a_l, assert_trivial=True
         )
         for i in gl.static_range(4):
-            x_i = _pair_k(x_s.index(slot).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l), 0, b_l, not RING)
-            acc = mma_v2(_pair_k(_word_nibble(h, i, a_l) * sb, 1, a_l, not RING), x_i, acc)
+            x_i = pair_k(x_s.index(slot).slice(i * HW, HW, dim=1).permute((1, 0)).load(b_l), 0, b_l, not RING)
+            acc = mma_v2(pair_k(word_nibble(h, i, a_l) * sb, 1, a_l, not RING), x_i, acc)
         h = h_next
         sc = sc_next
 

@@ -1,39 +1,25 @@
-"""A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect), for Hopper
-(sm_90) only: what ``fp4_gemm.matmul`` runs for decode GEMMs of 17..128 rows there (9..128 for GEMMs of at least
-``schedule.GLUON_MIN_WEIGHTS`` weights, 1..128 for those ``fp4_direct.refills``), in place of
-``fp4_decode._decode_kernel``.
+"""A Marlin-structured NVFP4 decode GEMM in Gluon (Triton's explicit-layout dialect), for Hopper (sm_90) only: the
+``fp4_gluon`` rule of ``fp4_gemm.ROUTES`` (docs/kernels.md#routing says which GEMMs it takes).
 
-Why another kernel: Nsight Compute put the Triton decode kernel's time at M >= 64 in the CTA-wide
-barrier every K step (its shared-memory ring is read by every warp), global loads of scales and x into
-registers, and the decode's fixed-latency chains, never in the tensor cores (docs/kernels.md#gluon-kernel).
-Triton 3.6 cannot express the fix for a register A operand; Gluon can. Here:
+Why another kernel: the Triton decode kernel's time at M >= 64 went to its CTA-wide barrier every K step, global
+loads of scales and x into registers and the decode's latency chains, never to the tensor cores; Triton 3.6 cannot
+express the fix for a register A operand, Gluon can (docs/kernels.md#gluon-kernel). Here:
 
-* a one-warp producer partition streams the K steps through TMA into a ``STAGES``-deep ring (x, the
-  packed weight as int16 words of 4 codes, the fp8 scales), with mbarriers, no CTA barrier: a slot's
-  weights are released as soon as the consumer's loads of them are safe from the refill (``_consumer``), its x
-  once the step's wgmma are done, so the next weights are in flight during the step (faster than one release per
-  slot at M = 64 / 128; one ring depth for both: docs/kernels.md#gluon-early-release);
-* a four-warp consumer warpgroup loads each int16 weight tile from shared memory straight into the
-  wgmma A-operand register layout, decodes nibble ``i`` with the same bit placement as the Triton
-  kernel (it calls ``fp4_base.nibble``), multiplies by the block scale and issues ``wgmma`` asynchronously
-  against x in shared memory, so the decode of nibble ``i + 1`` overlaps the MMA of nibble ``i``;
-* x is taken in a permuted K order (``reference.nibble_major``; the rollout engine's producers write it so,
-  other callers have it permuted per call) so each nibble's x slice is a contiguous
-  ``[BM, BK/4]`` block of the TMA tile: the wgmma B operand comes from shared memory as loaded, with
-  no register split of x;
-* each scale is converted once per (row, group) and broadcast to its 4 int16 elements by a layout that
-  is the A operand's with the group bits dropped (checked trivial at compile time), not per weight.
+* a one-warp producer partition streams the K steps through TMA into a ``STAGES``-deep ring (x, the packed weight as
+  int16 words of 4 codes, the fp8 scales) with mbarriers and no CTA barrier; a slot's weights are released once the
+  consumer's loads of them are safe from the refill, its x once the step's wgmma are done
+  (docs/kernels.md#gluon-early-release);
+* a four-warp consumer warpgroup loads each weight tile from shared memory straight into the wgmma A-operand
+  registers, decodes nibble ``i`` (``fp4_base.nibble``), multiplies by the block scale (converted once per row and
+  group, broadcast by a layout checked trivial at compile time) and issues ``wgmma`` asynchronously, so the decode of
+  nibble ``i + 1`` overlaps the MMA of nibble ``i``;
+* x comes in the Gluon K order (``reference.nibble_major``), so each nibble's x slice is a contiguous block of the
+  TMA tile and the wgmma B operand is read from shared memory as loaded.
 
-y[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias, + the LoRA expand, segmented outputs: ``fp4_gemm.matmul``'s
-decode contract), M <= 128 padded to BM = 16..128 tokens (the wgmma N dimension); split-K with the same
-ticket reduction as the Triton kernel, its partials moved in 16-byte vectors (``gluon_base.split_k_sum``); up to
-``BALANCE_MAX_BM`` tokens, where the wave model's split leaves resident slots empty, some tiles take one slice
-more so the programs fill them (``schedule.balanced_split``, a 1-D grid; docs/kernels.md#balanced-split).
-Launched by the rollout engine with programmatic dependent launch (``pdl.py``: the producer loads the first ring of
-weights before its wait for the kernel before, x after it). ``fp4_gemm.matmul`` sends it the decode GEMMs
-``gluon_takes`` (above ``schedule.GLUON_MIN_M`` rows, or ``DIRECT_MAX_M`` for the large GEMMs;
-``QERL_DECODE_GLUON=0`` turns it off). Bitwise equal to the Triton kernel at M <= 64, within 1.3e-4 relative at
-M = 100 / 128, and ~10% faster than it at M = 64 / 128 (docs/kernels.md#gluon-kernel).
+``fp4_gemm.matmul``'s decode contract (the ``Epilogue``), M <= 128 padded to BM = 16..128 tokens (the wgmma N
+dimension); split-K with the Triton kernel's ticket reduction, partials in 16-byte vectors
+(``gluon_base.split_k_sum``), and up to ``BALANCE_MAX_BM`` tokens a balanced 1-D grid (docs/kernels.md#balanced-split);
+programmatic dependent launch where the caller allows it (``pdl.py``).
 """
 
 from __future__ import annotations
@@ -47,9 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -57,10 +41,11 @@ from qerl.nvfp4 import NVFP4Tensors
 
 from . import reference
 from .epilogue import PLAIN, Epilogue
-from .fp4_base import check_act, check_weight, nibble, segmented
-from .gluon_base import launch_tail, scale_layout, split_k_sum, store_tile, tile_offsets
+from .fp4_base import check_act, check_weight, segmented
+from .gluon_base import launch_tail, split_k_sum, store_tile, tile_offsets
 from .pdl import gemm_launch
 from .schedule import balanced_split, cdiv, resolve_split, sm_count
+from .wgmma_loop import acc_layout, consumer, producer
 
 #: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
 #: (one consumer warpgroup: wgmma M = 64).
@@ -91,7 +76,7 @@ SCHEDULE = {
 #: is BM / 2 fp32 registers a thread, so these keep the loads in flight to 32-64 registers (two at BM=128 spilled,
 #: offline sm_90; docs/kernels.md#gluon-split-chunk).
 SPLIT_CHUNK = {16: 4, 32: 4, 64: 2, 128: 1}
-#: The BMs whose K loop releases a weight slot right after its loads, behind a proxy fence (``_consumer``); the others
+#: The BMs whose K loop releases a weight slot right after its loads, behind a proxy fence (``consumer``); the others
 #: release it after the step's wgmma are issued. Both are exact; the fence is faster at BM=64 only
 #: (docs/kernels.md#fenced-release).
 FENCED_RELEASE = (64,)
@@ -104,120 +89,6 @@ BALANCE_MAX_BM = 64
 PDL_BM = (16, 64, 128)
 
 
-@gluon.constexpr_function
-def _acc_layout(BM):
-    """The accumulator's layout: one warpgroup's wgmma with BM tokens as the N dimension."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-
-
-@gluon.jit
-def _load_weights(x_desc, h_desc, s_desc, h_s, s_s, ready, slot, row, kt, BK: gl.constexpr):
-    """K step ``kt``'s weight and scale tiles (rows from ``row``) into ``slot``, its ``ready`` barrier armed for them
-    and the step's x, which the producer issues on its own."""
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + h_desc.block_type.nbytes + s_desc.block_type.nbytes
-    mbarrier.expect(ready.index(slot), nbytes)
-    tma.async_copy_global_to_shared(h_desc, [row, kt * (BK // 4)], ready.index(slot), h_s.index(slot))
-    tma.async_copy_global_to_shared(s_desc, [row, kt * (BK // 16)], ready.index(slot), s_s.index(slot))
-
-
-@gluon.jit
-def _producer(
-    x_desc,
-    h_desc,
-    s_desc,
-    x_s,
-    h_s,
-    s_s,
-    ready,
-    free_w,
-    free_x,
-    row,
-    first,
-    steps,
-    BK: gl.constexpr,
-    STAGES: gl.constexpr,
-    PDL: gl.constexpr,
-):
-    """One warp: TMA loads of K step ``first + i`` (weight rows from ``row``) into slot ``i % STAGES``, its weights
-    and scales as soon as the consumer has released the slot's previous weights (``free_w``), its x once
-    those wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier.
-    ``PDL`` (``pdl.py``): the first ring's weights before the wait for the kernel before this one, its x after."""
-    start = 0
-    if PDL:  # a fresh ring's slots are free: no free_w / free_x waits for the first STAGES steps
-        for i in gl.static_range(STAGES):
-            if i < steps:
-                _load_weights(x_desc, h_desc, s_desc, h_s, s_s, ready, i, row, first + i, BK)
-        gdc_wait()
-        for i in gl.static_range(STAGES):
-            if i < steps:
-                tma.async_copy_global_to_shared(x_desc, [0, (first + i) * BK], ready.index(i), x_s.index(i))
-        start = STAGES
-    for i in range(start, steps):
-        slot = i % STAGES
-        phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
-        kt = first + i
-        mbarrier.wait(free_w.index(slot), phase)
-        _load_weights(x_desc, h_desc, s_desc, h_s, s_s, ready, slot, row, kt, BK)
-        mbarrier.wait(free_x.index(slot), phase)
-        tma.async_copy_global_to_shared(x_desc, [0, kt * BK], ready.index(slot), x_s.index(slot))
-
-
-@gluon.jit
-def _consumer(
-    x_s,
-    h_s,
-    s_s,
-    ready,
-    free_w,
-    free_x,
-    steps,
-    BM: gl.constexpr,
-    BN: gl.constexpr,
-    BK: gl.constexpr,
-    STAGES: gl.constexpr,
-    FENCED: gl.constexpr,
-):
-    """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T.
-
-    A slot's weights go back to the producer (``free_w``) once its ldmatrix / scale loads can no longer see the
-    refill: with ``FENCED`` right after those loads behind a proxy fence (the loads are generic-proxy reads, the TMA
-    refill an async-proxy write, and only ``fence.proxy.async`` orders the two), else after the step's four wgmma are
-    issued (they consume every loaded register, so the loads have landed). Released right after the loads with neither,
-    the refill can land under a load in flight (seen with the balanced split: wrong weight rows in every call;
-    docs/kernels.md#fenced-release). Which release is faster depends on BM (``FENCED_RELEASE``)."""
-    HW: gl.constexpr = BK // 4
-    G: gl.constexpr = BK // 16
-    mma: gl.constexpr = _acc_layout(BM)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    s3_layout: gl.constexpr = scale_layout(gl.to_linear_layout(a_layout, [BN, HW]))
-    # e2m1 * 2^-126 (the nibble's bits) * fp8 scale * 2^118 = e2m1 * scale * 2^-8, exact in bf16.
-    FACTOR: gl.constexpr = 3.3230699894622896e35
-    acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-    for i in range(steps):
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        h = h_s.index(slot).load(a_layout)
-        sc = s_s.index(slot).load(gl.SliceLayout(2, s3_layout))
-        if FENCED:
-            fence_async_shared()  # these generic-proxy reads of the slot, ordered before the TMA's (async proxy) refill
-            mbarrier.arrive(free_w.index(slot))
-        sc = (sc.to(gl.float32) * FACTOR).to(gl.bfloat16)
-        sb = gl.reshape(gl.expand_dims(sc, 2).broadcast_to(BN, G, 4), [BN, HW])
-        sb = gl.convert_layout(sb, a_layout, assert_trivial=True)
-        xs = x_s.index(slot)
-        for n in gl.static_range(4):
-            w = nibble(h, n, False) * sb  # the Triton kernel's decode, bf16
-            acc = warpgroup_mma(w, xs.slice(n * HW, HW, dim=1).permute((1, 0)), acc, is_async=True)
-        if not FENCED:
-            mbarrier.arrive(free_w.index(slot))  # the four wgmma hold every decoded weight: the slot's loads landed
-        # All four in flight while the next nibble decodes; waiting here rather than one step later
-        # keeps them that way: deferring the wait makes ptxas serialise every wgmma (offline SASS: one
-        # WARPGROUP.DEPBAR per HGMMA), since the decoded A registers would live across the loop edge.
-        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, xs])
-        mbarrier.arrive(free_x.index(slot))
-    return (acc,)
-
-
 @gluon.jit
 def _lora_expand(
     pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr
@@ -227,7 +98,7 @@ def _lora_expand(
     column of B and a segmented column of u) cost ~300 instructions per thread per rank, 10x the tile's K loop for
     the 7B q/k/v group (R = 48), and made the engine slower than with the Triton kernel although each GEMM alone
     was faster (docs/kernels.md)."""
-    mma: gl.constexpr = _acc_layout(BM)
+    mma: gl.constexpr = acc_layout(BM)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     b_s = gl.allocate_shared_memory(gl.bfloat16, [BN, RC], gl.NVMMASharedLayout.get_default_for([BN, RC], gl.bfloat16))
     u_s = gl.allocate_shared_memory(gl.bfloat16, [BM, RC], gl.NVMMASharedLayout.get_default_for([BM, RC], gl.bfloat16))
@@ -305,7 +176,7 @@ def _decode_gluon_kernel(
 ):
     """Program (weight tile, K slice: ``_slice_of``; a tile's slices split its K steps evenly): the
     warp-specialized K loop, then the split-K ticket epilogue. ``PDL``: the producer waits for the kernel before
-    this one after the first weights (``_producer``), the epilogue's warps before their global reads and stores."""
+    this one after the first weights (``producer``), the epilogue's warps before their global reads and stores."""
     if PDL:
         gdc_launch_dependents()
     tiles = gl.cdiv(N, BN)
@@ -326,9 +197,9 @@ def _decode_gluon_kernel(
     fence_async_shared()
     (acc,) = gl.warp_specialize(
         [
-            (_consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES, FENCED)),
+            (consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES, FENCED)),
             (
-                _producer,
+                producer,
                 (
                     x_desc,
                     h_desc,
@@ -358,7 +229,7 @@ def _decode_gluon_kernel(
     if PDL:
         gdc_wait()  # returns at once (the producer's wait came before any x arrived); orders these warps' reads
 
-    offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, _acc_layout(BM))
+    offs_n, offs, mask = tile_offsets(pid_n, M, N, Y1, Y2, BN, BM, acc_layout(BM))
     run = True
     if SPLIT:
         acc, run = split_k_sum(acc, pid_n, pid_k, nsplit, tiles, part_ptr, ticket_ptr, offs, mask, M, N, CH, True)
