@@ -16,6 +16,7 @@ all-zero, so a 200-step run learned nothing.
 
 from __future__ import annotations
 
+import codecs
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +77,30 @@ def _read_local(path: Path) -> Dataset:
         path = found[0]
     if path.suffix not in LOCAL_SUFFIXES:
         raise ValueError(f"--dataset_path {path}: expected a .jsonl, .json or .parquet file")
+    if path.suffix != ".parquet":
+        _check_utf8(path)
     try:
         return Dataset.from_parquet(str(path)) if path.suffix == ".parquet" else Dataset.from_json(str(path))
     except Exception as e:  # datasets wraps the reader's error (binary file, bad JSON) in its own types
         raise ValueError(f"--dataset_path {path}: not a readable {path.suffix} file ({_reason(e)})") from e
+
+
+def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """Refuse a JSON file that is not UTF-8 text, naming it and the byte: datasets reads such a file and the bad
+    bytes surface later as a UnicodeDecodeError that names neither the file nor the flag."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--dataset_path {path}: not UTF-8 text (near byte {offset + e.start})") from None
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise ValueError(f"--dataset_path {path}: not UTF-8 text (it ends inside a character)") from None
 
 
 def _reason(e: BaseException) -> str:
@@ -106,8 +127,10 @@ def _read_source(name: str, source: str | None, split: str) -> Dataset:
         return datasets.load_dataset(hub_id, s.config if source is None else None, split=split)
     except Exception as e:  # datasets raises many unrelated types for "cannot get it"
         where = f"--dataset_path {source}: no such local file or directory, and" if source else f"--dataset {name}:"
-        raise FileNotFoundError(f"{where} loading hub data set {hub_id} failed ({_reason(e)}); "
-                                "pass a local .jsonl/.json/.parquet file as --dataset_path") from e
+        raise FileNotFoundError(
+            f"{where} loading hub data set {hub_id} failed ({_reason(e)}); "
+            "pass a local .jsonl/.json/.parquet file as --dataset_path"
+        ) from e
 
 
 def _pick(row: dict[str, Any], fields: tuple[str, ...], what: str, columns: list[str]) -> Any:
@@ -129,11 +152,18 @@ def prompt_style(name: str, style: str | None) -> str:
 def _conversation(row: dict[str, Any], columns: list[str]) -> list[dict[str, str]]:
     """A row's own prompt (``source_prompt``: a list of role/content messages), checked."""
     messages = row.get("source_prompt")
-    if not (isinstance(messages, list) and messages
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)):
-        raise ValueError(f"--prompt-style {SOURCE_STYLE}: data set row has no source_prompt conversation (a list of "
-                         f"role/content messages), found columns {columns}; use --prompt-style dapo")
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise ValueError(
+            f"--prompt-style {SOURCE_STYLE}: data set row has no source_prompt conversation (a list of "
+            f"role/content messages), found columns {columns}; use --prompt-style dapo"
+        )
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 

@@ -52,6 +52,7 @@ from qerl import data as qdata
 from qerl import hub
 from qerl import resume as run_record
 from qerl.answers import judge
+from qerl.checkpoint import read_config
 from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
 from qerl.config import load_recipe
 from qerl.fingerprint import model_sha256, write_base_record
@@ -114,7 +115,13 @@ class ScriptArguments:
         default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."}
     )
     heldout_max_tokens: int = field(default=256, metadata={"help": "Completion budget of the held-out evaluation."})
-    max_prompt_length: int | None = field(default=None, metadata={"help": "Drop prompts longer than this many tokens."})
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Drop prompts longer than this many tokens (default: 4096, or what the model's context leaves "
+            "after --max_completion_length when that is less)."
+        },
+    )
     rewards: list[str] | None = field(default=None, metadata={"help": "Reward names (default: the data set's)."})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (reference scripts: 16; paper: 32)."})
     lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default: the rank)."})
@@ -231,6 +238,8 @@ def _check_values(script: ScriptArguments, config: QeRLConfig) -> None:
             f"--damaged_checkpoint: expected one of {', '.join(DAMAGED_CHECKPOINT_CHOICES)}, "
             f"got {script.damaged_checkpoint!r}"
         )
+    if script.max_prompt_length is not None and script.max_prompt_length < 1:
+        raise UsageError(f"--max_prompt_length: expected a positive integer, got {script.max_prompt_length}")
     if script.num_samples is not None and script.num_samples < 1:
         raise UsageError(f"--num_samples: expected a positive integer, got {script.num_samples}")
 
@@ -310,6 +319,74 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return summary
 
 
+def _tokenizer(model: str) -> Any:
+    """The model's tokenizer, once the model is known to be supported and to have a chat template (every prompt is
+    rendered through it: without one, trl failed in the first step with a traceback)."""
+    try:
+        check_supported(model)  # before the tokenizer (which reads the config), hashing and the data
+        tokenizer = load_tokenizer(model)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model_name {model}: {one_line(e)}") from None
+    if not tokenizer.chat_template:
+        raise UsageError(
+            f"--model_name {model}: has no chat template (chat_template.jinja or tokenizer_config.json's "
+            "chat_template); training renders every prompt through it"
+        )
+    return tokenizer
+
+
+def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any) -> tuple[Any, Any]:
+    """(training rows, held-out rows), every prompt within :func:`prompt_budget` tokens (longer ones dropped, by
+    characters first: a huge question is never tokenized whole)."""
+    rows = qdata.load_dataset(
+        script.dataset,
+        script.dataset_path,
+        num_samples=script.num_samples,
+        seed=config.seed,
+        arithmetic_level=script.arithmetic_level,
+        style=script.prompt_style,
+    )
+    budget = prompt_budget(script, config)
+    kept = qdata.filter_prompt_length(rows, tokenizer, budget)
+    if len(kept) < len(rows):
+        flag = "--max_prompt_length" if script.max_prompt_length else "the default --max_prompt_length"
+        logger.warning(
+            "dropped %d of %d rows whose prompt is longer than %d tokens (%s)",
+            len(rows) - len(kept),
+            len(rows),
+            budget,
+            flag,
+        )
+    if not len(kept):
+        raise ValueError(f"--max_prompt_length {budget}: no prompt of the data set is that short")
+    return qdata.train_heldout_split(kept, script.heldout, seed=config.seed)
+
+
+#: The default prompt budget in tokens, where the model's context leaves that much: the reference data sets' prompts
+#: are far shorter (GSM8K's under 300 tokens), and unbounded ones (four 64 KB questions) ran a run out of memory.
+DEFAULT_MAX_PROMPT_TOKENS = 4096
+
+
+def prompt_budget(script: ScriptArguments, config: QeRLConfig) -> int:
+    """``--max_prompt_length``, else the smaller of :data:`DEFAULT_MAX_PROMPT_TOKENS` and what the model's context
+    (``max_position_embeddings``) leaves after the completion budget."""
+    if script.max_prompt_length:
+        return script.max_prompt_length
+    context = read_config(hub.local_model_dir(script.model_name)).get("max_position_embeddings")
+    if not isinstance(context, int) or isinstance(context, bool):
+        return DEFAULT_MAX_PROMPT_TOKENS
+    room = context - (config.max_completion_length or 0)
+    if room < 1:  # the data set's default budget can exceed a small model's context: the context alone bounds
+        logger.warning(
+            "--max_completion_length %s is not less than the model's context (%d positions): prompts are "
+            "bounded by the context alone",
+            config.max_completion_length,
+            context,
+        )
+        room = context
+    return min(DEFAULT_MAX_PROMPT_TOKENS, room)
+
+
 @dataclass
 class Prepared:
     """What :func:`prepare` hands to :func:`fit` and :func:`finish`: the trainer and the run's inputs and record."""
@@ -335,23 +412,9 @@ def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, 
 def prepare(script: ScriptArguments, config: QeRLConfig, out: Path) -> Prepared | dict[str, Any]:
     """Inputs, settings record and trainer, or the summary of a run that already finished. Everything that fails
     here is the user's input (paths, names, values), reported in one line; nothing is written yet."""
-    try:
-        check_supported(script.model_name)  # before the tokenizer (which reads the config), hashing and the data
-        tokenizer = load_tokenizer(script.model_name)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--model_name {script.model_name}: {one_line(e)}") from None
+    tokenizer = _tokenizer(script.model_name)
     with usage_errors(ValueError, OSError):
-        rows = qdata.load_dataset(
-            script.dataset,
-            script.dataset_path,
-            num_samples=script.num_samples,
-            seed=config.seed,
-            arithmetic_level=script.arithmetic_level,
-            style=script.prompt_style,
-        )
-        if script.max_prompt_length:
-            rows = qdata.filter_prompt_length(rows, tokenizer, script.max_prompt_length)
-        train_rows, heldout_rows = qdata.train_heldout_split(rows, script.heldout, seed=config.seed)
+        train_rows, heldout_rows = _rows(script, config, tokenizer)
         reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
         rewards = get_rewards(reward_names)
         used = {k: v for k, v in dataclasses.asdict(script).items() if k not in IGNORED_REFERENCE_FLAGS}

@@ -3,6 +3,7 @@ to fail before its fix. Tiny random dense model with SmolLM2's tokenizer, 2-3 st
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -197,3 +198,62 @@ def test_a_recipe_in_use_still_parses(tmp_path: Path) -> None:
     recipe.write_text(RECIPE.read_text() + "warmup_ratio: '0.1'\n")
     script, config = parse_args(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
     assert (script.lora_rank, config.max_steps, config.warmup_ratio) == (8, 8, 0.1)
+
+
+# --- bounded inputs and one-line errors ---------------------------------------------------------------------
+
+QUESTIONS = [f"What is {a} + {b}?" for a in range(1, 4) for b in range(1, 5)]
+
+
+def _data(tmp_path: Path, questions: list[str]) -> Path:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": "#### 5"}) + "\n" for q in questions))
+    return path
+
+
+def _gsm8k_argv(model: Path, out: Path, data: Path, *extra: str) -> list[str]:
+    argv = _argv(model, out, "--dataset_path", str(data), *extra, steps=1)
+    argv[argv.index("arithmetic")] = "gsm8k"
+    i = argv.index("--num-samples")
+    return argv[:i] + argv[i + 2 :]
+
+
+def test_training_prompts_are_bounded_without_max_prompt_length(tiny_dense_dir: Path, tmp_path: Path) -> None:
+    """Without --max_prompt_length nothing bounded a prompt (four 64 KB questions ran to an OOM kill): by default a
+    prompt must fit the model's context (2048 positions here) less the completion budget, and longer ones are
+    dropped, as --max_prompt_length drops them."""
+    huge = "1 + 1 = ? " * 600  # about 3,600 tokens: past the tiny model's 2,048 positions
+    data = _data(tmp_path, QUESTIONS + [huge])
+    summary = main(_gsm8k_argv(tiny_dense_dir, tmp_path / "run", data))
+    assert summary["train_rows"] == len(QUESTIONS)
+    from qerl.train import DEFAULT_MAX_PROMPT_TOKENS, ScriptArguments, prompt_budget
+
+    config = type("Config", (), {"max_completion_length": 4})()
+    assert prompt_budget(ScriptArguments(model_name=str(tiny_dense_dir)), config) == 2044 < DEFAULT_MAX_PROMPT_TOKENS
+
+
+def test_model_without_a_chat_template_is_one_line_and_leaves_nothing(
+    tiny_dense_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A 32-line traceback, and files left in the output directory; now one line naming the model, no output."""
+    model = tmp_path / "plain"
+    shutil.copytree(tiny_dense_dir, model)
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    capsys.readouterr()
+    line = _one_error(run(main, _argv(model, out)), capsys.readouterr().err)
+    assert f"--model_name {model}" in line and "chat template" in line, line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_training_data_that_is_not_utf8_is_one_line_naming_the_file(
+    tiny_dense_dir: Path, tmp_path: Path, capsys
+) -> None:
+    data = _data(tmp_path, QUESTIONS)
+    data.write_bytes(data.read_bytes() + b'{"question": "What is \xff?", "answer": "#### 1"}\n')
+    capsys.readouterr()
+    line = _one_error(run(main, _gsm8k_argv(tiny_dense_dir, tmp_path / "run", data)), capsys.readouterr().err)
+    assert f"--dataset_path {data}" in line and "UTF-8" in line, line
