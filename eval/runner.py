@@ -50,17 +50,32 @@ class Benchmark:
 def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = None) -> None:
     """The flags every benchmark CLI shares."""
     parser.add_argument("--model", default="smollm2-135m", help="model directory, hub id, or smollm2-135m (default)")
-    parser.add_argument("--load", choices=("auto", "nvfp4", "bf16"), default="auto",
-                        help="insist on an NVFP4 or a dense checkpoint; auto takes what is there")
+    parser.add_argument(
+        "--load",
+        choices=("auto", "nvfp4", "bf16"),
+        default="auto",
+        help="insist on an NVFP4 or a dense checkpoint; auto takes what is there",
+    )
     parser.add_argument("--lora", default=None, help="peft LoRA adapter directory (LoRA + trained norms) to apply")
-    parser.add_argument("--allow-base-mismatch", action="store_true",
-                        help="apply --lora even if it records a different base model (by digest, or by name for "
-                             "adapters without qerl_base.json; shapes are still checked)")
-    parser.add_argument("--engine", choices=("native", "vllm", "hf"), default="native",
-                        help="rollout engine: native (default, fastest; LoRA unmerged), hf (transformers generate, the "
-                             "reference), vllm")
-    parser.add_argument("--data", default=default_data, required=default_data is None,
-                        help="local .jsonl/.json/.parquet file or hub dataset id")
+    parser.add_argument(
+        "--allow-base-mismatch",
+        action="store_true",
+        help="apply --lora even if it records a different base model (by digest, or by name for "
+        "adapters without qerl_base.json; shapes are still checked)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("native", "vllm", "hf"),
+        default="native",
+        help="rollout engine: native (default, fastest; LoRA unmerged), hf (transformers generate, the "
+        "reference), vllm",
+    )
+    parser.add_argument(
+        "--data",
+        default=default_data,
+        required=default_data is None,
+        help="local .jsonl/.json/.parquet file or hub dataset id",
+    )
     parser.add_argument("--config", default=None, help="hub dataset config name (ignored for local files)")
     parser.add_argument("--split", default=None, help="hub dataset split (ignored for local files)")
     parser.add_argument("--question-field", default=None, help="field holding the question")
@@ -72,16 +87,29 @@ def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = No
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--samples", type=int, default=1, help="samples per question; pass@1 is averaged over them")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-style", choices=sorted(PROMPT_STYLES), default="tags",
-                        help="tags (default: the reference's evaluation prompt), plain (the question alone: the "
-                             "reference's and qerl.train's default GSM8K training prompt) or dapo; match training")
-    parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template file for a model whose tokenizer has none (or to replace its own)")
-    parser.add_argument("--long-prompts", choices=LONG_PROMPT_MODES, default="refuse",
-                        help="a prompt longer than the model's context less --max-new-tokens: refuse the run "
-                             "(default) or cut the question to fit, with a warning")
+    parser.add_argument(
+        "--prompt-style",
+        choices=sorted(PROMPT_STYLES),
+        default="tags",
+        help="tags (default: the reference's evaluation prompt), plain (the question alone: the "
+        "reference's and qerl.train's default GSM8K training prompt) or dapo; match training",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template file for a model whose tokenizer has none (or to replace its own)",
+    )
+    parser.add_argument(
+        "--long-prompts",
+        choices=LONG_PROMPT_MODES,
+        default="refuse",
+        help="a prompt longer than the model's context less --max-new-tokens: refuse the run "
+        "(default) or cut the question to fit, with a warning",
+    )
     parser.add_argument("--output", default=None, help="results JSONL (default outputs/eval/<benchmark>-<model>.jsonl)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype (auto: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="compute dtype (auto: bf16 on GPU, fp32 on CPU)"
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
@@ -91,8 +119,12 @@ MAX_SAMPLES = 1024
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    positive = {"--limit": args.limit, "--batch-size": args.batch_size, "--max-new-tokens": args.max_new_tokens,
-                "--samples": args.samples}
+    positive = {
+        "--limit": args.limit,
+        "--batch-size": args.batch_size,
+        "--max-new-tokens": args.max_new_tokens,
+        "--samples": args.samples,
+    }
     for flag, value in positive.items():
         if value is not None and value < 1:
             raise UsageError(f"{flag}: expected a positive integer, got {value}")
@@ -121,17 +153,42 @@ def run_settings(bench: Benchmark, args: argparse.Namespace) -> dict[str, Any]:
     --samples, --limit, --batch-size and --output are left out on purpose: they choose how much work
     is done, or how fast, so a resumed run may change them. A chat template file and prompt truncation
     are recorded only when used, so that results made before those flags existed still resume."""
-    keys = ("model", "load", "lora", "engine", "data", "config", "split", "question_field", "answer_field",
-            "max_new_tokens", "temperature", "top_p", "seed", "prompt_style", "dtype")
-    digests = {"model_sha256": model_sha256(args.model), "lora_sha256": adapter_sha256(args.lora) if args.lora else None}
-    optional = {"chat_template_sha256": tree_sha256(args.chat_template) if args.chat_template else None,
-                "long_prompts": args.long_prompts if args.long_prompts != "refuse" else None}
-    return {"benchmark": bench.name, **{k: getattr(args, k) for k in keys}, **digests,
-            **{k: v for k, v in optional.items() if v is not None}}
+    keys = (
+        "model",
+        "load",
+        "lora",
+        "engine",
+        "data",
+        "config",
+        "split",
+        "question_field",
+        "answer_field",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "prompt_style",
+        "dtype",
+    )
+    digests = {
+        "model_sha256": model_sha256(args.model),
+        "lora_sha256": adapter_sha256(args.lora) if args.lora else None,
+    }
+    optional = {
+        "chat_template_sha256": tree_sha256(args.chat_template) if args.chat_template else None,
+        "long_prompts": args.long_prompts if args.long_prompts != "refuse" else None,
+    }
+    return {
+        "benchmark": bench.name,
+        **{k: getattr(args, k) for k in keys},
+        **digests,
+        **{k: v for k, v in optional.items() if v is not None},
+    }
 
 
-def _load_tokenizer(args: argparse.Namespace) -> tuple[Any, int]:
-    """(tokenizer with a chat template, the model's context in positions), read without the weights."""
+def _load_tokenizer(args: argparse.Namespace) -> tuple[Any, int, str]:
+    """(tokenizer with a checked chat template, the model's context in positions, the template's name for
+    messages), read without the weights."""
     from transformers import AutoConfig
 
     from qerl.hub import local_model_dir
@@ -143,9 +200,9 @@ def _load_tokenizer(args: argparse.Namespace) -> tuple[Any, int]:
         config = AutoConfig.from_pretrained(local_model_dir(args.model))
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {args.model}: {str(e).strip().splitlines()[0]}") from None
-    use_chat_template(tokenizer, args.model, args.chat_template)
+    template = use_chat_template(tokenizer, args.model, args.chat_template, args.prompt_style)
     context = getattr(config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 0)
-    return tokenizer, int(context)
+    return tokenizer, int(context), template
 
 
 def _load_engine(args: argparse.Namespace, tokenizer: Any) -> tuple[Any, list[int]]:
@@ -186,36 +243,57 @@ def plan_engine_calls(pending: list[tuple[Problem, int]], batch_size: int) -> li
     return calls
 
 
-def _generate(args: argparse.Namespace, bench: Benchmark, pending: list[tuple[Problem, int]], results: ResultFile) -> None:
+def _generate(
+    args: argparse.Namespace, bench: Benchmark, pending: list[tuple[Problem, int]], results: ResultFile
+) -> None:
     """Sample every pending (problem, sample) pair, scoring and appending the results of each engine call."""
     from tqdm import tqdm
 
     from qerl.rollout import SamplingParams
 
-    tokenizer, context = _load_tokenizer(args)
+    tokenizer, context, template = _load_tokenizer(args)
     problems = list({problem.index: problem for problem, _ in pending}.values())
-    prompts = bounded_prompts(tokenizer, problems, args.prompt_style, prompt_budget(context, args.max_new_tokens),
-                              args.long_prompts, args.data)
+    prompts = bounded_prompts(
+        tokenizer,
+        problems,
+        args.prompt_style,
+        prompt_budget(context, args.max_new_tokens),
+        args.long_prompts,
+        args.data,
+        template,
+    )
     engine, stop_ids = _load_engine(args, tokenizer)
     with tqdm(total=len(pending), desc=bench.name, unit="sample") as bar:
         for call in plan_engine_calls(pending, args.batch_size):
             first, first_samples = call[0]
             # Seeded by the run's seed and the call's first item, so rerunning the same work reproduces it.
-            params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                    stop_token_ids=stop_ids,
-                                    seed=args.seed * 1_000_003 + first.index * args.samples + first_samples[0])
+            params = SamplingParams(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_new_tokens=args.max_new_tokens,
+                stop_token_ids=stop_ids,
+                seed=args.seed * 1_000_003 + first.index * args.samples + first_samples[0],
+            )
             out = engine.generate([prompts[problem.index] for problem, _ in call], params, n=len(first_samples))
             work = [(problem, sample) for problem, samples in call for sample in samples]  # the engine's output order
             records = []
             for (problem, sample), ids, reason in zip(work, out.completion_ids, out.finish_reasons, strict=True):
                 completion = tokenizer.decode(ids, skip_special_tokens=True)
                 extraction, correct = score(completion, problem.gold, numeric=bench.numeric)
-                records.append({
-                    "index": problem.index, "sample": sample, "question": problem.question, "gold": problem.gold,
-                    "completion": completion, "extracted": extraction.text if extraction else None,
-                    "method": extraction.method if extraction else None, "correct": correct,
-                    "finish_reason": reason, "completion_tokens": len(ids),
-                })
+                records.append(
+                    {
+                        "index": problem.index,
+                        "sample": sample,
+                        "question": problem.question,
+                        "gold": problem.gold,
+                        "completion": completion,
+                        "extracted": extraction.text if extraction else None,
+                        "method": extraction.method if extraction else None,
+                        "correct": correct,
+                        "finish_reason": reason,
+                        "completion_tokens": len(ids),
+                    }
+                )
             results.append(records)
             bar.update(len(records))
 
@@ -229,13 +307,17 @@ def evaluate(args: argparse.Namespace, bench: Benchmark) -> Accuracy:
         answer_field=args.answer_field or bench.answer_field,
         gold=bench.gold,
         split=args.split or bench.default_split,
-        config=args.config if args.config is not None else (bench.default_config if args.data == bench.default_data else None),
+        config=args.config
+        if args.config is not None
+        else (bench.default_config if args.data == bench.default_data else None),
         limit=args.limit,
     )
     output = Path(args.output) if args.output else default_output(bench, args)
     with run_lock(output):
         results = ResultFile(output, run_settings(bench, args))
-        pending = [(p, s) for p in problems for s in range(args.samples) if (p.index, p.question, s) not in results.records]
+        pending = [
+            (p, s) for p in problems for s in range(args.samples) if (p.index, p.question, s) not in results.records
+        ]
         done = len(problems) * args.samples - len(pending)
         if done:
             print(f"{output}: resuming, {done} samples done, {len(pending)} to generate")
@@ -248,8 +330,10 @@ def evaluate(args: argparse.Namespace, bench: Benchmark) -> Accuracy:
     # "length" share means the budget or the prompt format, not the maths, is being measured.
     methods = Counter(r["method"] or "none" for r in flat)
     cut = sum(r["finish_reason"] == "length" for r in flat)
-    print(f"{bench.name}: {cut}/{len(flat)} completions hit --max-new-tokens; answers found by "
-          + ", ".join(f"{m} {n}" for m, n in methods.most_common()))
+    print(
+        f"{bench.name}: {cut}/{len(flat)} completions hit --max-new-tokens; answers found by "
+        + ", ".join(f"{m} {n}" for m, n in methods.most_common())
+    )
     print(f"{bench.name}: {result.describe()} -> {output}")
     return result
 

@@ -11,10 +11,21 @@ The reference's GSM8K prompt asked for no tags while 2.2 of its reward depended 
 (the reference's prompt and reward code). Ours keeps that prompt by default but reads the answer wherever it is stated
 (``qerl.answers``), so only the 0.2 format reward still needs the tags; ``--prompt-style tags`` asks
 for them.
+
+A chat template is a program (Jinja), so it is held to bounds like any other input: a template file
+larger than :data:`MAX_TEMPLATE_BYTES` is not read, and each rendering may take at most
+:data:`TEMPLATE_SECONDS` and add at most :data:`MAX_TEMPLATE_CHARS` characters of its own to the
+messages; past either a :class:`ChatTemplateError` says so (one that loops or writes megabytes per
+prompt otherwise runs for minutes, or is blamed on the question for the prompt's length).
 """
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 TAG_SYSTEM_PROMPT = (
@@ -43,16 +54,63 @@ def chat_messages(question: str, style: str = "tags") -> list[dict[str, str]]:
     return ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": question}]
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat-templated conversation, ending with the assistant turn's header.
+#: The largest chat template file read. Real ones are a few kB (Qwen3's, with tool calling: 4 kB).
+MAX_TEMPLATE_BYTES = 1 << 20
+#: The most characters a template may add to one conversation's messages (headers, a default system prompt).
+MAX_TEMPLATE_CHARS = 100_000
+#: The longest one rendering may take (a real template: about a millisecond).
+TEMPLATE_SECONDS = 2.0
 
-    transformers 5 returns a BatchEncoding from ``apply_chat_template(tokenize=True)``; older
-    versions a plain list: both become a list of ints here.
-    """
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+
+class ChatTemplateError(ValueError):
+    """A chat template past its bounds; the message leaves naming the template to the caller, who knows it."""
+
+
+def read_template(path: str | Path) -> str:
+    """The chat template file at ``path``, refused unread when it is larger than :data:`MAX_TEMPLATE_BYTES`."""
+    with Path(path).expanduser().open("rb") as f:
+        data = f.read(MAX_TEMPLATE_BYTES + 1)
+    if len(data) > MAX_TEMPLATE_BYTES:
+        raise ChatTemplateError(f"larger than {MAX_TEMPLATE_BYTES} bytes; not a chat template")
+    return data.decode("utf-8")
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`ChatTemplateError` in the block after ``seconds`` (a SIGALRM timer, so that Jinja's
+    Python loop is stopped where it is). Only the main thread receives signals: elsewhere (and where a
+    timer is already running, which is not ours to take) the block runs unbounded."""
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise ChatTemplateError(f"rendering one prompt took longer than {seconds:g} s (a loop?)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def render_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The chat-templated text of a conversation, ending with the assistant turn's header, within the
+    template's bounds (:data:`TEMPLATE_SECONDS`, :data:`MAX_TEMPLATE_CHARS`)."""
+    with _time_limit(TEMPLATE_SECONDS):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    own = len(text) - sum(len(m["content"]) for m in messages)
+    if own > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(f"it adds {own} characters to one prompt's messages (at most {MAX_TEMPLATE_CHARS})")
+    return text
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat-templated conversation, ending with the assistant turn's header: the bounded
+    :func:`render_text`, tokenized as ``apply_chat_template(tokenize=True)`` does (no special tokens added)."""
+    return list(tokenizer(render_text(tokenizer, messages), add_special_tokens=False)["input_ids"])
 
 
 def render(tokenizer: Any, question: str, style: str = "tags") -> list[int]:

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from test_reliability3 import (
     GOOD,
     _data,
     _one_error,
+    _with_config,
     qtiny,  # noqa: F401 (a fixture: a tiny NVFP4 chat Llama)
 )
 from tiny_models import make_tiny_llama
@@ -174,3 +176,58 @@ def test_rerun_removes_what_a_killed_nvfp4_export_left(merge, tmp_path: Path, ca
     assert sorted(p.name for p in tmp_path.glob(".out.*-*")) == [".out.bf16-link", ".out.tmp-notours"]
     assert (foreign / "keep").read_text() == "mine" and (marked / SCRATCH_MARK).exists()
     assert not (out / SCRATCH_MARK).exists()
+
+
+# --- chat templates and prompts held to bounds -----------------------------------------------------------------
+
+#: SmolLM2's chat template, as the tiny chat model has it.
+_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+#: Each a template that works but past one bound: a 2 MB file (a comment pads it), a loop of about a minute
+#: before any output, two megabytes of its own text per prompt.
+TEMPLATES = {
+    "file size": ("{# " + "x" * (2 << 20) + " #}" + _TEMPLATE, "larger than 1048576 bytes"),
+    "time": ("{% for i in range(100000) %}{% for j in range(4000) %}{% endfor %}{% endfor %}" + _TEMPLATE,
+             "took longer than 2 s"),
+    "output": ("{% for i in range(2000) %}{{ 'x' * 1000 }}{% endfor %}" + _TEMPLATE, "it adds 2000"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bound", sorted(TEMPLATES))
+def test_eval_chat_template_past_its_bounds_is_named(qtiny, tmp_path: Path, capsys, bound: str) -> None:  # noqa: F811
+    """A 200 MB template file was accepted, a looping one ran on, and one writing megabytes per prompt had the
+    question blamed for the prompt's length; now each is refused in one line naming the template, within seconds."""
+    from eval import gsm8k
+    from qerl.cli import run
+
+    text, expected = TEMPLATES[bound]
+    template = tmp_path / "t.jinja"
+    template.write_text(text)
+    out = tmp_path / "r.jsonl"
+    argv = ["--model", str(qtiny), "--data", str(_data(tmp_path, [GOOD])), "--output", str(out),
+            "--chat-template", str(template), *EVAL_FLAGS]  # fmt: skip
+    start = time.monotonic()
+    error = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
+    assert error.startswith(f"error: --chat-template {template}: ") and expected in error, error
+    assert time.monotonic() - start < 20 and not out.exists()
+
+
+def test_eval_question_bound_does_not_grow_with_the_context(qtiny, tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: F811
+    """With a 128K context the character bound let an 8 MB question through to the tokenizer (22 s, 2.7 GB, Ctrl-C
+    heard after 13.7 s); now no tokenizer call sees more than half a million characters, whatever the context."""
+    from eval import gsm8k, prompting
+    from qerl.cli import run
+
+    model = _with_config(qtiny, tmp_path / "long", max_position_embeddings=131072)
+    seen: list[int] = []
+    real = prompting.render
+    monkeypatch.setattr(
+        prompting, "render", lambda tok, question, style: seen.append(len(question)) or real(tok, question, style)
+    )
+    huge = {**GOOD, "question": "What is 2 + 3? " * (8 << 16)}  # 8 MB
+    argv = ["--model", str(model), "--data", str(_data(tmp_path, [huge])), "--output", str(tmp_path / "r.jsonl"),
+            *EVAL_FLAGS, "--allow-base-mismatch"]  # fmt: skip
+    error = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
+    assert "record 1's prompt (7864320 characters)" in error and max(seen) <= 600_000, (error, seen)
