@@ -171,79 +171,28 @@ def _decode_kernel(
                 acc += tl.load(part_ptr + s_ * M * N + tile_nm, mask=mask_nm, other=0.0, cache_modifier=".cg")
             tl.store(ticket_ptr + pid_n, 0)
     if run:
-        _decode_epilogue(
-            acc,
-            g_ptr,
-            offs_m,
-            offs_n,
-            mask_m,
-            mask_n,
-            M,
-            N,
-            y_ptr,
-            Y1,
-            Y2,
-            bias_ptr,
-            u_ptr,
-            S1,
-            S2,
-            b_ptr,
-            stride_bn,
-            R,
-            lora_scale,
-            HAS_BIAS,
-            HAS_LORA,
-            BR,
+        # The epilogue: y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * B[n] . u[m]) for the transposed
+        # tile, y and u segmented (:func:`segmented`).
+        out = acc * (256.0 / tl.load(g_ptr))
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if HAS_LORA:
+            r = tl.arange(0, BR)
+            b = tl.load(
+                b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0
+            )
+            ut = tl.load(
+                u_ptr + segmented(r[:, None], offs_m[None, :], M, S1, S2, R),
+                mask=mask_m[None, :] & (r[:, None] < R),
+                other=0.0,
+            )
+            dt = y_ptr.dtype.element_ty
+            out += lora_scale * tl.dot(b.to(dt), ut.to(dt))
+        tl.store(
+            y_ptr + segmented(offs_n[:, None], offs_m[None, :], M, Y1, Y2, N),
+            out.to(y_ptr.dtype.element_ty),
+            mask=mask_n[:, None] & mask_m[None, :],
         )
-
-
-@triton.jit
-def _decode_epilogue(
-    acc,
-    g_ptr,
-    offs_m,
-    offs_n,
-    mask_m,
-    mask_n,
-    M,
-    N,
-    y_ptr,
-    Y1,
-    Y2,
-    bias_ptr,
-    u_ptr,
-    S1,
-    S2,
-    b_ptr,
-    stride_bn,
-    R,
-    lora_scale,
-    HAS_BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    BR: tl.constexpr,
-):
-    """y[m, n] = acc[n, m] * 2^8 / g (+ bias[n]) (+ lora_scale * B[n] . u[m]), for the transposed tile;
-    y and u segmented (:func:`segmented`)."""
-    out = acc * (256.0 / tl.load(g_ptr))
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    if HAS_LORA:
-        r = tl.arange(0, BR)
-        b = tl.load(
-            b_ptr + offs_n[:, None] * stride_bn + r[None, :], mask=mask_n[:, None] & (r[None, :] < R), other=0.0
-        )
-        ut = tl.load(
-            u_ptr + segmented(r[:, None], offs_m[None, :], M, S1, S2, R),
-            mask=mask_m[None, :] & (r[:, None] < R),
-            other=0.0,
-        )
-        dt = y_ptr.dtype.element_ty
-        out += lora_scale * tl.dot(b.to(dt), ut.to(dt))
-    tl.store(
-        y_ptr + segmented(offs_n[:, None], offs_m[None, :], M, Y1, Y2, N),
-        out.to(y_ptr.dtype.element_ty),
-        mask=mask_n[:, None] & mask_m[None, :],
-    )
 
 
 def matmul(

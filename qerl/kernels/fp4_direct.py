@@ -49,24 +49,11 @@ def _mma_layout(num_warps):
 
 
 @gluon.jit
-def _lora_operands(
-    pid_n,
-    c,
-    M,
-    N,
-    u_ptr,
-    S1,
-    S2,
-    lb_ptr,
-    stride_lb,
-    R,
-    BM: gl.constexpr,
-    BN: gl.constexpr,
-    RC: gl.constexpr,
-    num_warps: gl.constexpr,
-):
+def _lora_operands(src, c, BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):
     """Rank chunk ``[c, c + RC)`` of the LoRA expand's operands, loaded straight into the ``mma.sync``
-    operand layouts: B's tile rows (A operand) and the segmented u (B operand), bf16 as the Triton kernel's."""
+    operand layouts: B's tile rows (A operand) and the segmented u (B operand), bf16 as the Triton kernel's.
+    ``src``: the tile's LoRA source, ``(pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R)``."""
+    pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R = src
     mma: gl.constexpr = _mma_layout(num_warps)
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -80,27 +67,11 @@ def _lora_operands(
 
 
 @gluon.jit
-def _lora_expand(
-    lora,
-    c0,
-    pid_n,
-    M,
-    N,
-    u_ptr,
-    S1,
-    S2,
-    lb_ptr,
-    stride_lb,
-    R,
-    BM: gl.constexpr,
-    BN: gl.constexpr,
-    RC: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """``lora`` + B[n, c0:] . u[m, c0:] for the tile: ``mma.sync`` over ``RC``-wide rank chunks, fp32 sums of
-    bf16 products."""
-    for c in range(c0, R, RC):
-        lb, u = _lora_operands(pid_n, c, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+def _lora_expand(lora, c0, src, BM: gl.constexpr, BN: gl.constexpr, RC: gl.constexpr, num_warps: gl.constexpr):
+    """``lora`` + B[n, c0:] . u[m, c0:] for the tile (``src`` as ``_lora_operands``): ``mma.sync`` over ``RC``-wide
+    rank chunks, fp32 sums of bf16 products."""
+    for c in range(c0, src[8], RC):
+        lb, u = _lora_operands(src, c, BM, BN, RC, num_warps)
         lora = mma_v2(lb, u, lora)
     return lora
 
@@ -211,6 +182,7 @@ def _direct_kernel(
     gl.thread_barrier()
 
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    lora_src = (pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R)  # the LoRA expand's operands (``_lora_operands``)
     # The LoRA expand rides on the tile's last (shortest) slice, before its K loop and in the shadow of the loads
     # above, instead of after the split-K round trips on the critical tail: it starts the slice's accumulator in
     # the weights' scale (store_tile multiplies the sum by 2^8 / g). The RING build keeps it in the epilogue: there
@@ -218,7 +190,7 @@ def _direct_kernel(
     LORA_FIRST: gl.constexpr = HAS_LORA and not RING
     if LORA_FIRST:
         if pid_k == gl.num_programs(1) - 1:
-            lora = _lora_expand(acc, 0, pid_n, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+            lora = _lora_expand(acc, 0, lora_src, BM, BN, RC, num_warps)
             acc = lora * (lora_scale * gl.load(g_ptr) / 256.0)
     for kt in range(first, last + 1):
         slot = kt - first
@@ -250,7 +222,7 @@ def _direct_kernel(
     LORA_LAST: gl.constexpr = HAS_LORA and RING
     if LORA_LAST:
         # The first rank chunk's operands are in flight during the split-K round trips below.
-        lb0, u0 = _lora_operands(pid_n, 0, M, N, u_ptr, S1, S2, lb_ptr, stride_lb, R, BM, BN, RC, num_warps)
+        lb0, u0 = _lora_operands(lora_src, 0, BM, BN, RC, num_warps)
     run = True
     if SPLIT:
         acc, run = split_k_sum(
@@ -259,23 +231,8 @@ def _direct_kernel(
     if run:
         lora = acc
         if LORA_LAST:
-            lora = _lora_expand(
-                mma_v2(lb0, u0, gl.zeros([BN, BM], gl.float32, layout=mma)),
-                RC,
-                pid_n,
-                M,
-                N,
-                u_ptr,
-                S1,
-                S2,
-                lb_ptr,
-                stride_lb,
-                R,
-                BM,
-                BN,
-                RC,
-                num_warps,
-            )
+            first_chunk = mma_v2(lb0, u0, gl.zeros([BN, BM], gl.float32, layout=mma))
+            lora = _lora_expand(first_chunk, RC, lora_src, BM, BN, RC, num_warps)
         store_tile(acc, lora, g_ptr, offs_n, offs, mask, N, y_ptr, bias_ptr, lora_scale, HAS_BIAS, LORA_LAST)
 
 

@@ -197,27 +197,8 @@ def _decode_gluon_kernel(
     fence_async_shared()
     (acc,) = gl.warp_specialize(
         [
-            (consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, BM, BN, BK, STAGES, FENCED)),
-            (
-                producer,
-                (
-                    x_desc,
-                    h_desc,
-                    s_desc,
-                    x_s,
-                    h_s,
-                    s_s,
-                    ready,
-                    free_w,
-                    free_x,
-                    pid_n * BN,
-                    first,
-                    steps,
-                    BK,
-                    STAGES,
-                    PDL,
-                ),
-            ),
+            (consumer, (x_s, h_s, s_s, ready, free_w, free_x, steps, FENCED)),
+            (producer, (x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, pid_n * BN, first, steps, PDL)),
         ],
         [1],
         [24],

@@ -39,27 +39,14 @@ def _load_weights(x_desc, h_desc, s_desc, h_s, s_s, ready, slot, row, kt, BK: gl
 
 
 @gluon.jit
-def producer(
-    x_desc,
-    h_desc,
-    s_desc,
-    x_s,
-    h_s,
-    s_s,
-    ready,
-    free_w,
-    free_x,
-    row,
-    first,
-    steps,
-    BK: gl.constexpr,
-    STAGES: gl.constexpr,
-    PDL: gl.constexpr,
-):
+def producer(x_desc, h_desc, s_desc, x_s, h_s, s_s, ready, free_w, free_x, row, first, steps, PDL: gl.constexpr):
     """One warp: TMA loads of K step ``first + i`` (weight rows from ``row``) into slot ``i % STAGES``, its weights
     and scales as soon as the consumer has released the slot's previous weights (``free_w``), its x once
     those wgmma are done with the previous x (``free_x``); all three land on the slot's one ``ready`` barrier.
-    ``PDL`` (``pdl.py``): the first ring's weights before the wait for the kernel before this one, its x after."""
+    ``PDL`` (``pdl.py``): the first ring's weights before the wait for the kernel before this one, its x after.
+    The ring's depth and K step come from its x slots' shape ``[STAGES, BM, BK]``."""
+    STAGES: gl.constexpr = x_s.shape[0]
+    BK: gl.constexpr = x_s.shape[2]
     start = 0
     if PDL:  # a fresh ring's slots are free: no free_w / free_x waits for the first STAGES steps
         for i in gl.static_range(STAGES):
@@ -81,20 +68,7 @@ def producer(
 
 
 @gluon.jit
-def consumer(
-    x_s,
-    h_s,
-    s_s,
-    ready,
-    free_w,
-    free_x,
-    steps,
-    BM: gl.constexpr,
-    BN: gl.constexpr,
-    BK: gl.constexpr,
-    STAGES: gl.constexpr,
-    FENCED: gl.constexpr,
-):
+def consumer(x_s, h_s, s_s, ready, free_w, free_x, steps, FENCED: gl.constexpr):
     """Four warps: acc[BN, BM] += sum over the steps and nibbles of (nibble_i(h) * scale) @ x_i^T.
 
     A slot's weights go back to the producer (``free_w``) once its ldmatrix / scale loads can no longer see the
@@ -103,6 +77,11 @@ def consumer(
     issued (they consume every loaded register, so the loads have landed). Released right after the loads with neither,
     the refill can land under a load in flight (seen with the balanced split: wrong weight rows in every call;
     docs/kernels.md#fenced-release). Which release is faster depends on BM (``fp4_gluon.FENCED_RELEASE``)."""
+    # The ring's x slots are [STAGES, BM, BK], its weight slots [STAGES, BN, BK / 4].
+    STAGES: gl.constexpr = x_s.shape[0]
+    BM: gl.constexpr = x_s.shape[1]
+    BK: gl.constexpr = x_s.shape[2]
+    BN: gl.constexpr = h_s.shape[1]
     HW: gl.constexpr = BK // 4
     G: gl.constexpr = BK // 16
     mma: gl.constexpr = acc_layout(BM)
