@@ -59,8 +59,8 @@ from qerl import arch
 from qerl.aqn import NormNoise, draw_seed, norm_weights
 from qerl.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.fsutil import atomic_write_text
-from qerl.is_ratio import LossPassRatio
 from qerl.integrity import check_tensor
+from qerl.is_ratio import LossPassRatio
 from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.rollout import SamplingParams, get_engine
 
@@ -169,16 +169,22 @@ class QeRLTrainer(LossPassRatio, GRPOTrainer):
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = QeRLConfig(f"{name.split('/')[-1]}-GRPO")
         if not isinstance(args, QeRLConfig):
-            raise TypeError(f"QeRLTrainer: args must be a QeRLConfig (trl's GRPOConfig plus the rollout engine and AQN), "
-                            f"got {type(args).__name__}")
+            raise TypeError(
+                f"QeRLTrainer: args must be a QeRLConfig (trl's GRPOConfig plus the rollout engine and AQN), "
+                f"got {type(args).__name__}"
+            )
         for name in ("tools", "environment_factory"):
             if kwargs.get(name):
-                raise ValueError(f"QeRLTrainer: {name} is not supported (trl parses tool calls out of its own generation "
-                                 "loop); write a rollout_func over trainer.rollout_engine() instead")
+                raise ValueError(
+                    f"QeRLTrainer: {name} is not supported (trl parses tool calls out of its own generation "
+                    "loop); write a rollout_func over trainer.rollout_engine() instead"
+                )
         unknown = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
         if unknown:
-            raise ValueError(f"QeRLTrainer: --generation_kwargs key {unknown[0]!r} is not supported by qerl's rollout "
-                             f"engines; they honour {', '.join(GENERATION_KWARGS)}")
+            raise ValueError(
+                f"QeRLTrainer: --generation_kwargs key {unknown[0]!r} is not supported by qerl's rollout "
+                f"engines; they honour {', '.join(GENERATION_KWARGS)}"
+            )
         args = with_model_defaults(args, model)  # LR, AQN, completion budget: on our copy, not the caller's config
         _check_trl_version()
         differences = trl_differences(args)  # before the trainer's Accelerator: building a config resets its state
@@ -192,7 +198,9 @@ class QeRLTrainer(LossPassRatio, GRPOTrainer):
         # vLLM generation object was never created (args.use_vllm is False).
         self.use_vllm = bool(args.vllm_importance_sampling_correction)
         if args.rollout_engine == "vllm" and self.accelerator.num_processes > 1:
-            raise ValueError("--rollout_engine vllm runs in one process on one GPU; with accelerate launch use native or hf")
+            raise ValueError(
+                "--rollout_engine vllm runs in one process on one GPU; with accelerate launch use native or hf"
+            )
         self.aqn = args.aqn_plan
         self._engine: Any = None
         self._noise: NormNoise | None = None
@@ -202,8 +210,10 @@ class QeRLTrainer(LossPassRatio, GRPOTrainer):
         if self.rollout_func is not None:
             self.rollout_func = self._in_rollout_mode(self.rollout_func)
         if self.accelerator.is_main_process:
-            logger.info("settings that differ from trl's GRPOConfig defaults: %s",
-                        ", ".join(f"{k}={v!r} (trl: {d!r})" for k, (v, d) in differences.items()) or "none")
+            logger.info(
+                "settings that differ from trl's GRPOConfig defaults: %s",
+                ", ".join(f"{k}={v!r} (trl: {d!r})" for k, (v, d) in differences.items()) or "none",
+            )
 
     # ------------------------------------------------------------------ rollout
 
@@ -427,9 +437,28 @@ class QeRLTrainer(LossPassRatio, GRPOTrainer):
         transformers' loop runs a step before it checks ``max_steps``, so ``train`` would overshoot."""
         self._load_from_checkpoint(str(checkpoint))
         self.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
-        logger.info("%s is at step %d, max_steps is %d: restored, nothing left to train",
-                    checkpoint, self.state.global_step, self.args.max_steps)
+        logger.info(
+            "%s is at step %d, max_steps is %d: restored, nothing left to train",
+            checkpoint,
+            self.state.global_step,
+            self.args.max_steps,
+        )
         return TrainOutput(self.state.global_step, float("nan"), {})
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """transformers' restore, then each parameter group's learning rate re-derived from the restored step on
+        *this* run's schedule. The optimizer file holds the rate of the checkpoint's plan: after extending
+        ``--max_steps`` that was its end of schedule (0 for linear and cosine decay), and the first new step ran at it."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate wraps it
+        if checkpoint is None or not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            return
+        rates = [
+            base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        ]
+        for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        scheduler._last_lr = rates
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """transformers' restore, then the restored adapter checked as every loaded tensor is
@@ -450,9 +479,12 @@ class _ResumeCheck(TrainerCallback):
         marker = self.trainer._resume_marker or {}
         if marker.get("max_steps") not in (None, state.max_steps):
             logger.warning(
-                "resumed run plans %d steps, the checkpoint's run planned %s: the AQN schedule is stretched accordingly",
+                "resumed run plans %d steps, the checkpoint's run planned %s: the learning-rate and AQN schedules are "
+                "re-planned to end at step %d (learning rate now %.3g)",
                 state.max_steps,
                 marker.get("max_steps"),
+                state.max_steps,
+                self.trainer._get_learning_rate(),
             )
         if self.trainer.aqn is not None:
             logger.info(

@@ -257,3 +257,29 @@ def test_training_data_that_is_not_utf8_is_one_line_naming_the_file(
     capsys.readouterr()
     line = _one_error(run(main, _gsm8k_argv(tiny_dense_dir, tmp_path / "run", data)), capsys.readouterr().err)
     assert f"--dataset_path {data}" in line and "UTF-8" in line, line
+
+
+# --- schedules ----------------------------------------------------------------------------------------------
+
+
+def test_extending_max_steps_replans_the_learning_rate(
+    trained: Path, tiny_dense_dir: Path, tmp_path: Path, caplog
+) -> None:
+    """A 2-step run's linear schedule ends at learning rate 0, and the optimizer file keeps that rate: extended to 4
+    steps, its first new step ran at 0. The schedule is re-planned to the new end (one log line): steps 3 and 4 run
+    at the rates of a 4-step plan at those steps (the dense model's default rate x 2/4, x 1/4)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from qerl.config import LR_BF16
+
+    out = _copy(trained, tmp_path)
+    rates: list[float] = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: rates.append(optimizer.param_groups[0]["lr"])
+    )
+    try:
+        main(_argv(tiny_dense_dir, out, steps=4))
+    finally:
+        hook.remove()
+    assert rates == pytest.approx([LR_BF16 * 2 / 4, LR_BF16 * 1 / 4])
+    assert "re-planned to end at step 4" in caplog.text
