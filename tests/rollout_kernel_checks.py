@@ -52,6 +52,13 @@ def _ref_silu(gate: torch.Tensor, up: torch.Tensor, group: Group) -> tuple[torch
     return plan.silu_op(_REFERENCE, group)(gate, up)
 
 
+def _at(
+    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> reference.AttentionArgs:
+    """The RoPE tables, slots and caches of one step (the scale unused by the RoPE)."""
+    return reference.AttentionArgs(cos, sin, pos, k_cache, v_cache, 1.0)
+
+
 def _ref_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, scale: float, group: Group
 ) -> tuple[torch.Tensor, plan.LoraInputs]:
@@ -148,11 +155,9 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     cos, sin = rnd(s, hd), rnd(s, hd)
     pos = torch.tensor([0, 17, 39])
     kcc, vcc = dev(kc), dev(vc)
-    q_out = fused_step.rope_and_cache(dev(q), dev(k_), dev(v), dev(cos), dev(sin), dev(pos), kcc, vcc, nh, nkv, hd)
+    q_out = fused_step.rope_and_cache(dev(q), dev(k_), dev(v), _at(dev(cos), dev(sin), dev(pos), kcc, vcc))
     kr, vr = kc.float().clone(), vc.float().clone()
-    q_ref = reference.rope_and_cache(
-        q.float(), k_.float(), v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv, hd
-    )
+    q_ref = reference.rope_and_cache(q.float(), k_.float(), v.float(), _at(cos.float(), sin.float(), pos, kr, vr))
     _close(q_out, q_ref, 2 * tol, "rope q")
     _close(kcc, kr, 2 * tol, "rope k cache")
     assert torch.equal(vcc.cpu().float(), vr), "v cache"
@@ -236,7 +241,7 @@ def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> Non
     cos, sin, pos = dev(rnd(s, hd)), dev(rnd(s, hd)), dev(torch.tensor([0, 117, s - 1]))
     for lora in (None, lora_a):
         k1, v1, k2, v2 = dev(kc), dev(vc), dev(kc), dev(vc)
-        q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), cos, sin, pos, k1, v1, nh, nkv, hd)
+        q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), _at(cos, sin, pos, k1, v1))
         want = fused_step.decode_attention(q1, k1, v1, pos, hd**-0.5, lora)
         got = fused_step.decode_attention(
             dev(q).view(b, nh, hd), k2, v2, pos, hd**-0.5, lora, rope=(dev(k), dev(v), cos, sin)
@@ -268,19 +273,17 @@ def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: in
     fused = (dev(qw), dev(kw), 1e-6, 1e-5)
     kr, vr = kc.float().clone(), vc.float().clone()
     qn, kn = plan.qk_norm(q.float(), k.float(), norms, hd)
-    q_ref = reference.rope_and_cache(qn, kn, v.float(), cos.float(), sin.float(), pos, kr, vr, nh, nkv, hd)
+    q_ref = reference.rope_and_cache(qn, kn, v.float(), _at(cos.float(), sin.float(), pos, kr, vr))
     k1, v1 = dev(kc), dev(vc)
-    q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), k1, v1, nh, nkv, hd, fused)
+    q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), _at(dev(cos), dev(sin), dev(pos), k1, v1), fused)
     _close(q1, q_ref, 2 * tol, "qk-normed rope q")
     _close(k1, kr, 2 * tol, "qk-normed rope k cache")
     assert torch.equal(v1.cpu().float(), vr), "qk-normed rope: v cache"
-    plain = fused_step.rope_and_cache(
-        dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), dev(kc), dev(vc), nh, nkv, hd
-    )
+    plain = fused_step.rope_and_cache(dev(q), dev(k), dev(v), _at(dev(cos), dev(sin), dev(pos), dev(kc), dev(vc)))
     assert (plain.cpu().float() - q_ref).abs().max() > 10 * tol * q_ref.abs().max(), "the norms changed nothing"
     for lora in (None, lora_a):
         k1, v1, k2, v2 = dev(kc), dev(vc), dev(kc), dev(vc)
-        q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), dev(cos), dev(sin), dev(pos), k1, v1, nh, nkv, hd, fused)
+        q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), _at(dev(cos), dev(sin), dev(pos), k1, v1), fused)
         want = fused_step.decode_attention(q1, k1, v1, dev(pos), hd**-0.5, lora)
         got = fused_step.decode_attention(
             dev(q).view(b, nh, hd),
@@ -421,7 +424,7 @@ def check_finish_step(device: str) -> None:
     out_tok, out_lp = torch.zeros(rows + 1, seq, dtype=torch.long), torch.zeros(rows + 1, seq)
     tokens, positions = torch.zeros(b, dtype=torch.long), torch.tensor([4, 5, 6, 7])
     args = [t.to(device) for t in (tok, lp, done, row_id, stop, step, tokens, positions, out_tok, out_lp)]
-    fused_step.finish_step(*args, pad)
+    fused_step.finish_step(*args[:2], reference.StepBooks(*args[2:], pad))
     d_tok, d_lp, d_done, _, _, d_step, d_tokens, d_pos, d_out_tok, d_out_lp = (t.cpu() for t in args)
     want_tok = torch.tensor([7, 3, pad, 3])
     assert d_done.tolist() == [False, True, True, True]

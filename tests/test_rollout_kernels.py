@@ -119,7 +119,7 @@ def test_attention_kernels_compile_for_sm90(qk_norm: bool) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from qerl.kernels import step_attention
+    from qerl.kernels import step_attention, step_rope
 
     norm = (
         ({"qw_ptr": "*fp32", "kw_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32"}, {})
@@ -142,7 +142,7 @@ def test_attention_kernels_compile_for_sm90(qk_norm: bool) -> None:
 
     io = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr"), "*bf16")
     rope = sass(
-        step_attention._rope_cache_kernel,
+        step_rope._rope_cache_kernel,
         {**io, "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64"},
         {"H": 32, "HKV": 8, "D": 128},
         1,

@@ -27,6 +27,7 @@ import torch
 
 from qerl import kernels
 from qerl.kernels import backend, reference, schedule
+from qerl.kernels.reference import AttentionArgs, StepBooks
 
 #: Qwen3's per-head norms as the attention kernels take them: (q weight ``[D]``, k weight ``[D]``, q eps, k eps).
 HeadNorms = tuple[torch.Tensor, torch.Tensor, float, float]
@@ -184,27 +185,13 @@ def silu_op(r: Route, group: Any) -> SiluOp:
 # ----------------------------------------------------------------- decode attention
 
 
-@dataclass(frozen=True)
-class AttentionArgs:
-    """What one decode step's attention reads besides q / k / v: the full ``[S, D]`` RoPE tables, each row's slot,
-    this layer's caches ``[B, Hkv, S, D]`` cut to the attended length, and the softmax scale."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    pos: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    scale: float
-
-
 AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionArgs], tuple[torch.Tensor, LoraInputs]]
 
 
 def _attention_reference(q, k, v, a: AttentionArgs, *, group: Any, qk_norms: Any) -> tuple:
-    d, hkv = a.cos.shape[-1], a.k_cache.shape[1]
     if qk_norms is not None:
-        q, k = qk_norm(q, k, qk_norms, d)
-    q = reference.rope_and_cache(q, k, v, a.cos, a.sin, a.pos, a.k_cache, a.v_cache, q.shape[1] // d, hkv, d)
+        q, k = qk_norm(q, k, qk_norms, a.cos.shape[-1])
+    q = reference.rope_and_cache(q, k, v, a)
     out = reference.decode_attention(q, a.k_cache, a.v_cache, a.pos, a.scale)
     return out, lora_inputs(out, group)
 
@@ -212,8 +199,7 @@ def _attention_reference(q, k, v, a: AttentionArgs, *, group: Any, qk_norms: Any
 def _attention_kernel(q, k, v, a: AttentionArgs, *, group: Any, norms: HeadNorms | None, r: Route) -> tuple:
     """RoPE and the cache write in their own kernel (Qwen3's head norms in it), then the attention kernels."""
     fused = kernels.step_kernels()
-    d, hkv = a.cos.shape[-1], a.k_cache.shape[1]
-    q = fused.rope_and_cache(q, k, v, a.cos, a.sin, a.pos, a.k_cache, a.v_cache, q.shape[1] // d, hkv, d, norms)
+    q = fused.rope_and_cache(q, k, v, a, norms)
     out, flat = fused.decode_attention(
         q, a.k_cache, a.v_cache, a.pos, a.scale, group.lora_a if r.fuse else None, permute=r.permute
     )
@@ -257,8 +243,8 @@ def fused_sampler(like: torch.Tensor) -> bool:
     return schedule.SWITCHES.fused_sampler and backend.available(like)
 
 
-def finish_step_op(like: torch.Tensor) -> Callable[..., None]:
-    """The step's bookkeeping (``reference.finish_step``'s signature): one kernel where the kernels run."""
+def finish_step_op(like: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, StepBooks], None]:
+    """The step's bookkeeping (``reference.finish_step``): one kernel where the kernels run."""
     return kernels.step_kernels().finish_step if backend.available(like) else reference.finish_step
 
 

@@ -8,6 +8,8 @@ fp32), so the native engine on this path matches a transformers forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -89,26 +91,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def rope_and_cache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    d: int,
-) -> torch.Tensor:
-    """RoPE one token per row (q ``[B, H*D]`` -> ``[B, H, D]``) and write its k/v at slot ``pos``."""
-    b = q.shape[0]
-    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+@dataclass(frozen=True)
+class AttentionArgs:
+    """What one decode step's attention reads besides q / k / v: the full ``[S, D]`` RoPE tables, each row's cache
+    slot ``pos``, this layer's caches ``[B, Hkv, S, D]`` cut to the attended length, and the softmax scale."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pos: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+
+
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: AttentionArgs) -> torch.Tensor:
+    """RoPE one token per row (q ``[B, H*D]`` -> ``[B, H, D]``) and write its k / v ``[B, Hkv*D]`` at slot ``at.pos``."""
+    b, d, hkv = q.shape[0], at.cos.shape[-1], at.k_cache.shape[1]
+    c, s = at.cos[at.pos][:, None, :], at.sin[at.pos][:, None, :]
     rows = torch.arange(b, device=q.device)
-    k_cache[rows, :, pos] = apply_rope(k.view(b, num_kv_heads, d), c, s)
-    v_cache[rows, :, pos] = v.view(b, num_kv_heads, d)
-    return apply_rope(q.view(b, num_heads, d), c, s)
+    at.k_cache[rows, :, at.pos] = apply_rope(k.view(b, hkv, d), c, s)
+    at.v_cache[rows, :, at.pos] = v.view(b, hkv, d)
+    return apply_rope(q.view(b, q.shape[1] // d, d), c, s)
 
 
 def decode_attention(
@@ -131,26 +134,32 @@ def is_stop(tok: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
     return (tok[:, None] == stop[None, :]).any(-1)
 
 
-def finish_step(
-    tok: torch.Tensor,
-    lp: torch.Tensor,
-    done: torch.Tensor,
-    row_id: torch.Tensor,
-    stop: torch.Tensor,
-    step: torch.Tensor,
-    tokens: torch.Tensor,
-    pos: torch.Tensor,
-    out_tok: torch.Tensor,
-    out_lp: torch.Tensor,
-    pad_id: int,
-) -> None:
+@dataclass(frozen=True)
+class StepBooks:
+    """The buffers a decode step's bookkeeping (``finish_step``) reads and writes: per slot the done flags, output
+    rows, fed-back tokens and positions; the stop ids; the step counter; the output tokens / log-probs ``[rows, T]``;
+    the pad id a finished row records."""
+
+    done: torch.Tensor
+    row_id: torch.Tensor
+    stop: torch.Tensor
+    step: torch.Tensor
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    out_tok: torch.Tensor
+    out_lp: torch.Tensor
+    pad_id: int
+
+
+def finish_step(tok: torch.Tensor, lp: torch.Tensor, books: StepBooks) -> None:
     """Record this step's tokens/log-probs (pad and 0 for finished rows), mark stop tokens done, feed
     the tokens back, advance positions and the step counter."""
-    tok = torch.where(done, pad_id, tok)
+    done = books.done
+    tok = torch.where(done, books.pad_id, tok)
     lp = torch.where(done, 0.0, lp)
-    out_tok[row_id, step] = tok
-    out_lp[row_id, step] = lp
-    done |= is_stop(tok, stop)
-    tokens.copy_(tok)
-    pos.add_(1)
-    step.add_(1)
+    books.out_tok[books.row_id, books.step] = tok
+    books.out_lp[books.row_id, books.step] = lp
+    done |= is_stop(tok, books.stop)
+    books.tokens.copy_(tok)
+    books.pos.add_(1)
+    books.step.add_(1)

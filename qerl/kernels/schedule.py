@@ -143,10 +143,8 @@ GLUON_MIN_WEIGHTS = 20_000_000
 #: Rows up to which x in the Gluon K order runs the mma.sync kernel: it wins at 1, ties at 8, loses at 16
 #: (docs/kernels.md#direct-max-m).
 DIRECT_MAX_M = 8
-#: The decode schedule per padded token count BM when a call names none. BM <= 32: the M=1/16 sweeps' best
-#: (docs/kernels.md#decode-schedule). BM = 64 / 128: eight warps over 128 weight rows, two warpgroups sharing one x
-#: tile (docs/kernels.md#decode-by-bm). BK=128 at BM=128 keeps shared memory at 117 KB (BK=256 needs 233 KB, over the
-#: 227 KB an SM has).
+#: The decode schedule per padded token count BM: the sweeps' best up to 32, two warpgroups sharing one x tile
+#: above, BK=128 at BM=128 to fit shared memory (docs/kernels.md#decode-schedule, docs/kernels.md#decode-by-bm).
 DECODE_BY_BM = {
     16: DecodeConfig(),
     32: DecodeConfig(),
@@ -160,9 +158,9 @@ def default_decode(M: int) -> DecodeConfig:
     return SWITCHES.decode_config or DECODE_BY_BM[max(16, 1 << (M - 1).bit_length())]
 
 
-#: M at or below which the forward takes the split-K decode kernel (BM = 16..128 padded tokens).
+#: M at or below which the forward takes a decode kernel, no dequantized weight (docs/kernels.md#the-floors).
 DECODE_MAX_M = 128
-#: M at or below which ``matmul_t`` (grad_x) takes the fused ``_bwd_kernel``; dequantize + cuBLAS above.
+#: M at or below which grad_x takes the fused ``_bwd_kernel``, dequantize + cuBLAS above (docs/kernels.md#design).
 FUSED_BWD_MAX_M = 64
 #: SMs of the device (filled lazily): the slots split-K fills.
 _SM_COUNT: dict[torch.device, int] = {}
@@ -177,8 +175,7 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
-#: Fixed cost of one decode program (pipeline fill, split-K partial + ticket, epilogue) in K steps:
-#: the one parameter of ``decode_split``'s model, fitted on a split sweep (docs/kernels.md#wave-model).
+#: A decode program's fixed cost in K steps, ``decode_split``'s one parameter, fitted (docs/kernels.md#wave-model).
 DECODE_PROGRAM_STEPS = 2
 
 

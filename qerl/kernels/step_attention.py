@@ -1,10 +1,7 @@
-"""The decode step's attention: RoPE + the KV-cache write (``rope_and_cache``) and split-K flash-decoding over the
-static cache (``decode_attention``: a partial kernel per key chunk, a combine kernel per head that also reduces
-o_proj's LoRA shrink, ``step_base``). With ``rope=`` the partial kernel ropes q and writes this step's k / v itself,
-one launch a layer fewer (``schedule.SWITCHES.rope_in_attention``). Qwen3's per-head q / k RMSNorms (``qk_norm=``) run inside
-whichever kernel does the RoPE, on the head it already holds: no launch and no pass over q / k of their own. Without
-them the norm weights are None, a compile-time constant: the other families' kernels are compiled as before.
-Rounding follows transformers' modules.
+"""The decode step's attention: split-K flash-decoding over the static cache (``decode_attention``: a partial kernel
+per key chunk, a combine kernel per head that also reduces o_proj's LoRA shrink, ``step_base``). With ``rope=`` the
+partial kernel ropes q and writes this step's k / v itself (``step_rope``), one launch a layer fewer
+(``schedule.SWITCHES.rope_in_attention``), Qwen3's per-head q / k RMSNorms (``qk_norm=``) included.
 """
 
 from __future__ import annotations
@@ -16,146 +13,7 @@ import triton.language as tl
 from . import backend, pdl
 from .fp4_base import nibble_major
 from .step_base import TARGET_PROGRAMS, check_permute, finish_shrink, load_a, part_tile, rank_dot, rank_pad, trigger
-
-#: Qwen3's per-head norms for the attention kernels: (q_norm weight ``[D]``, k_norm weight ``[D]``, q eps, k eps).
-QKNorm = tuple[torch.Tensor, torch.Tensor, float, float]
-
-
-@triton.jit
-def _rotate_half(offs, D: tl.constexpr):
-    """``rotate_half`` as a gather: element ``offs`` of the rotated vector is ``sign * x[partner]``."""
-    return (offs + D // 2) % D, tl.where(offs < D // 2, -1.0, 1.0)
-
-
-@triton.jit
-def _rope(x, xr, cos, sin, DT: tl.constexpr):
-    """transformers' ``q * cos + rotate_half(q) * sin`` (``xr``: the rotated partner, sign applied), each op
-    rounded to the activation dtype as there."""
-    a = (x * cos).to(DT).to(tl.float32)
-    c = (xr * sin).to(DT).to(tl.float32)
-    return (a + c).to(DT)
-
-
-@triton.jit
-def _scaled(x, rstd, w_ptr, cols, DT: tl.constexpr):
-    """transformers' ``Qwen3RMSNorm`` tail: (x * rstd) rounded to the activation dtype, times the weight at
-    ``cols``, rounded again; fp32 values out."""
-    y = (x * rstd).to(DT).to(tl.float32)
-    return (tl.load(w_ptr + cols).to(tl.float32) * y).to(DT).to(tl.float32)
-
-
-@triton.jit
-def _head_norm(x, xr, w_ptr, eps, cols, partner, D: tl.constexpr, AXIS: tl.constexpr, DT: tl.constexpr):
-    """Qwen3's per-head q / k RMSNorm of fp32 head(s) ``x`` (``[D]``, or ``[G, D]`` with ``AXIS`` 1) and of ``xr``,
-    their elements at the RoPE ``partner`` columns, both scaled by the head's ``rsqrt(mean(x^2) + eps)``: the
-    normed head and its normed partners, ready for ``_rope``."""
-    rstd = tl.expand_dims(tl.rsqrt(tl.sum(x * x, axis=AXIS) / D + eps), AXIS)
-    return _scaled(x, rstd, w_ptr, cols, DT), _scaled(xr, rstd, w_ptr, partner, DT)
-
-
-@triton.jit
-def _rope_cache_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    qo_ptr,
-    kc_ptr,
-    vc_ptr,
-    qw_ptr,
-    kw_ptr,
-    q_eps,
-    k_eps,
-    skb,
-    skh,
-    sks,
-    svb,
-    svh,
-    svs,
-    H: tl.constexpr,
-    HKV: tl.constexpr,
-    D: tl.constexpr,
-):
-    """Program (row, j): j < H ropes q head j; then k heads (into the cache); then v heads (copied). With the norm
-    weights ``qw_ptr`` / ``kw_ptr`` (Qwen3; None otherwise: compiled out) each q / k head is RMS-normed first."""
-    b = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    offs = tl.arange(0, D)
-    partner, sign = _rotate_half(offs, D)
-    pos = tl.load(pos_ptr + b)
-    dt = qo_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
-    if j < H:
-        src = q_ptr + b * (H * D) + j * D
-    elif j < H + HKV:
-        src = k_ptr + b * (HKV * D) + (j - H) * D
-    else:
-        src = v_ptr + b * (HKV * D) + (j - H - HKV) * D
-    x = tl.load(src + offs).to(tl.float32)
-    if j < H + HKV:
-        xr = tl.load(src + partner).to(tl.float32)
-        if qw_ptr is not None:
-            if j < H:
-                x, xr = _head_norm(x, xr, qw_ptr, q_eps, offs, partner, D, 0, dt)
-            else:
-                x, xr = _head_norm(x, xr, kw_ptr, k_eps, offs, partner, D, 0, dt)
-        y = _rope(x, xr * sign, cos, sin, dt)
-        if j < H:
-            tl.store(qo_ptr + b * (H * D) + j * D + offs, y)
-        else:
-            tl.store(kc_ptr + b * skb + (j - H) * skh + pos * sks + offs, y)
-    else:
-        tl.store(vc_ptr + b * svb + (j - H - HKV) * svh + pos * svs + offs, x.to(dt))
-
-
-def rope_and_cache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    qk_norm: QKNorm | None = None,
-) -> torch.Tensor:
-    """RoPE q (returned ``[B, H, D]``) and k, write k and v into cache slot ``pos`` of each row; with ``qk_norm``
-    (Qwen3's ``(q weight, k weight, q eps, k eps)``) each q / k head RMS-normed before its RoPE."""
-    b = q.shape[0]
-    q_out = torch.empty(b, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    qw, kw, q_eps, k_eps = qk_norm if qk_norm is not None else (None, None, None, None)
-    _rope_cache_kernel[(b, num_heads + 2 * num_kv_heads)](
-        q,
-        k,
-        v,
-        cos,
-        sin,
-        pos,
-        q_out,
-        k_cache,
-        v_cache,
-        qw,
-        kw,
-        q_eps,
-        k_eps,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        H=num_heads,
-        HKV=num_kv_heads,
-        D=head_dim,
-        num_warps=1,
-    )
-    return q_out
+from .step_rope import QKNorm, head_norm, rope, rotate_half
 
 
 @triton.jit
@@ -195,7 +53,7 @@ def _attn_partial_kernel(
     """Flash-decoding partials: program (row*kv-head, split) attends G query heads to one key chunk
     of the row's valid prefix (slots <= pos). With ROPE, q comes un-rotated and every program ropes its
     heads itself; the program whose chunk holds slot pos also ropes this step's key (``kn_ptr``) and
-    writes it and the value (``vn_ptr``) into the cache before reading its chunk (``_rope_cache_kernel``'s
+    writes it and the value (``vn_ptr``) into the cache before reading its chunk (``step_rope.rope_and_cache``'s
     work, bit for bit, without its launch), Qwen3's q / k head norms included when ``qw_ptr`` is given."""
     bh = tl.program_id(0)
     sp = tl.program_id(1)
@@ -212,22 +70,22 @@ def _attn_partial_kernel(
     q = tl.load(q_rows + offs_d[None, :], mask=gmask[:, None], other=0.0)
     if ROPE:
         dt = q_ptr.dtype.element_ty
-        partner, sign = _rotate_half(offs_d, D)
+        partner, sign = rotate_half(offs_d, D)
         pos = length - 1
         cos = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
         sin = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
         q_r = tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
         q = q.to(tl.float32)
         if qw_ptr is not None:
-            q, q_r = _head_norm(q, q_r, qw_ptr, q_eps, offs_d[None, :], partner[None, :], D, 1, dt)
-        q = _rope(q, q_r * sign[None, :], cos[None, :], sin[None, :], dt)
+            q, q_r = head_norm(q, q_r, qw_ptr, q_eps, offs_d[None, :], partner[None, :], D, 1, dt)
+        q = rope(q, q_r * sign[None, :], cos[None, :], sin[None, :], dt)
         if (start <= pos) & (pos < end):
             new = b * (HKV * D) + kvh * D
             k_r = tl.load(kn_ptr + new + partner).to(tl.float32)
             k_new = tl.load(kn_ptr + new + offs_d).to(tl.float32)
             if qw_ptr is not None:
-                k_new, k_r = _head_norm(k_new, k_r, kw_ptr, k_eps, offs_d, partner, D, 0, dt)
-            k_new = _rope(k_new, k_r * sign, cos, sin, dt)
+                k_new, k_r = head_norm(k_new, k_r, kw_ptr, k_eps, offs_d, partner, D, 0, dt)
+            k_new = rope(k_new, k_r * sign, cos, sin, dt)
             tl.store(k_ptr + b * skb + kvh * skh + pos * sks + offs_d, k_new)
             tl.store(v_ptr + b * svb + kvh * svh + pos * svs + offs_d, tl.load(vn_ptr + new + offs_d))
             tl.debug_barrier()  # the chunk loop below reads slot pos back
@@ -310,24 +168,17 @@ def _attn_combine_kernel(
         finish_shrink(rank_dot(out, a), bh // H, bh % H, H, B, R, R, R, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
 
 
-def decode_attention(
+def _partials(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     pos: torch.Tensor,
     scale: float,
-    lora_a: torch.Tensor | None = None,
-    permute: bool = False,
-    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    qk_norm: QKNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
-    with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None.
-    ``permute`` as in ``rms_norm`` (out only; u is the same). ``rope = (k, v, cos, sin)``: q is not rotated
-    yet and this step's k / v (``[B, Hkv*D]``) are not in the cache: ``rope_and_cache``'s work is done here,
-    ``qk_norm`` (with ``rope`` only) included."""
-    if qk_norm is not None and rope is None:
-        raise ValueError("decode_attention: qk_norm= comes with rope= (the norms precede the RoPE)")
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    qk_norm: QKNorm | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Launch ``_attn_partial_kernel``: ``(m, l, acc, nsplit)``, each (row, head)'s ``nsplit`` key-chunk partials.
+    The split aims at ``TARGET_PROGRAMS`` programs in chunks of whole ``BLOCK_N`` key blocks."""
     b, h, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -356,12 +207,8 @@ def decode_attention(
         kw,
         q_eps,
         k_eps,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
         scale,
         chunk,
         nsplit,
@@ -374,6 +221,29 @@ def decode_attention(
         ROPE=rope is not None,
         num_warps=4,
     )
+    return m, lsum, acc, nsplit
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    lora_a: torch.Tensor | None = None,
+    permute: bool = False,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: QKNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
+    with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None.
+    ``permute`` as in ``rms_norm`` (out only; u is the same). ``rope = (k, v, cos, sin)``: q is not rotated
+    yet and this step's k / v (``[B, Hkv*D]``) are not in the cache: ``step_rope.rope_and_cache``'s work is done
+    here, ``qk_norm`` (with ``rope`` only) included."""
+    if qk_norm is not None and rope is None:
+        raise ValueError("decode_attention: qk_norm= comes with rope= (the norms precede the RoPE)")
+    b, h, d = q.shape
+    m, lsum, acc, nsplit = _partials(q, k_cache, v_cache, pos, scale, rope, qk_norm)
     out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     rank = 0 if lora_a is None else lora_a.shape[0]
     rp = rank_pad(rank)

@@ -21,9 +21,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from . import reference
 from .fp4_base import segmented
 
-#: Aim for about two resident programs per SM (132 on an H200) in split-K attention and shrinks. From
-#: b=64 up (64 rows x 4 kv-heads) the attention split stops splitting and each program walks a whole
-#: row; aiming at 4x the programs there measured 11-18% slower (H200, docs/kernels.md).
+#: Programs split-K attention and shrinks aim at: about two an SM; four times that was slower (docs/kernels.md#design).
 TARGET_PROGRAMS = 264
 
 

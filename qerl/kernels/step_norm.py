@@ -1,6 +1,6 @@
-"""The decode step's residual-add + RMSNorm and SiLU-gating kernels, each with the LoRA shrink of the projections
-that read its output fused in (``step_base``), writing that output in the Gluon decode kernel's K order when the
-GEMM after it reads that order (``permute``).
+"""The decode step's residual-add + RMSNorm kernels, with the LoRA shrink of the projections that read their output
+fused in (``step_base``), writing that output in the Gluon decode kernel's K order when the GEMM after it reads that
+order (``permute``). The SiLU gating's kernels, built the same way, are ``step_silu``'s.
 
 Why: at batch 1 a 7B decode step streams ~4.8 GB of weights in ~1.1-1.5 ms, and an unfused RMSNorm costs several
 tiny launches, times the layer count; each kernel here is one launch and reproduces transformers' rounding (fp32
@@ -10,6 +10,8 @@ and writes its ranks of u: no partials, no ticket).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -141,13 +143,13 @@ def _rms_norm_shrink_kernel(
 
 @triton.jit
 def _rms_norm_rank_kernel(
+    out_ptr,
+    hout_ptr,
+    u_ptr,
     h_ptr,
     d_ptr,
     w_ptr,
-    hout_ptr,
-    out_ptr,
     a_ptr,
-    u_ptr,
     M,
     K,
     eps,
@@ -163,7 +165,7 @@ def _rms_norm_rank_kernel(
 ):
     """Program (row, rank block): the whole row's residual sum and RMSNorm, then ``RB`` ranks of u from it over
     all K columns, stored as they are: no partials, no ticket. Of hout and out it stores its ``share`` of the
-    columns. A's rows are loaded first: they come from DRAM and the row from L2, so the two latencies overlap."""
+    columns (the outputs come first among the arguments). A's rows are loaded first: they come from DRAM and the row from L2, so the two latencies overlap."""
     trigger(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -208,18 +210,15 @@ def rms_norm(
     return out
 
 
-#: Rows up to which ``rms_norm_shrink`` splits u's ranks over programs (``_rms_norm_rank_kernel``: each program
-#: normalises the whole row and reduces ``rb`` ranks over all of it) instead of the row's columns (partials summed by
-#: the row's last program, ``_finish_shrink``), for rows of at most ``RANK_MAX_BLOCK`` columns (held in registers).
-#: Why: the column split's partial store, ticket and partial sum sit in each program's chain; a by-rank program has
-#: none, and is faster at every row count up to 64 (docs/kernels.md#rank-split). The SiLU shrink keeps the column split.
+#: Rows up to which the shrink splits u's ranks, not the row's columns: no partials, faster there (docs/kernels.md#rank-split).
 RANK_SPLIT_MAX_ROWS = 64
+#: Widest row (padded) a by-rank program holds in registers (docs/kernels.md#rank-split).
 RANK_MAX_BLOCK = 8192
-#: Warps of a by-rank program, the programs a launch aims at, and the most A values a thread holds (``rank_block``:
-#: ranks x row width / threads): the fastest measured up to 8 ranks of the 7B row (4096 columns padded, 128 values a
-#: thread); wider rows take fewer ranks a program, as more values a thread spill (docs/kernels.md#rank-split).
+#: Warps of a by-rank program: the fastest up to 8 ranks of the 7B row (docs/kernels.md#rank-split).
 RANK_WARPS = 8
+#: Programs a by-rank launch aims at (docs/kernels.md#rank-split).
 RANKTARGET_PROGRAMS = 128
+#: Most A values a thread holds (ranks x row width / threads): more spill (docs/kernels.md#rank-split).
 RANK_MAX_VALUES = 128
 
 
@@ -236,6 +235,22 @@ def rank_block(rows: int, rank: int, k: int) -> int:
     while rb < min(rank, most) and rows * triton.cdiv(rank, rb) > RANKTARGET_PROGRAMS:
         rb *= 2
     return rb
+
+
+@dataclass(frozen=True)
+class _Shrink:
+    """One ``rms_norm_shrink`` call: its inputs and the outputs it fills (h_out, out, u)."""
+
+    h: torch.Tensor
+    delta: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    lora_a: torch.Tensor
+    bounds: tuple[int, int]
+    permute: bool
+    h_out: torch.Tensor
+    out: torch.Tensor
+    u: torch.Tensor
 
 
 def rms_norm_shrink(
@@ -255,161 +270,82 @@ def rms_norm_shrink(
     k = h.shape[-1]
     m = h.numel() // k
     rank = lora_a.shape[0]
-    block = triton.next_power_of_2(k)
     h_out = torch.empty_like(h) if delta is not None else h
     out = torch.empty_like(h)
     u = torch.empty(m * rank, dtype=h.dtype, device=h.device)
     if rb is None:
         rb = rank_block(m, rank, k)
-    common = (h, delta if delta is not None else h, weight, h_out, out, lora_a, u)
+    call = _Shrink(h, delta, weight, eps, lora_a, bounds, permute, h_out, out, u)
     if rb:
-        blocks = triton.cdiv(rank, rb)
-        _rms_norm_rank_kernel[(m, blocks)](
-            *common,
-            m,
-            k,
-            eps,
-            triton.cdiv(k, blocks),
-            rank,
-            bounds[0],
-            bounds[1],
-            HAS_DELTA=delta is not None,
-            BLOCK=block,
-            RB=rb,
-            PERMUTE=check_permute(permute, k),
-            TRIGGER=pdl.enabled(h.device),
-            num_warps=RANK_WARPS,
-        )
-        return h_out, out, u
+        _rank_split(call, rb)
+    else:
+        _column_split(call)
+    return h_out, out, u
+
+
+def _rank_split(c: _Shrink, rb: int) -> None:
+    """``rms_norm_shrink``'s by-rank launch (``_rms_norm_rank_kernel``, ``rb`` ranks a program)."""
+    k = c.h.shape[-1]
+    m, rank = c.h.numel() // k, c.lora_a.shape[0]
+    blocks = triton.cdiv(rank, rb)
+    _rms_norm_rank_kernel[(m, blocks)](
+        c.out,
+        c.h_out,
+        c.u,
+        c.h,
+        c.delta if c.delta is not None else c.h,
+        c.weight,
+        c.lora_a,
+        m,
+        k,
+        c.eps,
+        triton.cdiv(k, blocks),
+        rank,
+        c.bounds[0],
+        c.bounds[1],
+        HAS_DELTA=c.delta is not None,
+        BLOCK=triton.next_power_of_2(k),
+        RB=rb,
+        PERMUTE=check_permute(c.permute, k),
+        TRIGGER=pdl.enabled(c.h.device),
+        num_warps=RANK_WARPS,
+    )
+
+
+def _column_split(c: _Shrink) -> None:
+    """``rms_norm_shrink``'s column-split launch (``_rms_norm_shrink_kernel``: partials summed by each row's last
+    program)."""
+    k = c.h.shape[-1]
+    m, rank = c.h.numel() // k, c.lora_a.shape[0]
+    block = triton.next_power_of_2(k)
     rp = rank_pad(rank)
     # At most 8 warps: with 16 the 128-register cap spills the double-buffered A tiles (ptxas, sm_90).
     warps = min(8, _norm_warps(block))
     nsplit, chunk, bk = shrink_split(m, k, rp, warps)
-    part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=h.device)
+    part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=c.h.device)
     _rms_norm_shrink_kernel[(m, nsplit)](
-        *common,
+        c.h,
+        c.delta if c.delta is not None else c.h,
+        c.weight,
+        c.h_out,
+        c.out,
+        c.lora_a,
+        c.u,
         part,
-        backend.tickets(h.device, m),
+        backend.tickets(c.h.device, m),
         m,
         k,
-        eps,
+        c.eps,
         chunk,
         rank,
-        bounds[0],
-        bounds[1],
-        HAS_DELTA=delta is not None,
+        c.bounds[0],
+        c.bounds[1],
+        HAS_DELTA=c.delta is not None,
         BLOCK=block,
         BK=bk,
         RP=rp,
         PART_TILE=part_tile(nsplit, rp),
-        PERMUTE=check_permute(permute, k),
-        TRIGGER=pdl.enabled(h.device),
+        PERMUTE=check_permute(c.permute, k),
+        TRIGGER=pdl.enabled(c.h.device),
         num_warps=warps,
     )
-    return h_out, out, u
-
-
-@triton.jit
-def _silu_gate(g_ptr, u_ptr, offs, mask, DT: tl.constexpr):
-    """transformers' ``act_fn(gate) * up``: SiLU rounded to the activation dtype, then the product."""
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-    return (act * u).to(DT)
-
-
-@triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.constexpr, TRIGGER: tl.constexpr):
-    trigger(TRIGGER)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    dest = nibble_major(offs) if PERMUTE else offs
-    tl.store(out_ptr + dest, _silu_gate(g_ptr, u_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_mul_shrink_kernel(
-    g_ptr,
-    up_ptr,
-    out_ptr,
-    a_ptr,
-    u_ptr,
-    part_ptr,
-    ticket_ptr,
-    M,
-    K,
-    chunk,
-    R,
-    BK: tl.constexpr,
-    RP: tl.constexpr,
-    PART_TILE: tl.constexpr,
-    PERMUTE: tl.constexpr,
-    TRIGGER: tl.constexpr,
-):
-    """Program (row, split): SiLU-gate ``chunk`` columns of the row (stored in the Gluon K order with
-    PERMUTE) and reduce their share of u."""
-    trigger(TRIGGER)
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    acc = tl.zeros([RP], tl.float32)
-    for k0 in range(0, chunk, BK):
-        cols = split * chunk + k0 + tl.arange(0, BK)
-        mask = cols < K
-        a = load_a(a_ptr, K, cols, mask, R, RP)
-        act = _silu_gate(g_ptr, up_ptr, row * K + cols, mask, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * K + (nibble_major(cols) if PERMUTE else cols), act, mask=mask)
-        acc += rank_dot(act, a)
-    finish_shrink(acc, row, split, tl.num_programs(1), M, R, R, R, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> torch.Tensor:
-    """``silu(gate) * up``; ``permute`` as in ``rms_norm``."""
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](
-        gate,
-        up,
-        out,
-        n,
-        BLOCK=1024,
-        PERMUTE=check_permute(permute, gate.shape[-1]),
-        TRIGGER=pdl.enabled(gate.device),
-        num_warps=4,
-    )
-    return out
-
-
-def silu_mul_shrink(
-    gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, permute: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer); ``permute`` as in ``rms_norm``
-    (the first result only). Always the column split: a by-rank program would gate the whole row (18,944 columns
-    at 7B) and measured 2x slower (docs/kernels.md#rank-split)."""
-    k = gate.shape[-1]
-    m = gate.numel() // k
-    rank = lora_a.shape[0]
-    rp = rank_pad(rank)
-    nsplit, chunk, bk = shrink_split(m, k, rp, 4)
-    out = torch.empty_like(gate)
-    u = torch.empty(m * rank, dtype=gate.dtype, device=gate.device)
-    part = torch.empty(m * nsplit * rp, dtype=torch.float32, device=gate.device)
-    _silu_mul_shrink_kernel[(m, nsplit)](
-        gate,
-        up,
-        out,
-        lora_a,
-        u,
-        part,
-        backend.tickets(gate.device, m),
-        m,
-        k,
-        chunk,
-        rank,
-        BK=bk,
-        RP=rp,
-        PART_TILE=part_tile(nsplit, rp),
-        PERMUTE=check_permute(permute, k),
-        TRIGGER=pdl.enabled(gate.device),
-        num_warps=4,
-    )
-    return out, u

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from . import backend
+from .reference import StepBooks
 from .step_base import last_arrival
 
 
@@ -159,37 +160,25 @@ def _finish_step_kernel(
     tl.store(step_ptr, step + 1)
 
 
-def finish_step(
-    tok: torch.Tensor,
-    lp: torch.Tensor,
-    done: torch.Tensor,
-    row_id: torch.Tensor,
-    stop: torch.Tensor,
-    step: torch.Tensor,
-    tokens: torch.Tensor,
-    pos: torch.Tensor,
-    out_tok: torch.Tensor,
-    out_lp: torch.Tensor,
-    pad_id: int,
-) -> None:
+def finish_step(tok: torch.Tensor, lp: torch.Tensor, books: StepBooks) -> None:
     """Record this step's tokens/log-probs (pad and 0 for finished rows), mark stop tokens done, feed
     the tokens back, advance positions and the step counter: one launch."""
     b = tok.shape[0]
     _finish_step_kernel[(1,)](
         tok,
         lp,
-        done,
-        row_id,
-        stop,
-        step,
-        tokens,
-        pos,
-        out_tok,
-        out_lp,
+        books.done,
+        books.row_id,
+        books.stop,
+        books.step,
+        books.tokens,
+        books.pos,
+        books.out_tok,
+        books.out_lp,
         b,
-        stop.numel(),
-        pad_id,
-        out_tok.stride(0),
+        books.stop.numel(),
+        books.pad_id,
+        books.out_tok.stride(0),
         BLOCK=max(16, triton.next_power_of_2(b)),
         num_warps=4,
     )

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from qerl.rollout.base import SamplingParams
 from qerl.rollout.layers import ModelPlan
 
 #: Stop-id buffer slots baked into a graph; more stop ids grow it (and recapture).
@@ -70,6 +71,21 @@ class Slots:
             torch.zeros(b, dtype=torch.long, device=device),
         )
 
+    def load(
+        self, pad_id: int, trash: int, tokens: torch.Tensor, pos: torch.Tensor, done: torch.Tensor, row_id: torch.Tensor
+    ) -> None:
+        """Fill the first ``len(tokens)`` slots with these rows; the rest are finished padding that feed ``pad_id``
+        and write to the ``trash`` output row."""
+        n = tokens.shape[0]
+        self.tokens.fill_(pad_id)
+        self.pos.zero_()
+        self.done.fill_(True)
+        self.row_id.fill_(trash)
+        self.tokens[:n] = tokens
+        self.pos[:n] = pos
+        self.done[:n] = done
+        self.row_id[:n] = row_id
+
 
 class State:
     """The static KV cache, RoPE tables, output buffers and sampling knobs, sized (rows, seq)."""
@@ -106,6 +122,33 @@ class State:
         if b not in self.slots:
             self.slots[b] = Slots.empty(b, self.k.device)
         return self.slots[b]
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        """Write ``params``' stop ids and sampling knobs into the buffers the step reads (the stop table grown first
+        where ``params`` has more ids than it holds: the caller drops graphs that read the old one)."""
+        dev = self.stop.device
+        if len(params.stop_token_ids) > self.stop.numel():
+            self.stop = torch.full((len(params.stop_token_ids),), -1, dtype=torch.long, device=dev)
+        self.stop.fill_(-1)
+        if params.stop_token_ids:
+            self.stop[: len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids, device=dev)
+        self.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
+        self.top_k.fill_(params.top_k)
+        self.top_p.fill_(params.top_p)
+        self.min_p.fill_(params.min_p)
+        self.penalty.fill_(params.repetition_penalty)
+        self.min_tokens.fill_(params.min_tokens)
+        self.stop_mask.zero_()
+        # A stop id outside the model's vocabulary (a tokenizer's extra EOS) can never be sampled: nothing to ban.
+        in_vocab = [t for t in params.stop_token_ids if t < self.stop_mask.numel()]
+        if in_vocab:
+            self.stop_mask[torch.tensor(in_vocab, device=dev)] = True
+
+    def mark_prompts(self, prompt_ids: list[list[int]], n: int) -> None:
+        """Start each completion row's token history with its prompt (the repetition penalty covers it)."""
+        self.seen.zero_()
+        for i, ids in enumerate(prompt_ids):
+            self.seen[i * n : (i + 1) * n, torch.tensor(ids, device=self.seen.device)] = True
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,17 @@ from qerl.kernels.epilogue import Epilogue
 from qerl.kernels.plan import LoraInputs, LoraU, Route, lora_inputs, qk_norm
 from qerl.rollout.layers import Group, ModelPlan, Proj
 
-__all__ = ["LoraInputs", "LoraU", "group_forward", "lora_inputs", "qk_norm", "stacked_forward", "step_plan"]
+__all__ = [
+    "Attend",
+    "LoraInputs",
+    "LoraU",
+    "group_forward",
+    "lora_inputs",
+    "qk_norm",
+    "run_layers",
+    "stacked_forward",
+    "step_plan",
+]
 
 #: Rows (decode batch) up to which LoRA shrinks are fused into the kernel producing their input (above, one cuBLAS
 #: matmul per group): the by-rank RMSNorm shrink beats cuBLAS up to 64 rows (docs/kernels.md#fused-lora-rows).
@@ -49,6 +60,26 @@ def step_plan(model: ModelPlan, rows: int, decode: bool) -> plan.StepPlan:
     return plan.build(
         model, rows, group_op=group_op, fuse_max_rows=FUSED_LORA_MAX_ROWS, stack=STACK_GROUPS, decode=decode
     )
+
+
+#: ``attend(layer, q, k, v) -> (attention output, o_proj's LoRA inputs)``: what prefill and decode differ in.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, LoraInputs]]
+
+
+def run_layers(ops: plan.StepPlan, h: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """The decoder stack on embeddings ``h`` (any leading shape) -> final-normed hidden states, through the ops
+    ``ops`` chose. Prefill and decode differ only in ``attend``; every norm feeds the next group's LoRA shrink."""
+    h, x, lora = ops.first_norm(h, None)
+    for i, layer in enumerate(ops.layers):
+        q, k, v = layer.qkv(x, lora)
+        attn, lora = attend(i, q, k, v)  # Qwen3's q / k norms included
+        (o,) = layer.o(attn, lora)
+        h, x, lora = layer.mlp_norm(h, o)
+        gate, up = layer.gate_up(x, lora)
+        act, lora = layer.silu(gate, up)
+        (mlp,) = layer.down(act, lora)
+        h, x, lora = layer.next_norm(h, mlp)
+    return x
 
 
 def group_op(route: Route, group: Group) -> plan.GroupOp:

@@ -6,7 +6,7 @@ How a ``generate`` call runs:
    weights, the norm weights forward really uses, peft LoRA factors) and refreshes the small LoRA
    buffers. Nothing heavy is copied, so an optimizer step or an in-place AQN write to a norm weight
    is seen by the next generation without recapturing anything.
-2. Prefill: unique prompts, right-padded, go through one causal pass (chunked to bound memory);
+2. Prefill (``qerl.rollout.prefill``): unique prompts, right-padded, go through one causal pass (chunked);
    their keys/values are written into a preallocated static cache ``[layers, rows, Hkv, S, D]``,
    one cache row per completion (a prompt's ``n`` completions share its prefill).
 3. Decode: one token per row per step over the static cache. On CUDA the whole step (embedding,
@@ -32,20 +32,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from qerl import kernels
 from qerl.kernels import plan as step_ops
 from qerl.kernels import reference
 from qerl.kernels.plan import LoraInputs
+from qerl.kernels.reference import AttentionArgs, StepBooks
 from qerl.rollout import decoder
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.buffers import Slots, State, StepKey, bucket, round_up, side_stream
 from qerl.rollout.layers import ModelPlan
+from qerl.rollout.prefill import prefill
 from qerl.rollout.sampling import adjust_logits, is_filtered, make_generator, sample
-
-#: ``attend(layer, q, k, v) -> (attention output, o_proj's LoRA inputs)``: what prefill and decode differ in.
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, LoraInputs]]
 
 
 class NativeEngine:
@@ -163,26 +161,20 @@ class NativeEngine:
 
         row_prompt = torch.arange(rows, device=plan.device) // n
         lens = torch.tensor([len(p) for p in prompt_ids], device=plan.device)
-        logits = self._prefill(plan, state, prompt_ids, n)
+        logits = prefill(plan, state, prompt_ids, n, self.pad_id, self.prefill_tokens)
         greedy, filtered = params.temperature == 0, is_filtered(params)
         state.step.zero_()
         if force:
             tok, lp = self._forced_tokens(logits, torch.arange(rows, device=plan.device), 0)
         else:
             if filtered:
-                self._mark_prompts(state, prompt_ids, n)
+                state.mark_prompts(prompt_ids, n)
             tok, lp = self._sample(logits[row_prompt], state, greedy, filtered, torch.arange(rows, device=plan.device))
 
         b = bucket(rows)
         slots = state.slots_for(b)
-        slots.tokens.fill_(self.pad_id)
-        slots.pos.zero_()
-        slots.done.fill_(True)
-        slots.row_id.fill_(state.trash)
-        slots.tokens[:rows] = tok
-        slots.pos[:rows] = lens[row_prompt]
-        slots.done[:rows] = reference.is_stop(tok, state.stop)
-        slots.row_id[:rows] = torch.arange(rows, device=plan.device)
+        every = torch.arange(rows, device=plan.device)
+        slots.load(self.pad_id, state.trash, tok, lens[row_prompt], reference.is_stop(tok, state.stop), every)
         state.out_tok[:rows, 0] = tok
         state.out_lp[:rows, 0] = lp
         state.step.fill_(1)
@@ -220,22 +212,8 @@ class NativeEngine:
             self._state = None  # free the old cache before allocating the new one
             state = self._state = State(plan, need_rows, need_seq)
         if len(params.stop_token_ids) > state.stop.numel():
-            state.stop = torch.full((len(params.stop_token_ids),), -1, dtype=torch.long, device=plan.device)
-            self._drop_graphs()
-        state.stop.fill_(-1)
-        if params.stop_token_ids:
-            state.stop[: len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids, device=plan.device)
-        state.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
-        state.top_k.fill_(params.top_k)
-        state.top_p.fill_(params.top_p)
-        state.min_p.fill_(params.min_p)
-        state.penalty.fill_(params.repetition_penalty)
-        state.min_tokens.fill_(params.min_tokens)
-        state.stop_mask.zero_()
-        # A stop id outside the model's vocabulary (a tokenizer's extra EOS) can never be sampled: nothing to ban.
-        in_vocab = [t for t in params.stop_token_ids if t < state.stop_mask.numel()]
-        if in_vocab:
-            state.stop_mask[torch.tensor(in_vocab, device=plan.device)] = True
+            self._drop_graphs()  # they read the stop table that set_sampling replaces
+        state.set_sampling(params)
         if self._gen is None or self._gen.device != plan.device:
             self._gen = make_generator(plan.device, params.seed)
             self._drop_graphs()
@@ -246,65 +224,6 @@ class NativeEngine:
         if step_ops.fused_sampler(state.seed):
             state.seed.random_(generator=self._gen)
         return state
-
-    # ------------------------------------------------------------------ prefill
-
-    def _prefill(self, plan: ModelPlan, state: State, prompt_ids: list[list[int]], n: int) -> torch.Tensor:
-        """Run all prompts (in chunks), fill the cache rows of their completions; return last logits [P, V]."""
-        width = max(len(p) for p in prompt_ids)
-        per_chunk = max(1, self.prefill_tokens // width)
-        logits = []
-        for start in range(0, len(prompt_ids), per_chunk):
-            chunk = prompt_ids[start : start + per_chunk]
-            logits.append(self._prefill_chunk(plan, state, chunk, start, n))
-        return torch.cat(logits)
-
-    def _prefill_chunk(self, plan: ModelPlan, state: State, chunk: list[list[int]], first: int, n: int) -> torch.Tensor:
-        dev = plan.device
-        p, width = len(chunk), max(len(c) for c in chunk)
-        tokens = torch.full((p, width), self.pad_id, dtype=torch.long)
-        for i, c in enumerate(chunk):
-            tokens[i, : len(c)] = torch.tensor(c)
-        tokens = tokens.to(dev)
-        lens = torch.tensor([len(c) for c in chunk], device=dev)
-        # Right padding: causal attention already keeps real tokens from seeing the pads after them.
-        rows = torch.arange(first * n, (first + p) * n, device=dev)
-        src = torch.arange(p, device=dev).repeat_interleave(n)
-        cos, sin = state.cos[:width][None, :, None, :], state.sin[:width][None, :, None, :]
-        hd, nh, nkv = plan.head_dim, plan.num_heads, plan.num_kv_heads
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, None]:
-            if plan.layers[i].qk_norms is not None:
-                q, k = decoder.qk_norm(q, k, plan.layers[i].qk_norms, hd)
-            q = reference.apply_rope(q.view(p, width, nh, hd), cos, sin).transpose(1, 2)
-            k = reference.apply_rope(k.view(p, width, nkv, hd), cos, sin).transpose(1, 2)
-            v = v.view(p, width, nkv, hd).transpose(1, 2)
-            state.k[i, rows, :, :width] = k[src]
-            state.v[i, rows, :, :width] = v[src]
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=nkv != nh)
-            out = attn.transpose(1, 2).reshape(p, width, nh * hd)
-            return out, step_ops.lora_inputs(out, plan.layers[i].o)
-
-        x = self._layers(decoder.step_plan(plan, p * width, decode=False), plan.embed(tokens), attend)
-        # Only each prompt's last position is sampled from.
-        return plan.lm_head(x[torch.arange(p, device=dev), lens - 1])
-
-    @staticmethod
-    def _layers(ops: step_ops.StepPlan, h: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The decoder stack on embeddings ``h`` (any leading shape) -> final-normed hidden states, through the ops
-        ``ops`` chose. Prefill and decode differ only in ``attend(i, q, k, v) -> (attention output, o_proj's LoRA
-        inputs)``; every norm feeds the next group's LoRA shrink (``kernels.plan``)."""
-        h, x, lora = ops.first_norm(h, None)
-        for i, layer in enumerate(ops.layers):
-            q, k, v = layer.qkv(x, lora)
-            attn, lora = attend(i, q, k, v)  # Qwen3's q / k norms included
-            (o,) = layer.o(attn, lora)
-            h, x, lora = layer.mlp_norm(h, o)
-            gate, up = layer.gate_up(x, lora)
-            act, lora = layer.silu(gate, up)
-            (mlp,) = layer.down(act, lora)
-            h, x, lora = layer.next_norm(h, mlp)
-        return x
 
     # ------------------------------------------------------------------ decode
 
@@ -318,10 +237,10 @@ class NativeEngine:
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, LoraInputs]:
             k_cache, v_cache = state.k[i, : key.batch, :, :kv], state.v[i, : key.batch, :, :kv]
-            args = step_ops.AttentionArgs(state.cos, state.sin, slots.pos, k_cache, v_cache, scale)
+            args = AttentionArgs(state.cos, state.sin, slots.pos, k_cache, v_cache, scale)
             return ops.layers[i].attention(q, k, v, args)
 
-        logits = plan.lm_head(self._layers(ops, plan.embed(slots.tokens), attend))
+        logits = plan.lm_head(decoder.run_layers(ops, plan.embed(slots.tokens), attend))
         if key.forced:
             tok, lp = self._forced_tokens(logits, slots.row_id, state.step)
         else:
@@ -362,14 +281,6 @@ class NativeEngine:
         state.seen.index_put_((row_id, tok), torch.ones_like(tok, dtype=torch.bool))
         return tok, lp
 
-    @staticmethod
-    def _mark_prompts(state: State, prompt_ids: list[list[int]], n: int) -> None:
-        """Start each completion row's token history with its prompt (the repetition penalty covers it)."""
-        state.seen.zero_()
-        device = state.seen.device
-        for i, ids in enumerate(prompt_ids):
-            state.seen[i * n : (i + 1) * n, torch.tensor(ids, device=device)] = True
-
     def _forced_tokens(
         self, logits: torch.Tensor, row_id: torch.Tensor, step: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,9 +291,7 @@ class NativeEngine:
 
     def _finish_step(self, state: State, slots: Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
-        step_ops.finish_step_op(tok)(
-            tok,
-            lp,
+        books = StepBooks(
             slots.done,
             slots.row_id,
             state.stop,
@@ -393,6 +302,7 @@ class NativeEngine:
             state.out_lp,
             self.pad_id,
         )
+        step_ops.finish_step_op(tok)(tok, lp, books)
 
     def _graphed(self, plan: ModelPlan) -> bool:
         """Whether decode steps are captured and replayed (else run eagerly)."""
@@ -445,14 +355,8 @@ class NativeEngine:
         state.k[:, :n_live, :, :kv_len] = state.k[:, live, :, :kv_len]
         state.v[:, :n_live, :, :kv_len] = state.v[:, live, :, :kv_len]
         new = state.slots_for(b)
-        new.tokens.fill_(self.pad_id)
-        new.pos.zero_()
-        new.done.fill_(True)
-        new.row_id.fill_(state.trash)
-        new.tokens[:n_live] = slots.tokens[live]
-        new.pos[:n_live] = slots.pos[live]
-        new.done[:n_live] = False
-        new.row_id[:n_live] = slots.row_id[live]
+        done = torch.zeros(n_live, dtype=torch.bool, device=live.device)
+        new.load(self.pad_id, state.trash, slots.tokens[live], slots.pos[live], done, slots.row_id[live])
         return b, new
 
     # ------------------------------------------------------------------ output
