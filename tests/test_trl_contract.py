@@ -51,6 +51,7 @@ PINNED: dict[str, tuple[str, ...]] = {
     ),
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
+    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
 }
 
 #: Attributes of trl's that qerl sets or reads, and the trl method whose code must read or write them.
