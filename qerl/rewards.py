@@ -89,26 +89,30 @@ def _need_answer(name: str, answer: Sequence[Any] | None, n: int) -> Sequence[An
     return answer
 
 
-def soft_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
-    """0.2 when ``<think>...</think>`` is followed by ``<answer>...</answer>`` anywhere in the response."""
-    return _score_all(
-        "soft_format_reward",
-        lambda t: FORMAT_REWARD if _SOFT_FORMAT.search(t) else 0.0,
-        completions,
-        None,
-        kwargs.get("log_metric"),
-    )
+def _format_reward(name: str, matches: Callable[[str], Any], doc: str) -> Callable[..., list[float | None]]:
+    """A reward of FORMAT_REWARD for each response ``matches`` accepts, else 0; named ``name`` (trl logs it under its
+    function's name, and pickling finds it under that module-level name)."""
+
+    def reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+        return _score_all(
+            name, lambda t: FORMAT_REWARD if matches(t) else 0.0, completions, None, kwargs.get("log_metric")
+        )
+
+    reward.__name__ = reward.__qualname__ = name
+    reward.__doc__ = doc
+    return reward
 
 
-def strict_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
-    """0.2 when the whole response is exactly the tag skeleton, each tag on its own line."""
-    return _score_all(
-        "strict_format_reward",
-        lambda t: FORMAT_REWARD if _STRICT_FORMAT.match(t) else 0.0,
-        completions,
-        None,
-        kwargs.get("log_metric"),
-    )
+soft_format_reward = _format_reward(
+    "soft_format_reward",
+    _SOFT_FORMAT.search,
+    "0.2 when ``<think>...</think>`` is followed by ``<answer>...</answer>`` anywhere in the response.",
+)
+strict_format_reward = _format_reward(
+    "strict_format_reward",
+    _STRICT_FORMAT.match,
+    "0.2 when the whole response is exactly the tag skeleton, each tag on its own line.",
+)
 
 
 def _numeric_equal(a: Fraction | None, b: Fraction | None) -> bool:

@@ -4,7 +4,7 @@
     python -m qerl.train --model-name qmodel/Qwen2.5-7B-NVFP4A16 --dataset gsm8k --lora-rank 16 --ln True \\
         --sigma-start 1e-2 --sigma-end 1e-4 --num-stages 10 --output-dir runs/7b
 
-Flags are trl's ``TrlParser`` over ``ScriptArguments`` (model, data, LoRA) and ``QeRLConfig``
+Flags (``qerl.train_args``) are trl's ``TrlParser`` over ``ScriptArguments`` (model, data, LoRA) and ``QeRLConfig``
 (everything trl's GRPOConfig knows, plus the rollout engine and AQN). Both ``--lora_rank`` and the
 reference's ``--lora-rank`` spellings work. Reference flags that no longer do anything
 (``--max-seq-length``, ``--fast-inference``, ``--random-state``, ``--load-in-4bit``, ...) are accepted
@@ -39,127 +39,33 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
-from trl import TrlParser
 
 from qerl import data as qdata
 from qerl import hub
 from qerl import resume as run_record
 from qerl.answers import judge
 from qerl.checkpoint import read_config
-from qerl.cli import StrictParsing, UsageError, one_line, run, usage_errors
-from qerl.config import load_recipe
+from qerl.checkpoint_check import sound_checkpoint
+from qerl.cli import UsageError, one_line, run, usage_errors
 from qerl.fingerprint import model_sha256, write_base_record
 from qerl.fsutil import atomic_directory, atomic_write_text, is_within
 from qerl.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
-from qerl.lora import DEFAULT_TARGETS, lora_config
+from qerl.lora import lora_config
 from qerl.prompts import encode_chat
 from qerl.rewards import get_rewards
 from qerl.rollout import SamplingParams
 from qerl.runlock import run_lock
+from qerl.train_args import IGNORED_REFERENCE_FLAGS, ScriptArguments, parse_args
 from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
 
 logger = logging.getLogger("qerl.train")
-
-#: Reference flags kept only so that its scripts parse; they change nothing here.
-IGNORED_REFERENCE_FLAGS = (
-    "max_seq_length",
-    "fast_inference",
-    "random_state",
-    "load_in_4bit",
-    "load_in_8bit",
-    "full_finetuning",
-    "gpu_memory_utilization",
-    "use_gradient_checkpointing",
-    "activation_offloading",
-)
-
-#: ``--damaged_checkpoint``: what a resume does when the newest complete checkpoint is damaged.
-DAMAGED_CHECKPOINT_CHOICES = ("refuse", "previous")
-
-
-@dataclass
-class ScriptArguments:
-    """Model, data and adapter choices (the training knobs live in QeRLConfig)."""
-
-    model_name: str = field(
-        default="smollm2-135m", metadata={"help": "Model dir, hub id, or smollm2-135m (embedded default)."}
-    )
-    load: str = field(default="auto", metadata={"help": "auto | nvfp4 | bf16: what the checkpoint must be."})
-    dataset: str = field(
-        default="gsm8k", metadata={"help": f"One of {sorted(qdata.DATASETS)} (or the reference's dapomath)."}
-    )
-    dataset_path: str | None = field(
-        default=None, metadata={"help": "Local .jsonl/.parquet/dir or hub id (default: the set's hub id)."}
-    )
-    num_samples: int | None = field(default=None, metadata={"help": "Use N rows (seeded shuffle)."})
-    arithmetic_level: str | None = field(
-        default=None,
-        metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(qdata.ARITHMETIC_LEVELS)} (default hard)."},
-    )
-    prompt_style: str | None = field(
-        default=None,
-        metadata={
-            "help": "plain | tags | dapo | source (a row's own "
-            "conversation); unset: the reference's for the data set (gsm8k plain, bigmath "
-            "tags, dapo-math source, arithmetic tags). See qerl/prompts.py."
-        },
-    )
-    heldout: int = field(
-        default=0, metadata={"help": "Hold out N rows; their greedy accuracy is measured before and after."}
-    )
-    heldout_max_tokens: int = field(default=256, metadata={"help": "Completion budget of the held-out evaluation."})
-    max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Drop prompts longer than this many tokens (default: 4096, or what the model's context leaves "
-            "after --max_completion_length when that is less)."
-        },
-    )
-    rewards: list[str] | None = field(default=None, metadata={"help": "Reward names (default: the data set's)."})
-    lora_rank: int = field(default=16, metadata={"help": "LoRA rank (reference scripts: 16; paper: 32)."})
-    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default: the rank)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS), metadata={"help": "LoRA targets."})
-    ln: bool = field(
-        default=True, metadata={"help": "Also train the input/post-attention RMSNorm weights (all reference scripts)."}
-    )
-    resume: str = field(
-        default="auto",
-        metadata={
-            "help": "auto: continue output_dir's run if its settings match "
-            "(a finished one is a no-op), refuse otherwise; force: continue anyway."
-        },
-    )
-    damaged_checkpoint: str = field(
-        default="refuse",
-        metadata={
-            "help": "refuse: a damaged newest checkpoint stops "
-            "the resume in one line; previous: move it aside and resume from the one before."
-        },
-    )
-    plot: bool = field(default=True, metadata={"help": "Write reward/entropy/sigma curves at the end."})
-    max_seq_length: int | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
-    fast_inference: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
-    random_state: int | None = field(default=None, metadata={"help": "Ignored (reference leftover; use --seed)."})
-    load_in_4bit: bool | None = field(
-        default=None, metadata={"help": "Ignored (reference leftover; NVFP4 comes from the checkpoint)."}
-    )
-    load_in_8bit: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
-    full_finetuning: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
-    gpu_memory_utilization: float | None = field(
-        default=None, metadata={"help": "Ignored (use --vllm_gpu_memory_utilization)."}
-    )
-    use_gradient_checkpointing: str | None = field(
-        default=None, metadata={"help": "Ignored (use --gradient_checkpointing)."}
-    )
-    activation_offloading: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
+__all__ = ["IGNORED_REFERENCE_FLAGS", "ScriptArguments", "main", "parse_args", "heldout_accuracy", "prompt_budget"]
 
 
 def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reading: str, max_new_tokens: int, batch: int = 64) -> float:
@@ -169,79 +75,16 @@ def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reading: str, max_new_toke
         return float("nan")
     tok = trainer.processing_class
     engine = trainer.rollout_engine()
-    policy = trainer.accelerator.unwrap_model(trainer.model)
-    was_training = policy.training
-    policy.eval()
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=list(trainer.eos_token_ids))
     correct = 0
-    try:
+    with trainer.inference_mode():  # the rollouts' toggle, without their AQN noise and metrics
         for start in range(0, len(rows), batch):
             chunk = rows.select(range(start, min(start + batch, len(rows))))
             ids = [encode_chat(tok, p) for p in chunk["prompt"]]
             out = engine.generate(ids, params, n=1)
             texts = tok.batch_decode(out.completion_ids, skip_special_tokens=True)
             correct += sum(judge(text, gold, reading) for text, gold in zip(texts, chunk["answer"], strict=True))
-    finally:
-        policy.train(was_training)
     return correct / len(rows)
-
-
-class _Parser(StrictParsing, TrlParser):
-    """trl's parser (YAML recipes, both flag spellings) without flag abbreviations, one-line errors."""
-
-
-def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, QeRLConfig]:
-    """(script arguments, trainer config) from the command line and its ``--config`` recipe; any
-    mistake in either is a UsageError naming the flag or the recipe key."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
-    if argv and argv[-1] == "--config":
-        raise UsageError("--config: expected a YAML recipe path")
-    if recipe is not None:  # checked whole before trl reads it: trl would expand aliases and take any value
-        try:
-            load_recipe(recipe, (ScriptArguments, QeRLConfig))
-        except yaml.MarkedYAMLError as e:
-            where = f", line {e.problem_mark.line + 1}" if e.problem_mark else ""
-            raise UsageError(f"--config {recipe}: not valid YAML ({e.problem or e.context}{where})") from None
-        except (OSError, ValueError, yaml.YAMLError) as e:
-            raise UsageError(f"--config {recipe}: {one_line(e)}") from None
-    parser = _Parser((ScriptArguments, QeRLConfig), prog="python -m qerl.train")
-    try:
-        script, config, unknown_keys, unknown_args = parser.parse_args_and_config(
-            argv, return_remaining_strings=True, separate_remaining_strings=True
-        )
-    except (ValueError, TypeError) as e:  # a value the config classes refused; their messages name the flag
-        raise UsageError(one_line(e)) from None
-    if unknown_keys:
-        keys = ", ".join(k.removeprefix("--") for k in unknown_keys[::2])
-        raise UsageError(f"--config {recipe}: unknown key(s) {keys} (see python -m qerl.train --help)")
-    if unknown_args:
-        raise UsageError(f"unrecognized arguments: {' '.join(unknown_args)} (see python -m qerl.train --help)")
-    _check_values(script, config)
-    if config.max_completion_length is None:  # the reference scripts' budget for this data set (None: 8192)
-        with usage_errors(ValueError):
-            config.max_completion_length = qdata.spec(script.dataset).completion_length
-    return script, config
-
-
-def _check_values(script: ScriptArguments, config: QeRLConfig) -> None:
-    """Values no library checks before training starts (a negative learning rate fails deep in torch)."""
-    lr = config.learning_rate
-    if lr is not None and not (math.isfinite(lr) and lr >= 0):
-        raise UsageError(f"--learning_rate: expected a non-negative number, got {lr}")
-    if script.lora_rank < 1:
-        raise UsageError(f"--lora_rank: expected a positive integer, got {script.lora_rank}")
-    if script.heldout < 0:
-        raise UsageError(f"--heldout: expected a count >= 0, got {script.heldout}")
-    if script.damaged_checkpoint not in DAMAGED_CHECKPOINT_CHOICES:
-        raise UsageError(
-            f"--damaged_checkpoint: expected one of {', '.join(DAMAGED_CHECKPOINT_CHOICES)}, "
-            f"got {script.damaged_checkpoint!r}"
-        )
-    if script.max_prompt_length is not None and script.max_prompt_length < 1:
-        raise UsageError(f"--max_prompt_length: expected a positive integer, got {script.max_prompt_length}")
-    if script.num_samples is not None and script.num_samples < 1:
-        raise UsageError(f"--num_samples: expected a positive integer, got {script.num_samples}")
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -486,7 +329,7 @@ def fit(script: ScriptArguments, run: Prepared, out: Path) -> None:
     _measure_heldout(script, run, "before")
     with trainer.accelerator.main_process_first():  # it may move checkpoints aside: one process at a time
         shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(trainer.model).items()}
-        checkpoint = run_record.sound_checkpoint(out, shapes, take_previous=script.damaged_checkpoint == "previous")
+        checkpoint = sound_checkpoint(out, shapes, take_previous=script.damaged_checkpoint == "previous")
     if trainer.is_world_process_zero():
         run_record.save(out, run.wanted)
     if checkpoint:

@@ -6,10 +6,13 @@ What is overridden, and why (tested against trl 1.16; ``TRL_RANGE`` below):
   ``hf`` or ``vllm`` on request) instead of ``model.generate``/trl's vLLM. trl's vLLM path merges
   LoRA into the base weights before every sync, which cannot work on a 4-bit base; our engines run
   the adapter unmerged. AQN wraps exactly this call: noise in before, clean weights back after.
+  These rollout-side hooks live in ``qerl.rollout_hooks`` (a mixin of this class).
 * ``training_step``: trl's step under ``cudnn_attention_disabled`` (cuDNN's attention backward can
   return NaN gradients on Hopper; see that function).
 * ``log``: adds sigma, rollout tokens/s and peak GPU memory to trl's metrics (reward mean/std per
   function, entropy, completion lengths and step time are trl's own).
+* ``_load_optimizer_and_scheduler``: the learning rate re-derived on this run's schedule (an extended
+  ``max_steps`` re-plans it instead of starting from the old plan's final rate).
 * ``_save_checkpoint`` / ``train``: a checkpoint counts only once its completion marker is written
   (atomically, after everything else); resume picks the newest *complete* checkpoint and moves
   half-written ones aside, because transformers writes straight into ``checkpoint-N``. Resuming from
@@ -39,11 +42,9 @@ bias the noise introduces. ``vllm_importance_sampling_correction=False`` reprodu
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,13 +57,13 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from qerl import arch
-from qerl.aqn import NormNoise, draw_seed, norm_weights
+from qerl.aqn import NormNoise
 from qerl.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.fsutil import atomic_write_text
 from qerl.integrity import check_tensor
 from qerl.is_ratio import LossPassRatio
 from qerl.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
-from qerl.rollout import SamplingParams, get_engine
+from qerl.rollout_hooks import RolloutHooks
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +83,6 @@ def _check_trl_version() -> None:
         logger.warning(
             "QeRLTrainer was tested with trl %s; found trl %s (private hooks may differ)", " ".join(TRL_RANGE), v
         )
-
-
-def _group_repeats(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
-    """(unique prompts, n) when the batch is runs of equal length n of identical prompts, as trl's
-    RepeatSampler produces; else (all prompts, 1). Lets the engine share each prompt's prefill."""
-    runs: list[tuple[list[int], int]] = []
-    for ids in prompt_ids:
-        if runs and runs[-1][0] == ids:
-            runs[-1] = (ids, runs[-1][1] + 1)
-        else:
-            runs.append((list(ids), 1))
-    sizes = {n for _, n in runs}
-    if len(sizes) == 1:
-        return [ids for ids, _ in runs], sizes.pop()
-    return [list(ids) for ids in prompt_ids], 1
 
 
 def _output_in_input_dtype(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -158,7 +144,7 @@ def keep_trainable_fp32(model: nn.Module) -> list[str]:
     return upcast
 
 
-class QeRLTrainer(LossPassRatio, GRPOTrainer):
+class QeRLTrainer(RolloutHooks, LossPassRatio, GRPOTrainer):
     """GRPO/DAPO on NVFP4 (or bf16) models with LoRA, qerl rollouts and AQN."""
 
     _tag_names = ["trl", "grpo", "qerl"]
@@ -214,150 +200,6 @@ class QeRLTrainer(LossPassRatio, GRPOTrainer):
                 "settings that differ from trl's GRPOConfig defaults: %s",
                 ", ".join(f"{k}={v!r} (trl: {d!r})" for k, (v, d) in differences.items()) or "none",
             )
-
-    # ------------------------------------------------------------------ rollout
-
-    def _policy(self) -> nn.Module:
-        return self.accelerator.unwrap_model(self.model_wrapped)
-
-    def rollout_engine(self) -> Any:
-        """The engine, built on first use (the model is peft-wrapped and placed by then)."""
-        if self._engine is None:
-            kwargs = dict(self.args.rollout_engine_kwargs or {})
-            self._engine = get_engine(self._policy(), self.processing_class, self.args.rollout_engine, **kwargs)
-            if (
-                self.aqn is not None
-                and self.args.aqn_resample == "token"
-                and not hasattr(self._engine, "set_step_hook")
-            ):
-                raise ValueError(
-                    f"--aqn_resample token: the {self.args.rollout_engine!r} engine has no per-decode-step hook "
-                    "(set_step_hook); use --aqn_resample step or --rollout_engine native"
-                )
-        return self._engine
-
-    def noise(self) -> NormNoise:
-        """AQN's handle on the rollout model's norm weights: the trainer's own modules, which the
-        native and hf engines read in place and the vLLM engine pushes into vLLM at each generate."""
-        if self._noise is None:
-            weights = norm_weights(self._policy())
-            self._noise = NormNoise(weights, seed=draw_seed(self.args.seed, 0, 1))
-            if self.args.aqn_resample == "token":  # registered once: graphs captured with it stay valid
-                self.rollout_engine().set_step_hook(self._noise.token_hook)
-            logger.info(
-                "AQN on %d norm vectors (%d values); sigma per stage: %s",
-                len(weights),
-                self._noise.numel,
-                ", ".join(f"{s:.3g}" for s in self.aqn.sigmas()),
-            )
-        return self._noise
-
-    def current_sigma(self) -> float:
-        """AQN's sigma for the rollout of the current optimizer step (0 when AQN is off)."""
-        if self.aqn is None:
-            return 0.0
-        return self.aqn.sigma(self.state.global_step, max(1, self.state.max_steps))
-
-    def _sampling_seed(self) -> int:
-        """A seed per (run seed, optimizer step, rollout within the step, process), so rollouts after a
-        resume are the ones the uninterrupted run drew, and data-parallel ranks that sample the same
-        prompt (a group split across ranks) draw different completions. One process: (seed, step, count)."""
-        step, count = self._rollout_index
-        count = count + 1 if step == self.state.global_step else 0
-        self._rollout_index = (self.state.global_step, count)
-        draw = count * self.accelerator.num_processes + self.accelerator.process_index
-        return draw_seed(self.args.seed, self.state.global_step, draw)
-
-    @contextmanager
-    def _aqn_applied(self, sigma: float) -> Iterator[NormNoise | None]:
-        if self.aqn is None:
-            yield None
-            return
-        with self.noise().applied(sigma, self.state.global_step) as handle:
-            yield handle
-
-    def sampling_params(self, **overrides: Any) -> SamplingParams:
-        """The run's sampling settings for ``rollout_engine().generate``: trl's temperature, top-k/-p,
-        min-p, repetition penalty and ``generation_kwargs``, the completion budget, EOS as the stop
-        token (none with ``ignore_eos``) and a fresh seed per call (``_sampling_seed``); ``overrides``
-        replace any of them (a ``rollout_func``'s second turn may want a shorter budget, say)."""
-        extra = dict(self.args.generation_kwargs or {})
-        ignore_eos = bool(extra.pop("ignore_eos", False))
-        values: dict[str, Any] = dict(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty,
-            max_new_tokens=self.max_completion_length,
-            stop_token_ids=[] if ignore_eos else list(self.eos_token_ids),
-            seed=self._sampling_seed(),
-        )
-        values.update(extra)
-        values.update(overrides)
-        return SamplingParams(**values)
-
-    @contextmanager
-    def rollout_mode(self) -> Iterator[dict[str, int]]:
-        """What every rollout runs under, ours or a ``rollout_func``'s: the policy in eval mode, no
-        autograd, AQN's noise on the norms (removed bit-exactly after). Logs the rollout's time, its
-        tokens per second (the caller puts the count of generated tokens in the yielded ``["tokens"]``)
-        and the AQN stage."""
-        policy = self._policy()
-        was_training = policy.training
-        policy.eval()
-        sigma = self.current_sigma()
-        stats = {"tokens": 0}
-        start = time.perf_counter()
-        try:
-            with torch.no_grad(), self._aqn_applied(sigma):
-                yield stats
-        finally:
-            policy.train(was_training)
-        elapsed = time.perf_counter() - start
-        metrics = self._metrics["train" if was_training else "eval"]
-        metrics["rollout/seconds"].append(elapsed)
-        metrics["rollout/tokens_per_s"].append(stats["tokens"] / max(elapsed, 1e-9))
-        if self.aqn is not None:
-            metrics["aqn/sigma"].append(sigma)
-            metrics["aqn/stage"].append(float(self.aqn.stage(self.state.global_step, max(1, self.state.max_steps))))
-            metrics["aqn/changed_frac"].append(self._noise.changed_fraction if self._noise else 0.0)
-
-    def _in_rollout_mode(self, rollout_func: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-        """A user's ``rollout_func`` (trl's contract) run under ``rollout_mode``, like our own rollouts."""
-
-        @functools.wraps(rollout_func)
-        def run(prompts: list[Any], trainer: QeRLTrainer) -> dict[str, Any]:
-            with self.rollout_mode() as stats:
-                out = rollout_func(prompts, trainer)
-                stats["tokens"] = sum(len(c) for c in out.get("completion_ids", []))
-            return out
-
-        return run
-
-    def _generate(self, prompts: list[Any]) -> Any:
-        """trl's ``_generate``. Before a ``rollout_func`` trl syncs its own vLLM engine's weights when
-        ``use_vllm`` (our IS gate) is on: qerl's engines read the live modules, so that sync is marked done."""
-        self._last_loaded_step = self.state.global_step
-        return super()._generate(prompts)
-
-    def _generate_single_turn(
-        self,
-        prompt_ids: list[list[int]],
-        images: Any,
-        multimodal_fields: Any,
-        num_generations: int,
-        has_tool_images: bool = False,
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        if images is not None or multimodal_fields:
-            raise ValueError("QeRLTrainer: text-only rollouts; got images/multimodal inputs")
-        engine = self.rollout_engine()
-        prompts, n = _group_repeats(prompt_ids)
-        params = self.sampling_params()
-        with self.rollout_mode() as stats:
-            out = engine.generate(prompts, params, n=n)
-            stats["tokens"] = sum(len(c) for c in out.completion_ids)
-        return out.completion_ids, out.logprobs
 
     # ------------------------------------------------------------------ training step
 

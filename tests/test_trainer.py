@@ -20,12 +20,12 @@ from qerl.aqn import AQNSchedule, norm_weights
 from qerl.data import load_dataset
 from qerl.loader import load_model, load_tokenizer
 from qerl.lora import load_adapter, lora_config
+from qerl.rollout_hooks import _group_repeats
 from qerl.trainer import (
     CHECKPOINT_MARKER,
     METRICS_FILE,
     QeRLConfig,
     QeRLTrainer,
-    _group_repeats,
     last_complete_checkpoint,
 )
 
