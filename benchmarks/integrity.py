@@ -1,9 +1,10 @@
 """What the integrity check at load (``qerl.integrity``) costs: its share of loading a 7B NVFP4 checkpoint.
 
 Every command that reads a checkpoint checks each tensor once, where it was loaded (finite, in its format's
-range). The check must not make loading noticeably slower: the target is under 2% of the load. The checkpoint is
-``benchmarks.e2e prepare``'s (Qwen2.5-7B shapes, random weights, NVFP4 from our quantizer), loaded by
-``qerl.loader.load_model`` exactly as train, eval and export load it. Two measures, both in one process:
+range). The check must not make loading noticeably slower: the target is under 2% of the load. The checkpoint has
+Qwen2.5-7B's shapes and random NVFP4 tensors written straight to safetensors (:func:`synthetic_checkpoint`: valid
+codes and scales, no quantizer run, about 20 s for the 5.85 GB on a GPU host), loaded by ``qerl.loader.load_model``
+exactly as train, eval and export load it. Two measures, both in one process:
 
 * ``check_s``: the time spent inside the checks during a load (a timer around ``qerl.loader.check_tensor``),
   beside that load's wall time: the direct share;
@@ -12,14 +13,17 @@ range). The check must not make loading noticeably slower: the target is under 2
   difference over the median unchecked load, the share as a user would see it (far noisier than the first:
   on a shared 2-core machine single loads vary by a second).
 
-    python -m benchmarks.integrity --dir .e2e --repeats 8 --out benchmarks/results/integrity.json
-    python -m benchmarks.integrity --dir /tmp/e2e --tiny --repeats 1 --out /tmp/integrity.json   # smoke run
+    python -m benchmarks.integrity --dir /tmp/ck7b --repeats 8 --out benchmarks/results/integrity.json
+    python -m benchmarks.integrity --dir /tmp/cktiny --tiny --repeats 1 --out /tmp/integrity.json   # smoke run
+
+On a GPU the load goes to the device and the checks run there; the result names the device.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -31,8 +35,10 @@ from typing import Any
 import torch
 
 import qerl.loader
-from benchmarks.common import command, device_name, utc_now, versions, write_json
-from benchmarks.e2e import prepare
+from benchmarks.common import MAX_POSITIONS, command, device_name, utc_now, versions, write_json
+from benchmarks.e2e import model_shape
+from qerl import checkpoint, quantize
+from qerl.fsutil import atomic_directory
 
 #: The share of the load the check may take.
 TARGET_SHARE = 0.02
@@ -55,6 +61,51 @@ def checks(mode: str) -> Iterator[list[float]]:
         yield spent
     finally:
         qerl.loader.check_tensor = real
+
+
+def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
+    """``root/nvfp4``: a Qwen2 NVFP4A16 checkpoint of Qwen2.5-7B's shapes (a 2-layer one with ``tiny``), every
+    decoder Linear packed, its tensors random but valid (codes uniform, block scales in [0.25, 1.75), global scale
+    150, norms 1, the rest N(0, 0.02) in bf16), generated on the GPU when there is one; kept if already complete.
+    The tensor list, shapes and dtypes are the ones ``qerl.checkpoint.expected_tensors`` derives from the config,
+    which the export checks checkpoints against."""
+    from transformers import Qwen2Config
+
+    out = root / "nvfp4"
+    if (out / "config.json").exists():
+        return out
+    shape, vocab = model_shape(tiny)
+    config = Qwen2Config(vocab_size=vocab, max_position_embeddings=MAX_POSITIONS, rope_theta=1e6,
+                         tie_word_embeddings=False, **shape).to_dict()  # fmt: skip
+    config["quantization_config"] = checkpoint.quantization_config(["lm_head"])
+    layers = [f"model.layers.{i}.{m}" for i in range(shape["num_hidden_layers"])
+              for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=device).manual_seed(0)
+    with atomic_directory(out) as tmp:  # complete or absent
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        expected, _ = checkpoint.expected_tensors(tmp, set(layers))
+        writer = quantize._ShardWriter(tmp)
+        for name, (shape_, dtypes) in expected.items():
+            writer.add(name, _random(name, shape_, dtypes, gen, device).cpu())
+        writer.finish()
+    return out
+
+
+def _random(
+    name: str, shape: tuple[int, ...], dtypes: frozenset[str], gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """One random tensor that passes ``qerl.integrity``'s checks, in the (first) dtype the model expects."""
+    if dtypes == {"U8"}:
+        return torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
+    if dtypes == {"F8_E4M3"}:
+        return (torch.rand(shape, generator=gen, device=device) * 1.5 + 0.25).to(torch.float8_e4m3fn)
+    if name.endswith(checkpoint.GLOBAL_SCALE):
+        return torch.full(shape, 150.0, device=device)
+    if "norm" in name:
+        return torch.ones(shape, dtype=torch.bfloat16, device=device)
+    return torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen)
 
 
 def timed_load(model_dir: Path, device: torch.device, dtype: torch.dtype, mode: str) -> dict[str, float]:
@@ -99,7 +150,7 @@ def measure(model_dir: Path, device: torch.device, dtype: torch.dtype, repeats: 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.integrity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", type=Path, required=True, help="benchmarks.e2e prepare's directory (made if absent)")
+    p.add_argument("--dir", type=Path, required=True, help="where the synthetic checkpoint is kept (made if absent)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer Llama: a smoke run")
     p.add_argument("--device", default=None, help="where the model loads (cuda if there is one, else cpu)")
     p.add_argument(
@@ -112,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model_dir = prepare(args.dir, args.tiny)["nvfp4"]
+    model_dir = synthetic_checkpoint(args.dir, args.tiny)
     row = measure(model_dir, device, getattr(torch, args.dtype), args.repeats)
     summary = {
         "check_share_of_load": row["check_share_of_load"],
@@ -124,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "integrity",
         "date": utc_now(),
         "device": device_name(device),
-        "versions": versions("transformers"),
+        "versions": versions("transformers", "safetensors"),
         "command": command("benchmarks.integrity", argv),
         "model": "qwen2.5-7b shapes" if not args.tiny else "tiny",
         "dtype": args.dtype,

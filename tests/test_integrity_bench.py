@@ -47,9 +47,7 @@ def test_tiny_run_measures_the_checks(tmp_path: Path) -> None:
 
 
 def test_checks_off_checks_nothing_and_restores_the_loader(tmp_path: Path) -> None:
-    from benchmarks.e2e import prepare
-
-    model_dir = prepare(tmp_path, tiny=True)["nvfp4"]
+    model_dir = integrity.synthetic_checkpoint(tmp_path, tiny=True)
     real = qerl.loader.check_tensor
     off = integrity.timed_load(model_dir, torch.device("cpu"), torch.float32, "off")
     assert off["tensors_checked"] == 0 and off["check_s"] == 0
