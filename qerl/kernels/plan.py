@@ -282,7 +282,7 @@ def build(
     model: Any,
     rows: int,
     *,
-    group_op: Callable[[Route, Any], GroupOp],
+    group_op: Callable[[Route, Any, torch.device], GroupOp],
     fuse_max_rows: int,
     stack: bool,
     decode: bool,
@@ -305,13 +305,13 @@ def build(
         o, gate_up, down = routed(layer.o, natural=not decode), routed(layer.gate_up), routed(layer.down)
         ops.append(
             LayerOps(
-                qkv=group_op(routed(layer.qkv), layer.qkv),
+                qkv=group_op(routed(layer.qkv), layer.qkv, model.device),
                 attention=attention_op(o, layer.o, layer.qk_norms) if decode else None,
-                o=group_op(o, layer.o),
+                o=group_op(o, layer.o, model.device),
                 mlp_norm=norm_op(gate_up, layer.mlp_norm, layer.gate_up),
-                gate_up=group_op(gate_up, layer.gate_up),
+                gate_up=group_op(gate_up, layer.gate_up, model.device),
                 silu=silu_op(down, layer.down),
-                down=group_op(down, layer.down),
+                down=group_op(down, layer.down, model.device),
                 next_norm=norm_op(routed(nxt_group), nxt_norm, nxt_group),
             )
         )

@@ -82,12 +82,13 @@ def run_layers(ops: plan.StepPlan, h: torch.Tensor, attend: Attend) -> torch.Ten
     return x
 
 
-def group_op(route: Route, group: Group) -> plan.GroupOp:
+def group_op(route: Route, group: Group, device: torch.device) -> plan.GroupOp:
     """``(x, lora) -> every projection of group on x``, as the route says: one FP4 launch, or one projection at a
-    time (on CPU the per-module dense copies of ``base_forward`` beat dequantizing a stacked weight every step)."""
+    time on ``device`` (on CPU the per-module dense copies of ``dense_forward`` beat dequantizing a stacked weight
+    every step)."""
     if route.stacked:
         return functools.partial(stacked_forward, group=group, permuted=route.permute)
-    return functools.partial(group_forward, group=group)
+    return functools.partial(group_forward, group=group, projs=[projection_op(p, device) for p in group.projs])
 
 
 #: CPU only: dense copies of frozen NVFP4 weights, keyed by module (dropped with it).
@@ -95,40 +96,61 @@ _CPU_DENSE: weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor] = weakref.W
 
 
 def base_forward(x: torch.Tensor, proj: Proj) -> torch.Tensor:
-    """The base layer on x. On CPU an NVFP4 base is dequantized once and the dense copy kept: the
-    packed weight is frozen, and the reference path re-dequantizing every layer at every decode step
-    dominated CPU rollouts. On GPU the packed weight is read by the kernels and nothing is copied."""
+    """The base layer on x (GPU, or a dense base on CPU): the kernels read an NVFP4 weight, nothing is copied."""
+    return proj.base(x)
+
+
+def dense_forward(x: torch.Tensor, proj: Proj) -> torch.Tensor:
+    """An NVFP4 base on CPU, dequantized once and the dense copy kept: the packed weight is frozen, and the reference
+    path re-dequantizing every layer at every decode step dominated CPU rollouts."""
     base = proj.base
-    if not (proj.is_nvfp4 and x.device.type == "cpu"):
-        return base(x)
     dense = _CPU_DENSE.get(base)
     if dense is None or dense.dtype != x.dtype:
         dense = _CPU_DENSE[base] = base.dequantized_weight(x.dtype)
     return F.linear(x, dense, None if base.bias is None else base.bias.to(x.dtype))
 
 
-def project(x: torch.Tensor, proj: Proj, u: torch.Tensor | None) -> torch.Tensor:
-    """base(x) + u @ (B * scaling).T: the one seam where LoRA meets the base matmul.
+def fp4_lora_forward(x: torch.Tensor, u: torch.Tensor, proj: Proj) -> torch.Tensor:
+    """An NVFP4 base with LoRA on CUDA: the kernels' decode op with the expand ``u @ B.T`` folded into its epilogue."""
+    base = proj.base
+    bias = None if base.bias is None else base.bias.to(x.dtype)
+    return kernels.nvfp4_decode(x, base.packed_weight, epilogue=Epilogue(bias, u, proj.lora_b))
 
-    On CUDA an NVFP4 base with LoRA goes to the kernel helper's decode op with the expand folded into
-    its epilogue when ``qerl.kernels`` offers one; otherwise the expand is a separate ``addmm``.
-    """
-    if u is None or proj.lora_b is None:
-        return base_forward(x, proj)
-    if proj.is_nvfp4 and x.is_cuda:
-        base = proj.base
-        bias = None if base.bias is None else base.bias.to(x.dtype)
-        return kernels.nvfp4_decode(x, base.packed_weight, epilogue=Epilogue(bias, u, proj.lora_b))
-    y = base_forward(x, proj)
+
+def addmm_lora_forward(x: torch.Tensor, u: torch.Tensor, proj: Proj, base: ProjOp) -> torch.Tensor:
+    """``base(x) + u @ B.T`` with the expand as a separate ``addmm`` (CPU, or a dense base)."""
+    y = base(x)
     flat = y.reshape(-1, y.shape[-1])
     flat = torch.addmm(flat, u.reshape(-1, u.shape[-1]).to(y.dtype), proj.lora_b.t().to(y.dtype))
     return flat.reshape(y.shape)
 
 
-def group_forward(x: torch.Tensor, lora: LoraInputs = None, *, group: Group) -> list[torch.Tensor]:
-    """Every projection of the group on x, each on its own; ``lora`` from the op that produced x."""
-    us = lora.per_projection(group) if lora is not None else [None] * len(group.projs)
-    return [project(x, p, u) for p, u in zip(group.projs, us, strict=True)]
+#: ``x -> the projection's base output``.
+ProjOp = Callable[[torch.Tensor], torch.Tensor]
+
+
+def projection_op(proj: Proj, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """``(x, u) -> base(x) + u @ (B * scaling).T`` on ``device``, bound once: the one seam where LoRA meets the base
+    matmul (``u`` None and unused without an adapter)."""
+    dense = proj.is_nvfp4 and device.type == "cpu"
+    base = functools.partial(dense_forward if dense else base_forward, proj=proj)
+    if proj.lora_b is None:
+        return lambda x, u: base(x)
+    if proj.is_nvfp4 and device.type == "cuda":
+        return functools.partial(fp4_lora_forward, proj=proj)
+    return functools.partial(addmm_lora_forward, proj=proj, base=base)
+
+
+def project(x: torch.Tensor, proj: Proj, u: torch.Tensor | None) -> torch.Tensor:
+    """One projection on x with its LoRA inputs ``u`` (``projection_op`` bound for x's device, then run)."""
+    return projection_op(proj, x.device)(x, u)
+
+
+def group_forward(x: torch.Tensor, lora: LoraInputs = None, *, group: Group, projs: list) -> list[torch.Tensor]:
+    """Every projection of the group on x, each on its own (``projs``: their bound ``projection_op``); ``lora`` from
+    the op that produced x."""
+    us = lora.per_projection(group) if lora is not None else [None] * len(projs)
+    return [op(x, u) for op, u in zip(projs, us, strict=True)]
 
 
 def stacked_forward(
