@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -198,14 +199,20 @@ def test_heldout_accuracy_is_judged_by_the_evaluation_scorer(smollm2_dir: Path) 
         }
     )
     texts = ["The answer is 72.", "#### 41", "<answer>15</answer>", "so -9"]
-    policy = torch.nn.Linear(1, 1)
+    modes: list[str] = []
+
+    @contextmanager
+    def inference_mode():  # the trainer's toggle (qerl.rollout_hooks), seen entered and left
+        modes.append("eval")
+        yield True
+        modes.append("train")
+
     trainer = SimpleNamespace(
         processing_class=tok,
         rollout_engine=lambda: _ScriptedEngine(tok, texts),
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
-        model=policy,
+        inference_mode=inference_mode,
         eos_token_ids=[2],
     )
     assert all(r > 0 for r in last_number_closeness(texts, answer=rows["answer"]))
     assert heldout_accuracy(trainer, rows, "numeric", max_new_tokens=8) == 0.5
-    assert policy.training  # restored after the greedy pass
+    assert modes == ["eval", "train"]  # the greedy pass ran under the trainer's toggle
