@@ -220,7 +220,7 @@ def test_gluon_decode_split_counts() -> None:
     """The Gluon kernel's split-K counts (its own program cost per BM in ``decode_split``) are those that won
     on the H200: one slice for gate_up at M=64 (48.4 us, 2 slices 65.4) and q/k/v at M=128 (17.9 vs 22.7 us),
     four for down at M=64 (30.0 us, 1 slice 57.5) (decode_gluon_splits.json); at BM=16 the fastest split of
-    each GEMM ``GLUON_MIN_WEIGHTS`` sends it (b107c8a:benchmarks/results/decode_gluon_m16_probe.json: 7B gate_up one slice, 31.2 us
+    each GEMM ``GLUON_MIN_WEIGHTS`` sends it (docs/kernels.md#gluon-schedule: 7B gate_up one slice, 31.2 us
     against 36.4 for two)."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import fp4_gluon
@@ -248,7 +248,7 @@ def test_gluon_decode_split_counts() -> None:
 def test_balanced_split_only_where_the_busiest_sm_gets_lighter() -> None:
     """``schedule.balanced_split`` on the H200's 132 SMs: one slice more for some tiles where a uniform split leaves
     slots empty and each SM then holds at most one long program (7B down at M=64, 32B down at M=16: both faster on
-    the H200, b107c8a:benchmarks/results/split_race_s32.json / b107c8a:benchmarks/results/balanced_split_gluon_s31.json); the uniform split where more long programs than
+    the H200, docs/kernels.md#fenced-release / #balanced-split); the uniform split where more long programs than
     SMs would stay (32B down at M=32/64: 35.6 -> 37.1 us balanced), where no slot is free, or a slice is one step."""
     from qerl.kernels import schedule as sch
 
@@ -266,7 +266,7 @@ def test_balanced_split_only_where_the_busiest_sm_gets_lighter() -> None:
 def test_direct_decode_split_counts() -> None:
     """The mma.sync kernel's split-K counts on 132 SMs (its own program cost in ``decode_split``): one 14-step
     ring slice per tile for 7B gate_up (28.3 / 28.6 us at M = 1 / 8 with LoRA, against 28.8 / 30.7 for 3 slices)
-    and 32B gate_up, 15 for 7B down, 7 for q/k/v, 14 for o (b107c8a:benchmarks/results/direct_ring_early_probe.json); the Triton kernel's
+    and 32B gate_up, 15 for 7B down, 7 for q/k/v, 14 for o (docs/kernels.md#direct-ring-refill); the Triton kernel's
     program cost would cut 7B gate_up in 3."""
     pytest.importorskip("triton.experimental.gluon")
     from benchmarks.decode_tune import launched_split
@@ -286,7 +286,7 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
     """Which decode kernel ``gluon_takes`` consults: the mma.sync kernel up to 8 rows (but the TMA/wgmma kernel
     where its split-K slices would refill its x ring), the TMA/wgmma kernel above 16, and from 9 to 16 rows only
     for GEMMs of at least ``GLUON_MIN_WEIGHTS`` weights (7B gate_up and down, not its q/k/v or o:
-    b107c8a:benchmarks/results/decode_gluon_m16_probe.json); the rest take the Triton kernel."""
+    docs/kernels.md#gluon-min-weights); the rest take the Triton kernel."""
     pytest.importorskip("triton.experimental.gluon")
     from qerl.kernels import fp4_direct, fp4_gemm, fp4_gluon
     from qerl.kernels import schedule as sch

@@ -125,9 +125,7 @@ def test_scale_pair_asm_converts_every_scale() -> None:
 
     byte = torch.arange(0x7F, dtype=torch.int64)  # 0x00 .. 0x7E
     lo, hi = byte.repeat(len(byte)), byte.repeat_interleave(len(byte))
-    regs = _run_ptx(
-        str(mma_decode.SCALE_PAIR_ASM.value), torch.cat([lo | (hi << 8), torch.tensor([0x8080])]), src="$2"
-    )
+    regs = _run_ptx(str(mma_decode.SCALE_PAIR_ASM.value), torch.cat([lo | (hi << 8), torch.tensor([0x8080])]), src="$2")
     value = byte.to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**118
     want = _u16(value.to(torch.bfloat16))
     assert torch.equal(value.to(torch.bfloat16).double(), value)  # every scale times 2^118 is exact in bf16
@@ -240,7 +238,7 @@ def test_gluon_decode_compiles_for_sm90(bm: int, epilogue: bool) -> None:
     # A slot's weights are released (mbarrier arrive) before the wgmma wait, so the next step's weights stream in
     # during the MMAs: at a FENCED_RELEASE BM after the slot's loads behind a proxy fence, before any wgmma; at the
     # others once the step's wgmma are issued (every load of the slot is in their A registers). Its x after the wait.
-    # Released right after the loads with neither, TMA overwrote a slot under a load in flight (b107c8a:benchmarks/results/split_race_s32.json).
+    # Released right after the loads with neither, TMA overwrote a slot under a load in flight (docs/kernels.md#fenced-release).
     arrives = [i for i in range(start, end) if "SYNCS.ARRIVE" in lines[i]]
     assert len(arrives) == 2 and arrives[0] < wait < arrives[1], "expected the weight release before the wgmma wait"
     loads = [i for i in range(start, wait) if re.search(r"\bLDS", lines[i])]
