@@ -38,6 +38,7 @@ import qerl.loader
 from benchmarks.common import MAX_POSITIONS, command, device_name, utc_now, versions, write_json
 from benchmarks.e2e import model_shape
 from qerl import checkpoint, quantize
+from qerl.export import expected_tensors
 from qerl.fsutil import atomic_directory
 
 #: The share of the load the check may take.
@@ -67,7 +68,7 @@ def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
     """``root/nvfp4``: a Qwen2 NVFP4A16 checkpoint of Qwen2.5-7B's shapes (a 2-layer one with ``tiny``), every
     decoder Linear packed, its tensors random but valid (codes uniform, block scales in [0.25, 1.75), global scale
     150, norms 1, the rest N(0, 0.02) in bf16), generated on the GPU when there is one; kept if already complete.
-    The tensor list, shapes and dtypes are the ones ``qerl.checkpoint.expected_tensors`` derives from the config,
+    The tensor list, shapes and dtypes are the ones ``qerl.export.expected_tensors`` derives from the config,
     which the export checks checkpoints against."""
     from transformers import Qwen2Config
 
@@ -85,7 +86,7 @@ def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
     gen = torch.Generator(device=device).manual_seed(0)
     with atomic_directory(out) as tmp:  # complete or absent
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        expected, _ = checkpoint.expected_tensors(tmp, set(layers))
+        expected, _ = expected_tensors(tmp, set(layers))
         writer = quantize._ShardWriter(tmp)
         for name, (shape_, dtypes) in expected.items():
             writer.add(name, _random(name, shape_, dtypes, gen, device).cpu())

@@ -106,62 +106,6 @@ def check_layer_count(model_dir: Path, config: dict) -> None:
         )
 
 
-#: safetensors' dtype names of the tensors a checkpoint may hold: the NVFP4 tensors' own, and the dense ones'.
-_DENSE_DTYPES = frozenset({"BF16", "F16", "F32"})
-_QUANTIZED_DTYPES = {PACKED: "U8", SCALE: "F8_E4M3", GLOBAL_SCALE: "F32"}
-
-
-def expected_tensors(
-    model_dir: Path, packed: set[str]
-) -> tuple[dict[str, tuple[tuple[int, ...], frozenset[str]]], set[str]]:
-    """(name -> (shape, allowed safetensors dtypes) of every tensor the model ``config.json`` describes may
-    hold, the names a checkpoint may leave out as tied to another), the Linears of ``packed`` as NVFP4 (codes, block scales, global scale), from a skeleton built on the
-    meta device (no memory). A header is only a claim: compared with this, a damaged one is refused before
-    its tensor is read, let alone copied."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from qerl.nvfp4 import GROUP_SIZE
-
-    config = AutoConfig.from_pretrained(model_dir)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # plain Linears: their dense shapes give the packed ones
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    expected = {}
-    for name, tensor in skeleton.state_dict().items():
-        layer = name.removesuffix(".weight")
-        if layer in packed and tensor.ndim == 2:
-            out, k = tensor.shape
-            shapes = {PACKED: (out, k // 2), SCALE: (out, k // GROUP_SIZE), GLOBAL_SCALE: (1,)}
-            for suffix, shape in shapes.items():
-                expected[f"{layer}.{suffix}"] = (shape, frozenset({_QUANTIZED_DTYPES[suffix]}))
-        else:
-            expected[name] = (tuple(tensor.shape), _DENSE_DTYPES)
-    return expected, set(getattr(skeleton, "all_tied_weights_keys", {}) or {})
-
-
-def check_headers(model_dir: Path, tensors: TensorIndex) -> None:
-    """Raise a one-line ``ValueError`` unless every tensor ``tensors`` holds is one the model has, with the shape
-    and dtype :func:`expected_tensors` gives it, and none is missing but a tied head's. Headers only: nothing
-    is read, so a header declaring a 16 GiB tensor costs nothing."""
-    expected, tied = expected_tensors(model_dir, packed_layers(tensors.names()))
-    for name, (shape, dtype) in tensors.headers.items():
-        if name not in expected:
-            raise ValueError(
-                f"{tensors.files[name]}: holds tensor {name!r}, which the model {model_dir / 'config.json'} "
-                "describes does not have; the checkpoint is damaged or of another model"
-            )
-        want, dtypes = expected[name]
-        if shape != want or dtype not in dtypes:
-            raise ValueError(
-                f"{tensors.files[name]}: tensor {name!r} is declared {dtype} {list(shape)}, the model's is "
-                f"{'/'.join(sorted(dtypes))} {list(want)}; the checkpoint is damaged"
-            )
-    missing = [n for n in expected if n not in tensors.headers and n not in tied]
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint is missing tensor {missing[0]!r} ({len(missing)} in all)")
-
-
 class TensorIndex:
     """Name -> file map over a checkpoint's shards, reading one tensor at a time (memory-mapped).
 
