@@ -34,9 +34,7 @@ def naming(path: Path, temporary: Path | None = None) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if (
-            e.errno is None
-        ):  # raised with a message of its own (FileNotFoundError("... does not exist")): not a failed call
+        if e.errno is None:  # raised with a message of its own (FileNotFoundError("no such model")), not by a call
             raise
         name = None if e.filename is None else Path(os.fsdecode(e.filename))
         if name is None:
