@@ -6,9 +6,9 @@ Qwen2.5-7B's shapes and random NVFP4 tensors written straight to safetensors (:f
 codes and scales, no quantizer run, about 20 s for the 5.85 GB on a GPU host), loaded by ``qerl.loader.load_model``
 exactly as train, eval and export load it. Two measures, both in one process:
 
-* ``check_s``: the time spent inside the checks during a load (a timer around ``qerl.loader.check_tensor``),
+* ``check_s``: the time spent inside the checks during a load (timers around the loader's ``Verdicts``),
   beside that load's wall time: the direct share;
-* an A/B of whole loads, checks on and off (``check_tensor`` replaced by a no-op), in pairs run back to back
+* an A/B of whole loads, checks on and off (``Verdicts`` replaced by no-ops), in pairs run back to back
   (alternating which goes first), after one discarded load that fills the page cache: the median paired
   difference over the median unchecked load, the share as a user would see it (far noisier than the first:
   on a shared 2-core machine single loads vary by a second).
@@ -27,7 +27,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,28 +40,43 @@ from benchmarks.e2e import model_shape
 from qerl import checkpoint, quantize
 from qerl.export import expected_tensors
 from qerl.fsutil import atomic_directory
+from qerl.integrity import Verdicts
 
 #: The share of the load the check may take.
 TARGET_SHARE = 0.02
 
 
 @contextmanager
-def checks(mode: str) -> Iterator[list[float]]:
-    """``qerl.loader.check_tensor`` timed (``"on"``) or replaced by a no-op (``"off"``); yields the list that
-    collects each check's seconds."""
-    real: Callable[..., None] = qerl.loader.check_tensor
-    spent: list[float] = []
+def checks(mode: str) -> Iterator[dict[str, float]]:
+    """The loader's ``Verdicts`` timed (``"on"``: the seconds of each ``add`` and of ``finish``, whose host read
+    waits for the queued checks) or replaced by no-ops (``"off"``); yields the tensors checked and those seconds."""
+    real: type[Verdicts] = qerl.loader.Verdicts
+    stats = {"checked": 0, "seconds": 0.0}
 
-    def timed(name: str, tensor: torch.Tensor, where: object) -> None:
-        start = time.perf_counter()
-        real(name, tensor, where)  # its reductions end in a host read: the timer needs no sync of its own
-        spent.append(time.perf_counter() - start)
+    class Timed(Verdicts):
+        def add(self, name: str, tensor: torch.Tensor) -> None:
+            start = time.perf_counter()
+            super().add(name, tensor)
+            stats["checked"] += 1
+            stats["seconds"] += time.perf_counter() - start
 
-    qerl.loader.check_tensor = timed if mode == "on" else (lambda name, tensor, where: None)
+        def finish(self) -> None:
+            start = time.perf_counter()
+            super().finish()
+            stats["seconds"] += time.perf_counter() - start
+
+    class Off(Verdicts):
+        def add(self, name: str, tensor: torch.Tensor) -> None:
+            pass
+
+        def finish(self) -> None:
+            pass
+
+    qerl.loader.Verdicts = Timed if mode == "on" else Off
     try:
-        yield spent
+        yield stats
     finally:
-        qerl.loader.check_tensor = real
+        qerl.loader.Verdicts = real
 
 
 def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
@@ -111,18 +126,17 @@ def _random(
 
 def timed_load(model_dir: Path, device: torch.device, dtype: torch.dtype, mode: str) -> dict[str, float]:
     """One whole load with checks ``mode``: its wall seconds, and the seconds spent in the checks."""
-    with checks(mode) as spent:
+    with checks(mode) as stats:
         start = time.perf_counter()
         model = qerl.loader.load_model(model_dir, device=device, dtype=dtype)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         load_s = time.perf_counter() - start
-    tensors = len(spent)
     del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"load_s": load_s, "check_s": sum(spent), "tensors_checked": tensors}
+    return {"load_s": load_s, "check_s": stats["seconds"], "tensors_checked": stats["checked"]}
 
 
 def measure(model_dir: Path, device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, Any]:

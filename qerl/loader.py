@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from qerl import arch, checkpoint, hub
-from qerl.integrity import check_tensor
+from qerl.integrity import Verdicts
 from qerl.linear import NVFP4Linear, replace_linears, stack_fused_groups
 
 LoadMode = Literal["auto", "nvfp4", "bf16"]
@@ -72,20 +72,26 @@ def load_model(
     """
     if load not in ("auto", "nvfp4", "bf16"):
         raise ValueError(f"--load must be auto, nvfp4 or bf16, got {load!r}")
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     dtype = dtype or default_dtype(device)
     model_dir = hub.local_model_dir(path)
     config, _ = _checked_config(model_dir)
     quantized = checkpoint.is_nvfp4_config(config)
     if load == "nvfp4" and not quantized:
-        raise ValueError(f"{model_dir}: not an NVFP4 checkpoint (no compressed-tensors nvfp4-pack-quantized config); "
-                         "quantize it first with llm-compressor/quantize_nvfp4.py")
+        raise ValueError(
+            f"{model_dir}: not an NVFP4 checkpoint (no compressed-tensors nvfp4-pack-quantized config); "
+            "quantize it first with llm-compressor/quantize_nvfp4.py"
+        )
     if load == "bf16" and quantized:
         raise ValueError(f"{model_dir}: is an NVFP4 checkpoint but --load bf16 was asked for")
     if not quantized:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        verdicts = Verdicts(model_dir)
         for name, tensor in model.state_dict().items():
-            check_tensor(name, tensor, model_dir)
+            verdicts.add(name, tensor)
+        verdicts.finish()
         return model
     return _load_nvfp4(model_dir, dtype, device)
 
@@ -114,7 +120,9 @@ def _load_nvfp4(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Pr
     return model
 
 
-def _swap_quantized_linears(model: nn.Module, tensors: checkpoint.TensorIndex, model_dir: Path, dtype: torch.dtype) -> None:
+def _swap_quantized_linears(
+    model: nn.Module, tensors: checkpoint.TensorIndex, model_dir: Path, dtype: torch.dtype
+) -> None:
     """Every Linear the checkpoint holds packed becomes an empty NVFP4Linear (filled afterwards)."""
 
     def make(name: str, linear: nn.Linear) -> NVFP4Linear | None:
@@ -130,6 +138,7 @@ def _swap_quantized_linears(model: nn.Module, tensors: checkpoint.TensorIndex, m
 def _fill_from_checkpoint(model: nn.Module, tensors: checkpoint.TensorIndex, model_dir: Path) -> None:
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     state = model.state_dict()
+    verdicts = Verdicts(model_dir)  # a GPU load reads every verdict back once, at the end
     for name, target in state.items():
         if name not in tensors:
             if name in tied or (name == "lm_head.weight" and model.config.tie_word_embeddings):
@@ -137,7 +146,10 @@ def _fill_from_checkpoint(model: nn.Module, tensors: checkpoint.TensorIndex, mod
             raise ValueError(f"{model_dir}: checkpoint is missing tensor {name!r}")
         value = tensors.get(name)
         if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{model_dir}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+            raise ValueError(
+                f"{model_dir}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(value)  # casts norms/embeddings/biases to the model dtype; packed tensors keep theirs
-        check_tensor(name, target, model_dir)
+        verdicts.add(name, target)
+    verdicts.finish()

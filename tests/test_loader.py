@@ -115,3 +115,18 @@ def test_tokenizer_has_right_eos_and_pad(smollm2_dir: Path):
     tok = load_tokenizer(smollm2_dir)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|im_end|>"
     assert tok.chat_template
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_load_verdicts_name_the_damaged_tensor_and_pass_a_negative_zero_scale(device: str) -> None:
+    """A GPU load queues each tensor's verdict and reads them once at the end; the tensor named is the damaged
+    one, and a -0.0 FP8 block scale (suspect by its byte, harmless) passes on both devices."""
+    from qerl.integrity import DamagedTensor, Verdicts
+
+    verdicts = Verdicts("ckpt")
+    verdicts.add("a.weight", torch.ones(4, device=device))
+    verdicts.add("b.weight_scale", torch.tensor([-0.0, 1.0], device=device).to(torch.float8_e4m3fn))
+    verdicts.add("c.weight_packed", torch.zeros(4, dtype=torch.uint8, device=device))
+    with pytest.raises(DamagedTensor, match=r"^ckpt: tensor 'd.weight' has 1 NaN or Inf values"):
+        verdicts.add("d.weight", torch.tensor([1.0, float("nan")], device=device))
+        verdicts.finish()
