@@ -14,8 +14,8 @@ scales must be positive. The packed E2M1 codes need only their dtype: every byte
 codes. On a CPU (2 cores, a 5.85 GB Qwen2.5-7B-shaped NVFP4 checkpoint read from the page cache, bf16) the
 checks take 0.12-0.18 s of a 3.4-4.9 s load, a median 3.5% (``benchmarks/results/integrity.json``): they re-read
 the 2.6 GB of bf16 embeddings / head and FP8 scales at memory bandwidth. A load to a GPU checks there (``aminmax``
-at HBM bandwidth), each tensor's verdict one host read (one synchronization; none for the packed codes); that share
-is what ``python -m benchmarks.integrity`` measures on a GPU, not yet run.
+at HBM bandwidth) and reads every verdict back once, at the end of the load (:class:`Verdicts`); the share that
+leaves is what ``python -m benchmarks.integrity`` measures on a GPU, not yet run since.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ class Verdicts:
     """The checks of one load, with the verdicts of its GPU tensors read back once, at :meth:`finish`.
 
     A host read waits for every copy queued before it, so one read per tensor (as :func:`check_tensor` does)
-    serialized a GPU load behind its checks: 15% of a 7B NVFP4 load on an H100 (``benchmarks/results/integrity.json``
-    history). Here a CUDA tensor's check only queues its suspect flag; a CPU tensor is checked at once, as before.
+    serialized a GPU load behind its checks: 14.6% of a 7B NVFP4 load on an H100 (``benchmarks.integrity``).
+    Here a CUDA tensor's check only queues its suspect flag; a CPU tensor is checked at once, as before.
     """
 
     def __init__(self, where: object) -> None:
