@@ -6,8 +6,11 @@ Qwen2.5-7B's shapes and random NVFP4 tensors written straight to safetensors (:f
 codes and scales, no quantizer run, about 20 s for the 5.85 GB on a GPU host), loaded by ``qerl.loader.load_model``
 exactly as train, eval and export load it. Two measures, both in one process:
 
-* ``check_s``: the time spent inside the checks during a load (timers around the loader's ``Verdicts``),
-  beside that load's wall time: the direct share;
+* ``check_s``: the time the checks take during a load, beside that load's wall time: the direct share. On a CPU
+  the checks run inline, so it is the host time inside the loader's ``Verdicts``. On a GPU they are queued on the
+  stream, so it is the host time spent queuing them and reading the verdicts back (after a synchronization that
+  is not counted: it waits for the load's own copies) plus the device time of the check kernels (CUDA events
+  around each check), a bound from above, since host and device time overlap;
 * an A/B of whole loads, checks on and off (``Verdicts`` replaced by no-ops), in pairs run back to back
   (alternating which goes first), after one discarded load that fills the page cache: the median paired
   difference over the median unchecked load, the share as a user would see it (far noisier than the first:
@@ -48,19 +51,31 @@ TARGET_SHARE = 0.02
 
 @contextmanager
 def checks(mode: str) -> Iterator[dict[str, float]]:
-    """The loader's ``Verdicts`` timed (``"on"``: the seconds of each ``add`` and of ``finish``, whose host read
-    waits for the queued checks) or replaced by no-ops (``"off"``); yields the tensors checked and those seconds."""
+    """The loader's ``Verdicts`` timed (``"on"``: the host seconds of each ``add`` and of ``finish``, plus on a GPU
+    the device seconds of the check kernels) or replaced by no-ops (``"off"``); yields the tensors checked and
+    those seconds."""
     real: type[Verdicts] = qerl.loader.Verdicts
     stats = {"checked": 0, "seconds": 0.0}
 
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
     class Timed(Verdicts):
         def add(self, name: str, tensor: torch.Tensor) -> None:
+            on_gpu = tensor.device.type == "cuda"
+            if on_gpu:
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
             start = time.perf_counter()
             super().add(name, tensor)
-            stats["checked"] += 1
             stats["seconds"] += time.perf_counter() - start
+            if on_gpu:
+                events[-1][1].record()
+            stats["checked"] += 1
 
         def finish(self) -> None:
+            if events:
+                torch.cuda.synchronize()  # the load's own queued copies: not the checks' cost
+                stats["seconds"] += sum(a.elapsed_time(b) for a, b in events) / 1000.0
             start = time.perf_counter()
             super().finish()
             stats["seconds"] += time.perf_counter() - start
