@@ -46,7 +46,7 @@ import torch
 from benchmarks.common import command, device_name, run_stoppable_group, save_figure, utc_now, versions, write_json
 from benchmarks.learning import ROOT, mean_se, merge_seed_rows, prepare, seed_call, seed_rows
 from qerl.fsutil import append_whole
-from qerl.plot import read_run
+from qerl.train.plot import read_run
 
 #: arm -> (run name in training/compare_smollm2.sh, quantization, AQN on)
 ARMS: dict[str, tuple[str, str, bool]] = {
@@ -62,7 +62,7 @@ ARMS: dict[str, tuple[str, str, bool]] = {
 @dataclass(frozen=True)
 class Setting:
     arms: tuple[str, ...]
-    extra: tuple[str, ...]  # qerl.train flags after compare_smollm2.sh's own
+    extra: tuple[str, ...]  # qerl.train.run flags after compare_smollm2.sh's own
     min_seeds: int  # what the experiment is planned for
 
 

@@ -55,7 +55,7 @@ def main() -> None:
     args = ap.parse_args()
     import qerl
     from qerl.hub import embedded_model_dir
-    from qerl.quantize import quantize_checkpoint
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     src = embedded_model_dir()
     result = {

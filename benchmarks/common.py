@@ -304,7 +304,7 @@ def random_causal_lm(
     decoder Linears as ``NVFP4Linear`` when ``nvfp4`` (lm_head stays ``dtype``, as in a real checkpoint),
     filled at random: FP4 codes uniform (never time on zeros), block scales in [0.25, 1.75), global
     scale 150 (weights of rms ~0.02), norms 1, everything else N(0, 0.02)."""
-    from qerl.linear import NVFP4Linear, replace_linears, stack_fused_groups
+    from qerl.load.linear import NVFP4Linear, replace_linears, stack_fused_groups
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -334,7 +334,7 @@ def random_causal_lm(
     with torch.device(device):  # to_empty left its inv_freq uninitialized
         model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
     if nvfp4:
-        stack_fused_groups(model)  # as qerl.loader does for a checkpoint
+        stack_fused_groups(model)  # as qerl.load.loader does for a checkpoint
     return model
 
 

@@ -106,9 +106,9 @@ def model_shape(tiny: bool) -> tuple[dict[str, int], int]:
 
 def prepare(root: Path, tiny: bool) -> dict[str, Path]:
     """``root/bf16`` (random weights, saved as a real checkpoint with the forced-length tokenizer) and ``root/nvfp4``
-    (quantized from it by ``qerl.quantize``, as the quantize CLI does); each kept if already complete."""
+    (quantized from it by ``qerl.quantize.pipeline``, as the quantize CLI does); each kept if already complete."""
     from qerl.fsutil import atomic_directory
-    from qerl.quantize import quantize_checkpoint
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     shape, vocab = model_shape(tiny)
     dirs = {"bf16": root / "bf16", "nvfp4": root / "nvfp4"}
@@ -259,9 +259,9 @@ def build_trainer(arm: Arm, ckpt: Path, args: argparse.Namespace, out_dir: str) 
         return GRPOTrainer(
             str(ckpt), [hash_reward], config, train_dataset=rows, processing_class=tokenizer, peft_config=peft
         )
-    from qerl.loader import load_model
-    from qerl.lora import lora_config
-    from qerl.trainer import QeRLConfig, QeRLTrainer
+    from qerl.load.loader import load_model
+    from qerl.load.lora import lora_config
+    from qerl.train.trainer import QeRLConfig, QeRLTrainer
 
     engine_kwargs = {"checkpoint": str(ckpt)} if arm.engine == "vllm" else None
     config = QeRLConfig(**common, rollout_engine=arm.engine, rollout_engine_kwargs=engine_kwargs)
@@ -299,7 +299,7 @@ def arm_floors(arm: Arm, args: argparse.Namespace, rates: dict[str, float]) -> d
     # across groups, so the KV term is the batch's. Training floors are flop-bound (plus NVFP4 dequant bytes).
     c = shape_counts(shape, vocab, args.lora_r)
     sync_bytes = {"trl": c["linear_params"] * 2, "qerl": c["lora_params"] * 2 if arm.engine == "vllm" else 0}
-    # trl's old-log-prob pass; qerl's trainer takes the IS ratio from the loss forward (qerl.is_ratio): no pass.
+    # trl's old-log-prob pass; qerl's trainer takes the IS ratio from the loss forward (qerl.train.is_ratio): no pass.
     logprobs = f["logprobs_s"] * flops if arm.trainer == "trl" else 0.0
     out = {
         "rollout": f["rollout_s"] * bw,

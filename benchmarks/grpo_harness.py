@@ -2,7 +2,7 @@
 driven as transformers' inner loop drives it, and the instruments that split that step into phases.
 
 How the phases are driven (no ``trainer.train()``): a real QeRLTrainer is built (real QeRLConfig,
-trl's peft wrapping with ``qerl.lora.lora_config(16, train_norms=True)``, trl's fused LM head), then
+trl's peft wrapping with ``qerl.load.lora.lora_config(16, train_norms=True)``, trl's fused LM head), then
 prepared as ``Trainer.train`` prepares it (``gradient_checkpointing_enable``, then transformers'
 ``_prepare_for_training``: the trainer's own AdamW, ``accelerator.prepare`` of model and optimizer,
 the cosine schedule), then one step is run the way transformers' inner training loop runs it:
@@ -111,14 +111,14 @@ def spread_reward(completions: list[str], **kwargs: Any) -> list[float]:
 def make_trainer(
     model: nn.Module, tokenizer: Any, prompt: dict[str, str], args: argparse.Namespace, out_dir: str
 ) -> Any:
-    """A QeRLTrainer as ``qerl.train --config training/recipes/qerl_nvfp4.yaml`` builds one (the recipe's loss and
+    """A QeRLTrainer as ``qerl.train.run --config training/recipes/qerl_nvfp4.yaml`` builds one (the recipe's loss and
     optimizer settings), with the benchmark's batch and lengths (trl insists on a train_dataset: the one prompt;
     the step is driven without its dataloader)."""
     import yaml
     from datasets import Dataset
 
-    from qerl.lora import lora_config
-    from qerl.trainer import QeRLConfig, QeRLTrainer
+    from qerl.load.lora import lora_config
+    from qerl.train.trainer import QeRLConfig, QeRLTrainer
 
     accumulation = args.local_n // args.micro_batch  # per process: its share of the group, in micro-batches
     recipe = yaml.safe_load(RECIPE.read_text())

@@ -22,7 +22,7 @@ What it measures, per configuration (shape x base weights), in one process on on
                 log-probs of the IS correction, through trl's chunked fused LM head (it never builds the
                 ``[B, T, V]`` fp32 logits; the row records that tensor's size beside the phase's peak).
                 0 with ``is_ratio_from_loss_pass`` (the default: the ratio comes from the loss forward,
-                qerl.is_ratio); ``--trl-logprob-pass`` times trl's pass;
+                qerl.train.is_ratio); ``--trl-logprob-pass`` times trl's pass;
   ``fwd_bwd``   the loss forward + backward (trl's ``compute_loss`` under gradient checkpointing),
                 summed over the micro-steps;
   ``optimizer`` grad clipping, ``optimizer.step()``, scheduler step, ``zero_grad``;

@@ -1,9 +1,9 @@
-"""What the integrity check at load (``qerl.integrity``) costs: its share of loading a 7B NVFP4 checkpoint.
+"""What the integrity check at load (``qerl.load.integrity``) costs: its share of loading a 7B NVFP4 checkpoint.
 
 Every command that reads a checkpoint checks each tensor once, where it was loaded (finite, in its format's
 range). The check must not make loading noticeably slower: the target is under 2% of the load. The checkpoint has
 Qwen2.5-7B's shapes and random NVFP4 tensors written straight to safetensors (:func:`synthetic_checkpoint`: valid
-codes and scales, no quantizer run, about 20 s for the 5.85 GB on a GPU host), loaded by ``qerl.loader.load_model``
+codes and scales, no quantizer run, about 20 s for the 5.85 GB on a GPU host), loaded by ``qerl.load.loader.load_model``
 exactly as train, eval and export load it. Two measures, both in one process:
 
 * ``check_s``: the time the checks take during a load, beside that load's wall time: the direct share. On a CPU
@@ -37,13 +37,14 @@ from typing import Any
 
 import torch
 
-import qerl.loader
+import qerl.load.loader
 from benchmarks.common import MAX_POSITIONS, command, device_name, utc_now, versions, write_json
 from benchmarks.e2e import model_shape
-from qerl import checkpoint, quantize
-from qerl.export import expected_tensors
+from qerl import checkpoint
 from qerl.fsutil import atomic_directory
-from qerl.integrity import Verdicts
+from qerl.load.headers import expected_tensors
+from qerl.load.integrity import Verdicts
+from qerl.quantize import pipeline as quantize
 
 #: The share of the load the check may take.
 TARGET_SHARE = 0.02
@@ -54,7 +55,7 @@ def checks(mode: str) -> Iterator[dict[str, float]]:
     """The loader's ``Verdicts`` timed (``"on"``: the host seconds of each ``add`` and of ``finish``, plus on a GPU
     the device seconds of the check kernels) or replaced by no-ops (``"off"``); yields the tensors checked and
     those seconds."""
-    real: type[Verdicts] = qerl.loader.Verdicts
+    real: type[Verdicts] = qerl.load.loader.Verdicts
     stats = {"checked": 0, "seconds": 0.0}
 
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -87,18 +88,18 @@ def checks(mode: str) -> Iterator[dict[str, float]]:
         def finish(self) -> None:
             pass
 
-    qerl.loader.Verdicts = Timed if mode == "on" else Off
+    qerl.load.loader.Verdicts = Timed if mode == "on" else Off
     try:
         yield stats
     finally:
-        qerl.loader.Verdicts = real
+        qerl.load.loader.Verdicts = real
 
 
 def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
     """``root/nvfp4``: a Qwen2 NVFP4A16 checkpoint of Qwen2.5-7B's shapes (a 2-layer one with ``tiny``), every
     decoder Linear packed, its tensors random but valid (codes uniform, block scales in [0.25, 1.75), global scale
     150, norms 1, the rest N(0, 0.02) in bf16), generated on the GPU when there is one; kept if already complete.
-    The tensor list, shapes and dtypes are the ones ``qerl.export.expected_tensors`` derives from the config,
+    The tensor list, shapes and dtypes are the ones ``qerl.load.headers.expected_tensors`` derives from the config,
     which the export checks checkpoints against."""
     from transformers import Qwen2Config
 
@@ -127,7 +128,7 @@ def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
 def _random(
     name: str, shape: tuple[int, ...], dtypes: frozenset[str], gen: torch.Generator, device: torch.device
 ) -> torch.Tensor:
-    """One random tensor that passes ``qerl.integrity``'s checks, in the (first) dtype the model expects."""
+    """One random tensor that passes ``qerl.load.integrity``'s checks, in the (first) dtype the model expects."""
     if dtypes == {"U8"}:
         return torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
     if dtypes == {"F8_E4M3"}:
@@ -143,7 +144,7 @@ def timed_load(model_dir: Path, device: torch.device, dtype: torch.dtype, mode: 
     """One whole load with checks ``mode``: its wall seconds, and the seconds spent in the checks."""
     with checks(mode) as stats:
         start = time.perf_counter()
-        model = qerl.loader.load_model(model_dir, device=device, dtype=dtype)
+        model = qerl.load.loader.load_model(model_dir, device=device, dtype=dtype)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         load_s = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """Does the quantization method decide how much an NVFP4 LoRA run learns? A controlled, seeded comparison.
 
     python -m benchmarks.learning --out runs/learning --seeds 0 1 2 [--steps 200] [--best-method gptq]
-                                  [--arms bf16 dequant rtn best qerl] [--run-timeout S] [-- extra qerl.train flags]
+                                  [--arms bf16 dequant rtn best qerl] [--run-timeout S] [-- extra qerl.train.run flags]
     python -m benchmarks.learning --out runs/learning --aggregate-only    # tables and plot from finished seeds
 
 Five arms on the embedded SmolLM2-135M, all with the training setup of ``training/compare_smollm2.sh``
@@ -45,7 +45,7 @@ import torch
 
 from benchmarks.common import command, device_name, run_stoppable, save_figure, utc_now, versions, write_json
 from qerl.fsutil import atomic_directory, atomic_write_text
-from qerl.plot import read_run
+from qerl.train.plot import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARE = ROOT / "training" / "compare_smollm2.sh"
@@ -74,7 +74,7 @@ def prepare(
     """The checkpoints the seeds share (bf16 source, rtn, its dequantized copy, the best method's),
     made once under ``out/checkpoints``, and only those the ``arms`` need."""
     from qerl.hub import embedded_model_dir
-    from qerl.quantize import quantize_checkpoint
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     root = out / "checkpoints"
     dirs = {

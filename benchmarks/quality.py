@@ -8,7 +8,7 @@ process's peak RSS are the method's quantize cost), then scored against the bf16
 texts: perplexity (over all tokens but the first), top-1 next-token agreement with bf16, and the
 mean per-token KL(bf16 || NVFP4). Each text is a GSM8K training question followed by its reference
 answer, the first ``--n`` rows; gptq calibrates on the bundled rows at the end of the same split
-(``qerl.quant.calibration``), so no scored text was calibrated on. ``gap_closed`` is the share of
+(``qerl.quantize.calibration``), so no scored text was calibrated on. ``gap_closed`` is the share of
 rtn's perplexity gap to bf16 that a method removes.
 
 ``--layers`` adds the weight reconstruction error of rtn and mse on random Gaussian weights of the
@@ -35,10 +35,10 @@ import torch
 from benchmarks.common import SHAPES, command, device_name, utc_now, versions, write_json
 from qerl import nvfp4
 from qerl.hub import embedded_model_dir
-from qerl.loader import load_model, load_tokenizer
-from qerl.quant import mse
-from qerl.quant.calibration import DEFAULT_SAMPLES, Calibration
-from qerl.quantize import quantize_checkpoint
+from qerl.load.loader import load_model, load_tokenizer
+from qerl.quantize import mse
+from qerl.quantize.calibration import DEFAULT_SAMPLES, Calibration
+from qerl.quantize.pipeline import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,7 +163,7 @@ def main() -> None:
     if "gptq" in args.methods:
         result["methods"]["gptq"]["calibration"] = (
             f"{args.calibration_samples} bundled GSM8K training rows "
-            "(qerl/quant/gsm8k_calibration.jsonl), chat-templated, <= 512 tokens"
+            "(qerl/quantize/gsm8k_calibration.jsonl), chat-templated, <= 512 tokens"
         )
     if args.layers:
         result["random_7b_layers"] = layer_errors()

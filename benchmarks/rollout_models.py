@@ -41,7 +41,7 @@ def with_lora(model: nn.Module, lora_r: int = 16) -> nn.Module:
     """peft LoRA r on all seven projections, with a random (nonzero) B."""
     from peft import get_peft_model
 
-    from qerl.lora import lora_config
+    from qerl.load.lora import lora_config
 
     peft_model = get_peft_model(model, lora_config(r=lora_r)).eval()
     with torch.no_grad():
@@ -57,7 +57,7 @@ def build_bnb_model(shape: str, lora_r: int = 16, seed: int = 0) -> nn.Module:
         import bitsandbytes as bnb
     except ImportError:
         sys.exit("benchmarks/rollout.py: --bnb needs bitsandbytes (pip install bitsandbytes)")
-    from qerl.linear import replace_linears
+    from qerl.load.linear import replace_linears
 
     def nf4(name: str, lin: nn.Linear) -> nn.Module | None:
         if name == "lm_head":

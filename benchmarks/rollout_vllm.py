@@ -49,7 +49,7 @@ from benchmarks.common import (
 )
 from qerl.checkpoint import quantization_config
 from qerl.fsutil import atomic_file
-from qerl.lora import DEFAULT_TARGETS
+from qerl.load.lora import DEFAULT_TARGETS
 
 #: The repository root: the children run ``python -m benchmarks.rollout_vllm`` from there.
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 #: A package's modules are drawn in one colour, so the floors show which packages they mix.
-COLOURS = {"kernels": "#4C72B0", "rollout": "#55A868", "quant": "#C44E52", "": "#8172B2"}
+COLOURS = {
+    "quantize": "#C44E52",
+    "load": "#DD8452",
+    "kernels": "#4C72B0",
+    "rollout": "#55A868",
+    "train": "#937860",
+    "": "#8172B2",
+}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -176,7 +183,7 @@ def draw(graph: dict[str, set[str]], out: Path) -> None:
     ax.set_ylim(-0.6, max(rows) + 0.6)
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
-    title = "qerl imports (arrows point to the imported module; blue kernels, green rollout, red quant)"
+    title = "qerl imports (arrows point to the imported module; red quantize, orange load, blue kernels, green rollout, brown train)"
     ax.set_title(title + (f"; {len(circles(graph))} circle(s) in red" if red else "; no circles"), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=130, metadata={"Description": digest(graph)})

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from eval.runner import Benchmark, evaluate, make_parser
 from eval.stats import Accuracy
-from qerl.answers import gsm8k_gold
 from qerl.cli import run
+from qerl.train.answers import gsm8k_gold
 
 GSM8K = Benchmark(
     name="gsm8k",

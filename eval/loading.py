@@ -4,7 +4,7 @@ The reference evaluated NVFP4 runs without ever applying the LoRA (the reference
 the trained norms changed the output. Here the adapter goes through peft's own loader, and the
 result is checked tensor by tensor against the adapter file, so a run either evaluates exactly
 the trained weights or stops with a one-line error before any output is written. An adapter saved
-by ``qerl.train`` records the digest of its base model (``qerl_base.json``), which decides whether
+by ``qerl.train.run`` records the digest of its base model (``qerl_base.json``), which decides whether
 ``--model`` is that base; the recorded name is the fallback for adapters made elsewhere.
 """
 
@@ -19,9 +19,9 @@ from peft import LoraConfig, PeftConfig, PeftModel
 from peft.utils import get_peft_model_state_dict
 
 from qerl.cli import UsageError
-from qerl.fingerprint import check_adapter_base
-from qerl.integrity import DamagedTensor, check_tensors
-from qerl.lora import load_adapter
+from qerl.load.fingerprint import check_adapter_base
+from qerl.load.integrity import DamagedTensor, check_tensors
+from qerl.load.lora import load_adapter
 
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -29,7 +29,7 @@ ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 def load_base(model: str, load: str, dtype: torch.dtype | None, device: str | None) -> Any:
     """The model through qerl's loader, in eval mode; loader errors become one line naming --model/--load.
     (The tokenizer is the caller's: the runner reads it first, to bound the prompts before any weight.)"""
-    from qerl.loader import load_model
+    from qerl.load.loader import load_model
 
     try:
         base = load_model(model, dtype=dtype, device=device, load=load)

@@ -24,11 +24,11 @@ from eval.data import Problem, load_problems
 from eval.prompting import LONG_PROMPT_MODES, bounded_prompts, prompt_budget, use_chat_template
 from eval.results import ResultFile
 from eval.stats import Accuracy, accuracy
-from qerl.answers import score
 from qerl.cli import ArgumentParser, UsageError
-from qerl.fingerprint import adapter_sha256, model_sha256, tree_sha256
-from qerl.prompts import PROMPT_STYLES
+from qerl.load.fingerprint import adapter_sha256, model_sha256, tree_sha256
 from qerl.runlock import run_lock
+from qerl.train.answers import score
+from qerl.train.prompts import PROMPT_STYLES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = No
         choices=sorted(PROMPT_STYLES),
         default="tags",
         help="tags (default: the reference's evaluation prompt), plain (the question alone: the "
-        "reference's and qerl.train's default GSM8K training prompt) or dapo; match training",
+        "reference's and qerl.train.run's default GSM8K training prompt) or dapo; match training",
     )
     parser.add_argument(
         "--chat-template",
@@ -192,7 +192,7 @@ def _load_tokenizer(args: argparse.Namespace) -> tuple[Any, int, str]:
     from transformers import AutoConfig
 
     from qerl.hub import local_model_dir
-    from qerl.loader import check_supported, load_tokenizer
+    from qerl.load.loader import check_supported, load_tokenizer
 
     try:
         check_supported(args.model)  # a config that does not describe the weights: transformers reads it first

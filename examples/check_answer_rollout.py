@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from qerl.loader import load_model, load_tokenizer
-from qerl.lora import lora_config
-from qerl.prompts import encode_chat
-from qerl.rewards import last_number_accuracy
+from qerl.load.loader import load_model, load_tokenizer
+from qerl.load.lora import lora_config
+from qerl.train.prompts import encode_chat
+from qerl.train.rewards import last_number_accuracy
 from qerl.trainer import QeRLConfig, QeRLTrainer
 
 CHECK = "Check your answer. Reply with the final number only."
@@ -74,7 +74,7 @@ def build_trainer(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from qerl.data import load_dataset
+    from qerl.train.data import load_dataset
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-name", default="smollm2-135m")

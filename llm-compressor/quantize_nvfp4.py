@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from qerl.cli import ArgumentParser, UsageError, environment_error, run, shard_gb  # noqa: E402
-from qerl.quant.calibration import DEFAULT_MAX_TOKENS, DEFAULT_SAMPLES, Calibration  # noqa: E402
-from qerl.quantize import METHOD_BACKENDS, default_output, quantize_checkpoint  # noqa: E402
+from qerl.quantize.calibration import DEFAULT_MAX_TOKENS, DEFAULT_SAMPLES, Calibration  # noqa: E402
+from qerl.quantize.pipeline import METHOD_BACKENDS, default_output, quantize_checkpoint  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,7 +59,7 @@ def sample_generation(out_dir: Path, prompt: str = "What is 12 * 7? Answer brief
     """A short greedy reply from the quantized model, as a smoke test of the written checkpoint."""
     import torch
 
-    from qerl.loader import load_model, load_tokenizer
+    from qerl.load.loader import load_model, load_tokenizer
 
     tok = load_tokenizer(out_dir)
     model = load_model(out_dir)

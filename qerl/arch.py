@@ -26,7 +26,7 @@ from typing import Any
 
 #: The attention input projections, and the MLP input projections: each group reads the same
 #: normalised input, so vLLM fuses it into one matmul (one shared NVFP4 global scale, see
-#: ``qerl.quantize``) and the rollout engine computes its LoRA shrinks together.
+#: ``qerl.quantize.pipeline``) and the rollout engine computes its LoRA shrinks together.
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 FUSED_GROUPS = (QKV, GATE_UP)

@@ -110,7 +110,7 @@ class TensorIndex:
     """Name -> file map over a checkpoint's shards, reading one tensor at a time (memory-mapped).
 
     ``check(name, tensor, file)``, when given, sees every tensor read and raises on a bad one
-    (:func:`qerl.integrity.check_tensor`: finite, in range)."""
+    (:func:`qerl.load.integrity.check_tensor`: finite, in range)."""
 
     def __init__(
         self, model_dir: Path, check: Callable[[str, torch.Tensor, Path], None] | None = None, keep_open: bool = False

@@ -17,14 +17,15 @@ of the LoRA delta the new codes keep (``<Q(W + d) - Q(W), d> / |d|^2``: 1 kept, 
 in ``qerl_export.json``; below one half it warns and suggests ``--format bf16``.
 
 Every tensor's declared shape and dtype are checked against the model its config.json describes before
-anything is written (a damaged header declaring a 16 GiB tensor, or one the model has not, is refused,
-not copied). Tensors stream one at a time (peak memory: one output shard plus a few fp32 copies of the
-largest Linear), each checked as it is read (``qerl.integrity``: a NaN block scale stops the export in one
-line instead of writing NaN weights), the output appears atomically (temp dir, then rename) under its
-run lock (``qerl.runlock``), what a killed export left beside it (the partial output, ``--format nvfp4``'s
-dense copy of the whole model) is removed by the next export to it (``qerl.fsutil.remove_leftovers``), and an existing output is replaced only with ``--overwrite`` and only if
-this tool wrote it (its ``qerl_export.json`` marker). An adapter that records the digest of the model
-it was trained on (``qerl_base.json``, written by ``qerl.train``) is refused on another model unless
+anything is written (``qerl.load.headers``: a damaged header declaring a 16 GiB tensor, or one the model has
+not, is refused, not copied). Tensors stream one at a time (peak memory: one output shard plus a few fp32
+copies of the largest Linear), each checked as it is read (``qerl.load.integrity``: a NaN block scale stops
+the export in one line instead of writing NaN weights), the output appears atomically (temp dir, then rename)
+under its run lock (``qerl.runlock``), what a killed export left beside it (the partial output, ``--format
+nvfp4``'s dense copy of the whole model) is removed by the next export to it
+(``qerl.fsutil.remove_leftovers``), and an existing output is replaced only with ``--overwrite`` and only if
+this tool wrote it (its ``qerl_export.json`` marker). An adapter that records the digest of the model it was
+trained on (``qerl_base.json``, written by ``qerl.train.run``) is refused on another model unless
 ``--allow-base-mismatch``.
 """
 
@@ -42,11 +43,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qerl import checkpoint, hub, nvfp4, quantize
+from qerl import checkpoint, hub, nvfp4
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
-from qerl.fingerprint import check_adapter_base
 from qerl.fsutil import atomic_directory, remove_leftovers, scratch_directory, write_text
-from qerl.integrity import check_tensor, check_tensors
+from qerl.load.fingerprint import check_adapter_base
+from qerl.load.headers import check_headers
+from qerl.load.integrity import check_tensor, check_tensors
+from qerl.quantize import pipeline as quantize
 from qerl.runlock import run_lock
 
 logger = logging.getLogger("qerl.export")
@@ -61,64 +64,6 @@ _PEFT_PREFIX = "base_model.model."
 _LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 #: Below this share of the LoRA delta kept by re-quantization, the NVFP4 export warns.
 RETAINED_WARNING = 0.5
-
-
-#: safetensors' dtype names of the tensors a checkpoint may hold: the NVFP4 tensors' own, and the dense ones'.
-_DENSE_DTYPES = frozenset({"BF16", "F16", "F32"})
-_QUANTIZED_DTYPES = {checkpoint.PACKED: "U8", checkpoint.SCALE: "F8_E4M3", checkpoint.GLOBAL_SCALE: "F32"}
-
-
-def expected_tensors(
-    model_dir: Path, packed: set[str]
-) -> tuple[dict[str, tuple[tuple[int, ...], frozenset[str]]], set[str]]:
-    """(name -> (shape, allowed safetensors dtypes) of every tensor the model ``config.json`` describes may
-    hold, the names a checkpoint may leave out as tied to another), the Linears of ``packed`` as NVFP4 (codes,
-    block scales, global scale), from a skeleton built on the meta device (no memory). A header is only a
-    claim: compared with this, a damaged one is refused before its tensor is read, let alone copied."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # plain Linears: their dense shapes give the packed ones
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    expected = {}
-    for name, tensor in skeleton.state_dict().items():
-        layer = name.removesuffix(".weight")
-        if layer in packed and tensor.ndim == 2:
-            out, k = tensor.shape
-            shapes = {
-                checkpoint.PACKED: (out, k // 2),
-                checkpoint.SCALE: (out, k // nvfp4.GROUP_SIZE),
-                checkpoint.GLOBAL_SCALE: (1,),
-            }
-            for suffix, shape in shapes.items():
-                expected[f"{layer}.{suffix}"] = (shape, frozenset({_QUANTIZED_DTYPES[suffix]}))
-        else:
-            expected[name] = (tuple(tensor.shape), _DENSE_DTYPES)
-    return expected, set(getattr(skeleton, "all_tied_weights_keys", {}) or {})
-
-
-def check_headers(model_dir: Path, tensors: checkpoint.TensorIndex) -> None:
-    """Raise a one-line ``ValueError`` unless every tensor ``tensors`` holds is one the model has, with the shape
-    and dtype :func:`expected_tensors` gives it, and none is missing but a tied head's. Headers only: nothing
-    is read, so a header declaring a 16 GiB tensor costs nothing."""
-    expected, tied = expected_tensors(model_dir, checkpoint.packed_layers(tensors.names()))
-    for name, (shape, dtype) in tensors.headers.items():
-        if name not in expected:
-            raise ValueError(
-                f"{tensors.files[name]}: holds tensor {name!r}, which the model {model_dir / 'config.json'} "
-                "describes does not have; the checkpoint is damaged or of another model"
-            )
-        want, dtypes = expected[name]
-        if shape != want or dtype not in dtypes:
-            raise ValueError(
-                f"{tensors.files[name]}: tensor {name!r} is declared {dtype} {list(shape)}, the model's is "
-                f"{'/'.join(sorted(dtypes))} {list(want)}; the checkpoint is damaged"
-            )
-    missing = [n for n in expected if n not in tensors.headers and n not in tied]
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint is missing tensor {missing[0]!r} ({len(missing)} in all)")
 
 
 @dataclass

@@ -136,7 +136,7 @@ def block_scales(weight: torch.Tensor, gscale: torch.Tensor, target: float = FP4
     """FP8 block scales fp8(g * amax_block / target), zeros replaced by 0.125.
 
     ``target`` is the E2M1 magnitude a block's largest value maps to: 6 (the min/max scale every
-    other tool uses) or less, which :mod:`qerl.quant.mse` tries. amax_block / target is computed in
+    other tool uses) or less, which :mod:`qerl.quantize.mse` tries. amax_block / target is computed in
     the weight's own dtype before the fp32 multiply by g, because that is where compressed-tensors'
     observer rounds it.
     """

@@ -39,7 +39,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_nvfp4_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default quantized by our streaming backend."""
-    from qerl.quantize import quantize_checkpoint
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     return quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("nvfp4") / "smollm2-NVFP4A16", backend="qerl")
 

@@ -45,11 +45,11 @@ def fixed_completion(prompt: list[int], row: int) -> list[int]:
 
 
 def make_trainer(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> Any:
-    from qerl.data import load_dataset
     from qerl.hub import embedded_model_dir
-    from qerl.loader import load_model, load_tokenizer
-    from qerl.lora import lora_config
-    from qerl.trainer import QeRLConfig, QeRLTrainer
+    from qerl.load.loader import load_model, load_tokenizer
+    from qerl.load.lora import lora_config
+    from qerl.train.data import load_dataset
+    from qerl.train.trainer import QeRLConfig, QeRLTrainer
 
     class FixedRollouts(QeRLTrainer):
         def _generate_single_turn(self, prompt_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
@@ -138,6 +138,6 @@ if __name__ == "__main__":
     for kind in ("engine", "fixed"):
         result = run(model_dir, str(out_dir / kind), per_device, fixed=kind == "fixed")
         torch.save(result, out_dir / f"{kind}-rank{result['process_index']}.pt")
-    from qerl.train import end_process_group
+    from qerl.train.run import end_process_group
 
-    end_process_group()  # as qerl.train does: no rank exits while another still uses the group
+    end_process_group()  # as qerl.train.run does: no rank exits while another still uses the group

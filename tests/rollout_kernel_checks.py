@@ -15,7 +15,7 @@ import torch
 
 from qerl.kernels import fused_step, plan, reference, step_base, step_sampler
 from qerl.kernels.reference import nibble_major
-from qerl.linear import stack_fused_groups
+from qerl.load.linear import stack_fused_groups
 from qerl.rollout.layers import Group, Norm, Proj
 
 

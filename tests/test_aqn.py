@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from qerl.aqn import SCHEDULES, AQNSchedule, NormNoise, norm_weights
-from qerl.lora import lora_config
+from qerl.load.lora import lora_config
+from qerl.train.aqn import SCHEDULES, AQNSchedule, NormNoise, norm_weights
 
 
 def aqn_model() -> torch.nn.Module:
@@ -143,7 +143,7 @@ def test_bf16_noise_is_added_in_fp32_and_rounded_once() -> None:
 
 
 def noise_seed(noise: NormNoise, step: int) -> int:
-    from qerl.aqn import draw_seed
+    from qerl.train.aqn import draw_seed
 
     return draw_seed(noise.seed, step, 0)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qerl.trainer import cudnn_attention_disabled
+from qerl.train.trainer import cudnn_attention_disabled
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from qerl.data import ARITHMETIC_LEVELS, arithmetic, filter_prompt_length, load_dataset, spec, train_heldout_split
-from qerl.prompts import DAPO_SYSTEM_PROMPT, TAG_SYSTEM_PROMPT
-from qerl.rewards import gsm8k_accuracy
+from qerl.train.data import ARITHMETIC_LEVELS, arithmetic, filter_prompt_length, load_dataset, spec, train_heldout_split
+from qerl.train.prompts import DAPO_SYSTEM_PROMPT, TAG_SYSTEM_PROMPT
+from qerl.train.rewards import gsm8k_accuracy
 
 SAMPLE = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
 

@@ -20,7 +20,7 @@ import torch
 from ddp_grpo_worker import GROUP, STEPS, run
 from tiny_models import make_tiny_llama
 
-from qerl.quantize import quantize_checkpoint
+from qerl.quantize.pipeline import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # ~50 s: two processes start trl each

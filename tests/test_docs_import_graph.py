@@ -58,7 +58,7 @@ def test_the_qerl_picture_is_drawn_from_the_code(graph_tool: ModuleType, tmp_pat
     graph_tool.main(["--root", str(ROOT), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     graph = graph_tool.import_graph(ROOT)
-    assert "qerl.kernels.schedule" in graph and graph_tool.floors(graph)["qerl.train"] > 0
+    assert "qerl.kernels.schedule" in graph and graph_tool.floors(graph)["qerl.train.run"] > 0
 
 
 def test_a_checkout_without_qerl_is_refused(graph_tool: ModuleType, tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def test_native_arms_time_every_phase(tiny_run: dict) -> None:
             assert step["step_s"] == pytest.approx(sum(step["phases_s"].values()), rel=1e-3, abs=1e-4)
             assert all(step["phases_s"][p] > 0 for p in ("rollout", "fwd_bwd", "optimizer"))
             assert step["phases_s"]["sync"] == 0  # the native engine reads the trainer's weights in place
-            assert step["phases_s"]["logprobs"] == 0  # the IS ratio comes from the loss forward (qerl.is_ratio)
+            assert step["phases_s"]["logprobs"] == 0  # the IS ratio comes from the loss forward (qerl.train.is_ratio)
         assert set(r["floors_s"]) == {"rollout", "sync", "logprobs", "fwd_bwd", "optimizer"}
         assert r["generated_tokens_per_s"]["rollout"] > r["generated_tokens_per_s"]["step"] > 0
         assert r["command"].startswith("python") and "--arm" in r["command"]

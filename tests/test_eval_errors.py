@@ -77,7 +77,7 @@ def _tiny_adapter(tiny_llama_dir: Path, out: Path) -> Path:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from qerl.lora import lora_config
+    from qerl.load.lora import lora_config
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     get_peft_model(model, lora_config(r=2, target_modules=("q_proj", "v_proj"))).save_pretrained(out)

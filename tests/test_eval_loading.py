@@ -16,9 +16,9 @@ from peft import get_peft_model
 
 from eval.loading import apply_adapter, load_base
 from qerl.arch import NORM_MODULES
-from qerl.linear import NVFP4Linear
-from qerl.loader import load_tokenizer
-from qerl.lora import lora_config
+from qerl.load.linear import NVFP4Linear
+from qerl.load.loader import load_tokenizer
+from qerl.load.lora import lora_config
 
 torch.set_num_threads(1)
 

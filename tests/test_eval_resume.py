@@ -33,7 +33,7 @@ def _adapter(base: Path, out: Path, seed: int) -> Path:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from qerl.lora import lora_config
+    from qerl.load.lora import lora_config
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     peft = get_peft_model(model, lora_config(r=2, target_modules=("q_proj", "v_proj", "o_proj")))

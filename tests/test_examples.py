@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from qerl.data import load_dataset
-from qerl.trainer import QeRLConfig
+from qerl.train.data import load_dataset
+from qerl.train.trainer import QeRLConfig
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "check_answer_rollout.py"

@@ -22,9 +22,9 @@ from tiny_models import make_tiny_llama
 
 from qerl import nvfp4
 from qerl.export import MARKER, export, main
-from qerl.loader import load_model
-from qerl.lora import load_adapter, lora_config, register_nvfp4
-from qerl.quantize import quantize_checkpoint
+from qerl.load.loader import load_model
+from qerl.load.lora import load_adapter, lora_config, register_nvfp4
+from qerl.quantize.pipeline import quantize_checkpoint
 
 VOCAB = 256
 #: bf16 export vs the adapter model: the merge rounds each weight to bf16 once (relative step 2^-8),

@@ -64,7 +64,7 @@ def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> N
 
     import qerl
     from qerl.export import export
-    from qerl.lora import lora_config
+    from qerl.load.lora import lora_config
 
     ckpt = _checkpoint(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("export")

@@ -19,13 +19,13 @@ from test_trainer import make_config, varied_reward
 from tiny_models import FAMILY_CONFIGS, make_tiny_family_chat_model
 
 from eval import gsm8k
-from qerl.aqn import norm_weights
-from qerl.data import load_dataset
 from qerl.export import export
-from qerl.loader import load_model, load_tokenizer
-from qerl.lora import lora_config
-from qerl.quantize import quantize_checkpoint
-from qerl.trainer import QeRLTrainer
+from qerl.load.loader import load_model, load_tokenizer
+from qerl.load.lora import lora_config
+from qerl.quantize.pipeline import quantize_checkpoint
+from qerl.train.aqn import norm_weights
+from qerl.train.data import load_dataset
+from qerl.train.trainer import QeRLTrainer
 
 torch.set_num_threads(1)
 

@@ -216,10 +216,10 @@ def models(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
     from peft import get_peft_model
     from tiny_models import make_tiny_chat_model
 
-    from qerl.fingerprint import model_sha256, write_base_record
-    from qerl.loader import load_model
-    from qerl.lora import lora_config
-    from qerl.quantize import quantize_checkpoint
+    from qerl.load.fingerprint import model_sha256, write_base_record
+    from qerl.load.loader import load_model
+    from qerl.load.lora import lora_config
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("fault-models")
     dense = make_tiny_chat_model(root / "tiny", smollm2_dir)
@@ -269,7 +269,7 @@ TRAIN_FAULTS = None if os.environ.get("QERL_TRAIN_FAULTS") == "all" else int(os.
 TRAIN_VOLATILE = frozenset({"metrics.jsonl", "trainer_state.json", "summary.json", "curves.csv", "README.md",
                             "run_config.json", "training_args.bin"})
 #: A run that fails after its last checkpoint is finished by the re-run from that checkpoint without
-#: training (qerl.trainer), so the end-of-training log row, and a metrics file holding only it, never comes.
+#: training (qerl.train.trainer), so the end-of-training log row, and a metrics file holding only it, never comes.
 TRAIN_OPTIONAL = frozenset({"metrics.jsonl"})
 KILLS_PER_COMMAND = 2
 
@@ -318,7 +318,7 @@ def _eval_command(models: dict[str, Path], max_new_tokens: int = 3) -> Command:
 
 
 def _train_command(models: dict[str, Path]) -> Command:
-    from qerl.train import main
+    from qerl.train.run import main
 
     return Command("train", main, lambda out: [
         "--model-name", str(models["dense"]), "--dataset", "arithmetic", "--num-samples", "8", "--lora-rank", "2",

@@ -19,14 +19,14 @@ import torch
 from datasets import Dataset
 from tiny_models import make_tiny_chat_model
 
-from qerl.aqn import AQNSchedule
-from qerl.config import TRL_COMPLETION_LENGTH, QeRLConfig, with_model_defaults
-from qerl.data import DEFAULT_COMPLETION_LENGTH, load_dataset
-from qerl.loader import is_nvfp4_model, load_model, load_tokenizer
-from qerl.lora import lora_config
-from qerl.prompts import TAG_SYSTEM_PROMPT
-from qerl.train import heldout_accuracy, parse_args
-from qerl.trainer import QeRLTrainer
+from qerl.load.loader import is_nvfp4_model, load_model, load_tokenizer
+from qerl.load.lora import lora_config
+from qerl.train.aqn import AQNSchedule
+from qerl.train.config import TRL_COMPLETION_LENGTH, QeRLConfig, with_model_defaults
+from qerl.train.data import DEFAULT_COMPLETION_LENGTH, load_dataset
+from qerl.train.prompts import TAG_SYSTEM_PROMPT
+from qerl.train.run import heldout_accuracy, parse_args
+from qerl.train.trainer import QeRLTrainer
 
 SAMPLE = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
 
@@ -34,7 +34,7 @@ SAMPLE = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
 @pytest.fixture(scope="module")
 def tiny_nvfp4_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny chat model quantized to NVFP4 (its tokenizer copied beside it)."""
-    from qerl.quantize import quantize_checkpoint
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("fidelity")
     src = make_tiny_chat_model(root / "dense", smollm2_dir)
@@ -165,7 +165,7 @@ def test_push_to_hub_is_accepted_and_inert_without_a_token(
     """Nothing here may reach the network: without a token the flag is switched off with one note; with
     one it stays on (only the config is built, never a trainer that would create the repo)."""
     _no_token(monkeypatch, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="qerl.config"):
+    with caplog.at_level(logging.WARNING, logger="qerl.train.config"):
         _, config = parse_args(["--push-to-hub", "True", "--output-dir", str(tmp_path / "run"), "--report-to", "none"])
     assert config.push_to_hub is False
     notes = [r.getMessage() for r in caplog.records if "push_to_hub" in r.getMessage()]
@@ -189,7 +189,7 @@ class _ScriptedEngine:
 def test_heldout_accuracy_is_judged_by_the_evaluation_scorer(smollm2_dir: Path) -> None:
     """Issue 15 item 3: held-out accuracy scores with eval's reading, not with 'reward > 0'. The shaped
     closeness reward is positive for every near miss below; the accuracy counts only the right answers."""
-    from qerl.rewards import last_number_closeness
+    from qerl.train.rewards import last_number_closeness
 
     tok = load_tokenizer(smollm2_dir)
     rows = Dataset.from_dict(
@@ -202,7 +202,7 @@ def test_heldout_accuracy_is_judged_by_the_evaluation_scorer(smollm2_dir: Path) 
     modes: list[str] = []
 
     @contextmanager
-    def inference_mode():  # the trainer's toggle (qerl.rollout_hooks), seen entered and left
+    def inference_mode():  # the trainer's toggle (qerl.train.rollout_hooks), seen entered and left
         modes.append("eval")
         yield True
         modes.append("train")

@@ -41,7 +41,7 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
         assert r["status"] == "ok", r.get("error")
         assert set(r["phases_s"]) == set(grpo_step.PHASES) == set(r["peak_gb"])
         assert all(r["phases_s"][p] > 0 for p in ("rollout", "fwd_bwd", "optimizer"))
-        assert r["phases_s"]["logprobs"] == 0  # the IS ratio comes from the loss forward (qerl.is_ratio)
+        assert r["phases_s"]["logprobs"] == 0  # the IS ratio comes from the loss forward (qerl.train.is_ratio)
         assert r["step_s"] == pytest.approx(sum(r["phases_s"].values()), rel=1e-3, abs=1e-3)
         assert r["forced_length"] and r["completion_lengths"] == [16] and r["decode_steps"] == 15
         assert r["gradient_checkpointing"] and r["lora_updated"]

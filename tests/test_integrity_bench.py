@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import qerl.loader
+import qerl.load.loader
 from benchmarks import integrity
 
 
@@ -48,7 +48,7 @@ def test_tiny_run_measures_the_checks(tmp_path: Path) -> None:
 
 def test_checks_off_checks_nothing_and_restores_the_loader(tmp_path: Path) -> None:
     model_dir = integrity.synthetic_checkpoint(tmp_path, tiny=True)
-    real = qerl.loader.Verdicts
+    real = qerl.load.loader.Verdicts
     off = integrity.timed_load(model_dir, torch.device("cpu"), torch.float32, "off")
     assert off["tensors_checked"] == 0 and off["check_s"] == 0
-    assert qerl.loader.Verdicts is real
+    assert qerl.load.loader.Verdicts is real

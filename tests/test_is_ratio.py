@@ -1,4 +1,4 @@
-"""The rollout IS ratio from the loss forward (``qerl.is_ratio``): the same training as trl's separate pass.
+"""The rollout IS ratio from the loss forward (``qerl.train.is_ratio``): the same training as trl's separate pass.
 
 Two of our trainers on the same tiny model, tokens (a fixed ``rollout_func`` whose sampling log-probs differ from
 the model's, so the ratios are neither 1 nor all clipped), rewards and seed: one takes the ratio from the loss
@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_trl_compat import _logs, _ours, fixed_rollout, spread_reward
 
-from qerl.is_ratio import rollout_ratio
+from qerl.train.is_ratio import rollout_ratio
 
 
 def _rollout(prompts: list[Any], trainer: Any) -> dict[str, list[list[Any]]]:

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from qerl import nvfp4
 from qerl.kernels import backend, nvfp4_decode, nvfp4_linear, ops
 from qerl.kernels.epilogue import Epilogue
-from qerl.linear import NVFP4Linear
+from qerl.load.linear import NVFP4Linear
 
 torch.set_num_threads(1)
 

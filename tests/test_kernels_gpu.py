@@ -372,7 +372,7 @@ def test_dequantize_kernel(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M", [1, 17, 300])
 def test_autograd_matches_dense(M: int, dtype: torch.dtype) -> None:
-    from qerl.linear import NVFP4Linear
+    from qerl.load.linear import NVFP4Linear
 
     layer = NVFP4Linear.from_linear(torch.nn.Linear(1040, 200, bias=True).cuda())
     layer.bias.data = layer.bias.data.to(dtype)

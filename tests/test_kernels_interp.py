@@ -74,7 +74,7 @@ def dequantize_ulps(device: str, dtype: torch.dtype, n: int, k: int) -> float:
 def _twin(model: torch.nn.Module, act: torch.dtype, dense: torch.dtype | None) -> torch.nn.Module:
     """``model`` (in ``act``) with its decoder Linears as ``NVFP4Linear`` (``dense`` None), or all in ``dense`` with
     plain Linears holding the NVFP4 weights dequantized to ``act`` (the references the kernels' model is held to)."""
-    from qerl.linear import NVFP4Linear, replace_linears
+    from qerl.load.linear import NVFP4Linear, replace_linears
 
     twin = copy.deepcopy(model)
     replace_linears(twin, lambda name, lin: None if name == "lm_head" else NVFP4Linear.from_linear(lin))
@@ -99,7 +99,7 @@ def check_lora_grads(device: str, dtype: torch.dtype, **config: int) -> None:
     from peft import get_peft_model
     from tiny_models import tiny_model
 
-    from qerl.lora import lora_config
+    from qerl.load.lora import lora_config
 
     base = tiny_model("llama", 0, **config).to(device, dtype)  # cast before the swap: .to(dtype) would cast fp8 too
     models = [_twin(base, dtype, None), _twin(base, dtype, dtype), _twin(base, dtype, torch.float32)]
@@ -126,7 +126,7 @@ class MLP(torch.nn.Module):
 
     def __init__(self, device: str, dtype: torch.dtype, width: int = 512, hidden: int = 1040) -> None:
         super().__init__()
-        from qerl.linear import NVFP4Linear
+        from qerl.load.linear import NVFP4Linear
 
         torch.manual_seed(0)
         self.up = NVFP4Linear.from_linear(torch.nn.Linear(width, hidden, bias=True).to(device))

@@ -113,9 +113,9 @@ def test_run_seed_reruns_only_missing_arms(tmp_path: Path, monkeypatch):
 
 
 def test_dequantized_arm_has_the_nvfp4_weights(tiny_llama_dir: Path, tmp_path: Path):
-    from qerl.linear import NVFP4Linear
-    from qerl.loader import load_model
-    from qerl.quantize import quantize_checkpoint
+    from qerl.load.linear import NVFP4Linear
+    from qerl.load.loader import load_model
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     q = quantize_checkpoint(tiny_llama_dir, tmp_path / "q")
     d = learning.dequantized_copy(q, tmp_path / "d")
@@ -131,7 +131,7 @@ def test_dequantized_arm_has_the_nvfp4_weights(tiny_llama_dir: Path, tmp_path: P
 
 
 _RECORDING_PYTHON = """#!/usr/bin/env bash
-# stands in for python: records each qerl.train call's arguments under the name of its --output-dir
+# stands in for python: records each qerl.train.run call's arguments under the name of its --output-dir
 prev=""
 for a in "$@"; do [[ $prev == --output-dir ]] && out=$a; prev=$a; done
 [[ -n ${out:-} ]] && printf "%s\\n" "$@" > "$RECORD/$(basename "$out").argv"

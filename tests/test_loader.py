@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from qerl.linear import NVFP4Linear
-from qerl.loader import load_model, load_tokenizer
+from qerl.load.linear import NVFP4Linear
+from qerl.load.loader import load_model, load_tokenizer
 
 TEXT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 # The first three GSM8K training question+answer texts (MIT licence).
@@ -54,7 +54,7 @@ def test_transformers_loads_our_checkpoint_with_same_logits(smollm2_nvfp4_dir: P
 
 def test_our_loader_reads_llmcompressor_checkpoint(smollm2_dir: Path, smollm2_nvfp4_dir: Path, tmp_path: Path):
     pytest.importorskip("llmcompressor")
-    from qerl.quantize import quantize_checkpoint
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     lc = quantize_checkpoint(smollm2_dir, tmp_path / "lc", backend="llmcompressor")
     ids = _ids(smollm2_nvfp4_dir)
@@ -121,7 +121,7 @@ def test_tokenizer_has_right_eos_and_pad(smollm2_dir: Path):
 def test_load_verdicts_name_the_damaged_tensor_and_pass_a_negative_zero_scale(device: str) -> None:
     """A GPU load queues each tensor's verdict and reads them once at the end; the tensor named is the damaged
     one, and a -0.0 FP8 block scale (suspect by its byte, harmless) passes on both devices."""
-    from qerl.integrity import DamagedTensor, Verdicts
+    from qerl.load.integrity import DamagedTensor, Verdicts
 
     verdicts = Verdicts("ckpt")
     verdicts.add("a.weight", torch.ones(4, device=device))

@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from tiny_models import tiny_model
 
 from qerl import checkpoint, nvfp4
-from qerl.quant import importance, mse
-from qerl.quant.source import SourceModel
-from qerl.quantize import quantize_checkpoint
+from qerl.quantize import importance, mse
+from qerl.quantize.pipeline import quantize_checkpoint
+from qerl.quantize.source import SourceModel
 
 
 def _checkpoint(tmp_path: Path, arch: str) -> Path:

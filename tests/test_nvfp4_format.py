@@ -59,7 +59,7 @@ def test_packed_size_is_4_5_bits_per_weight():
 
 
 def test_nvfp4linear_keeps_packed_dtypes_under_to_dtype():
-    from qerl.linear import NVFP4Linear
+    from qerl.load.linear import NVFP4Linear
 
     layer = NVFP4Linear.from_linear(torch.nn.Linear(32, 8, bias=True))
     before = layer.dequantized_weight(torch.float32)

@@ -12,7 +12,7 @@ import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pytho
 import torch
 from safetensors.torch import load_file, save_file
 
-from qerl.quantize import quantize_checkpoint
+from qerl.quantize.pipeline import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,14 +48,14 @@ def test_bit_exact_with_llmcompressor(smollm2_nvfp4_dir: Path, llmcompressor_dir
 
 
 def test_streaming_output_is_sharded_and_loadable(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
-    import qerl.quantize as q
+    import qerl.quantize.pipeline as q
 
     monkeypatch.setattr(q, "_SHARD_BYTES", 20_000)  # force several shards on a tiny model
     out = quantize_checkpoint(tiny_llama_dir, tmp_path / "out")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and all((out / s).exists() for s in shards)
-    from qerl.loader import load_model
+    from qerl.load.loader import load_model
 
     model = load_model(out, device="cpu")
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
@@ -135,7 +135,7 @@ def test_existing_output_needs_overwrite(tiny_llama_dir: Path, tmp_path: Path, c
 
 
 def test_crash_mid_write_leaves_nothing(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
-    import qerl.quantize as q
+    import qerl.quantize.pipeline as q
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
@@ -207,7 +207,7 @@ def test_streaming_peak_memory_is_bounded(tmp_path: Path):
 
     size = _write_big_checkpoint(tmp_path / "big")
     probe = (
-        "import resource, sys, torch; torch.set_num_threads(1); import qerl.quantize as q; import transformers; "
+        "import resource, sys, torch; torch.set_num_threads(1); import qerl.quantize.pipeline as q; import transformers; "
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
         "q.quantize_checkpoint(sys.argv[1], sys.argv[2], max_shard_bytes=64 << 20); "
         "print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"

@@ -14,9 +14,9 @@ from tiny_models import make_tiny_llama
 
 from qerl import nvfp4
 from qerl.hub import SIDE_FILES
-from qerl.quant import mse
-from qerl.quant.calibration import Calibration
-from qerl.quantize import quantize_checkpoint
+from qerl.quantize import mse
+from qerl.quantize.calibration import Calibration
+from qerl.quantize.pipeline import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def _same_format(a: Path, b: Path) -> tuple[dict, dict]:
 
 
 def test_mse_checkpoint(tiny_llama_dir: Path, tmp_path: Path):
-    from qerl.loader import load_model
+    from qerl.load.loader import load_model
 
     rtn = quantize_checkpoint(tiny_llama_dir, tmp_path / "rtn")
     out = quantize_checkpoint(tiny_llama_dir, tmp_path / "mse", method="mse")
@@ -105,7 +105,7 @@ HELD_OUT = [json.loads(line) for line in (ROOT / "tests" / "data" / "gsm8k_train
 @torch.no_grad()
 def _kl_to(dense_dir: Path, quant_dir: Path) -> float:
     """Mean per-token KL(bf16 || quantized) over the held-out texts."""
-    from qerl.loader import load_model, load_tokenizer
+    from qerl.load.loader import load_model, load_tokenizer
 
     tok, dense, quant = (
         load_tokenizer(dense_dir),
@@ -143,7 +143,7 @@ def test_gptq_checkpoint(tiny_with_tokenizer: Path, tmp_path: Path):
             ), k
     assert sum(not torch.equal(t_rtn[k], t_gptq[k]) for k in packed) == len(packed)
     # GPTQ's objective, on held-out text: layer 0's q_proj sees RMSNorm(embedding), whatever else is quantized
-    from qerl.loader import load_model, load_tokenizer
+    from qerl.load.loader import load_model, load_tokenizer
 
     dense = load_model(tiny_with_tokenizer, device="cpu")
     tok = load_tokenizer(tiny_with_tokenizer)

@@ -156,8 +156,8 @@ def test_ignore_keeps_lm_head_and_accepts_regex(untied_dir: Path, tmp_path: Path
 
 
 def test_quantize_lm_head(untied_dir: Path, tmp_path: Path, capsys):
-    from qerl.linear import NVFP4Linear
-    from qerl.loader import load_model
+    from qerl.load.linear import NVFP4Linear
+    from qerl.load.loader import load_model
 
     out = tmp_path / "o"
     assert _run(["--model", str(untied_dir), "--output", str(out), "--quantize-lm-head"], capsys)[0] == 0
@@ -197,7 +197,7 @@ def test_both_backends_read_ignore_the_same(untied_dir: Path, tmp_path: Path, ca
 
 _KILLED_RUN = """
 import os, signal, sys
-import qerl.quantize as q
+import qerl.quantize.pipeline as q
 def die(self):
     os.kill(os.getpid(), signal.SIGKILL)
 q._ShardWriter.finish = die

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from transformers.integrations import get_available_reporting_integrations
 
-from qerl.trainer import QeRLConfig
+from qerl.train.trainer import QeRLConfig
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "training" / "recipes").glob("*.yaml"))
 
@@ -39,7 +39,7 @@ def test_the_readme_train_example_parses_without_bitsandbytes(tmp_path: Path, mo
     """Issue 53: the README's train command names a recipe with ``optim: adamw_8bit``; on an install without
     bitsandbytes (setup_env.sh adds it on CUDA machines only) it stopped with ``needs bitsandbytes``. It
     must run, on 32-bit AdamW, with the recipe's other settings intact."""
-    from qerl.train import parse_args
+    from qerl.train.run import parse_args
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))

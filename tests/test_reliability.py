@@ -21,9 +21,9 @@ from eval import gsm8k
 from eval.results import meta_path
 from qerl import export
 from qerl.cli import run
-from qerl.fingerprint import model_sha256, write_base_record
 from qerl.fsutil import atomic_file
-from qerl.loader import load_model
+from qerl.load.fingerprint import model_sha256, write_base_record
+from qerl.load.loader import load_model
 from qerl.runlock import lock_path, run_lock
 
 torch.set_num_threads(1)
@@ -42,8 +42,8 @@ def chat_models(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> 
     from peft import get_peft_model
     from tiny_models import make_tiny_chat_model
 
-    from qerl.lora import lora_config
-    from qerl.quantize import quantize_checkpoint
+    from qerl.load.lora import lora_config
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("reliability")
     qtiny = quantize_checkpoint(make_tiny_chat_model(root / "tiny", smollm2_dir, seed=0), root / "qtiny")
@@ -51,7 +51,7 @@ def chat_models(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> 
     torch.manual_seed(0)
     peft_model = get_peft_model(load_model(qtiny, device="cpu", dtype=torch.float32), lora_config(r=2))
     peft_model.save_pretrained(root / "adapter")
-    write_base_record(root / "adapter", str(qtiny), model_sha256(qtiny))  # what qerl.train's save_adapter writes
+    write_base_record(root / "adapter", str(qtiny), model_sha256(qtiny))  # what qerl.train.run's save_adapter writes
     return {"qtiny": qtiny, "qtiny2": qtiny2, "adapter": root / "adapter"}
 
 

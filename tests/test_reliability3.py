@@ -25,7 +25,7 @@ def qtiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A tiny NVFP4 chat Llama (2 decoder layers) that the evaluation and training CLIs run in about a second."""
     from tiny_models import make_tiny_chat_model
 
-    from qerl.quantize import quantize_checkpoint
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("reliability3")
     return quantize_checkpoint(make_tiny_chat_model(root / "tiny", smollm2_dir), root / "qtiny")
@@ -56,7 +56,7 @@ def _with_config(model: Path, out: Path, **changes: object) -> Path:
 def test_trl_differences_accepts_every_batch_shape_trl_accepts(tmp_path: Path) -> None:
     """18 completions per step in generations of 12 (4 prompts x 3): trl accepts it, and listing the settings that
     differ from trl's must not refuse it (it built its reference config without the generation batch)."""
-    from qerl.config import QeRLConfig, trl_differences
+    from qerl.train.config import QeRLConfig, trl_differences
 
     cfg = QeRLConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=3,
                      gradient_accumulation_steps=6, num_generations=4, generation_batch_size=12)
@@ -66,7 +66,7 @@ def test_trl_differences_accepts_every_batch_shape_trl_accepts(tmp_path: Path) -
 
 def test_trl_differences_never_stops_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     """A reference config trl refuses (a trl release with a new rule) costs the report only."""
-    from qerl import config
+    from qerl.train import config
 
     cfg = config.QeRLConfig(output_dir=str(tmp_path), report_to=[])
 
@@ -115,9 +115,9 @@ def test_config_that_does_not_describe_the_weights_is_refused(qtiny, tiny_dense_
     """A config.json with fewer layers than the weights ran a truncated model with rc 0 (more: random layers, or
     gigabytes allocated first); -1 or a string: a traceback. Refused by load, eval and train before any allocation."""
     from eval import gsm8k
-    from qerl import train
     from qerl.cli import run
-    from qerl.loader import load_model
+    from qerl.load.loader import load_model
+    from qerl.train import run as train
 
     for model in (qtiny, tiny_dense_dir):
         lying = _with_config(model, tmp_path / f"lying-{model.name}", num_hidden_layers=layers)
@@ -135,7 +135,7 @@ def test_config_that_does_not_describe_the_weights_is_refused(qtiny, tiny_dense_
 def test_model_digest_covers_the_weights_and_config_only(qtiny, tmp_path: Path) -> None:
     """A NOTES.md, or eval's lock file of an output written inside the model directory, made every adapter of the
     model 'trained on other weights'; a changed config or weight still does."""
-    from qerl.fingerprint import model_sha256
+    from qerl.load.fingerprint import model_sha256
 
     model = shutil.copytree(qtiny, tmp_path / "model")
     digest = model_sha256(model)
@@ -155,8 +155,8 @@ def test_export_refuses_an_adapter_made_for_another_base_as_eval_does(qtiny, tmp
     from eval import gsm8k
     from qerl import export
     from qerl.cli import run
-    from qerl.loader import load_model
-    from qerl.lora import lora_config
+    from qerl.load.loader import load_model
+    from qerl.load.lora import lora_config
 
     adapter = tmp_path / "adapter"
     get_peft_model(load_model(qtiny, device="cpu", dtype=torch.float32), lora_config(r=2)).save_pretrained(adapter)
@@ -211,8 +211,8 @@ def test_eval_numbers_out_of_range_are_one_line(qtiny, tmp_path: Path, capsys, f
 
 def test_run_that_saved_nothing_does_not_block_the_corrected_rerun(tmp_path: Path) -> None:
     """A run that crashed in step 1 refused the corrected rerun into its directory ('different settings')."""
-    from qerl import resume
     from qerl.cli import UsageError
+    from qerl.train import resume
 
     out = tmp_path / "run"
     out.mkdir()
@@ -229,9 +229,9 @@ def test_training_prompt_filter_never_tokenizes_a_huge_question(smollm2_dir: Pat
     """With --max_prompt_length 512, one 64 MB question was tokenized whole and ran out of memory in the filter."""
     from datasets import Dataset
 
-    from qerl import data
-    from qerl.loader import load_tokenizer
-    from qerl.prompts import chat_messages, encode_chat
+    from qerl.load.loader import load_tokenizer
+    from qerl.train import data
+    from qerl.train.prompts import chat_messages, encode_chat
 
     def bounded(tokenizer, messages):
         assert sum(len(m["content"]) for m in messages) < 1_000_000, "a huge question reached the tokenizer"

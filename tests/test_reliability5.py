@@ -27,7 +27,7 @@ from test_reliability3 import (
 from tiny_models import make_tiny_llama
 
 from qerl import export
-from qerl.quantize import quantize_checkpoint
+from qerl.quantize.pipeline import quantize_checkpoint
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """Rewards: format, GSM8K numeric, math-verify, DAPO ``Answer:``; a parser failure scores 0 and is counted,
 a malformed call raises. The
-correctness rewards read answers exactly as evaluation does (``qerl.answers``), and the BigMath and DAPO
+correctness rewards read answers exactly as evaluation does (``qerl.train.answers``), and the BigMath and DAPO
 rewards as the reference's reward code did, on fixed inputs."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from qerl.answers import normalize_final_answer, score
-from qerl.rewards import (
+from qerl.train.answers import normalize_final_answer, score
+from qerl.train.rewards import (
     dapo_score,
     get_rewards,
     gsm8k_accuracy,
@@ -150,7 +150,7 @@ def test_dapo_score_reads_the_last_answer_line() -> None:
 def test_a_parser_failure_scores_zero_is_counted_and_warns(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import qerl.rewards as rewards
+    import qerl.train.rewards as rewards
 
     def judge(text: str, gold: str, reading: str) -> bool:
         if "boom" in text:
@@ -159,7 +159,7 @@ def test_a_parser_failure_scores_zero_is_counted_and_warns(
 
     monkeypatch.setattr(rewards, "judge", judge)
     metrics: list[tuple[str, float]] = []
-    with caplog.at_level(logging.WARNING, logger="qerl.rewards"):
+    with caplog.at_level(logging.WARNING, logger="qerl.train.rewards"):
         out = gsm8k_accuracy(["4", "boom", "5"], answer=["4"] * 3, log_metric=lambda k, v: metrics.append((k, v)))
     assert out == [2.0, 0.0, 0.0]
     assert metrics == [("rewards/gsm8k_accuracy/errors", 1.0)]

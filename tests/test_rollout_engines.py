@@ -11,13 +11,13 @@ from tiny_models import nvfp4_lora, tiny_llama, tiny_model, tiny_qwen2
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qerl.aqn import draw_seed
-from qerl.linear import stack_fused_groups
-from qerl.lora import lora_config
+from qerl.load.linear import stack_fused_groups
+from qerl.load.lora import lora_config
 from qerl.rollout import SamplingParams, get_engine
 from qerl.rollout.native import NativeEngine
 from qerl.rollout.sampling import processed_logprobs
 from qerl.rollout.vllm_engine import request_seeds
+from qerl.train.aqn import draw_seed
 
 torch.set_num_threads(1)
 
@@ -393,7 +393,7 @@ def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: 
     """
     model = medium_model(nvfp4, stacked=stacked)
     if fp32_norms:
-        from qerl.trainer import keep_trainable_fp32
+        from qerl.train.trainer import keep_trainable_fp32
 
         assert any("norm" in name for name in keep_trainable_fp32(model))
     gen = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""Row-stacked q/k/v and gate/up weights (``qerl.linear.stack_fused_groups``) and the rollout's one-launch
+"""Row-stacked q/k/v and gate/up weights (``qerl.load.linear.stack_fused_groups``) and the rollout's one-launch
 group path (``decoder.stacked_forward`` -> ``kernels.nvfp4_group_decode``), on CPU through the reference ops.
 
 The Triton kernel itself is checked against the same references by ``rollout_kernel_checks.check_stacked_decode``
@@ -15,7 +15,7 @@ from tiny_models import nvfp4_lora, tiny_qwen2
 
 from qerl import arch
 from qerl.kernels import reference
-from qerl.linear import NVFP4Linear, stack_fused_groups
+from qerl.load.linear import NVFP4Linear, stack_fused_groups
 from qerl.rollout import decoder
 from qerl.rollout.layers import ModelPlan
 
@@ -121,8 +121,8 @@ def test_loader_stacks_a_checkpoint(tmp_path: Path) -> None:
     """A checkpoint of qerl's quantizer (one global scale per fused group) loads stacked."""
     from tiny_models import make_tiny_llama
 
-    from qerl.loader import load_model
-    from qerl.quantize import quantize_checkpoint
+    from qerl.load.loader import load_model
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     src = make_tiny_llama(tmp_path / "src")
     model = load_model(quantize_checkpoint(src, tmp_path / "q"), device="cpu")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qerl.cli import run
-from qerl.train import main
+from qerl.train.run import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

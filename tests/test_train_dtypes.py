@@ -25,9 +25,9 @@ import qerl.kernels
 from qerl import nvfp4
 from qerl.kernels import ops
 from qerl.kernels import reference as kernel_reference
-from qerl.linear import NVFP4Linear, replace_linears
-from qerl.lora import lora_config
-from qerl.trainer import keep_trainable_fp32
+from qerl.load.linear import NVFP4Linear, replace_linears
+from qerl.load.lora import lora_config
+from qerl.train.trainer import keep_trainable_fp32
 
 LAYERS = 2
 LINEARS = 7 * LAYERS

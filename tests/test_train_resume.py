@@ -1,4 +1,4 @@
-"""Re-running ``qerl.train`` into an existing output_dir (issue 16, items 3 and 6).
+"""Re-running ``qerl.train.run`` into an existing output_dir (issue 16, items 3 and 6).
 
 A run continues only what it would itself have trained: same recorded settings (run_config.json) or
 ``--resume force``; a finished run is a no-op; and metrics.jsonl never holds a step twice. Tiny random
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from qerl.cli import run
-from qerl.train import main
-from qerl.trainer import CHECKPOINT_MARKER
+from qerl.train.run import main
+from qerl.train.trainer import CHECKPOINT_MARKER
 
 torch.set_num_threads(1)
 
@@ -129,7 +129,7 @@ def test_adapters_record_their_base(tiny_dense_dir: Path, tmp_path: Path) -> Non
     the adapter taken out of the run keeps it."""
     import shutil
 
-    from qerl.fingerprint import BASE_RECORD, check_adapter_base, model_sha256
+    from qerl.load.fingerprint import BASE_RECORD, check_adapter_base, model_sha256
 
     out = tmp_path / "run"
     main(_argv(tiny_dense_dir, out, steps=1))

@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qerl.aqn import AQNSchedule, norm_weights
-from qerl.data import load_dataset
-from qerl.loader import load_model, load_tokenizer
-from qerl.lora import load_adapter, lora_config
-from qerl.rollout_hooks import _group_repeats
-from qerl.trainer import (
+from qerl.load.loader import load_model, load_tokenizer
+from qerl.load.lora import load_adapter, lora_config
+from qerl.train.aqn import AQNSchedule, norm_weights
+from qerl.train.data import load_dataset
+from qerl.train.rollout_hooks import _group_repeats
+from qerl.train.trainer import (
     CHECKPOINT_MARKER,
     METRICS_FILE,
     QeRLConfig,
@@ -250,7 +250,7 @@ def test_incomplete_checkpoint_is_refused(run: dict[str, Any], tmp_path: Path) -
 def test_aqn_on_a_dense_model_with_per_token_draws(
     tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from qerl.aqn import NormNoise
+    from qerl.train.aqn import NormNoise
 
     calls: list[int] = []
     real_hook = NormNoise.token_hook
@@ -286,7 +286,7 @@ def test_group_repeats() -> None:
 
 
 def test_config_defaults_and_errors(tmp_path: Path) -> None:
-    from qerl.config import TRL_DEFAULT_OVERRIDES, trl_differences
+    from qerl.train.config import TRL_DEFAULT_OVERRIDES, trl_differences
 
     cfg = QeRLConfig(output_dir=str(tmp_path), report_to=[])
     assert cfg.vllm_importance_sampling_mode == "token_truncate" and cfg.vllm_importance_sampling_clip_max == 2.0
@@ -322,7 +322,7 @@ def test_8bit_adamw_falls_back_without_bitsandbytes(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
     )
-    with caplog.at_level("WARNING", logger="qerl.config"):
+    with caplog.at_level("WARNING", logger="qerl.train.config"):
         cfg = QeRLConfig(output_dir=str(tmp_path), report_to=[], optim="adamw_8bit")
     assert cfg.optim == "adamw_torch"
     assert "--optim adamw_8bit: bitsandbytes is not installed, using adamw_torch" in caplog.text
@@ -331,7 +331,7 @@ def test_8bit_adamw_falls_back_without_bitsandbytes(
 def test_plot_writes_curves(run: dict[str, Any], tmp_path: Path) -> None:
     import csv
 
-    from qerl.plot import main as plot_main
+    from qerl.train.plot import main as plot_main
 
     plot_main([str(run["out"]), "--out", str(tmp_path)])
     for name in ("reward.png", "entropy.png", "sigma.png", "completion_length.png"):
@@ -344,7 +344,7 @@ def test_plot_writes_curves(run: dict[str, Any], tmp_path: Path) -> None:
 def test_cli_accepts_the_reference_flags(tmp_path: Path) -> None:
     from trl import TrlParser
 
-    from qerl.train import ScriptArguments
+    from qerl.train.run import ScriptArguments
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("dataset: arithmetic\nlora_rank: 8\nsigma_start: 0.02\n")
@@ -411,7 +411,7 @@ def test_cli_accepts_the_reference_flags(tmp_path: Path) -> None:
 
 
 def test_train_entry_point_end_to_end(tiny_dense_dir: Path, tmp_path: Path) -> None:
-    from qerl.train import main
+    from qerl.train.run import main
 
     out = tmp_path / "run"
     summary = main(

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from tiny_models import make_tiny_llama
 
-from qerl.aqn import norm_weights
-from qerl.data import load_dataset
-from qerl.loader import load_model, load_tokenizer
-from qerl.lora import lora_config
-from qerl.trainer import QeRLConfig, QeRLTrainer, keep_trainable_fp32
+from qerl.load.loader import load_model, load_tokenizer
+from qerl.load.lora import lora_config
+from qerl.train.aqn import norm_weights
+from qerl.train.data import load_dataset
+from qerl.train.trainer import QeRLConfig, QeRLTrainer, keep_trainable_fp32
 
 
 def varied_reward(completions: list[Any], **kwargs: Any) -> list[float]:

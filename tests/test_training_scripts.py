@@ -84,7 +84,7 @@ def test_without_a_venv_one_line_says_how_to_make_it(clone: Path) -> None:
 
 
 def _train_args(clone: Path, script: str, **env: str) -> list[str]:
-    """The qerl.train arguments the script passes (a fresh calls.log per run)."""
+    """The qerl.train.run arguments the script passes (a fresh calls.log per run)."""
     (clone / "calls.log").unlink(missing_ok=True)
     assert _run(clone, script, **env).returncode == 0
     (train,) = [c for c in _calls(clone) if c.startswith("-m qerl.train ")]

@@ -21,10 +21,10 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experi
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from qerl.data import load_dataset
-from qerl.loader import load_model, load_tokenizer
-from qerl.lora import lora_config
-from qerl.trainer import QeRLConfig, QeRLTrainer
+from qerl.load.loader import load_model, load_tokenizer
+from qerl.load.lora import lora_config
+from qerl.train.data import load_dataset
+from qerl.train.trainer import QeRLConfig, QeRLTrainer
 
 GROUP = 2
 
@@ -298,7 +298,7 @@ def test_a_users_raising_reward_fails_the_step(tiny_dense_dir: Path, tmp_path: P
 
 
 def test_builtin_rewards_log_their_parser_errors(tiny_dense_dir: Path, tmp_path: Path) -> None:
-    from qerl.rewards import get_rewards
+    from qerl.train.rewards import get_rewards
 
     trainer = _ours(tiny_dense_dir, tmp_path, rewards=get_rewards(["gsm8k", "soft_format"]), max_steps=1)
     trainer.train()
@@ -324,7 +324,7 @@ def test_args_none_builds_trls_default_config(
 def test_startup_logs_every_field_that_differs_from_trl(
     tiny_dense_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="qerl.trainer"):
+    with caplog.at_level(logging.INFO, logger="qerl.train.trainer"):
         _ours(tiny_dense_dir, tmp_path, loss_type="bnpo")
     lines = [r.getMessage() for r in caplog.records if "differ from trl's GRPOConfig defaults" in r.getMessage()]
     assert len(lines) == 1

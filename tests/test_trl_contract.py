@@ -1,7 +1,7 @@
 """The private trl / transformers hooks QeRLTrainer overrides, pinned against the trl release pyproject accepts.
 
 QeRLTrainer is a drop-in for trl's GRPOTrainer and steers it through a few private methods and attributes
-(``qerl/trainer.py``, ``qerl/is_ratio.py``). A trl release that renames one, changes its parameters or stops reading
+(``qerl/train/trainer.py``, ``qerl/train/is_ratio.py``). A trl release that renames one, changes its parameters or stops reading
 an attribute would otherwise break training silently (an override that is never called, a gate never read): here it
 fails by name."""
 
@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 from trl import GRPOTrainer
 
-from qerl.is_ratio import LossPassRatio
-from qerl.trainer import QeRLTrainer
+from qerl.train.is_ratio import LossPassRatio
+from qerl.train.trainer import QeRLTrainer
 
 #: Every private base-class method a qerl class overrides -> the base's parameter names it was written against.
 PINNED: dict[str, tuple[str, ...]] = {

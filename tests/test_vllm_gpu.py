@@ -1,7 +1,7 @@
 """VLLMEngine on a real NVFP4 checkpoint: vLLM's log-probs against our own forward (GPU + vLLM only).
 
 One vLLM ``LLM`` (in this process) serves the module. The checkpoint is ``$QERL_VLLM_TEST_CKPT`` (an
-NVFP4A16 checkpoint written by ``qerl.quantize``, e.g. SmolLM2-135M) or, without it, a tiny random
+NVFP4A16 checkpoint written by ``qerl.quantize.pipeline``, e.g. SmolLM2-135M) or, without it, a tiny random
 Llama quantized here by the same quantizer. The trainer-side model is ``qerl.load_model`` of the same
 checkpoint with peft LoRA (r=16, alpha=32: scaling 2, so a dropped or doubled scaling shows) and
 trained norms. Three states are pushed in turn: S0 (LoRA B = 0, norms as loaded), S1 (random B) and
@@ -63,7 +63,7 @@ def _checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return path
     from tiny_models import make_tiny_llama
 
-    from qerl.quantize import quantize_checkpoint
+    from qerl.quantize.pipeline import quantize_checkpoint
 
     # head_dim 64 (hidden 256 / 4 heads): a FlashAttention size; Marlin pads the small GEMMs.
     src = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "bf16", hidden=256, intermediate=512, vocab=1024)
@@ -79,7 +79,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     from peft import get_peft_model
 
     import qerl
-    from qerl.lora import lora_config
+    from qerl.load.lora import lora_config
     from qerl.rollout.vllm_engine import VLLMEngine
 
     ckpt = _checkpoint(tmp_path_factory)

@@ -28,8 +28,8 @@ from transformers import (
 )
 
 from qerl import arch, nvfp4
-from qerl.linear import NVFP4Linear, replace_linears
-from qerl.lora import lora_config
+from qerl.load.linear import NVFP4Linear, replace_linears
+from qerl.load.lora import lora_config
 
 #: The tiny decoder: 2 layers, hidden 64, intermediate 128, 4 heads over 2 KV heads, 256 tokens.
 TINY = dict(
@@ -114,7 +114,7 @@ def nvfp4_lora(model: nn.Module, seed: int = 1, group_scales: bool = False) -> n
     """Swap decoder Linears for NVFP4Linear, wrap in peft LoRA r=4 with a nonzero B, perturb the norms.
 
     ``group_scales``: q/k/v and gate/up share one global scale (their minimum), as in a checkpoint
-    of ``qerl.quantize`` or llm-compressor, so ``stack_fused_groups`` can stack them."""
+    of ``qerl.quantize.pipeline`` or llm-compressor, so ``stack_fused_groups`` can stack them."""
     shared: dict[str, torch.Tensor] = {}
     if group_scales:
         for module in model.modules():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Three runs with the same seed and data, side by side on one GPU (SmolLM2-135M is far too small to
 # fill an H200): QeRL (NVFP4 + LoRA + AQN), NVFP4 LoRA without AQN, bf16 LoRA. Each measures greedy
-# held-out accuracy before and after; the curves are overlaid with qerl.plot.
+# held-out accuracy before and after; the curves are overlaid with qerl.train.plot.
 #   BF16_DIR=... NVFP4_DIR=... QERL_OUT=runs/compare STEPS=200 [RUN_TIMEOUT=seconds] bash training/compare_smollm2.sh [extra qerl.train flags]
 # NUM_GPUS=N runs each run data-parallel over N GPUs (accelerate launch, training/accelerate/ddp.yaml) with the
 # same per-step batch (16 completions = 2 prompts x 8, 16/N per GPU); RUNS="qerl_nvfp4_aqn ..." picks a subset.

@@ -28,7 +28,7 @@ from torch import nn
 
 from qerl import arch, nvfp4
 from qerl.kernels import reference
-from qerl.linear import NVFP4Linear
+from qerl.load.linear import NVFP4Linear
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -93,7 +93,7 @@ class Proj:
 
 @dataclass(frozen=True)
 class Stacked:
-    """A group's NVFP4 weights as one row-stacked weight (``qerl.linear.stack_fused_groups``): views
+    """A group's NVFP4 weights as one row-stacked weight (``qerl.load.linear.stack_fused_groups``): views
     over the members' own storage, so the group runs as one FP4 launch with nothing copied."""
 
     weight: nvfp4.NVFP4Tensors  # [sum N, K/2] packed, [sum N, K/16] scales, the members' one global scale

@@ -1,7 +1,7 @@
 """The command line of ``python -m qerl.train``: ``ScriptArguments`` (model, data, LoRA) and ``parse_args``, which
-reads a ``--config`` recipe (``qerl.config.load_recipe``) and the flags with trl's parser, every mistake one line.
+reads a ``--config`` recipe (``qerl.train.config.load_recipe``) and the flags with trl's parser, every mistake one line.
 
-Kept apart from the run itself (``qerl.train``) so that what a user may say and what is refused reads on its own.
+Kept apart from the run itself (``qerl.train.run``) so that what a user may say and what is refused reads on its own.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import yaml
 from trl import TrlParser
 
-from qerl import data as qdata
 from qerl.cli import StrictParsing, UsageError, one_line, usage_errors
-from qerl.config import QeRLConfig, load_recipe
-from qerl.lora import DEFAULT_TARGETS
+from qerl.load.lora import DEFAULT_TARGETS
+from qerl.train import data as qdata
+from qerl.train.config import QeRLConfig, load_recipe
 
 #: Reference flags kept only so that its scripts parse; they change nothing here.
 IGNORED_REFERENCE_FLAGS = (
@@ -60,7 +60,7 @@ class ScriptArguments:
         metadata={
             "help": "plain | tags | dapo | source (a row's own "
             "conversation); unset: the reference's for the data set (gsm8k plain, bigmath "
-            "tags, dapo-math source, arithmetic tags). See qerl/prompts.py."
+            "tags, dapo-math source, arithmetic tags). See qerl/train/prompts.py."
         },
     )
     heldout: int = field(

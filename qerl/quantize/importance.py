@@ -17,7 +17,7 @@ decoder, treating channels as independent:
 
 The estimate misses what only data shows (massive activations on a few channels, attention
 patterns): on SmolLM2-135M its log correlates only 0.0-0.4 with moments measured on text. It still
-steers :mod:`qerl.quant.mse`'s choice of block scale better than no weighting or the norm weights
+steers :mod:`qerl.quantize.mse`'s choice of block scale better than no weighting or the norm weights
 alone (docs/quantization.md). It reads one tensor at a time and keeps one vector per Linear.
 """
 

@@ -13,7 +13,7 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
 from qerl import arch
-from qerl.linear import NVFP4Linear
+from qerl.load.linear import NVFP4Linear
 
 #: LoRA on every decoder Linear (QeRL's setting).
 DEFAULT_TARGETS = arch.LINEAR_TARGETS

@@ -4,7 +4,7 @@ An NVFP4 checkpoint's Linear layers become ``NVFP4Linear`` modules holding exact
 ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` tensors, so resident memory is the
 packed size (4.5 bits per weight). The model skeleton is built on the meta device, so a dense copy
 of the weights never exists, not even for a moment. Every tensor is checked once where it lands
-(``qerl.integrity``): a NaN block scale stops the load with one line instead of a model that
+(``qerl.load.integrity``): a NaN block scale stops the load with one line instead of a model that
 generates nonsense.
 """
 
@@ -19,8 +19,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from qerl import arch, checkpoint, hub
-from qerl.integrity import Verdicts
-from qerl.linear import NVFP4Linear, replace_linears, stack_fused_groups
+from qerl.load.integrity import Verdicts
+from qerl.load.linear import NVFP4Linear, replace_linears, stack_fused_groups
 
 LoadMode = Literal["auto", "nvfp4", "bf16"]
 

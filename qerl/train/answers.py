@@ -1,5 +1,5 @@
 """Answer extraction and scoring for math: the one place that reads an answer out of a completion, used
-by the training rewards (``qerl.rewards``), the held-out accuracy of ``qerl.train`` and evaluation
+by the training rewards (``qerl.train.rewards``), the held-out accuracy of ``qerl.train.run`` and evaluation
 (``eval``), so that a model is trained against the same reading it is judged by.
 
 Three readings (``READINGS``), one per kind of gold answer:

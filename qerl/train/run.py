@@ -4,24 +4,24 @@
     python -m qerl.train --model-name qmodel/Qwen2.5-7B-NVFP4A16 --dataset gsm8k --lora-rank 16 --ln True \\
         --sigma-start 1e-2 --sigma-end 1e-4 --num-stages 10 --output-dir runs/7b
 
-Flags (``qerl.train_args``) are trl's ``TrlParser`` over ``ScriptArguments`` (model, data, LoRA) and ``QeRLConfig``
+Flags (``qerl.train.args``) are trl's ``TrlParser`` over ``ScriptArguments`` (model, data, LoRA) and ``QeRLConfig``
 (everything trl's GRPOConfig knows, plus the rollout engine and AQN). Both ``--lora_rank`` and the
 reference's ``--lora-rank`` spellings work. Reference flags that no longer do anything
 (``--max-seq-length``, ``--fast-inference``, ``--random-state``, ``--load-in-4bit``, ...) are accepted
 with a warning so that the reference's scripts still run. What a recipe leaves unset is the reference
-scripts' choice: one epoch, the data set's completion budget (``qerl.data``), AQN for NVFP4 models only
-(``qerl.config``), the data set's prompt (``--prompt-style``). ``--push_to_hub`` uploads only when a
+scripts' choice: one epoch, the data set's completion budget (``qerl.train.data``), AQN for NVFP4 models only
+(``qerl.train.config``), the data set's prompt (``--prompt-style``). ``--push_to_hub`` uploads only when a
 Hugging Face token is configured; otherwise it logs one note and the run stays local.
 
 A run into an ``output_dir`` that already holds one continues it from its newest complete checkpoint
 (every file of it read back and checked first: a damaged one is refused in one line, or moved aside for the
 one before with ``--damaged_checkpoint previous``), but only when the recorded settings (``run_config.json``: flags, data and model digests) match; a
 finished run is a no-op, and different settings are refused in one line unless ``--resume force``
-(``qerl.resume``; the record is written only once these checks pass); settings that may change (``--save_steps``, ``--logging_steps``) take effect on the
+(``qerl.train.resume``; the record is written only once these checks pass); settings that may change (``--save_steps``, ``--logging_steps``) take effect on the
 resumed run. The run writes the final adapter to ``output_dir/adapter`` (temp dir, then rename) with
 the base model's digest (``qerl_base.json``; checkpoints have it in ``run_config.json`` beside them),
 so that export and evaluation can refuse another base, logs every step to ``output_dir/metrics.jsonl``
-and draws the curves with ``qerl.plot``. One run at a time holds ``output_dir`` (``qerl.runlock``); ``output_dir`` may not be
+and draws the curves with ``qerl.train.plot``. One run at a time holds ``output_dir`` (``qerl.runlock``); ``output_dir`` may not be
 the model's directory or lie inside it. A failed save (a full disk) leaves no ``checkpoint-N`` that
 looks complete: the incomplete one is moved aside before the error is reported.
 
@@ -46,23 +46,23 @@ from typing import Any
 from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
 
-from qerl import data as qdata
 from qerl import hub
-from qerl import resume as run_record
-from qerl.answers import judge
 from qerl.checkpoint import read_config
-from qerl.checkpoint_check import sound_checkpoint
 from qerl.cli import UsageError, one_line, run, usage_errors
-from qerl.fingerprint import model_sha256, write_base_record
 from qerl.fsutil import atomic_directory, atomic_write_text, is_within
-from qerl.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
-from qerl.lora import lora_config
-from qerl.prompts import encode_chat
-from qerl.rewards import get_rewards
+from qerl.load.fingerprint import model_sha256, write_base_record
+from qerl.load.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
+from qerl.load.lora import lora_config
 from qerl.rollout import SamplingParams
 from qerl.runlock import run_lock
-from qerl.train_args import IGNORED_REFERENCE_FLAGS, ScriptArguments, parse_args
-from qerl.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
+from qerl.train import data as qdata
+from qerl.train import resume as run_record
+from qerl.train.answers import judge
+from qerl.train.args import IGNORED_REFERENCE_FLAGS, ScriptArguments, parse_args
+from qerl.train.checkpoint_check import sound_checkpoint
+from qerl.train.prompts import encode_chat
+from qerl.train.rewards import get_rewards
+from qerl.train.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
 
 logger = logging.getLogger("qerl.train")
 __all__ = ["IGNORED_REFERENCE_FLAGS", "ScriptArguments", "main", "parse_args", "heldout_accuracy", "prompt_budget"]
@@ -70,7 +70,7 @@ __all__ = ["IGNORED_REFERENCE_FLAGS", "ScriptArguments", "main", "parse_args", "
 
 def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reading: str, max_new_tokens: int, batch: int = 64) -> float:
     """Greedy accuracy on held-out rows through the rollout engine, judged as evaluation judges
-    (``qerl.answers.judge`` with the data set's reading), whatever rewards the run trains with."""
+    (``qerl.train.answers.judge`` with the data set's reading), whatever rewards the run trains with."""
     if len(rows) == 0:
         return float("nan")
     tok = trainer.processing_class
@@ -103,7 +103,7 @@ def save_adapter(trainer: QeRLTrainer, out_dir: Path, model: str, digest: str | 
 class CurrentIntervals(TrainerCallback):
     """The logging / saving intervals of *this* invocation: transformers restores ``save_steps``,
     ``logging_steps`` and ``eval_steps`` from the checkpoint it resumes, so a changed ``--save_steps``
-    (a resumable setting, ``qerl.resume``) was reported and then ignored."""
+    (a resumable setting, ``qerl.train.resume``) was reported and then ignored."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         state.compute_steps(args, state.max_steps)
@@ -356,7 +356,7 @@ def finish(script: ScriptArguments, run: Prepared, out: Path) -> dict[str, Any]:
     if not main_process:
         return run.summary
     if script.plot:
-        from qerl.plot import write_plots
+        from qerl.train.plot import write_plots
 
         run.summary["plots"] = [str(p) for p in write_plots([out], out / "plots")]
     summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in run.summary.items()}

@@ -18,7 +18,7 @@ schedules then stretch over the new length (the trainer warns).
 
 The run files themselves: checkpoints count once their completion marker is written
 (:func:`last_complete_checkpoint`) and are resumed only when every file reads back whole and finite and the
-adapter fits the model (``qerl.checkpoint_check``), and ``metrics.jsonl`` (:class:`MetricsFile`) keeps one row per
+adapter fits the model (``qerl.train.checkpoint_check``), and ``metrics.jsonl`` (:class:`MetricsFile`) keeps one row per
 step across interruptions.
 """
 
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 #: Written last into every checkpoint; a checkpoint without it is incomplete.
 CHECKPOINT_MARKER = "qerl_checkpoint.json"
-#: Metrics appended one JSON line per log step (read by ``qerl.plot``; survives crashes).
+#: Metrics appended one JSON line per log step (read by ``qerl.train.plot``; survives crashes).
 METRICS_FILE = "metrics.jsonl"
 RUN_CONFIG_FILE = "run_config.json"
 SUMMARY_FILE = "summary.json"

@@ -7,7 +7,7 @@ clip-higher 0.28, truncated completions masked, grad clip 0.2, cosine schedule, 
 epoch) is spelled out in ``training/recipes/*.yaml``, where a run shows what it uses. A trl user's
 working ``GRPOConfig`` settings therefore mean the same here.
 
-Kept apart from ``qerl.trainer`` so that what a run is configured to do (defaults, validation) and how
+Kept apart from ``qerl.train.trainer`` so that what a run is configured to do (defaults, validation) and how
 the trainer does it can be read separately.
 """
 
@@ -32,8 +32,8 @@ from huggingface_hub import get_token
 from torch import nn
 from trl import GRPOConfig
 
-from qerl.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule
 from qerl.rollout import KINDS
+from qerl.train.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class QeRLConfig(GRPOConfig):
     """GRPOConfig with trl's defaults except ``TRL_DEFAULT_OVERRIDES``, plus the rollout engine and AQN.
 
     Three defaults depend on the model or the data and are filled in later, when those are known
-    (``with_model_defaults``; ``qerl.train`` for the data set): ``learning_rate`` (1e-5 NVFP4, 5e-6
+    (``with_model_defaults``; ``qerl.train.run`` for the data set): ``learning_rate`` (1e-5 NVFP4, 5e-6
     bf16), ``aqn`` (on for NVFP4 models only) and ``max_completion_length`` (trl's 512; the CLI: the
     reference scripts' budget for the data set). The reference's DAPO recipe is in ``training/recipes``.
     """
@@ -84,7 +84,7 @@ class QeRLConfig(GRPOConfig):
     )
     bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; unset: on with CUDA, off on CPU."})
     vllm_importance_sampling_mode: str = field(
-        default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.trainer docstring)."}
+        default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.train.trainer docstring)."}
     )
     vllm_importance_sampling_clip_max: float | None = field(default=2.0, metadata={"help": "IS cap C."})
     is_ratio_from_loss_pass: bool = field(
@@ -92,7 +92,7 @@ class QeRLConfig(GRPOConfig):
         metadata={
             "help": "Take the rollout IS ratio from the loss forward's log-probs when each "
             "generation feeds one optimizer step, skipping trl's extra no-grad pass over "
-            "the batch (the same ratio: qerl.is_ratio); False: trl's separate pass."
+            "the batch (the same ratio: qerl.train.is_ratio); False: trl's separate pass."
         },
     )
     # Data parallelism (`accelerate launch`): the buffers are the frozen packed weights, identical on every
@@ -140,7 +140,7 @@ class QeRLConfig(GRPOConfig):
             self.bf16 = torch.cuda.is_available()
         if not torch.cuda.is_available():  # what makes `accelerate launch` give CPU-only processes gloo DDP
             self.use_cpu = True
-        if self.use_vllm:  # the reference's --use-vllm True: our vLLM engine, not trl's (see qerl.trainer's docstring)
+        if self.use_vllm:  # the reference's --use-vllm True: our vLLM engine, not trl's (see qerl.train.trainer's docstring)
             self.rollout_engine, self.use_vllm = "vllm", False
         if isinstance(self.rollout_engine_kwargs, str):
             try:
@@ -280,7 +280,7 @@ def with_model_defaults(args: QeRLConfig, model: Any) -> QeRLConfig:
     scheduler on only for those); it tested the *path* for the substring ``nvfp4``, we test the loaded
     model for NVFP4 layers, so a renamed checkpoint cannot change the experiment.
     """
-    from qerl.loader import is_nvfp4_model
+    from qerl.load.loader import is_nvfp4_model
 
     nvfp4 = isinstance(model, nn.Module) and is_nvfp4_model(model)
     args = copy.copy(args)

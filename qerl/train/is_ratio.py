@@ -1,7 +1,7 @@
 """The rollout importance-sampling ratio from the loss forward's own log-probs: one pass over the batch fewer.
 
 trl corrects the mismatch between the policy that sampled and the one that is trained
-(``vllm_importance_sampling_correction``, on in ``QeRLConfig``; see ``qerl.trainer``) by weighting each token's
+(``vllm_importance_sampling_correction``, on in ``QeRLConfig``; see ``qerl.train.trainer``) by weighting each token's
 loss with pi_train / pi_rollout, truncated or masked, per token or per sequence. It gets pi_train from a separate
 no-grad forward over the whole batch right after generation (``old_per_token_logps``). When every generation is
 consumed within one optimizer step (``gradient_accumulation_steps`` a multiple of ``steps_per_generation *

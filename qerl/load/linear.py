@@ -134,7 +134,7 @@ def stack_fused_groups(model: nn.Module) -> int:
     is unchanged, and the rollout engine sees that the group is contiguous and runs it as one FP4
     launch (``qerl.kernels.nvfp4_group_decode``). A group is left as it is where its members differ
     in input size, device or bias presence, or where their global scales differ (llm-compressor and
-    ``qerl.quantize`` give fused groups one global scale, as vLLM needs; that check reads the scales
+    ``qerl.quantize.pipeline`` give fused groups one global scale, as vLLM needs; that check reads the scales
     once, at load). Returns the number of groups stacked.
     """
     from qerl import arch

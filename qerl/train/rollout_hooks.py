@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qerl.aqn import NormNoise, draw_seed, norm_weights
 from qerl.rollout import SamplingParams, get_engine
+from qerl.train.aqn import NormNoise, draw_seed, norm_weights
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class RolloutHooks:
     @contextmanager
     def inference_mode(self) -> Iterator[bool]:
         """The policy in eval mode without autograd, its mode restored after; yields whether it was training. Every
-        generation runs under it: the rollouts (``rollout_mode``) and the held-out evaluation (``qerl.train``)."""
+        generation runs under it: the rollouts (``rollout_mode``) and the held-out evaluation (``qerl.train.run``)."""
         policy = self._policy()
         was_training = policy.training
         policy.eval()

@@ -3,7 +3,7 @@
 transformers restores a checkpoint's files one by one where it meets them: a truncated ``trainer_state.json``,
 ``optimizer.pt`` or adapter was a traceback mid-restore, and one NaN in the optimizer's moments turned every
 trained weight NaN with exit status 0. :func:`sound_checkpoint` checks all of it before anything is restored, so a
-refused resume changes nothing in the run's directory (``qerl.train`` records the run's settings only after it).
+refused resume changes nothing in the run's directory (``qerl.train.run`` records the run's settings only after it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from qerl.cli import UsageError, one_line
-from qerl.resume import CHECKPOINT_MARKER, last_complete_checkpoint, move_aside
+from qerl.train.resume import CHECKPOINT_MARKER, last_complete_checkpoint, move_aside
 
 logger = logging.getLogger(__name__)
 

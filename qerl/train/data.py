@@ -1,10 +1,10 @@
 """Training data: every data set becomes rows of ``prompt`` (chat messages) and ``answer`` (gold).
 
 ``prompt`` is built as the reference built it for that data set unless ``--prompt-style`` says
-otherwise (``qerl.prompts``): GSM8K the bare question, BigMath the tag instruction, DAPO-Math the
+otherwise (``qerl.train.prompts``): GSM8K the bare question, BigMath the tag instruction, DAPO-Math the
 row's own ``source_prompt``; trl applies the tokenizer's chat template itself. ``answer`` is what the
-rewards in ``qerl.rewards`` and the held-out accuracy compare against, through the data set's answer
-reading (``qerl.answers``). Each set also carries the completion budget of the reference's scripts.
+rewards in ``qerl.train.rewards`` and the held-out accuracy compare against, through the data set's answer
+reading (``qerl.train.answers``). Each set also carries the completion budget of the reference's scripts.
 
 Sources: a local file (``.jsonl``/``.json``/``.parquet``, or a directory holding ``train.*``) or a
 hub id, for GSM8K, BigMath, DAPO-Math; plus ``arithmetic``, a synthetic set generated from a seed
@@ -24,9 +24,9 @@ from typing import Any
 
 from datasets import Dataset
 
-from qerl.answers import gsm8k_gold
 from qerl.hub import path_shaped
-from qerl.prompts import PROMPT_STYLES, SOURCE_STYLE, chat_messages, encode_chat
+from qerl.train.answers import gsm8k_gold
+from qerl.train.prompts import PROMPT_STYLES, SOURCE_STYLE, chat_messages, encode_chat
 
 #: The reference scripts' completion budget for a data set without a preset of its own.
 DEFAULT_COMPLETION_LENGTH = 8192
@@ -38,9 +38,9 @@ class DatasetSpec:
 
     hub_id: str | None
     config: str | None
-    style: str  # the prompt style the reference used for it (qerl.prompts)
+    style: str  # the prompt style the reference used for it (qerl.train.prompts)
     rewards: tuple[str, ...]
-    reading: str  # how its answers are read and judged: one of qerl.answers.READINGS
+    reading: str  # how its answers are read and judged: one of qerl.train.answers.READINGS
     completion_length: int = DEFAULT_COMPLETION_LENGTH  # the reference scripts' budget for this set
     question_fields: tuple[str, ...] = ("question", "problem", "prompt")
     answer_fields: tuple[str, ...] = ("answer", "solution", "final_answer")

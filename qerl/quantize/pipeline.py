@@ -7,14 +7,14 @@ Two backends; for the default method they write byte-identical files:
 * ``llmcompressor`` runs llm-compressor's ``oneshot`` with ``QuantizationModifier(scheme="NVFP4A16")``
   where that package is installed (it loads the whole model).
 
-Three methods, one format (``qerl.nvfp4``), which vLLM and ``qerl.loader`` read unchanged:
+Three methods, one format (``qerl.nvfp4``), which vLLM and ``qerl.load.loader`` read unchanged:
 
 * ``rtn`` (default): round-to-nearest with min/max scales, no calibration data: exactly what the
   QeRL reference script does, deterministic and reproducible by vLLM users;
 * ``mse``: the same, with each block's FP8 scale chosen by reconstruction error weighted by input
-  moments estimated from the weights (``qerl.quant.mse``, ``qerl.quant.importance``), still
+  moments estimated from the weights (``qerl.quantize.mse``, ``qerl.quantize.importance``), still
   data-free and streaming;
-* ``gptq``: llm-compressor's GPTQ on calibration text (``qerl.quant.calibration``); it needs the
+* ``gptq``: llm-compressor's GPTQ on calibration text (``qerl.quantize.calibration``); it needs the
   whole model and the ``quantize`` extra, and it closes most of rtn's quality gap
   (benchmarks/results/quality_cpu.json).
 """
@@ -37,9 +37,9 @@ from tqdm import tqdm
 
 from qerl import arch, checkpoint, hub, nvfp4
 from qerl.fsutil import atomic_directory, save_safetensors
-from qerl.quant import importance, mse, target
-from qerl.quant.calibration import Calibration
-from qerl.quant.source import SourceModel, check_finite
+from qerl.quantize import importance, mse, target
+from qerl.quantize.calibration import Calibration
+from qerl.quantize.source import SourceModel, check_finite
 from qerl.runlock import run_lock
 
 Backend = Literal["auto", "qerl", "llmcompressor"]
@@ -164,8 +164,8 @@ def quantize_streaming(source: Source, out_dir: Path, method: Method = "rtn", ma
     """The qerl backend: two passes over the shards, one tensor in memory at a time.
 
     ``rtn`` rounds with min/max block scales (llm-compressor's bytes); ``mse`` searches each
-    block's scale (:mod:`qerl.quant.mse`), weighing input columns by their estimated activation
-    moments (:mod:`qerl.quant.importance`, one more pass over the weights, one tensor at a time).
+    block's scale (:mod:`qerl.quantize.mse`), weighing input columns by their estimated activation
+    moments (:mod:`qerl.quantize.importance`, one more pass over the weights, one tensor at a time).
     Both write the same format with the same global scales.
     """
     src, tensors, names = source.path, source.tensors, source.names
@@ -246,7 +246,7 @@ def quantize_checkpoint(
     ``lm_head`` (which is quantized only with ``quantize_lm_head``). The result appears atomically:
     everything is written to a temporary sibling directory that is renamed into place only when
     complete; an existing ``output`` is replaced only under the rules of
-    :func:`qerl.quant.target.check_target`.
+    :func:`qerl.quantize.target.check_target`.
     """
     backend = _resolve_backend(method, backend)
     if calibration is not None and method != "gptq":

@@ -5,7 +5,7 @@ Mapping it to 4 instead (the "4/6" choice) gives the block's large values a fine
 (..., 2, 3, 4 against ..., 3, 4, 6 of the same maximum) at the price of range, and wins on blocks
 whose values crowd near their maximum. Per block we keep whichever of the candidate scales
 (:data:`TARGETS`) reconstructs the block with the smaller squared error, each input column's error
-weighted by the estimated second moment of that input channel (:mod:`qerl.quant.importance`,
+weighted by the estimated second moment of that input channel (:mod:`qerl.quantize.importance`,
 computed from the checkpoint's weights alone): an error where activations are large costs more.
 The block maximum is representable under every candidate, so no weight is clipped. The global
 scale stays the min/max one, shared by fused layers exactly as in rtn.
@@ -98,6 +98,6 @@ def quantize(
     weight: torch.Tensor, gscale: torch.Tensor | None = None, importance: torch.Tensor | None = None
 ) -> nvfp4.NVFP4Tensors:
     """:func:`qerl.nvfp4.quantize` with searched block scales (same format, same global scale);
-    ``importance`` (``[K]``, :func:`qerl.quant.importance.input_moments`) weighs the input columns."""
+    ``importance`` (``[K]``, :func:`qerl.quantize.importance.input_moments`) weighs the input columns."""
     g = nvfp4.global_scale(weight) if gscale is None else gscale.float().reshape(1)
     return nvfp4.quantize(weight, g, search_scales(weight, g, importance))
