@@ -62,8 +62,9 @@ def test_output_equal_to_model_with_overwrite_keeps_the_source(tiny_llama_dir: P
 def test_output_containing_the_source_is_refused(tmp_path: Path, capsys):
     parent = tmp_path / "outer"
     src = make_tiny_llama(parent / "src")
-    (parent / "config.json").write_text(json.dumps({"quantization_config": {
-        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}))  # looks like an output
+    (parent / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}})
+    )  # looks like an output
     before = _snapshot(parent)
     code, err = _run(["--model", str(src), "--output", str(parent), "--overwrite"], capsys)
     assert code == 2 and err.count("\n") == 0 and "source model" in err, err
@@ -93,10 +94,17 @@ def test_overwrite_replaces_only_an_earlier_nvfp4_output(tiny_llama_dir: Path, t
 # --- item 4: NaN/Inf weights and a config.json that disagrees with the tensors
 
 
-@pytest.mark.parametrize(("tensor", "value", "backend"), [("model.layers.1.mlp.up_proj.weight", float("nan"), "qerl"),
-                                                          ("model.layers.0.input_layernorm.weight", float("inf"), "qerl"),
-                                                          ("model.layers.1.mlp.up_proj.weight", float("nan"), "llmcompressor")])
-def test_non_finite_weight_is_refused(tiny_llama_dir: Path, tmp_path: Path, capsys, tensor: str, value: float, backend: str):
+@pytest.mark.parametrize(
+    ("tensor", "value", "backend"),
+    [
+        ("model.layers.1.mlp.up_proj.weight", float("nan"), "qerl"),
+        ("model.layers.0.input_layernorm.weight", float("inf"), "qerl"),
+        ("model.layers.1.mlp.up_proj.weight", float("nan"), "llmcompressor"),
+    ],
+)
+def test_non_finite_weight_is_refused(
+    tiny_llama_dir: Path, tmp_path: Path, capsys, tensor: str, value: float, backend: str
+):
     if backend == "llmcompressor":
         pytest.importorskip("llmcompressor")
     f = tiny_llama_dir / "model.safetensors"
@@ -109,11 +117,17 @@ def test_non_finite_weight_is_refused(tiny_llama_dir: Path, tmp_path: Path, caps
     assert not (tmp_path / "o").exists() and not _hidden(tmp_path)
 
 
-@pytest.mark.parametrize(("key", "value", "expect"), [("intermediate_size", 96, "shape"),
-                                                      ("num_hidden_layers", 1, "model.layers.1."),
-                                                      ("num_hidden_layers", 3, "missing")])
-def test_config_that_disagrees_with_the_tensors_is_refused(tiny_llama_dir: Path, tmp_path: Path, capsys,
-                                                           key: str, value: int, expect: str):
+@pytest.mark.parametrize(
+    ("key", "value", "expect"),
+    [
+        ("intermediate_size", 96, "shape"),
+        ("num_hidden_layers", 1, "model.layers.1."),
+        ("num_hidden_layers", 3, "missing"),
+    ],
+)
+def test_config_that_disagrees_with_the_tensors_is_refused(
+    tiny_llama_dir: Path, tmp_path: Path, capsys, key: str, value: int, expect: str
+):
     cfg_path = tiny_llama_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg[key] = value
@@ -141,18 +155,41 @@ def untied_dir(tmp_path: Path) -> Path:
 
 def test_ignore_keeps_lm_head_and_accepts_regex(untied_dir: Path, tmp_path: Path, capsys):
     out = tmp_path / "o"
-    code, err = _run(["--model", str(untied_dir), "--output", str(out), "--backend", "qerl",
-                      "--ignore", "down_proj", r"re:model\.layers\.0\.self_attn\.[qk]_proj$"], capsys)
+    code, err = _run(
+        [
+            "--model",
+            str(untied_dir),
+            "--output",
+            str(out),
+            "--backend",
+            "qerl",
+            "--ignore",
+            "down_proj",
+            r"re:model\.layers\.0\.self_attn\.[qk]_proj$",
+        ],
+        capsys,
+    )
     assert code == 0, err
     t = load_file(out / "model.safetensors")
     assert t["lm_head.weight"].dtype == torch.bfloat16 and "lm_head.weight_packed" not in t
-    for kept in ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj",
-                 "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"):
+    for kept in (
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+    ):
         assert f"{kept}.weight" in t and f"{kept}.weight_packed" not in t, kept
     assert "model.layers.0.self_attn.v_proj.weight_packed" in t and "model.layers.1.self_attn.q_proj.weight_packed" in t
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
-    assert sorted(ignore) == sorted(["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj",
-                                     "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"])
+    assert sorted(ignore) == sorted(
+        [
+            "lm_head",
+            "model.layers.0.mlp.down_proj",
+            "model.layers.1.mlp.down_proj",
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.k_proj",
+        ]
+    )
 
 
 def test_quantize_lm_head(untied_dir: Path, tmp_path: Path, capsys):
@@ -169,8 +206,11 @@ def test_quantize_lm_head(untied_dir: Path, tmp_path: Path, capsys):
 
 
 def test_bad_ignore_entries(tiny_llama_dir: Path, tmp_path: Path, capsys):
-    for args, expect in ((["--ignore", "dwon_proj"], "matches no Linear"), (["--ignore", "re:(unclosed"], "regular expression"),
-                         (["--quantize-lm-head"], "tie_word_embeddings")):
+    for args, expect in (
+        (["--ignore", "dwon_proj"], "matches no Linear"),
+        (["--ignore", "re:(unclosed"], "regular expression"),
+        (["--quantize-lm-head"], "tie_word_embeddings"),
+    ):
         code, err = _run(["--model", str(tiny_llama_dir), "--output", str(tmp_path / "o"), *args], capsys)
         assert code == 2 and err.count("\n") == 0 and expect in err, (args, err)
         assert not (tmp_path / "o").exists()
@@ -182,15 +222,19 @@ def test_both_backends_read_ignore_the_same(untied_dir: Path, tmp_path: Path, ca
     outs = {}
     for backend in ("qerl", "llmcompressor"):
         outs[backend] = tmp_path / backend
-        code, err = _run(["--model", str(untied_dir), "--output", str(outs[backend]), "--backend", backend, *ignore], capsys)
+        code, err = _run(
+            ["--model", str(untied_dir), "--output", str(outs[backend]), "--backend", backend, *ignore], capsys
+        )
         assert code == 0, err
     ours, theirs = load_file(outs["qerl"] / "model.safetensors"), load_file(outs["llmcompressor"] / "model.safetensors")
     assert set(ours) == set(theirs) and "lm_head.weight" in ours and "model.layers.0.self_attn.o_proj.weight" in ours
     assert "model.layers.1.mlp.up_proj.weight" in ours and "model.layers.0.mlp.up_proj.weight_packed" in ours
     for name in ours:
         a, b = ours[name], theirs[name]
-        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                                                  b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+        assert a.dtype == b.dtype and torch.equal(
+            a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
+        ), name
 
 
 # --- item 6: a run killed with SIGKILL leaves hidden folders; the next run for the target removes them
@@ -209,15 +253,20 @@ def test_killed_run_leftovers_are_cleaned_by_the_next_run(tiny_llama_dir: Path, 
     work = tmp_path / "work"
     work.mkdir()
     out = work / "q"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(tiny_llama_dir), str(out)], cwd=ROOT,
-                          capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_RUN, str(tiny_llama_dir), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == -9
     left = _hidden(work)
     assert any(n.startswith(".q.tmp-") for n in left) and any(n.startswith(".q.src-") for n in left), left
     (work / ".other.tmp-keep").mkdir()  # another target's folder is not ours to remove
+    (work / ".q.tmp-notours").mkdir()  # nor is a look-alike without our scratch mark
     code, err = _run(["--model", str(tiny_llama_dir), "--output", str(out)], capsys)
     assert code == 0, err
-    assert _hidden(work) == [".other.tmp-keep"] and (out / "model.safetensors").exists()
+    assert _hidden(work) == [".other.tmp-keep", ".q.tmp-notours"] and (out / "model.safetensors").exists()
 
 
 def test_a_live_run_for_the_same_target_is_not_disturbed(tiny_llama_dir: Path, tmp_path: Path, capsys):

@@ -25,7 +25,6 @@ import fnmatch
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from qerl import arch, checkpoint, hub, nvfp4
-from qerl.fsutil import atomic_directory, save_safetensors
+from qerl.fsutil import atomic_directory, remove_leftovers, save_safetensors, scratch_directory
 from qerl.quantize import importance, mse, target
 from qerl.quantize.calibration import Calibration
 from qerl.quantize.source import SourceModel, check_finite
@@ -45,8 +44,11 @@ from qerl.runlock import run_lock
 Backend = Literal["auto", "qerl", "llmcompressor"]
 Method = Literal["rtn", "mse", "gptq"]
 #: The backends that implement each method, the first one being what ``auto`` picks.
-METHOD_BACKENDS: dict[str, tuple[str, ...]] = {"rtn": ("qerl", "llmcompressor"), "mse": ("qerl",),
-                                               "gptq": ("llmcompressor",)}
+METHOD_BACKENDS: dict[str, tuple[str, ...]] = {
+    "rtn": ("qerl", "llmcompressor"),
+    "mse": ("qerl",),
+    "gptq": ("llmcompressor",),
+}
 #: Output shard size: the streaming backend's peak memory is about one shard plus one tensor.
 _SHARD_BYTES = 4 << 30
 
@@ -160,7 +162,9 @@ class Source:
         return cls(src, model, tensors, names, ignored)
 
 
-def quantize_streaming(source: Source, out_dir: Path, method: Method = "rtn", max_shard_bytes: int | None = None) -> None:
+def quantize_streaming(
+    source: Source, out_dir: Path, method: Method = "rtn", max_shard_bytes: int | None = None
+) -> None:
     """The qerl backend: two passes over the shards, one tensor in memory at a time.
 
     ``rtn`` rounds with min/max block scales (llm-compressor's bytes); ``mse`` searches each
@@ -177,7 +181,11 @@ def quantize_streaming(source: Source, out_dir: Path, method: Method = "rtn", ma
         tensor = tensors.get(name)
         if name in quantized:
             layer = quantized[name]
-            q = mse.quantize(tensor, scales[layer], moments.get(layer)) if method == "mse" else nvfp4.quantize(tensor, scales[layer])
+            q = (
+                mse.quantize(tensor, scales[layer], moments.get(layer))
+                if method == "mse"
+                else nvfp4.quantize(tensor, scales[layer])
+            )
             for key, value in q.as_dict(f"{layer}.").items():
                 writer.add(key, value)
         else:
@@ -189,8 +197,9 @@ def quantize_streaming(source: Source, out_dir: Path, method: Method = "rtn", ma
     _copy_side_files(src, out_dir)
 
 
-def quantize_llmcompressor(source: Source, out_dir: Path, method: Method = "rtn",
-                           calibration: Calibration | None = None) -> None:
+def quantize_llmcompressor(
+    source: Source, out_dir: Path, method: Method = "rtn", calibration: Calibration | None = None
+) -> None:
     """The llmcompressor backend: load the whole source and run llm-compressor's ``oneshot``.
 
     ``rtn`` is its data-free ``QuantizationModifier`` (scheme NVFP4A16); ``gptq`` its
@@ -205,8 +214,9 @@ def quantize_llmcompressor(source: Source, out_dir: Path, method: Method = "rtn"
         from llmcompressor.modifiers.gptq import GPTQModifier
         from llmcompressor.modifiers.quantization import QuantizationModifier
     except ImportError:
-        raise RuntimeError("--backend llmcompressor and --method gptq need llmcompressor: "
-                           "pip install 'qerl[quantize]'") from None
+        raise RuntimeError(
+            "--backend llmcompressor and --method gptq need llmcompressor: pip install 'qerl[quantize]'"
+        ) from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {}
@@ -256,14 +266,15 @@ def quantize_checkpoint(
     sources = [p for p in (model_dir, gguf) if p is not None]
     target.check_target(out_dir, sources, overwrite)  # before the lock, so that bad input creates no folder
     run: Callable[[Source, Path], None] = (
-        partial(quantize_llmcompressor, method=method, calibration=calibration) if backend == "llmcompressor"
+        partial(quantize_llmcompressor, method=method, calibration=calibration)
+        if backend == "llmcompressor"
         else partial(quantize_streaming, method=method, max_shard_bytes=max_shard_bytes)
     )
     with run_lock(out_dir):
         target.check_target(out_dir, sources, overwrite)  # again: a run that finished meanwhile wrote it
-        target.remove_stale_scratch(out_dir)
-        with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=target.scratch_prefix(out_dir, "src-")) as scratch:
-            src = hub.convert_gguf(gguf, Path(scratch) / "bf16") if gguf is not None else model_dir
+        remove_leftovers(out_dir)  # of a killed run to the same output (the lock says none is running)
+        with scratch_directory(out_dir, "src") as scratch:
+            src = hub.convert_gguf(gguf, scratch / "bf16") if gguf is not None else model_dir
             source = Source.open(src, tuple(ignore), quantize_lm_head)
             with atomic_directory(out_dir) as tmp:
                 run(source, tmp)
