@@ -107,12 +107,23 @@ def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
     if (out / "config.json").exists():
         return out
     shape, vocab = model_shape(tiny)
-    config = Qwen2Config(vocab_size=vocab, max_position_embeddings=MAX_POSITIONS, rope_theta=1e6,
-                         tie_word_embeddings=False, **shape).to_dict()  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=vocab, max_position_embeddings=MAX_POSITIONS, rope_theta=1e6, tie_word_embeddings=False, **shape
+    ).to_dict()
     config["quantization_config"] = checkpoint.quantization_config(["lm_head"])
-    layers = [f"model.layers.{i}.{m}" for i in range(shape["num_hidden_layers"])
-              for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
+    layers = [
+        f"model.layers.{i}.{m}"
+        for i in range(shape["num_hidden_layers"])
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(0)
     with atomic_directory(out) as tmp:  # complete or absent

@@ -60,7 +60,9 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     try:
         return pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError) as e:
-        raise UsageError(f"--data {path}: not a readable parquet file ({str(e).strip().splitlines()[0][:200]})") from None
+        raise UsageError(
+            f"--data {path}: not a readable parquet file ({str(e).strip().splitlines()[0][:200]})"
+        ) from None
 
 
 def _read_by_suffix(path: Path) -> list[dict[str, Any]]:
@@ -76,7 +78,9 @@ def _read_by_suffix(path: Path) -> list[dict[str, Any]]:
         return rows
     if path.suffix == ".parquet":
         return _read_parquet(path)
-    raise UsageError(f"--data {path}: unsupported file type {path.suffix!r}; expected one of {', '.join(LOCAL_SUFFIXES)}")
+    raise UsageError(
+        f"--data {path}: unsupported file type {path.suffix!r}; expected one of {', '.join(LOCAL_SUFFIXES)}"
+    )
 
 
 def _read_hub(data: str, config: str | None, split: str) -> list[dict[str, Any]]:
@@ -114,9 +118,13 @@ def load_problems(
     if path.is_file():
         rows, where = _read_local(path), str(path)
     elif path.is_dir():
-        raise UsageError(f"--data {data}: is a directory; expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id")
+        raise UsageError(
+            f"--data {data}: is a directory; expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id"
+        )
     elif path_shaped(data, LOCAL_SUFFIXES):
-        raise UsageError(f"--data {data}: no such file (expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id)")
+        raise UsageError(
+            f"--data {data}: no such file (expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id)"
+        )
     else:
         rows, where = _read_hub(data, config, split), f"{data}[{split}]"
     if not rows:

@@ -27,8 +27,11 @@ GSM8K = Benchmark(
 
 
 def main(argv: Sequence[str] | None = None) -> Accuracy:
-    parser = make_parser("python -m eval.gsm8k", "GSM8K pass@1 (answers after '####' in the gold; numbers compared exactly).",
-                         default_data=GSM8K.default_data)
+    parser = make_parser(
+        "python -m eval.gsm8k",
+        "GSM8K pass@1 (answers after '####' in the gold; numbers compared exactly).",
+        default_data=GSM8K.default_data,
+    )
     return evaluate(parser.parse_args(argv), GSM8K)
 
 

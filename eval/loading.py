@@ -85,8 +85,11 @@ def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_misma
 
 def _first_mismatch(error: str) -> str | None:
     """torch's multi-line "size mismatch" report, reduced to its first tensor."""
-    found = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^\]]*\])\) from checkpoint, "
-                      r"the shape in current model is torch.Size\((\[[^\]]*\])\)", error)
+    found = re.search(
+        r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^\]]*\])\) from checkpoint, "
+        r"the shape in current model is torch.Size\((\[[^\]]*\])\)",
+        error,
+    )
     if found is None:
         return None
     name, saved, live = found.groups()
@@ -106,5 +109,7 @@ def _check_loaded(wrapped: PeftModel, saved: dict[str, torch.Tensor], adapter_di
     for key, value in saved.items():
         target = live[key]
         if tuple(target.shape) != tuple(value.shape) or not torch.equal(target.cpu(), value.to(target.dtype)):
-            raise UsageError(f"--lora {adapter_dir}: tensor {key} did not load as saved (shape {tuple(value.shape)} "
-                             f"vs {tuple(target.shape)} in --model {model_arg!r})")
+            raise UsageError(
+                f"--lora {adapter_dir}: tensor {key} did not load as saved (shape {tuple(value.shape)} "
+                f"vs {tuple(target.shape)} in --model {model_arg!r})"
+            )

@@ -45,9 +45,11 @@ def use_chat_template(tokenizer: Any, model: str, template: str | None, style: s
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"{label}: cannot read it ({e.__class__.__name__}: {e})") from None
     elif not getattr(tokenizer, "chat_template", None):
-        raise UsageError(f"--model {model}: its tokenizer has no chat template (no chat_template.jinja, nor "
-                         "chat_template in tokenizer_config.json); pass --chat-template FILE, e.g. the base model's "
-                         "chat_template.jinja, to say how prompts are laid out")  # fmt: skip
+        raise UsageError(
+            f"--model {model}: its tokenizer has no chat template (no chat_template.jinja, nor "
+            "chat_template in tokenizer_config.json); pass --chat-template FILE, e.g. the base model's "
+            "chat_template.jinja, to say how prompts are laid out"
+        )
     else:
         label = f"--model {model}'s chat template"
     _check_template(tokenizer, label, style)
@@ -70,8 +72,9 @@ def _check_template(tokenizer: Any, label: str, style: str) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
         raise UsageError(f"{label}: not a usable Jinja chat template ({first})") from None
     if _PROBE not in text:
-        raise UsageError(f"{label}: its output does not contain the user's message "
-                         "(expected it to render each message's 'content')")  # fmt: skip
+        raise UsageError(
+            f"{label}: its output does not contain the user's message (expected it to render each message's 'content')"
+        )
 
 
 def prompt_budget(context: int, max_new_tokens: int) -> int:

@@ -76,8 +76,10 @@ def check_config(config: Mapping[str, Any] | Any, where: str) -> Family:
     model_type = get("model_type")
     family = FAMILIES.get(model_type)
     if family is None:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported; qerl supports the dense causal LM "
-                         f"types {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not supported; qerl supports the dense causal LM "
+            f"types {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     return family
 
 

@@ -35,8 +35,20 @@ USAGE_EXIT = 2
 #: Exit status of a run stopped by Ctrl-C (128 + SIGINT, what shells report).
 INTERRUPTED_EXIT = 130
 #: I/O failures that are the machine's state, not a bug: reported as ``cannot write|access FILE: reason``.
-ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
-                                errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENAMETOOLONG})
+ENVIRONMENT_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EROFS,
+        errno.EDQUOT,
+        errno.EFBIG,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EIO,
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ENAMETOOLONG,
+    }
+)
 
 
 class UsageError(SystemExit):
@@ -153,5 +165,17 @@ def _fail(message: object) -> int:
     return USAGE_EXIT
 
 
-__all__ = ["ArgumentParser", "shard_gb", "MAX_SHARD_GB", "StrictParsing", "UsageError", "run", "usage_errors", "one_line", "environment_error",
-           "ENVIRONMENT_ERRNOS", "USAGE_EXIT", "INTERRUPTED_EXIT"]
+__all__ = [
+    "ArgumentParser",
+    "shard_gb",
+    "MAX_SHARD_GB",
+    "StrictParsing",
+    "UsageError",
+    "run",
+    "usage_errors",
+    "one_line",
+    "environment_error",
+    "ENVIRONMENT_ERRNOS",
+    "USAGE_EXIT",
+    "INTERRUPTED_EXIT",
+]

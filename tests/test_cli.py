@@ -76,14 +76,21 @@ def test_environment_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> 
     def raises(error: BaseException):
         def main(argv: list[str] | None) -> None:
             raise error
+
         return main
 
     wrapped = RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
-    for error, line in ((OSError(errno.EROFS, os.strerror(errno.EROFS), "/out/model.safetensors"),
-                         "error: cannot write /out/model.safetensors: read-only file system\n"),
-                        (wrapped, "error: cannot write: no space left on device\n"),
-                        (PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/out"),
-                         "error: cannot access /out: permission denied\n")):
+    for error, line in (
+        (
+            OSError(errno.EROFS, os.strerror(errno.EROFS), "/out/model.safetensors"),
+            "error: cannot write /out/model.safetensors: read-only file system\n",
+        ),
+        (wrapped, "error: cannot write: no space left on device\n"),
+        (
+            PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/out"),
+            "error: cannot access /out: permission denied\n",
+        ),
+    ):
         assert run(raises(error)) == 2
         assert capsys.readouterr().err == line
     with pytest.raises(FileNotFoundError):

@@ -30,7 +30,10 @@ def test_gsm8k_local_jsonl_gets_the_bare_question_and_numeric_gold() -> None:
 def test_parquet_and_directory_sources(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:5]]
     Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
-    assert load_dataset("gsm8k", str(tmp_path / "train.parquet"))["answer"] == load_dataset("gsm8k", str(tmp_path))["answer"]
+    assert (
+        load_dataset("gsm8k", str(tmp_path / "train.parquet"))["answer"]
+        == load_dataset("gsm8k", str(tmp_path))["answer"]
+    )
 
 
 def test_math_style_sets_keep_the_gold_and_dapo_uses_its_prompt(tmp_path: Path) -> None:
@@ -137,7 +140,9 @@ def test_filter_prompt_length(smollm2_dir: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     ds = load_dataset("gsm8k", str(SAMPLE))
-    lengths = [len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"]) for p in ds["prompt"]]
+    lengths = [
+        len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"]) for p in ds["prompt"]
+    ]
     cut = sorted(lengths)[10]
     kept = filter_prompt_length(ds, tok, cut)
     assert len(kept) == sum(n <= cut for n in lengths) and 0 < len(kept) < len(ds)

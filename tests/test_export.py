@@ -44,8 +44,10 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def make_adapter(model_dir: Path, out: Path, lora_scale: float = 0.05, config: LoraConfig | None = None) -> Path:
     """A peft adapter over ``model_dir`` with random B (x ``lora_scale``) and norms perturbed by 10%."""
     torch.manual_seed(0)
-    model = get_peft_model(load_model(model_dir, device="cpu", dtype=torch.float32),
-                           register_nvfp4(config) if config else lora_config(r=4, alpha=8, train_norms=True))  # fmt: skip
+    model = get_peft_model(
+        load_model(model_dir, device="cpu", dtype=torch.float32),
+        register_nvfp4(config) if config else lora_config(r=4, alpha=8, train_norms=True),
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -101,15 +103,21 @@ def test_merged_weights_are_peft_delta_plus_dequantized_base(dirs, adapter, expo
     assert json.loads((path / MARKER).read_text())["format"] == "bf16"
 
 
-@pytest.mark.parametrize("extra", [dict(use_rslora=True), dict(rank_pattern={"down_proj": 8}, alpha_pattern={"q_proj": 32})],
-                         ids=["rslora", "patterns"])
+@pytest.mark.parametrize(
+    "extra",
+    [dict(use_rslora=True), dict(rank_pattern={"down_proj": 8}, alpha_pattern={"q_proj": 32})],
+    ids=["rslora", "patterns"],
+)
 def test_scaling_follows_peft(dirs, tmp_path: Path, extra: dict) -> None:
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], task_type="CAUSAL_LM", **extra)
     ad = make_adapter(dirs["nvfp4"], tmp_path / "ad", config=cfg)
     export(dirs["nvfp4"], ad, tmp_path / "out")
     merged = load_file(tmp_path / "out" / "model.safetensors")
     model = adapter_model(dirs["nvfp4"], ad)
-    for layer in (model.base_model.model.model.layers[1].self_attn.q_proj, model.base_model.model.model.layers[0].mlp.down_proj):
+    for layer in (
+        model.base_model.model.model.layers[1].self_attn.q_proj,
+        model.base_model.model.model.layers[0].mlp.down_proj,
+    ):
         want = layer.base_layer.dequantized_weight(torch.float32) + layer.get_delta_weight("default").float()
         name = next(n for n, m in model.named_modules() if m is layer).removeprefix("base_model.model.")
         assert torch.equal(merged[f"{name}.weight"], want.to(torch.bfloat16)), name
@@ -202,7 +210,9 @@ def test_existing_output_rules(dirs, adapter, tmp_path: Path, capsys) -> None:
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("mine")
-    code, err = run_cli(["--model", str(dirs["nvfp4"]), "--lora", str(adapter), "--output", str(foreign), "--overwrite"], capsys)
+    code, err = run_cli(
+        ["--model", str(dirs["nvfp4"]), "--lora", str(adapter), "--output", str(foreign), "--overwrite"], capsys
+    )
     assert code == 2 and "not written by qerl.export" in err
     assert (foreign / "keep.txt").read_text() == "mine"
 
@@ -210,7 +220,17 @@ def test_existing_output_rules(dirs, adapter, tmp_path: Path, capsys) -> None:
     assert run_cli(["--model", str(dirs["nvfp4"]), "--lora", str(adapter), "--output", str(out)], capsys)[0] == 0
     code, err = run_cli(["--model", str(dirs["nvfp4"]), "--lora", str(adapter), "--output", str(out)], capsys)
     assert code == 2 and "pass --overwrite" in err
-    args = ["--model", str(dirs["nvfp4"]), "--lora", str(adapter), "--output", str(out), "--overwrite", "--format", "nvfp4"]
+    args = [
+        "--model",
+        str(dirs["nvfp4"]),
+        "--lora",
+        str(adapter),
+        "--output",
+        str(out),
+        "--overwrite",
+        "--format",
+        "nvfp4",
+    ]
     assert run_cli(args, capsys)[0] == 0
     assert json.loads((out / MARKER).read_text())["format"] == "nvfp4"
     code, err = run_cli(["--model", str(dirs["nvfp4"]), "--lora", str(adapter), "--output", str(dirs["nvfp4"])], capsys)
@@ -221,8 +241,17 @@ def test_existing_output_rules(dirs, adapter, tmp_path: Path, capsys) -> None:
 def test_bad_adapters(dirs, adapter, tmp_path: Path, capsys) -> None:
     def fails(lora: Path, expected: str, *flags: str) -> None:
         # 10 kB shards: a mismatch found late comes after shards were written (none may remain).
-        args = ["--model", str(dirs["nvfp4"]), "--lora", str(lora), "--output", str(tmp_path / "out"), "--max-shard-gb", "1e-5",
-                *flags]
+        args = [
+            "--model",
+            str(dirs["nvfp4"]),
+            "--lora",
+            str(lora),
+            "--output",
+            str(tmp_path / "out"),
+            "--max-shard-gb",
+            "1e-5",
+            *flags,
+        ]
         code, err = run_cli(args, capsys)
         assert code == 2 and expected in err, err
         assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
@@ -237,8 +266,13 @@ def test_bad_adapters(dirs, adapter, tmp_path: Path, capsys) -> None:
     # An adapter of another model is refused by the base name peft recorded (as eval does); past that check
     # (--allow-base-mismatch) a 3-layer one targets layers the 2-layer checkpoint lacks, and one with a wider
     # MLP only shows at the MLP's tensors, midway through the writing.
-    for name, overrides, expected in (("deeper", dict(layers=3), "does not have"), ("wider", dict(intermediate=192), "shape")):
-        other = quantize_checkpoint(make_tiny_llama(tmp_path / f"{name}-src", vocab=VOCAB, **overrides), tmp_path / f"{name}-q")
+    for name, overrides, expected in (
+        ("deeper", dict(layers=3), "does not have"),
+        ("wider", dict(intermediate=192), "shape"),
+    ):
+        other = quantize_checkpoint(
+            make_tiny_llama(tmp_path / f"{name}-src", vocab=VOCAB, **overrides), tmp_path / f"{name}-q"
+        )
         fails(make_adapter(other, tmp_path / f"{name}-ad"), "adapter was made for base model")
         fails(tmp_path / f"{name}-ad", expected, "--allow-base-mismatch")
         for suffix in ("src", "q", "ad"):
@@ -246,11 +280,15 @@ def test_bad_adapters(dirs, adapter, tmp_path: Path, capsys) -> None:
 
 
 def test_bad_model_and_flags(adapter, tmp_path: Path, capsys) -> None:
-    code, err = run_cli(["--model", str(tmp_path / "nope"), "--lora", str(adapter), "--output", str(tmp_path / "o")], capsys)
+    code, err = run_cli(
+        ["--model", str(tmp_path / "nope"), "--lora", str(adapter), "--output", str(tmp_path / "o")], capsys
+    )
     assert code == 2 and "does not exist" in err
-    for flag, needle in ((["--format", "int4"], "--format: invalid choice: 'int4'"),
-                         (["--method", "gptq"], "--method: invalid choice: 'gptq'"),
-                         (["--max-shard-gb", "0"], "--max-shard-gb: expected a size in GB")):
+    for flag, needle in (
+        (["--format", "int4"], "--format: invalid choice: 'int4'"),
+        (["--method", "gptq"], "--method: invalid choice: 'gptq'"),
+        (["--max-shard-gb", "0"], "--max-shard-gb: expected a size in GB"),
+    ):
         # Issue 53, item 8: one ``error:`` line, as every qerl CLI, not argparse's 3-line usage dump.
         assert main(["--model", "x", "--lora", "y", "--output", "z", *flag]) == 2
         err = capsys.readouterr().err

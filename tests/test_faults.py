@@ -44,8 +44,10 @@ from qerl.cli import run
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
-             for a, b in ((2, 3), (7, 5), (11, 4))]
+QUESTIONS = [
+    {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+    for a, b in ((2, 3), (7, 5), (11, 4))
+]
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
@@ -91,11 +93,13 @@ class Injector:
             return file if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+") else None
 
         writes = [  # (module, name, which argument is the path written)
-            (builtins, "open", opened), (io, "open", opened),
+            (builtins, "open", opened),
+            (io, "open", opened),
             (os, "open", lambda path, flags, *a, **k: path if flags & _WRITE_FLAGS else None),
             # an existing name fails with EEXIST first, even on a full disk
             (os, "mkdir", lambda path, *a, **k: None if os.path.lexists(path) else path),
-            (os, "replace", lambda src, dst, *a, **k: dst), (os, "rename", lambda src, dst, *a, **k: dst),
+            (os, "replace", lambda src, dst, *a, **k: dst),
+            (os, "rename", lambda src, dst, *a, **k: dst),
             (safetensors.torch, "save_file", lambda tensors, filename, *a, **k: filename),
             (peft.peft_model, "safe_save_file", lambda tensors, filename, *a, **k: filename),
             (torch, "save", lambda obj, f, *a, **k: f),
@@ -116,8 +120,11 @@ def visible_files(root: Path) -> dict[str, bytes]:
         return {root.name: root.read_bytes()}
     if not root.exists():
         return {}
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    }
 
 
 def _whole(name: str, data: bytes) -> bool:
@@ -132,23 +139,26 @@ def _whole(name: str, data: bytes) -> bool:
         return False
 
 
-def assert_no_partial_file(got: dict[str, bytes], want: dict[str, bytes], where: str,
-                           volatile: frozenset[str] = frozenset()) -> None:
+def assert_no_partial_file(
+    got: dict[str, bytes], want: dict[str, bytes], where: str, volatile: frozenset[str] = frozenset()
+) -> None:
     """Each visible file is the reference's, or a whole-line prefix of it (an append-only JSONL), or whole
     (a file in ``volatile``, whose content carries timings); a visible checkpoint has its completion marker."""
     for name, data in got.items():
         assert name in want, f"{where}: {name} is not an output of the undisturbed run"
         checkpoint = name.split("/")[0]
         assert not checkpoint.startswith("checkpoint-") or f"{checkpoint}/qerl_checkpoint.json" in got, (
-            f"{where}: {checkpoint} is visible without its completion marker")
+            f"{where}: {checkpoint} is visible without its completion marker"
+        )
         if data == want[name]:
             continue
         prefix = name.endswith(".jsonl") and want[name].startswith(data)
         assert (prefix or Path(name).name in volatile) and _whole(name, data), f"{where}: {name} holds part of a file"
 
 
-def same_output(got: dict[str, bytes], want: dict[str, bytes], volatile: frozenset[str],
-                optional: frozenset[str] = frozenset()) -> bool:
+def same_output(
+    got: dict[str, bytes], want: dict[str, bytes], volatile: frozenset[str], optional: frozenset[str] = frozenset()
+) -> bool:
     """The same files, byte for byte except the content of ``volatile`` ones (timings); ``optional`` ones
     may be missing from ``got``."""
     needed = {k for k in want if k not in optional}
@@ -158,8 +168,14 @@ def same_output(got: dict[str, bytes], want: dict[str, bytes], volatile: frozens
 class Command:
     """One CLI run in-process: ``argv`` into the directory ``output``, its visible files compared by bytes."""
 
-    def __init__(self, name: str, main: Callable[[Sequence[str] | None], object], argv: Callable[[Path], list[str]],
-                 volatile: frozenset[str] = frozenset(), optional: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        name: str,
+        main: Callable[[Sequence[str] | None], object],
+        argv: Callable[[Path], list[str]],
+        volatile: frozenset[str] = frozenset(),
+        optional: frozenset[str] = frozenset(),
+    ) -> None:
         self.name, self.main, self.argv, self.volatile, self.optional = name, main, argv, volatile, optional
 
     def run(self, output: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -172,7 +188,9 @@ class Command:
         return visible_files(output)
 
 
-def check_every_write(command: Command, work: Path, capsys: pytest.CaptureFixture[str], sample: int | None = None) -> int:
+def check_every_write(
+    command: Command, work: Path, capsys: pytest.CaptureFixture[str], sample: int | None = None
+) -> int:
     """Run ``command`` once undisturbed, then once per file write with that write failed (or, with
     ``sample``, for that many seeded random writes and the last); return the number of fault points covered."""
     ref_out = work / "ref" / "out"
@@ -197,7 +215,9 @@ def check_every_write(command: Command, work: Path, capsys: pytest.CaptureFixtur
         assert_no_partial_file(command.files(out), want, where, command.volatile)
         code, err = command.run(out, capsys)
         assert code == 0, f"{where}; the re-run: {err[-2000:]}"
-        assert same_output(command.files(out), want, command.volatile, command.optional), f"{where}; the re-run's output differs"
+        assert same_output(command.files(out), want, command.volatile, command.optional), (
+            f"{where}; the re-run's output differs"
+        )
         shutil.rmtree(work / f"k{k}")
     print(f"{command.name}: {len(chosen)} of {points} write fault points covered")
     return len(chosen)
@@ -225,7 +245,9 @@ def models(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
     dense = make_tiny_chat_model(root / "tiny", smollm2_dir)
     nvfp4 = quantize_checkpoint(dense, root / "tiny-nvfp4")
     torch.manual_seed(0)
-    peft_model = get_peft_model(load_model(nvfp4, device="cpu", dtype=torch.float32), lora_config(r=2, train_norms=True))
+    peft_model = get_peft_model(
+        load_model(nvfp4, device="cpu", dtype=torch.float32), lora_config(r=2, train_norms=True)
+    )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -243,16 +265,22 @@ def _own_digest_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyt
 
 
 def test_quantize_every_write_fails_cleanly(models: dict[str, Path], tmp_path: Path, capsys) -> None:
-    command = Command("quantize", _quantize_main(),
-                      lambda out: ["--model", str(models["dense"]), "--output", str(out), "--skip_generation"])
+    command = Command(
+        "quantize",
+        _quantize_main(),
+        lambda out: ["--model", str(models["dense"]), "--output", str(out), "--skip_generation"],
+    )
     assert check_every_write(command, tmp_path, capsys) >= 5
 
 
 def test_export_every_write_fails_cleanly(models: dict[str, Path], tmp_path: Path, capsys) -> None:
     from qerl.export import _export
 
-    command = Command("export", _export, lambda out: ["--model", str(models["nvfp4"]), "--lora", str(models["adapter"]),
-                                                   "--output", str(out)])
+    command = Command(
+        "export",
+        _export,
+        lambda out: ["--model", str(models["nvfp4"]), "--lora", str(models["adapter"]), "--output", str(out)],
+    )
     assert check_every_write(command, tmp_path, capsys) >= 5
 
 
@@ -266,8 +294,17 @@ def test_eval_every_write_fails_cleanly(models: dict[str, Path], tmp_path: Path,
 TRAIN_FAULTS = None if os.environ.get("QERL_TRAIN_FAULTS") == "all" else int(os.environ.get("QERL_TRAIN_FAULTS", "10"))
 #: Files of a training run whose content carries timings (runtimes, step times) or the output path
 #: (run_config.json, training_args.bin): checked whole, not compared by bytes.
-TRAIN_VOLATILE = frozenset({"metrics.jsonl", "trainer_state.json", "summary.json", "curves.csv", "README.md",
-                            "run_config.json", "training_args.bin"})
+TRAIN_VOLATILE = frozenset(
+    {
+        "metrics.jsonl",
+        "trainer_state.json",
+        "summary.json",
+        "curves.csv",
+        "README.md",
+        "run_config.json",
+        "training_args.bin",
+    }
+)
 #: A run that fails after its last checkpoint is finished by the re-run from that checkpoint without
 #: training (qerl.train.trainer), so the end-of-training log row, and a metrics file holding only it, never comes.
 TRAIN_OPTIONAL = frozenset({"metrics.jsonl"})
@@ -311,20 +348,71 @@ def _eval_command(models: dict[str, Path], max_new_tokens: int = 3) -> Command:
     from eval.gsm8k import main
 
     # Batches of one question, so that a fault can land between appends of the results file.
-    return Command("eval", main, lambda out: [
-        "--model", str(models["nvfp4"]), "--lora", str(models["adapter"]), "--data", str(models["data"]),
-        "--output", str(out / "r.jsonl"), "--engine", "hf", "--device", "cpu", "--dtype", "float32",
-        "--max-new-tokens", str(max_new_tokens), "--temperature", "0", "--batch-size", "1"])
+    return Command(
+        "eval",
+        main,
+        lambda out: [
+            "--model",
+            str(models["nvfp4"]),
+            "--lora",
+            str(models["adapter"]),
+            "--data",
+            str(models["data"]),
+            "--output",
+            str(out / "r.jsonl"),
+            "--engine",
+            "hf",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--temperature",
+            "0",
+            "--batch-size",
+            "1",
+        ],
+    )
 
 
 def _train_command(models: dict[str, Path]) -> Command:
     from qerl.train.run import main
 
-    return Command("train", main, lambda out: [
-        "--model-name", str(models["dense"]), "--dataset", "arithmetic", "--num-samples", "8", "--lora-rank", "2",
-        "--max-steps", "2", "--save-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
-        "--max-completion-length", "4", "--output-dir", str(out), "--report-to", "none", "--disable-tqdm", "True",
-        "--seed", "0"], volatile=TRAIN_VOLATILE, optional=TRAIN_OPTIONAL)
+    return Command(
+        "train",
+        main,
+        lambda out: [
+            "--model-name",
+            str(models["dense"]),
+            "--dataset",
+            "arithmetic",
+            "--num-samples",
+            "8",
+            "--lora-rank",
+            "2",
+            "--max-steps",
+            "2",
+            "--save-steps",
+            "1",
+            "--per-device-train-batch-size",
+            "2",
+            "--num-generations",
+            "2",
+            "--max-completion-length",
+            "4",
+            "--output-dir",
+            str(out),
+            "--report-to",
+            "none",
+            "--disable-tqdm",
+            "True",
+            "--seed",
+            "0",
+        ],
+        volatile=TRAIN_VOLATILE,
+        optional=TRAIN_OPTIONAL,
+    )
 
 
 @pytest.mark.parametrize("which", ["eval", "train"])
@@ -337,8 +425,9 @@ def test_sigint_stops_within_a_second(models: dict[str, Path], tmp_path: Path, c
     elapsed = time.perf_counter() - start
     running, status, latency = _signalled_at(command, tmp_path / "out", 0.6 * elapsed, signal.SIGINT)
     assert running and status == 130 and latency < 1.0, (running, status, latency)
-    assert_no_partial_file(command.files(tmp_path / "out"), command.files(tmp_path / "ref"), f"{which} after SIGINT",
-                           command.volatile)
+    assert_no_partial_file(
+        command.files(tmp_path / "out"), command.files(tmp_path / "ref"), f"{which} after SIGINT", command.volatile
+    )
 
 
 def test_sigkill_at_random_points_then_rerun(models: dict[str, Path], tmp_path: Path, capsys) -> None:
@@ -348,10 +437,16 @@ def test_sigkill_at_random_points_then_rerun(models: dict[str, Path], tmp_path: 
     from qerl.export import _export
 
     commands = [
-        Command("quantize", _quantize_main(),
-                lambda out: ["--model", str(models["dense"]), "--output", str(out), "--skip_generation"]),
-        Command("export", _export, lambda out: ["--model", str(models["nvfp4"]), "--lora", str(models["adapter"]),
-                                                "--output", str(out)]),
+        Command(
+            "quantize",
+            _quantize_main(),
+            lambda out: ["--model", str(models["dense"]), "--output", str(out), "--skip_generation"],
+        ),
+        Command(
+            "export",
+            _export,
+            lambda out: ["--model", str(models["nvfp4"]), "--lora", str(models["adapter"]), "--output", str(out)],
+        ),
         _eval_command(models),
     ]
     rng = random.Random(KILL_SEED)
@@ -371,7 +466,11 @@ def test_sigkill_at_random_points_then_rerun(models: dict[str, Path], tmp_path: 
             if command.files(out) != want:  # a finished output is not redone (export would need --overwrite)
                 code, err = command.run(out, capsys)
                 assert code == 0, f"{where}; the re-run: {err[-2000:]}"
-            assert same_output(command.files(out), want, command.volatile, command.optional), f"{where}: the re-run's output differs"
-    print(f"SIGKILL: {kills} of {len(commands) * KILLS_PER_COMMAND} runs killed mid-way, all re-ran to the "
-          "undisturbed output")
+            assert same_output(command.files(out), want, command.volatile, command.optional), (
+                f"{where}: the re-run's output differs"
+            )
+    print(
+        f"SIGKILL: {kills} of {len(commands) * KILLS_PER_COMMAND} runs killed mid-way, all re-ran to the "
+        "undisturbed output"
+    )
     assert kills >= len(commands)

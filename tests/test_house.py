@@ -40,7 +40,19 @@ def test_the_layout_follows_the_pipeline() -> None:
     packages = {p.name for p in QERL.iterdir() if (p / "__init__.py").is_file()}
     assert {"quantize", "load", "kernels", "rollout", "train"} <= packages
     top = {p.stem for p in QERL.glob("*.py")}
-    assert top <= {"__init__", "arch", "checkpoint", "cli", "export", "fsutil", "hub", "nvfp4", "plot", "runlock", "trainer"}
+    assert top <= {
+        "__init__",
+        "arch",
+        "checkpoint",
+        "cli",
+        "export",
+        "fsutil",
+        "hub",
+        "nvfp4",
+        "plot",
+        "runlock",
+        "trainer",
+    }
 
 
 def test_the_public_import_paths_stay() -> None:
@@ -54,3 +66,14 @@ def test_the_public_import_paths_stay() -> None:
     assert (qerl.trainer.QeRLTrainer, qerl.trainer.QeRLConfig) == (QeRLTrainer, QeRLConfig)
     for cli in ("qerl/train/__main__.py", "qerl/plot.py", "qerl/export.py"):
         assert (QERL.parent / cli).is_file(), cli
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """`.ci/run` runs exactly the README's test line: the linter, the formatter's check and the CPU suite."""
+    root = QERL.parent
+    readme = (root / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith(".venv/bin/ruff check ."))
+    steps = [step.strip() for step in line.split("&&")]
+    ci = [x.strip() for x in (root / ".ci" / "run").read_text().splitlines()]
+    assert steps == [".venv/bin/ruff check .", ".venv/bin/ruff format --check .", ".venv/bin/python -m pytest -q tests"]
+    assert [x for x in ci if x in steps] == steps

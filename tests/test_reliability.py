@@ -76,10 +76,20 @@ def test_second_writer_is_refused_naming_the_holder(chat_models, tmp_path: Path,
     data = _data(tmp_path, [GOOD])
     out = tmp_path / "r.jsonl"
     with run_lock(out):
-        code = run(gsm8k.main, ["--model", str(chat_models["qtiny"]), "--data", str(data), "--output", str(out), *EVAL_FLAGS])
+        code = run(
+            gsm8k.main, ["--model", str(chat_models["qtiny"]), "--data", str(data), "--output", str(out), *EVAL_FLAGS]
+        )
         assert f"another run (PID {os.getpid()}) is writing it" in _one_error(code, capsys.readouterr().err)
-        code = export.main(["--model", str(chat_models["qtiny"]), "--lora", str(chat_models["adapter"]),
-                            "--output", str(tmp_path / "r.jsonl")])
+        code = export.main(
+            [
+                "--model",
+                str(chat_models["qtiny"]),
+                "--lora",
+                str(chat_models["adapter"]),
+                "--output",
+                str(tmp_path / "r.jsonl"),
+            ]
+        )
         assert "another run (PID" in _one_error(code, capsys.readouterr().err)
     assert not out.exists() and not meta_path(out).exists() and not lock_path(out).exists()
 
@@ -129,10 +139,21 @@ def test_nan_block_scale_is_refused_by_load_eval_and_export(chat_models, tmp_pat
     with pytest.raises(ValueError, match=rf"tensor '{name}' has 1 NaN or negative FP8 block scales"):
         load_model(broken, device="cpu")  # what train and eval load through
     data = _data(tmp_path, [GOOD])
-    code = run(gsm8k.main, ["--model", str(broken), "--data", str(data), "--output", str(tmp_path / "r.jsonl"), *EVAL_FLAGS])
+    code = run(
+        gsm8k.main, ["--model", str(broken), "--data", str(data), "--output", str(tmp_path / "r.jsonl"), *EVAL_FLAGS]
+    )
     assert name in _one_error(code, capsys.readouterr().err) and not (tmp_path / "r.jsonl").exists()
-    code = export.main(["--model", str(broken), "--lora", str(chat_models["adapter"]), "--output", str(tmp_path / "x"),
-                        "--allow-base-mismatch"])
+    code = export.main(
+        [
+            "--model",
+            str(broken),
+            "--lora",
+            str(chat_models["adapter"]),
+            "--output",
+            str(tmp_path / "x"),
+            "--allow-base-mismatch",
+        ]
+    )
     assert name in _one_error(code, capsys.readouterr().err) and not (tmp_path / "x").exists()
 
 
@@ -146,8 +167,20 @@ def test_nan_adapter_is_refused(chat_models, tmp_path: Path, capsys) -> None:
     save_file(tensors, adapter / "adapter_model.safetensors")
     code = export.main(["--model", str(chat_models["qtiny"]), "--lora", str(adapter), "--output", str(tmp_path / "x")])
     assert name in _one_error(code, capsys.readouterr().err)
-    code = run(gsm8k.main, ["--model", str(chat_models["qtiny"]), "--lora", str(adapter), "--data",
-                            str(_data(tmp_path, [GOOD])), "--output", str(tmp_path / "r.jsonl"), *EVAL_FLAGS])
+    code = run(
+        gsm8k.main,
+        [
+            "--model",
+            str(chat_models["qtiny"]),
+            "--lora",
+            str(adapter),
+            "--data",
+            str(_data(tmp_path, [GOOD])),
+            "--output",
+            str(tmp_path / "r.jsonl"),
+            *EVAL_FLAGS,
+        ],
+    )
     assert name in _one_error(code, capsys.readouterr().err) and not (tmp_path / "r.jsonl").exists()
 
 
@@ -167,8 +200,17 @@ def test_adapter_is_refused_on_another_base(chat_models, tmp_path: Path, capsys)
     impostor = tmp_path / "other" / "qtiny"  # qtiny2's weights under qtiny's directory name
     shutil.copytree(chat_models["qtiny2"], impostor)
     data = _data(tmp_path, [GOOD])
-    argv = ["--model", str(impostor), "--lora", str(adapter), "--data", str(data), "--output", str(tmp_path / "r.jsonl"),
-            *EVAL_FLAGS]
+    argv = [
+        "--model",
+        str(impostor),
+        "--lora",
+        str(adapter),
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "r.jsonl"),
+        *EVAL_FLAGS,
+    ]
     assert "was trained on" in _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
     copy = tmp_path / "copy" / "renamed"  # the same weights under any name are accepted
     shutil.copytree(chat_models["qtiny"], copy)
@@ -186,12 +228,14 @@ def test_full_or_read_only_disk_is_one_line(chat_models, tmp_path: Path, capsys,
     from safetensors import SafetensorError
 
     def failing(tensors, filename, metadata=None):
-        raise SafetensorError(f'Error while serializing: IoError(Os {{ code: {code}, kind: Other, message: '
-                              f'"{os.strerror(code)}" }})')
+        raise SafetensorError(
+            f'Error while serializing: IoError(Os {{ code: {code}, kind: Other, message: "{os.strerror(code)}" }})'
+        )
 
     monkeypatch.setattr("safetensors.torch.save_file", failing)
-    rc = export.main(["--model", str(chat_models["qtiny"]), "--lora", str(chat_models["adapter"]), "--output",
-                      str(tmp_path / "x")])
+    rc = export.main(
+        ["--model", str(chat_models["qtiny"]), "--lora", str(chat_models["adapter"]), "--output", str(tmp_path / "x")]
+    )
     line = _one_error(rc, capsys.readouterr().err)
     assert line.startswith(f"error: cannot write {tmp_path}") and line.endswith(os.strerror(code).lower()), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
@@ -200,8 +244,9 @@ def test_full_or_read_only_disk_is_one_line(chat_models, tmp_path: Path, capsys,
 # ----------------------------------------------------------------------- item 5: inputs bounded before work
 
 
-def test_huge_question_is_refused_before_any_model_work(chat_models, tmp_path: Path, capsys, monkeypatch,
-                                                       caplog) -> None:
+def test_huge_question_is_refused_before_any_model_work(
+    chat_models, tmp_path: Path, capsys, monkeypatch, caplog
+) -> None:
     """Item 5: an 8 MB question ran for minutes to 14 GB; now it is refused in seconds, before the
     model loads, and leaves no meta file; ``--long-prompts truncate`` cuts it and says so."""
     data = _data(tmp_path, [GOOD, {"question": "What is 1 + 1? " * 530_000, "answer": "#### 2"}])
@@ -241,19 +286,31 @@ def test_model_without_chat_template_is_one_line(chat_models, tmp_path: Path, ca
     assert gsm8k.main(argv + ["--chat-template", str(chat_models["qtiny"] / "chat_template.jinja")]).questions == 1
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("{% for m in messages %}{{ m['content'] }", "not a usable Jinja chat template"),
-    ("{{ raise_exception('no system role') }}", "no system role"),
-    ("{% for m in messages %}{{ m['role'] }}{% endfor %}", "does not contain the user's message"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("{% for m in messages %}{{ m['content'] }", "not a usable Jinja chat template"),
+        ("{{ raise_exception('no system role') }}", "no system role"),
+        ("{% for m in messages %}{{ m['role'] }}{% endfor %}", "does not contain the user's message"),
+    ],
+)
 def test_broken_chat_template_file_is_one_line(chat_models, tmp_path: Path, capsys, text: str, expected: str) -> None:
     """A --chat-template file that does not parse, raises, or drops the question is refused in one line
     naming the file before the model loads (it used to fail at the first question, or score 0)."""
     template = tmp_path / "broken.jinja"
     template.write_text(text)
     data = _data(tmp_path, [GOOD])
-    argv = ["--model", str(chat_models["qtiny"]), "--data", str(data), "--output", str(tmp_path / "r.jsonl"),
-            *EVAL_FLAGS, "--chat-template", str(template)]
+    argv = [
+        "--model",
+        str(chat_models["qtiny"]),
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "r.jsonl"),
+        *EVAL_FLAGS,
+        "--chat-template",
+        str(template),
+    ]
     line = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
     assert f"--chat-template {template}" in line and expected in line, line
     assert not (tmp_path / "r.jsonl").exists()

@@ -53,13 +53,20 @@ def _with_config(model: Path, out: Path, **changes: object) -> Path:
 
 # --- the trl drop-in's config ------------------------------------------------------------------------------
 
+
 def test_trl_differences_accepts_every_batch_shape_trl_accepts(tmp_path: Path) -> None:
     """18 completions per step in generations of 12 (4 prompts x 3): trl accepts it, and listing the settings that
     differ from trl's must not refuse it (it built its reference config without the generation batch)."""
     from qerl.train.config import QeRLConfig, trl_differences
 
-    cfg = QeRLConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=3,
-                     gradient_accumulation_steps=6, num_generations=4, generation_batch_size=12)
+    cfg = QeRLConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=6,
+        num_generations=4,
+        generation_batch_size=12,
+    )
     differences = trl_differences(cfg)
     assert "generation_batch_size" not in differences and "steps_per_generation" not in differences
 
@@ -79,6 +86,7 @@ def test_trl_differences_never_stops_a_run(tmp_path: Path, monkeypatch: pytest.M
 
 
 # --- the run lock ------------------------------------------------------------------------------------------
+
 
 def test_lock_refuses_a_planted_link_and_leaves_its_target_alone(tmp_path: Path) -> None:
     from qerl.cli import UsageError
@@ -109,9 +117,11 @@ def test_lock_is_keyed_by_the_resolved_directory(tmp_path: Path) -> None:
 
 # --- checkpoints and models that lie ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("layers", [1, 3, -1, "2", 10**9])
-def test_config_that_does_not_describe_the_weights_is_refused(qtiny, tiny_dense_dir, tmp_path: Path, capsys,
-                                                               layers: object) -> None:
+def test_config_that_does_not_describe_the_weights_is_refused(
+    qtiny, tiny_dense_dir, tmp_path: Path, capsys, layers: object
+) -> None:
     """A config.json with fewer layers than the weights ran a truncated model with rc 0 (more: random layers, or
     gigabytes allocated first); -1 or a string: a traceback. Refused by load, eval and train before any allocation."""
     from eval import gsm8k
@@ -123,11 +133,28 @@ def test_config_that_does_not_describe_the_weights_is_refused(qtiny, tiny_dense_
         lying = _with_config(model, tmp_path / f"lying-{model.name}", num_hidden_layers=layers)
         with pytest.raises(ValueError, match="num_hidden_layers"):
             load_model(lying, device="cpu")
-    argv = ["--model", str(lying), "--data", str(_data(tmp_path, [GOOD])), "--output", str(tmp_path / "r.jsonl"),
-            *EVAL_FLAGS]
+    argv = [
+        "--model",
+        str(lying),
+        "--data",
+        str(_data(tmp_path, [GOOD])),
+        "--output",
+        str(tmp_path / "r.jsonl"),
+        *EVAL_FLAGS,
+    ]
     assert "num_hidden_layers" in _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
-    argv = ["--model-name", str(lying), "--dataset", "arithmetic", "--output-dir", str(tmp_path / "run"),
-            "--report-to", "none", "--max_steps", "1"]
+    argv = [
+        "--model-name",
+        str(lying),
+        "--dataset",
+        "arithmetic",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--report-to",
+        "none",
+        "--max_steps",
+        "1",
+    ]
     assert "num_hidden_layers" in _one_error(run(train.main, argv), capsys.readouterr().err)
     assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "run").exists()
 
@@ -165,8 +192,17 @@ def test_export_refuses_an_adapter_made_for_another_base_as_eval_does(qtiny, tmp
     argv = ["--model", str(other), "--lora", str(adapter), "--output", str(tmp_path / "merged")]
     line = _one_error(export.main(argv), capsys.readouterr().err)
     assert "adapter was made for base model" in line and "--allow-base-mismatch" in line, line
-    eval_argv = ["--model", str(other), "--lora", str(adapter), "--data", str(_data(tmp_path, [GOOD])),
-                 "--output", str(tmp_path / "r.jsonl"), *EVAL_FLAGS]
+    eval_argv = [
+        "--model",
+        str(other),
+        "--lora",
+        str(adapter),
+        "--data",
+        str(_data(tmp_path, [GOOD])),
+        "--output",
+        str(tmp_path / "r.jsonl"),
+        *EVAL_FLAGS,
+    ]
     assert "adapter was made for base model" in _one_error(run(gsm8k.main, eval_argv), capsys.readouterr().err)
     assert not (tmp_path / "merged").exists()
     assert export.main(argv + ["--allow-base-mismatch"]) == 0
@@ -175,6 +211,7 @@ def test_export_refuses_an_adapter_made_for_another_base_as_eval_does(qtiny, tmp
 
 # --- bounded inputs -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("size", ["inf", "nan", "-1", "0", "1e9"])
 def test_shard_size_out_of_range_is_one_line(size: str, tmp_path: Path, capsys) -> None:
     """--max-shard-gb inf: a traceback; -1: one shard per tensor; 0: silently 4 GB. Both commands refuse them."""
@@ -182,20 +219,28 @@ def test_shard_size_out_of_range_is_one_line(size: str, tmp_path: Path, capsys) 
 
     from qerl import export
 
-    spec = importlib.util.spec_from_file_location("quantize_nvfp4", Path(__file__).parents[1] / "llm-compressor" /
-                                                  "quantize_nvfp4.py")
+    spec = importlib.util.spec_from_file_location(
+        "quantize_nvfp4", Path(__file__).parents[1] / "llm-compressor" / "quantize_nvfp4.py"
+    )
     quantize_cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(quantize_cli)
-    for main, argv in ((export.main, ["--model", "m", "--lora", "a", "--output", str(tmp_path / "o")]),
-                       (quantize_cli.main, ["--model", "m", "--output", str(tmp_path / "q")])):
+    for main, argv in (
+        (export.main, ["--model", "m", "--lora", "a", "--output", str(tmp_path / "o")]),
+        (quantize_cli.main, ["--model", "m", "--output", str(tmp_path / "q")]),
+    ):
         line = _one_error(main([*argv, "--max-shard-gb", size]), capsys.readouterr().err)
         assert "--max-shard-gb" in line and "expected a size in GB" in line, line
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("flags, expected", [(["--temperature", "nan"], "--temperature"),
-                                             (["--temperature", "inf"], "--temperature"),
-                                             (["--samples", "100000000"], "--samples")])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--temperature", "nan"], "--temperature"),
+        (["--temperature", "inf"], "--temperature"),
+        (["--samples", "100000000"], "--samples"),
+    ],
+)
 def test_eval_numbers_out_of_range_are_one_line(qtiny, tmp_path: Path, capsys, flags: list[str], expected: str) -> None:
     """--samples 100000000 ran out of memory before any output; --temperature nan was recorded as invalid JSON."""
     from eval import gsm8k
@@ -208,6 +253,7 @@ def test_eval_numbers_out_of_range_are_one_line(qtiny, tmp_path: Path, capsys, f
 
 
 # --- leftovers ----------------------------------------------------------------------------------------------
+
 
 def test_run_that_saved_nothing_does_not_block_the_corrected_rerun(tmp_path: Path) -> None:
     """A run that crashed in step 1 refused the corrected rerun into its directory ('different settings')."""
@@ -238,7 +284,8 @@ def test_training_prompt_filter_never_tokenizes_a_huge_question(smollm2_dir: Pat
         return encode_chat(tokenizer, messages)
 
     monkeypatch.setattr(data, "encode_chat", bounded)
-    rows = Dataset.from_list([{"prompt": chat_messages(q, "plain"), "answer": "5"}
-                              for q in ("What is 2 + 3?", "1 + 1 = ? " * 400_000)])
+    rows = Dataset.from_list(
+        [{"prompt": chat_messages(q, "plain"), "answer": "5"} for q in ("What is 2 + 3?", "1 + 1 = ? " * 400_000)]
+    )
     kept = data.filter_prompt_length(rows, load_tokenizer(smollm2_dir), 512)
     assert [p[-1]["content"] for p in kept["prompt"]] == ["What is 2 + 3?"]

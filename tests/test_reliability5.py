@@ -159,8 +159,13 @@ def test_rerun_removes_what_a_killed_nvfp4_export_left(merge, tmp_path: Path, ca
 
     out = tmp_path / "out"
     argv = ["--model", str(merge["model"]), "--lora", str(merge["adapter"]), "--output", str(out), "--format", "nvfp4"]
-    killed = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, *argv], capture_output=True, text=True,
-                            cwd=Path(__file__).parent.parent, timeout=300)  # fmt: skip
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_EXPORT, *argv],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=300,
+    )
     assert killed.returncode == -9, killed.stderr
     left = sorted(p.name.rpartition("-")[0] for p in tmp_path.glob(".out.*-*"))
     assert left == [".out.bf16", ".out.tmp"] and not out.exists()
@@ -189,10 +194,12 @@ _TEMPLATE = (
 #: before any output, two megabytes of its own text per prompt.
 TEMPLATES = {
     "file size": ("{# " + "x" * (2 << 20) + " #}" + _TEMPLATE, "larger than 1048576 bytes"),
-    "time": ("{% for i in range(100000) %}{% for j in range(4000) %}{% endfor %}{% endfor %}" + _TEMPLATE,
-             "took longer than 2 s"),
+    "time": (
+        "{% for i in range(100000) %}{% for j in range(4000) %}{% endfor %}{% endfor %}" + _TEMPLATE,
+        "took longer than 2 s",
+    ),
     "output": ("{% for i in range(2000) %}{{ 'x' * 1000 }}{% endfor %}" + _TEMPLATE, "it adds 2000"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("bound", sorted(TEMPLATES))
@@ -206,8 +213,17 @@ def test_eval_chat_template_past_its_bounds_is_named(qtiny, tmp_path: Path, caps
     template = tmp_path / "t.jinja"
     template.write_text(text)
     out = tmp_path / "r.jsonl"
-    argv = ["--model", str(qtiny), "--data", str(_data(tmp_path, [GOOD])), "--output", str(out),
-            "--chat-template", str(template), *EVAL_FLAGS]  # fmt: skip
+    argv = [
+        "--model",
+        str(qtiny),
+        "--data",
+        str(_data(tmp_path, [GOOD])),
+        "--output",
+        str(out),
+        "--chat-template",
+        str(template),
+        *EVAL_FLAGS,
+    ]
     start = time.monotonic()
     error = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
     assert error.startswith(f"error: --chat-template {template}: ") and expected in error, error
@@ -227,7 +243,15 @@ def test_eval_question_bound_does_not_grow_with_the_context(qtiny, tmp_path: Pat
         prompting, "render", lambda tok, question, style: seen.append(len(question)) or real(tok, question, style)
     )
     huge = {**GOOD, "question": "What is 2 + 3? " * (8 << 16)}  # 8 MB
-    argv = ["--model", str(model), "--data", str(_data(tmp_path, [huge])), "--output", str(tmp_path / "r.jsonl"),
-            *EVAL_FLAGS, "--allow-base-mismatch"]  # fmt: skip
+    argv = [
+        "--model",
+        str(model),
+        "--data",
+        str(_data(tmp_path, [huge])),
+        "--output",
+        str(tmp_path / "r.jsonl"),
+        *EVAL_FLAGS,
+        "--allow-base-mismatch",
+    ]
     error = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
     assert "record 1's prompt (7864320 characters)" in error and max(seen) <= 600_000, (error, seen)

@@ -26,10 +26,39 @@ def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _argv(model: Path, out: Path, *extra: str, steps: int = 2, save_steps: int = 1) -> list[str]:
-    return ["--model-name", str(model), "--dataset", "arithmetic", "--num-samples", "12", "--lora-rank", "2",
-            "--max-steps", str(steps), "--save-steps", str(save_steps), "--per-device-train-batch-size", "2",
-            "--num-generations", "2", "--max-completion-length", "4", "--output-dir", str(out), "--report-to", "none",
-            "--disable-tqdm", "True", "--plot", "False", "--seed", "0", "--logging-steps", "1", *extra]
+    return [
+        "--model-name",
+        str(model),
+        "--dataset",
+        "arithmetic",
+        "--num-samples",
+        "12",
+        "--lora-rank",
+        "2",
+        "--max-steps",
+        str(steps),
+        "--save-steps",
+        str(save_steps),
+        "--per-device-train-batch-size",
+        "2",
+        "--num-generations",
+        "2",
+        "--max-completion-length",
+        "4",
+        "--output-dir",
+        str(out),
+        "--report-to",
+        "none",
+        "--disable-tqdm",
+        "True",
+        "--plot",
+        "False",
+        "--seed",
+        "0",
+        "--logging-steps",
+        "1",
+        *extra,
+    ]
 
 
 def _step_rows(out: Path) -> list[int]:
@@ -51,20 +80,25 @@ def test_finished_run_is_a_no_op(tiny_dense_dir: Path, tmp_path: Path) -> None:
     assert _step_rows(out) == [1, 2]
 
 
-def test_changed_settings_are_refused_in_one_line_unless_forced(tiny_dense_dir: Path, tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_changed_settings_are_refused_in_one_line_unless_forced(
+    tiny_dense_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "run"
     main(_argv(tiny_dense_dir, out))
     before = _files(out)
     capsys.readouterr()
-    for extra, named in ((["--rewards", "last_number"], "rewards"), (["--lora-rank", "4"], "lora_rank"),
-                         (["--num-samples", "10"], "data_sha256, num_samples")):
+    for extra, named in (
+        (["--rewards", "last_number"], "rewards"),
+        (["--lora-rank", "4"], "lora_rank"),
+        (["--num-samples", "10"], "data_sha256, num_samples"),
+    ):
         assert run(main, _argv(tiny_dense_dir, out, *extra)) == 2  # (a repeated flag: the later one wins)
         err = capsys.readouterr().err
         lines = err.strip().splitlines()  # progress bars of the data loading, then the error
         assert "Traceback" not in err and sum("error:" in line for line in lines) == 1, err
         assert lines[-1].startswith(
-            f"error: --output_dir {out}: holds a run with different {named}; use --resume force"), err
+            f"error: --output_dir {out}: holds a run with different {named}; use --resume force"
+        ), err
     assert _files(out) == before  # nothing touched
 
     # --resume force continues the checkpoint with the new rewards and says so in the summary.
@@ -75,7 +109,9 @@ def test_changed_settings_are_refused_in_one_line_unless_forced(tiny_dense_dir: 
     assert main(_argv(tiny_dense_dir, out, "--rewards", "last_number", steps=3))["global_step"] == 3  # now recorded
 
 
-def test_run_without_a_record_is_refused(tiny_dense_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_without_a_record_is_refused(
+    tiny_dense_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "old"
     (out / "checkpoint-1").mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
@@ -140,8 +176,9 @@ def test_adapters_record_their_base(tiny_dense_dir: Path, tmp_path: Path) -> Non
         assert check_adapter_base(adapter, str(tiny_dense_dir)) is True
 
 
-def test_damaged_checkpoint_adapter_is_refused_on_resume(tiny_dense_dir: Path, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_damaged_checkpoint_adapter_is_refused_on_resume(
+    tiny_dense_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 53, item 2 on resume: a checkpoint whose adapter holds Inf was restored and trained on (NaN
     losses from then on); the resume now names the checkpoint and the tensor in one line, rc 2."""
     from safetensors.torch import load_file, save_file

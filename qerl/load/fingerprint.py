@@ -77,8 +77,11 @@ def tree_sha256(path: str | os.PathLike[str], patterns: tuple[str, ...] = ("*",)
         return None
     cache = _load_cache()
     before = dict(cache)
-    files = [root] if root.is_file() else sorted(
-        p for p in root.rglob("*") if p.is_file() and any(p.match(pattern) for pattern in patterns))
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(p for p in root.rglob("*") if p.is_file() and any(p.match(pattern) for pattern in patterns))
+    )
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.relative_to(root) if f != root else f.name}\0{_file_sha256(f, cache)}\n".encode())
@@ -115,13 +118,18 @@ def adapter_sha256(path: str | os.PathLike[str]) -> str | None:
 
 def write_base_record(adapter_dir: str | os.PathLike[str], model: str, digest: str | None) -> None:
     """Record in ``adapter_dir`` which model (``--model`` as given, and its content digest) it was trained on."""
-    atomic_write_text(Path(adapter_dir) / BASE_RECORD, json.dumps({"model": model, "model_sha256": digest}, indent=1) + "\n")
+    atomic_write_text(
+        Path(adapter_dir) / BASE_RECORD, json.dumps({"model": model, "model_sha256": digest}, indent=1) + "\n"
+    )
 
 
 def _recorded_base(adapter_dir: Path) -> tuple[str | None, str | None]:
     """(model as given, digest) an adapter was trained on: its own ``qerl_base.json``, else, for a
     ``checkpoint-N`` or ``adapter`` folder inside a run directory, the run's ``run_config.json``."""
-    for path, name_key in ((adapter_dir / BASE_RECORD, "model"), (adapter_dir.parent / "run_config.json", "model_name")):
+    for path, name_key in (
+        (adapter_dir / BASE_RECORD, "model"),
+        (adapter_dir.parent / "run_config.json", "model_name"),
+    ):
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -146,8 +154,10 @@ def check_adapter_base(adapter_dir: str | os.PathLike[str], model: str, allow_mi
         return True
     if allow_mismatch:
         return False
-    raise UsageError(f"--lora {adapter_dir}: was trained on {name!r} (sha256 {recorded[:12]}), but "
-                     f"--model {model} has other weights (sha256 {digest[:12]}); pass --allow-base-mismatch to use it anyway")
+    raise UsageError(
+        f"--lora {adapter_dir}: was trained on {name!r} (sha256 {recorded[:12]}), but "
+        f"--model {model} has other weights (sha256 {digest[:12]}); pass --allow-base-mismatch to use it anyway"
+    )
 
 
 def _names(name_or_path: str | None) -> set[str]:
@@ -186,8 +196,18 @@ def _check_recorded_name(adapter_dir: Path, model: str, allow_mismatch: bool) ->
         resolved = None
     if _names(recorded) & (_names(model) | _names(None if resolved is None else str(resolved))):
         return
-    raise UsageError(f"--lora {adapter_dir}: adapter was made for base model {recorded!r}, but --model is {model!r}; "
-                     "pass --allow-base-mismatch if they are the same weights")
+    raise UsageError(
+        f"--lora {adapter_dir}: adapter was made for base model {recorded!r}, but --model is {model!r}; "
+        "pass --allow-base-mismatch if they are the same weights"
+    )
 
 
-__all__ = ["BASE_RECORD", "MODEL_FILES", "adapter_sha256", "check_adapter_base", "model_sha256", "tree_sha256", "write_base_record"]
+__all__ = [
+    "BASE_RECORD",
+    "MODEL_FILES",
+    "adapter_sha256",
+    "check_adapter_base",
+    "model_sha256",
+    "tree_sha256",
+    "write_base_record",
+]

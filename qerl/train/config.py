@@ -140,7 +140,9 @@ class QeRLConfig(GRPOConfig):
             self.bf16 = torch.cuda.is_available()
         if not torch.cuda.is_available():  # what makes `accelerate launch` give CPU-only processes gloo DDP
             self.use_cpu = True
-        if self.use_vllm:  # the reference's --use-vllm True: our vLLM engine, not trl's (see qerl.train.trainer's docstring)
+        if (
+            self.use_vllm
+        ):  # the reference's --use-vllm True: our vLLM engine, not trl's (see qerl.train.trainer's docstring)
             self.rollout_engine, self.use_vllm = "vllm", False
         if isinstance(self.rollout_engine_kwargs, str):
             try:

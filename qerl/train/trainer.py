@@ -133,8 +133,11 @@ def keep_trainable_fp32(model: nn.Module) -> list[str]:
     """
     upcast: list[str] = []
     for module_name, module in model.named_modules():
-        names = [n for n, p in module.named_parameters(recurse=False)
-                 if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]  # fmt: skip
+        names = [
+            n
+            for n, p in module.named_parameters(recurse=False)
+            if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+        ]
         for n in names:
             param = getattr(module, n)
             param.data = param.data.float()  # same Parameter object: optimizers built later see fp32
