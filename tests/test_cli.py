@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import time
+from collections.abc import Iterator
+
 import pytest
 
 from qerl.cli import ArgumentParser, UsageError, run
@@ -95,3 +99,61 @@ def test_environment_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> 
         assert capsys.readouterr().err == line
     with pytest.raises(FileNotFoundError):
         run(raises(FileNotFoundError(errno.ENOENT, "No such file or directory", "/x")))
+
+
+@pytest.fixture
+def foreground() -> Iterator[None]:
+    """SIGINT handled as in a command started from a terminal (a suite run in the background ignores it)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_dropped_in_a_finalizer_is_delivered_again(
+    foreground: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C landing in a finalizer (tqdm's ``__del__``) was printed as ignored and dropped: the command ran
+    on to exit status 0. It is raised again once the finalizer is done."""
+
+    class ProgressBar:
+        def __del__(self) -> None:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C while the finalizer runs: its KeyboardInterrupt is dropped
+
+    steps: list[int] = []
+
+    def main(argv: list[str] | None) -> None:
+        ProgressBar()  # dropped at once
+        for step in range(200):
+            steps.append(step)
+            time.sleep(0.001)
+
+    assert run(main) == 130 and len(steps) < 100  # stopped within about 10 ms, not after the 200 steps
+    assert capsys.readouterr().err.endswith("interrupted\n")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_swallowed_by_a_library_still_reads_as_interrupted(
+    foreground: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A library's bare ``except:`` (datasets hashing a transform) swallows the KeyboardInterrupt without a
+    trace; the command ends its work, but it reports what the user did: status 130, not 0."""
+
+    def main(argv: list[str] | None) -> None:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except:  # noqa: E722 (the library's habit, on purpose)
+            pass
+
+    assert run(main) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert run(lambda argv: None) == 0  # the next run starts clean
+
+
+def test_an_ignored_sigint_stays_ignored() -> None:
+    """A command started in the background of a script (``cmd &``) ignores SIGINT, as the shell set it up."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert run(lambda argv: signal.raise_signal(signal.SIGINT)) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 import re
+import types
 from pathlib import Path
 
 import pytest
 from datasets import Dataset
 
-from qerl.train.data import ARITHMETIC_LEVELS, arithmetic, filter_prompt_length, load_dataset, spec, train_heldout_split
+from qerl.train.data import (
+    ARITHMETIC_LEVELS,
+    arithmetic,
+    filter_prompt_length,
+    load_dataset,
+    spec,
+    to_rows,
+    train_heldout_split,
+)
 from qerl.train.prompts import DAPO_SYSTEM_PROMPT, TAG_SYSTEM_PROMPT
 from qerl.train.rewards import gsm8k_accuracy
 
@@ -146,3 +155,29 @@ def test_filter_prompt_length(smollm2_dir: Path) -> None:
     cut = sorted(lengths)[10]
     kept = filter_prompt_length(ds, tok, cut)
     assert len(kept) == sum(n <= cut for n in lengths) and 0 < len(kept) < len(ds)
+
+
+def test_a_ctrl_c_cannot_land_where_datasets_swallows_it(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``datasets`` derives a transform's fingerprint by pickling its function under a bare ``except:``, so a
+    Ctrl-C landing there was swallowed and the training ran on to its end with status 0 (``test_faults``' SIGINT
+    test, 3 of 40 signal times). Our transforms give the fingerprint: ``datasets`` pickles none of their functions."""
+    from datasets.fingerprint import Hasher
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    raw = Dataset.from_list(
+        [{"question": "What is 2 + 3?", "answer": "#### 5"}, {"question": "1 + 1?", "answer": "#### 2"}]
+    )
+    hashed: list[object] = []
+
+    plain = Hasher.hash
+
+    def interrupted(cls: type, value: object) -> str:
+        if not isinstance(value, types.FunctionType):  # its own settings (a format name): quick to hash
+            return plain(value)
+        hashed.append(value)
+        raise KeyboardInterrupt  # a Ctrl-C landing while it pickles a function
+
+    monkeypatch.setattr(Hasher, "hash", classmethod(interrupted))
+    kept = filter_prompt_length(to_rows(raw, spec("gsm8k"), "tags"), tok, 10_000)
+    assert hashed == [] and kept["answer"] == ["5", "2"]

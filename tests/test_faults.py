@@ -329,6 +329,8 @@ def _signalled_at(command: Command, out: Path, at: float, sig: int = signal.SIGK
             # A forked child inherits torch's intra-op thread pool in a state it cannot use from the loader's worker
             # threads ("Invalid thread pool"); setting the thread count rebuilds it.
             torch.set_num_threads(torch.get_num_threads())
+            # As a command started from a terminal: a suite run in the background (``cmd &``) ignores SIGINT.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             os._exit(run(command.main, command.argv(out)))
         finally:
             os._exit(99)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from datasets import Dataset
+from datasets.fingerprint import generate_random_fingerprint
 
 from qerl.hub import path_shaped
 from qerl.train.answers import gsm8k_gold
@@ -167,6 +168,14 @@ def _conversation(row: dict[str, Any], columns: list[str]) -> list[dict[str, str
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def _unhashed() -> dict[str, Any]:
+    """Keyword arguments for a ``datasets`` transform of ours: a fingerprint given, so that ``datasets`` does not
+    pickle our function to derive one (that hashing runs under a bare ``except:``, which swallowed a Ctrl-C landing
+    in it: the training then ran to its end with status 0), and the result kept in memory, since a fingerprint not
+    derived from the inputs must not name a cache file (these transforms take well under a second to redo)."""
+    return {"new_fingerprint": generate_random_fingerprint(), "keep_in_memory": True}
+
+
 def to_rows(raw: Dataset, s: DatasetSpec, style: str) -> Dataset:
     """Normalise a raw data set to ``prompt`` (messages in ``style``) + ``answer`` (gold string)."""
     columns = list(raw.column_names)
@@ -182,7 +191,7 @@ def to_rows(raw: Dataset, s: DatasetSpec, style: str) -> Dataset:
         gold = str(_pick(row, s.answer_fields, "answer", columns))
         return {"prompt": prompt, "answer": gsm8k_gold(gold) if s.reading == "numeric" else gold}
 
-    return raw.map(convert, remove_columns=columns)
+    return raw.map(convert, remove_columns=columns, **_unhashed())
 
 
 @dataclass(frozen=True)
@@ -286,7 +295,7 @@ def filter_prompt_length(ds: Dataset, tokenizer: Any, max_tokens: int) -> Datase
         chars = sum(len(message["content"]) for message in row["prompt"])
         return chars <= max_chars and len(encode_chat(tokenizer, row["prompt"])) <= max_tokens
 
-    return ds.filter(short)
+    return ds.filter(short, **_unhashed())
 
 
 def train_heldout_split(ds: Dataset, heldout: int, seed: int = 0) -> tuple[Dataset, Dataset]:
