@@ -6,12 +6,11 @@ Qwen2.5-7B's shapes and random NVFP4 tensors written straight to safetensors (:f
 codes and scales, no quantizer run, about 20 s for the 5.85 GB on a GPU host), loaded by ``qerl.load.loader.load_model``
 exactly as train, eval and export load it. Two measures, both in one process:
 
-* ``check_s``: the time the checks take during a load, beside that load's wall time: the direct share. On a CPU
-  the checks run inline, so it is the host time inside the loader's ``Verdicts``. On a GPU they are queued on the
-  stream, so it is the host time spent queuing them and reading the verdicts back (after a synchronization that
-  is not counted: it waits for the load's own copies) plus the device time of the check kernels (CUDA events
-  around each check), a bound from above, since host and device time overlap;
-* an A/B of whole loads, checks on and off (``Verdicts`` replaced by no-ops), in pairs run back to back
+* ``check_s``: what the checks of a load cost on their own: right after the load, the same checks (the loader's
+  ``Verdicts`` over the tensors it checked, in its order) run again, alone, synchronized before and after, and
+  timed by the wall clock (median of 3), beside that load's wall time: the direct share. On a GPU this counts host
+  and device time one after the other, where in the load the device time overlaps the copies: a bound from above;
+* an A/B of whole loads, the checks on and off (``Verdicts`` replaced by no-ops), in pairs run back to back
   (alternating which goes first), after one discarded load that fills the page cache: the median paired
   difference over the median unchecked load, the share as a user would see it (far noisier than the first:
   on a shared 2-core machine single loads vary by a second).
@@ -51,35 +50,16 @@ TARGET_SHARE = 0.02
 
 
 @contextmanager
-def checks(mode: str) -> Iterator[dict[str, float]]:
-    """The loader's ``Verdicts`` timed (``"on"``: the host seconds of each ``add`` and of ``finish``, plus on a GPU
-    the device seconds of the check kernels) or replaced by no-ops (``"off"``); yields the tensors checked and
-    those seconds."""
+def checks(mode: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The loader's ``Verdicts`` as they are, noting each tensor they check (``"on"``), or no-ops (``"off"``);
+    yields the (name, tensor) pairs checked, in order."""
     real: type[Verdicts] = qerl.load.loader.Verdicts
-    stats = {"checked": 0, "seconds": 0.0}
+    checked: list[tuple[str, torch.Tensor]] = []
 
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    class Timed(Verdicts):
+    class Noted(Verdicts):
         def add(self, name: str, tensor: torch.Tensor) -> None:
-            on_gpu = tensor.device.type == "cuda"
-            if on_gpu:
-                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-                events[-1][0].record()
-            start = time.perf_counter()
+            checked.append((name, tensor))
             super().add(name, tensor)
-            stats["seconds"] += time.perf_counter() - start
-            if on_gpu:
-                events[-1][1].record()
-            stats["checked"] += 1
-
-        def finish(self) -> None:
-            if events:
-                torch.cuda.synchronize()  # the load's own queued copies: not the checks' cost
-                stats["seconds"] += sum(a.elapsed_time(b) for a, b in events) / 1000.0
-            start = time.perf_counter()
-            super().finish()
-            stats["seconds"] += time.perf_counter() - start
 
     class Off(Verdicts):
         def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -88,11 +68,24 @@ def checks(mode: str) -> Iterator[dict[str, float]]:
         def finish(self) -> None:
             pass
 
-    qerl.load.loader.Verdicts = Timed if mode == "on" else Off
+    qerl.load.loader.Verdicts = Noted if mode == "on" else Off
     try:
-        yield stats
+        yield checked
     finally:
         qerl.load.loader.Verdicts = real
+
+
+def replay(checked: list[tuple[str, torch.Tensor]], where: Path, device: torch.device) -> float:
+    """Wall seconds of one load's checks run again, alone: host and device, synchronized before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    verdicts = Verdicts(where)
+    for name, tensor in checked:
+        verdicts.add(name, tensor)
+    verdicts.finish()
+    sync()
+    return time.perf_counter() - start
 
 
 def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
@@ -152,22 +145,26 @@ def _random(
 
 
 def timed_load(model_dir: Path, device: torch.device, dtype: torch.dtype, mode: str) -> dict[str, float]:
-    """One whole load with checks ``mode``: its wall seconds, and the seconds spent in the checks."""
-    with checks(mode) as stats:
+    """One whole load with checks ``mode``: its wall seconds and, checks on, the seconds of its checks on their own
+    (:func:`replay`, median of 3)."""
+    with checks(mode) as checked:
         start = time.perf_counter()
         model = qerl.load.loader.load_model(model_dir, device=device, dtype=dtype)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         load_s = time.perf_counter() - start
-    del model
+    check_s = statistics.median(replay(checked, model_dir, device) for _ in range(3)) if checked else 0.0
+    row = {"load_s": load_s, "check_s": check_s, "tensors_checked": len(checked)}
+    del model, checked
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"load_s": load_s, "check_s": stats["seconds"], "tensors_checked": stats["checked"]}
+    return row
 
 
 def measure(model_dir: Path, device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
-    """One discarded load (page cache), then ``repeats`` pairs of loads with checks on and off, alternated."""
+    """One discarded load (page cache), then ``repeats`` pairs of loads with the checks on and off, alternating
+    which goes first."""
     timed_load(model_dir, device, dtype, "off")
     on: list[dict[str, float]] = []
     off: list[dict[str, float]] = []

@@ -129,3 +129,35 @@ def test_load_verdicts_name_the_damaged_tensor_and_pass_a_negative_zero_scale(de
     with pytest.raises(DamagedTensor, match=r"^ckpt: tensor 'd.weight' has 1 NaN or Inf values"):
         verdicts.add("d.weight", torch.tensor([1.0, float("nan")], device=device))
         verdicts.finish()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bucket", [8, 1 << 25], ids=["flushed-midway", "one-bucket-each"])
+@pytest.mark.parametrize("damage", ["bias", "weight_scale", "weight_global_scale"])
+def test_gpu_verdicts_in_buckets_name_the_damaged_tensor(
+    bucket: int, damage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the tensors are checked in buckets of their kind (flushed at ``BUCKET_ELEMENTS``; a tensor that
+    large is checked alone): wherever the damaged tensor falls, it is the one named, and the -0.0 FP8 scales
+    that make every scale bucket suspect still pass."""
+    import qerl.load.integrity as integrity
+
+    monkeypatch.setattr(integrity, "BUCKET_ELEMENTS", bucket)
+    why = {"bias": "NaN or Inf values", "weight_scale": "NaN or negative FP8", "weight_global_scale": "global scales"}
+    bad = {"bias": float("inf"), "weight_scale": float("nan"), "weight_global_scale": 0.0}
+    for damaged in range(5):
+        verdicts = integrity.Verdicts("ckpt")
+        for i in range(5):
+            last = {suffix: bad[suffix] if i == damaged and suffix == damage else 1.0 for suffix in bad}
+            verdicts.add(f"l{i}.bias", torch.tensor([1.0, 1.0, last["bias"]], dtype=torch.bfloat16, device="cuda"))
+            scale = torch.tensor([-0.0, 2.0, last["weight_scale"]], device="cuda").to(torch.float8_e4m3fn)
+            verdicts.add(f"l{i}.weight_scale", scale)
+            verdicts.add(f"l{i}.weight_global_scale", torch.tensor([last["weight_global_scale"]], device="cuda"))
+            verdicts.add(f"l{i}.weight_packed", torch.full((4,), 0xFF, dtype=torch.uint8, device="cuda"))
+        verdicts.add("big.weight", torch.ones(16, device="cuda"))
+        with pytest.raises(integrity.DamagedTensor, match=rf"^ckpt: tensor 'l{damaged}\.{damage}' has 1 {why[damage]}"):
+            verdicts.finish()
+    sound = integrity.Verdicts("ckpt")
+    sound.add("l0.weight_scale", torch.tensor([-0.0, 2.0], device="cuda").to(torch.float8_e4m3fn))
+    sound.add("big.weight", torch.ones(16, device="cuda"))
+    sound.finish()

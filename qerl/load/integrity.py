@@ -28,27 +28,51 @@ from qerl.checkpoint import GLOBAL_SCALE, PACKED, SCALE
 _MAX_SCALE_BYTE = 0x7E
 
 
+#: On a GPU, tensors are checked in buckets of about this many elements (a concatenation of at most 64 MB in bf16).
+BUCKET_ELEMENTS = 1 << 25
+
+
 class DamagedTensor(ValueError):
     """A tensor holds values its format cannot hold (NaN, Inf, a negative scale)."""
 
 
-def _suspect(name: str, tensor: torch.Tensor, where: object) -> torch.Tensor | None:
-    """A 0-dim bool on ``tensor``'s device, true when the tensor may be damaged (None: sound by its dtype alone).
-
-    One reduction in the tensor's own dtype; it over-approximates only for FP8 block scales (a -0.0 byte is above
-    0x7E and harmless), which :func:`_explain` then looks at closely."""
+def _kind(name: str, tensor: torch.Tensor, where: object) -> str | None:
+    """How ``tensor`` is checked: ``"scale"`` (FP8 block-scale bytes), ``"global"`` (finite and positive),
+    ``"values"`` (finite), or None when its dtype alone makes it sound (packed codes, integers, empty)."""
     suffix = name.rpartition(".")[2]
     if suffix == PACKED:
         if tensor.dtype != torch.uint8:
             raise DamagedTensor(f"{where}: tensor {name!r} is {tensor.dtype}, expected uint8 packed E2M1 codes")
         return None
-    if suffix == SCALE and tensor.dtype == torch.float8_e4m3fn:
-        return None if tensor.numel() == 0 else tensor.view(torch.uint8).max() > _MAX_SCALE_BYTE
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+    if tensor.numel() == 0:
         return None
-    if suffix == GLOBAL_SCALE:
-        return (~torch.isfinite(tensor) | (tensor <= 0)).any()
-    return ~torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
+    if suffix == SCALE and tensor.dtype == torch.float8_e4m3fn:
+        return "scale"
+    if not tensor.is_floating_point():
+        return None
+    return "global" if suffix == GLOBAL_SCALE else "values"
+
+
+def _flat(kind: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the 1-D view its check reads (an FP8 scale by its bytes)."""
+    return (tensor.view(torch.uint8) if kind == "scale" else tensor).reshape(-1)
+
+
+def _flag(kind: str, flat: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on ``flat``'s device, true when a tensor of ``kind`` may be damaged: one reduction in its own
+    dtype. It over-approximates only for FP8 block scales (a -0.0 byte is above 0x7E and harmless), which
+    :func:`_explain` then looks at closely."""
+    if kind == "scale":
+        return flat.max() > _MAX_SCALE_BYTE
+    if kind == "global":
+        return (~torch.isfinite(flat) | (flat <= 0)).any()
+    return ~torch.isfinite(torch.stack(torch.aminmax(flat))).all()
+
+
+def _suspect(name: str, tensor: torch.Tensor, where: object) -> torch.Tensor | None:
+    """:func:`_flag` for one tensor (None: sound by its dtype alone)."""
+    kind = _kind(name, tensor, where)
+    return None if kind is None else _flag(kind, _flat(kind, tensor))
 
 
 def _explain(name: str, tensor: torch.Tensor, where: object) -> None:
@@ -84,36 +108,62 @@ def check_tensors(tensors: dict[str, torch.Tensor], where: object) -> None:
 
 
 class Verdicts:
-    """The checks of one load, with the verdicts of its GPU tensors read back once, at :meth:`finish`.
+    """The checks of one load; on a GPU, batched and read back once, at :meth:`finish`.
 
     A host read waits for every copy queued before it, so one read per tensor (as :func:`check_tensor` does)
-    serialized a GPU load behind its checks: 14.6% of a 7B NVFP4 load on an H100 (``benchmarks.integrity``).
-    Here a CUDA tensor's check only queues its suspect flag; a CPU tensor is checked at once, as before.
+    serialized a GPU load behind its checks (14.6% of a 7B NVFP4 load on an H100), and even queued, a few kernel
+    launches per tensor for its 731 tensors cost 10.8%: a load is host-bound (each copy from the memory-mapped file
+    holds the host), so every launch adds to it. So a CUDA tensor joins a bucket of its kind and dtype; a bucket of
+    :data:`BUCKET_ELEMENTS` is concatenated and checked by one reduction, its flag kept on the device; a tensor that
+    large alone is checked alone. A CPU tensor is checked at once: there the reductions run at memory bandwidth and
+    a concatenation would only add a copy.
     """
 
     def __init__(self, where: object) -> None:
         self.where = where
         self._flags: list[torch.Tensor] = []
-        self._tensors: list[tuple[str, torch.Tensor]] = []
+        self._checked: list[list[tuple[str, torch.Tensor]]] = []  # the tensors behind each flag
+        self._buckets: dict[tuple[str, torch.dtype, torch.device], list[tuple[str, torch.Tensor]]] = {}
+        self._sizes: dict[tuple[str, torch.dtype, torch.device], int] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Check ``tensor`` (at once on a CPU; its flag queued on a GPU)."""
+        """Check ``tensor`` (at once on a CPU; bucketed, its flag queued, on a GPU)."""
         if tensor.device.type != "cuda":
             check_tensor(name, tensor, self.where)
             return
-        suspect = _suspect(name, tensor, self.where)
-        if suspect is not None:
-            self._flags.append(suspect)
-            self._tensors.append((name, tensor))
+        kind = _kind(name, tensor, self.where)
+        if kind is None:
+            return
+        numel = tensor.numel()  # an FP8 scale has as many bytes as elements
+        if numel >= BUCKET_ELEMENTS:
+            self._flags.append(_flag(kind, _flat(kind, tensor)))
+            self._checked.append([(name, tensor)])
+            return
+        key = (kind, tensor.dtype, tensor.device)
+        self._buckets.setdefault(key, []).append((name, tensor))
+        self._sizes[key] = self._sizes.get(key, 0) + numel
+        if self._sizes[key] >= BUCKET_ELEMENTS:
+            self._flush(key)
+
+    def _flush(self, key: tuple[str, torch.dtype, torch.device]) -> None:
+        """One reduction over a bucket's tensors, concatenated; its flag queued."""
+        kind = key[0]
+        group = self._buckets.pop(key)
+        del self._sizes[key]
+        self._flags.append(_flag(kind, torch.cat([_flat(kind, t) for _, t in group])))
+        self._checked.append(group)
 
     def finish(self) -> None:
         """Read every queued flag in one synchronization; raise for the first tensor that is really damaged."""
+        for key in list(self._buckets):
+            self._flush(key)
         if not self._flags:
             return
         for index in torch.stack(self._flags).nonzero().flatten().tolist():
-            _explain(*self._tensors[index], self.where)
+            for name, tensor in self._checked[index]:
+                _explain(name, tensor, self.where)
         self._flags.clear()
-        self._tensors.clear()
+        self._checked.clear()
 
 
 __all__ = ["DamagedTensor", "Verdicts", "check_tensor", "check_tensors"]
