@@ -14,8 +14,9 @@ scales must be positive. The packed E2M1 codes need only their dtype: every byte
 codes. On a CPU (2 cores, a 5.85 GB Qwen2.5-7B-shaped NVFP4 checkpoint read from the page cache, bf16) the
 checks take 0.12-0.18 s of a 3.4-4.9 s load, a median 3.5% (``benchmarks/results/integrity.json``): they re-read
 the 2.6 GB of bf16 embeddings / head and FP8 scales at memory bandwidth. A load to a GPU checks there (``aminmax``
-at HBM bandwidth) and reads every verdict back once, at the end of the load (:class:`Verdicts`); the share that
-leaves is what ``python -m benchmarks.integrity`` measures on a GPU, not yet run since.
+at HBM bandwidth) in buckets of many tensors and reads every verdict back once, at the end of the load
+(:class:`Verdicts`); the share that leaves is what ``python -m benchmarks.integrity`` measures on a GPU, not yet
+run on the bucketed checks.
 """
 
 from __future__ import annotations
