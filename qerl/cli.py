@@ -128,7 +128,8 @@ def ctrl_c_kept() -> Iterator[list[bool]]:
     library's bare ``except:`` drops it silently: either way the command ran on to its end and exit status 0 (a
     sweep of ``test_faults``' SIGINT test: 2 of 97 signal times of an eval, 3 of 40 of a training). So the handler
     records each Ctrl-C, one that dies in a finalizer is delivered again at once, and :func:`run` reports any
-    recorded one. A SIGINT handler already set by someone else (ignored, say) is left alone, as outside the main thread, where none can be set."""
+    recorded one. A SIGINT handler already set by someone else (ignored, say) is left alone, as outside the main
+    thread, where none can be set."""
     seen = [False]
     if threading.current_thread() is not threading.main_thread():
         yield seen
