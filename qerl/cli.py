@@ -131,10 +131,10 @@ def ctrl_c_kept() -> Iterator[list[bool]]:
     recorded one. A SIGINT handler already set by someone else (ignored, say) is left alone, as outside the main
     thread, where none can be set."""
     seen = [False]
-    if threading.current_thread() is not threading.main_thread():
-        yield seen
-        return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield seen
         return
     hook = sys.unraisablehook

@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -101,12 +103,21 @@ def test_environment_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> 
         run(raises(FileNotFoundError(errno.ENOENT, "No such file or directory", "/x")))
 
 
+@contextmanager
+def sigint(handler: Any) -> Iterator[None]:
+    """SIGINT handled by ``handler`` within the block, the suite's own handler back after it."""
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture
 def foreground() -> Iterator[None]:
     """SIGINT handled as in a command started from a terminal (a suite run in the background ignores it)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
+    with sigint(signal.default_int_handler):
+        yield
 
 
 def test_a_ctrl_c_dropped_in_a_finalizer_is_delivered_again(
@@ -151,9 +162,6 @@ def test_a_ctrl_c_swallowed_by_a_library_still_reads_as_interrupted(
 
 def test_an_ignored_sigint_stays_ignored() -> None:
     """A command started in the background of a script (``cmd &``) ignores SIGINT, as the shell set it up."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    with sigint(signal.SIG_IGN):
         assert run(lambda argv: signal.raise_signal(signal.SIGINT)) == 0
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, previous)

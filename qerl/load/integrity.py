@@ -137,8 +137,7 @@ class Verdicts:
             return
         numel = tensor.numel()  # an FP8 scale has as many bytes as elements
         if numel >= BUCKET_ELEMENTS:
-            self._flags.append(_flag(kind, _flat(kind, tensor)))
-            self._checked.append([(name, tensor)])
+            self._queue(kind, [(name, tensor)])
             return
         key = (kind, tensor.dtype, tensor.device)
         self._buckets.setdefault(key, []).append((name, tensor))
@@ -147,11 +146,13 @@ class Verdicts:
             self._flush(key)
 
     def _flush(self, key: tuple[str, torch.dtype, torch.device]) -> None:
-        """One reduction over a bucket's tensors, concatenated; its flag queued."""
-        kind = key[0]
-        group = self._buckets.pop(key)
         del self._sizes[key]
-        self._flags.append(_flag(kind, torch.cat([_flat(kind, t) for _, t in group])))
+        self._queue(key[0], self._buckets.pop(key))
+
+    def _queue(self, kind: str, group: list[tuple[str, torch.Tensor]]) -> None:
+        """One reduction over ``group``'s tensors (concatenated when more than one); its flag queued."""
+        flats = [_flat(kind, tensor) for _, tensor in group]
+        self._flags.append(_flag(kind, flats[0] if len(flats) == 1 else torch.cat(flats)))
         self._checked.append(group)
 
     def finish(self) -> None:
