@@ -317,10 +317,30 @@ def run_step(trainer: Any, prompts: list[dict[str, str]], switch: Callable[[str]
     return float(torch.stack(losses).sum()), float(grad_norm)
 
 
-def profile_table(prof: Any, wall_s: float, top: int = 12) -> dict[str, Any]:
+#: Kernel kinds by name (first match wins), for the split of a profiled pass: which kind of work the device did.
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma")),
+    ("qerl_triton", ("nvfp4", "fp4", "dequant", "qerl")),
+    ("copy_cast", ("copy", "_to_copy", "cat_", "catarray")),
+    ("log_softmax", ("softmax", "cross_entropy", "nll")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("reduction", ("reduce_kernel",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "triton_")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel by its name (``KERNEL_KINDS``), ``other`` where none matches."""
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
+def profile_table(prof: Any, wall_s: float, top: int = 40) -> dict[str, Any]:
     """The profiled phase in a few lines: device-busy time against its wall time (a busy share far
-    below 1 means the GPU waited on the host), the top kernels by device time, and the top host ops
-    by self CPU time (where a per-call host cost of the qerl ops would show). Also printed."""
+    below 1 means the GPU waited on the host), device time by kernel kind (``kernel_kind``), the top
+    kernels by device time, and the top host ops by self CPU time (where a per-call host cost of the
+    qerl ops would show). Also printed."""
     from torch.autograd import DeviceType
 
     events = list(prof.key_averages())
@@ -346,10 +366,14 @@ def profile_table(prof: Any, wall_s: float, top: int = 12) -> dict[str, Any]:
         for e in events
         if e.key.startswith("qerl::") or "qerl_nvfp4" in e.key
     }
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0.0) + e.self_device_time_total
     table = {
         "wall_s": sig(wall_s),
         "device_busy_s": sig(busy_us / 1e6),
         "device_busy_share": sig(busy_us / 1e6 / wall_s, 3) if wall_s > 0 else None,
+        "by_kind_s": {k: sig(us / 1e6) for k, us in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "kernels": [row(e, e.self_device_time_total) for e in kernels[:top]],
         "host_ops": [
             {"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
@@ -358,6 +382,7 @@ def profile_table(prof: Any, wall_s: float, top: int = 12) -> dict[str, Any]:
         "qerl_ops": qerl_ops,
     }
     print(f"profile: wall {table['wall_s']} s, device busy {table['device_busy_s']} s ({table['device_busy_share']})")
+    print("  by kind (s): " + ", ".join(f"{k} {v}" for k, v in table["by_kind_s"].items()))
     for k in table["kernels"]:
         print(f"  {k['ms']:10.2f} ms {k['share']:6.3f} {k['calls']:7d}x  {k['name']}")
     for name, v in qerl_ops.items():

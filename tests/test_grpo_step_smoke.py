@@ -121,7 +121,7 @@ def test_profile_table_summarizes_a_profiled_span(grpo_step: ModuleType) -> None
             a = a @ a.t() / 64
     table = grpo_step.profile_table(prof, wall_s=0.5)
     assert table["wall_s"] == 0.5 and table["device_busy_s"] == 0.0  # CPU only: no kernels
-    assert table["kernels"] == [] and table["qerl_ops"] == {}
+    assert table["kernels"] == [] and table["qerl_ops"] == {} and table["by_kind_s"] == {}
     mm = next(op for op in table["host_ops"] if op["name"] == "aten::mm")
     assert mm["calls"] == 3 and mm["self_cpu_ms"] >= 0
     json.dumps(table)  # goes into the row as it is
@@ -202,3 +202,22 @@ def test_trl_logprob_pass_is_timed_on_request(grpo_step: ModuleType, tmp_path: P
     grpo_step.main(["--tiny", "--bases", "nvfp4", "--trl-logprob-pass", "--out", str(out)])
     (row,) = json.loads(out.read_text())["results"]
     assert row["status"] == "ok" and row["phases_s"]["logprobs"] > 0
+
+
+def test_kernel_kinds_sort_the_kernels_a_training_pass_launches() -> None:
+    from benchmarks.grpo_harness import kernel_kind
+
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "gemm",
+        "flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+        "_nvfp4_dequant_kernel": "qerl_triton",
+        "void at::native::bfloat16_copy_kernel_cuda(at::TensorIteratorBase&)": "copy_cast",
+        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>": "copy_cast",
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>>": "elementwise",
+        "void at::native::reduce_kernel<512, 1, ReduceOp<float, MeanOps<float>>>": "reduction",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>": "log_softmax",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "ncclKernel_AllReduce": "other",
+    }
+    assert {n: kernel_kind(n) for n in names} == names
