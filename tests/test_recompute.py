@@ -167,7 +167,7 @@ def test_unset_flag_recomputes_only_when_the_pass_would_not_fit(
 
 
 def test_the_flag_defaults_and_values(tmp_path) -> None:
-    """Unset, as trl's default, without CUDA; True / False as given; the command line takes trl's spellings."""
+    """Unset means on (trl's default) without CUDA; True / False as given; the command line takes trl's spellings."""
     from qerl.train.args import parse_args
     from qerl.train.config import QeRLConfig
 
@@ -178,3 +178,4 @@ def test_the_flag_defaults_and_values(tmp_path) -> None:
     base = ["--output_dir", str(tmp_path)]
     assert parse_args(base)[1].gradient_checkpointing is True
     assert parse_args([*base, "--gradient_checkpointing", "False"])[1].gradient_checkpointing is False
+    assert parse_args([*base, "--gradient_checkpointing"])[1].gradient_checkpointing is True  # trl's bare flag

@@ -88,8 +88,12 @@ class QeRLConfig(GRPOConfig):
     gradient_checkpointing: bool | None = field(
         default=None,
         metadata={
-            "help": "Recompute activations in the backward: True full, False none; unset: auto with CUDA (none while "
-            "the card's free memory holds the pass's activations, else full; qerl.train.recompute), on without CUDA."
+            "help": "Recompute activations in the backward: True full, False none; unset (null): auto with CUDA (none "
+            "while the card's free memory holds the pass's activations, else full; qerl.train.recompute), on without "
+            "CUDA.",
+            # A bare --gradient_checkpointing means True, as with trl's flag (argparse reads these keys).
+            "nargs": "?",
+            "const": True,
         },
     )
     vllm_importance_sampling_mode: str = field(
