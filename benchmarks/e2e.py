@@ -29,7 +29,9 @@ instance-level wrappers around the trainer's own methods (nothing in trl, transf
 trl's old log-probs for the IS ratio, which qerl's trainer takes from the loss forward instead: 0 there),
 ``fwd_bwd`` (loss forward + backward over the micro-batches), ``optimizer`` (clip, step, schedule) and ``other``.
 Beside each phase: its floor from benchmarks/grpo_floors.py, rescaled to the copy bandwidth and bf16 matmul rate
-measured in the same process.
+measured in the same process. The training pass's floor counts the activation recompute the arm ran (each row's
+``recompute``: trl's arm recomputes in every pass, its default; qerl's arms as ``--gradient-checkpointing`` says,
+default auto, ``qerl.train.recompute``), and ``fwd_bwd_no_recompute`` is the floor of the same passes without any.
 
     python -m benchmarks.e2e prepare --dir .e2e                     # the two checkpoints (once per machine)
     python -m benchmarks.e2e run --dir .e2e --arms trl_vllm_bf16 --batches b8 b128 --out $OUT/e2e.json
@@ -65,7 +67,16 @@ from benchmarks.common import (
 )
 from benchmarks.common import versions as package_versions
 from benchmarks.grpo_floors import COPY_BW, MATMUL_FLOPS, floors, shape_counts
-from benchmarks.grpo_harness import PhaseClock, Probe, build_tokenizer, gb, load_benchmark_tokenizer, sig
+from benchmarks.grpo_harness import (
+    RECOMPUTE_FLAGS,
+    PhaseClock,
+    Probe,
+    build_tokenizer,
+    gb,
+    load_benchmark_tokenizer,
+    recompute_ran,
+    sig,
+)
 
 
 @dataclass(frozen=True)
@@ -264,7 +275,12 @@ def build_trainer(arm: Arm, ckpt: Path, args: argparse.Namespace, out_dir: str) 
     from qerl.train.trainer import QeRLConfig, QeRLTrainer
 
     engine_kwargs = {"checkpoint": str(ckpt)} if arm.engine == "vllm" else None
-    config = QeRLConfig(**common, rollout_engine=arm.engine, rollout_engine_kwargs=engine_kwargs)
+    config = QeRLConfig(
+        **common,
+        rollout_engine=arm.engine,
+        rollout_engine_kwargs=engine_kwargs,
+        gradient_checkpointing=RECOMPUTE_FLAGS[args.gradient_checkpointing],
+    )
     model = load_model(str(ckpt), device=config.device)
     return QeRLTrainer(
         model,
@@ -288,12 +304,15 @@ def measured_rates(device: torch.device) -> dict[str, float]:
     return {"copy_bw": copy_bandwidth()["max"], "matmul_flops": rate, "measured": True}
 
 
-def arm_floors(arm: Arm, args: argparse.Namespace, rates: dict[str, float]) -> dict[str, float]:
+def arm_floors(arm: Arm, args: argparse.Namespace, rates: dict[str, float], recompute: float) -> dict[str, float]:
     """grpo_floors' phase floors for this arm's work, at the measured rates; ``sync``: the bytes the sync must move
-    at least (trl: every bf16 decoder weight once into vLLM; qerl's vLLM engine: the bf16 LoRA tensors)."""
+    at least (trl: every bf16 decoder weight once into vLLM; qerl's vLLM engine: the bf16 LoRA tensors).
+    ``fwd_bwd`` counts the recompute the arm's passes ran (``recompute``: the share of passes that recomputed);
+    ``fwd_bwd_no_recompute`` is the same passes' floor without any."""
     shape, vocab = model_shape(args.tiny)
     prompts, n = BATCHES[args.batch]
-    f = floors(shape, vocab, arm.base == "nvfp4", prompts * n, args.prompt, args.tokens, args.lora_r, args.micro)
+    sizes = (prompts * n, args.prompt, args.tokens, args.lora_r, args.micro)
+    f = floors(shape, vocab, arm.base == "nvfp4", *sizes, recompute=recompute)
     bw, flops = COPY_BW / rates["copy_bw"], MATMUL_FLOPS / rates["matmul_flops"]
     # The rollout floor reads the weights once per decode step for the whole batch; prompts share nothing
     # across groups, so the KV term is the batch's. Training floors are flop-bound (plus NVFP4 dequant bytes).
@@ -305,6 +324,7 @@ def arm_floors(arm: Arm, args: argparse.Namespace, rates: dict[str, float]) -> d
         "rollout": f["rollout_s"] * bw,
         "logprobs": logprobs,
         "fwd_bwd": f["fwd_bwd_s"] * flops,
+        "fwd_bwd_no_recompute": f["fwd_bwd_no_recompute_s"] * flops,
         "optimizer": f["optimizer_s"] * bw,
         "sync": sync_bytes[arm.trainer] / rates["copy_bw"],
     }
@@ -335,7 +355,6 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_tflop_s": sig(rates["matmul_flops"] / 1e12),
         "measured_same_process": rates["measured"],
     }
-    row["floors_s"] = arm_floors(arm, args, rates)
     clock, steps = StepClock(device), []
     probe: Probe | None = None
     t0 = time.perf_counter()
@@ -348,6 +367,7 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
             watched = next(p for name, p in trainer.model.named_parameters() if "lora_B" in name)
             before = watched.detach().clone()
             trainer.train()
+            row["recompute"] = recompute_ran(trainer)  # over every training pass of the run, warm-up included
             row["lora_updated"] = not torch.equal(before, watched.detach())
             row["train_s"] = round(time.perf_counter() - t0 - row["build_s"], 1)
             logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -359,6 +379,9 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
             error=f"{type(e).__name__}: {e}",
             traceback=traceback.format_exc()[-4000:],
         )
+    # The training pass's floor counts the recompute the arm ran (an arm that failed: what it was asked, auto as full).
+    asked = 1.0 if arm.trainer == "trl" else float(args.gradient_checkpointing != "off")
+    row["floors_s"] = arm_floors(arm, args, rates, row["recompute"]["share"] if "recompute" in row else asked)
     lengths = probe.completion_lengths if probe is not None else []  # the last rollout's
     row.update(completion_lengths=sorted(set(lengths)), rollout_rows=len(lengths))
     row["forced_length"] = row["completion_lengths"] == [args.tokens]
@@ -373,7 +396,8 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
             "rollout": sig(tokens / mean["rollout"]) if mean["rollout"] else None,
             "step": sig(tokens / row["step_s"]),
         }
-        row["over_floor"] = {p: sig(mean[p] / row["floors_s"][p]) for p in row["floors_s"] if row["floors_s"][p] > 0}
+        measured = {**mean, "fwd_bwd_no_recompute": mean["fwd_bwd"]}
+        row["over_floor"] = {p: sig(measured[p] / f) for p, f in row["floors_s"].items() if f > 0}
     return row
 
 
@@ -458,6 +482,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         s.add_argument("--tokens", type=int, default=None, help="new tokens per completion (2048; tiny 16)")
         s.add_argument("--lora-r", type=int, default=16)
         s.add_argument("--micro", type=int, default=8, help="completions per training pass (trl's default 8)")
+        s.add_argument(
+            "--gradient-checkpointing",
+            choices=list(RECOMPUTE_FLAGS),
+            default="auto",
+            help="qerl arms' activation recompute (QeRLConfig's default auto: none while the card's free memory "
+            "holds a pass's activations); the trl arm keeps trl's default (on)",
+        )
         s.add_argument("--warmup", type=int, default=1)
         s.add_argument("--steps", type=int, default=3)
         if name == "arm":
@@ -511,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         str(args.lora_r),
         "--micro",
         str(args.micro),
+        "--gradient-checkpointing",
+        args.gradient_checkpointing,
         "--warmup",
         str(args.warmup),
         "--steps",

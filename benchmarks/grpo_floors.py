@@ -10,7 +10,9 @@ gradient checkpointing), in the order the step allocates it:
   (16 B each);
 * ``engine_lora``: the native engine's bf16 copies of the LoRA weights;
 * ``kv_cache``: the engine's cache for the step's completions (it stays allocated between rollouts);
-* ``checkpointed``: one bf16 hidden state per layer and token of a micro-batch (gradient checkpointing);
+* ``checkpointed``: one bf16 hidden state per layer and token of a micro-batch (gradient checkpointing; the estimate
+  without recompute, ``peak_no_recompute``, has ``no_recompute_pass`` in place of this term and the next two:
+  ``qerl.train.recompute.no_recompute_bytes``);
 * ``layer_recompute``: one decoder layer's activations recomputed in the backward (the MLP's three
   intermediate-sized tensors, four hidden-sized ones) and, for NVFP4, two bf16 copies of its largest
   dequantized weight;
@@ -28,6 +30,10 @@ tests/test_grpo_step_smoke.py holds both to 3%.
 
 from __future__ import annotations
 
+# Hidden-sized bf16 tensors per token of a micro-batch that the training pass holds beyond the modelled terms (fitted
+# on the 7B and 32B H200 rows; see the module docstring); the trainer's auto recompute weighs the same constant.
+from qerl.train.recompute import HEAD_ACTIVATIONS, no_recompute_bytes
+
 #: Device-to-device copy bandwidth measured on the H200 (benchmarks/results/rollout_lora_b1_b8.json).
 COPY_BW = 4.24e12
 #: Dense bf16 matmul rate used as the training floor (H200 dense bf16 tensor-core rate).
@@ -40,9 +46,6 @@ OPTIMIZER_BYTES_PER_PARAM = 40
 QWEN2_5_72B = dict(
     hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8
 )
-#: Hidden-sized bf16 tensors per token of a micro-batch that the training pass holds beyond the modelled
-#: terms (fitted on the 7B and 32B H200 rows; see the module docstring).
-HEAD_ACTIVATIONS = 36
 
 
 def shape_counts(shape: dict[str, int], vocab: int, lora_r: int) -> dict[str, int]:
@@ -72,9 +75,13 @@ def floors(
     tokens: int,
     lora_r: int,
     micro: int | None = None,
+    recompute: float = 1.0,
 ) -> dict[str, float]:
     """Lower bounds (seconds) of each phase; the derivation is in the module docstring.
-    ``micro`` (default n) completions per training pass: NVFP4 dequantizes every weight once per pass."""
+    ``micro`` (default n) completions per training pass: NVFP4 dequantizes every weight once per pass.
+    ``recompute``: the share of training passes that recompute every layer's forward in the backward (gradient
+    checkpointing; 1.0 all, 0.0 none), which ``fwd_bwd_s`` counts; ``fwd_bwd_no_recompute_s`` is the pass without
+    any recompute, the floor of the work itself."""
     c = shape_counts(shape, vocab, lora_r)
     passes = n // (micro or n)
     weight_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2) + c["lm_head_params"] * 2
@@ -83,23 +90,33 @@ def floors(
     seq = prompt + tokens
     # Forward flops: every token through the decoder Linears, only completion tokens through the LM
     # head (trl scores those only), causal attention QK^T + PV = 2 * layers * heads * head_dim * seq^2 per row.
-    linear = 2 * c["linear_params"] * n * seq + 2 * c["lm_head_params"] * n * tokens
+    decoder = 2 * c["linear_params"] * n * seq
+    head = 2 * c["lm_head_params"] * n * tokens
+    linear = decoder + head
     attention = 2 * c["layers"] * c["attention_width"] * seq * seq * n
     dequant = passes * c["linear_params"] * (9 / 16 + 2) / COPY_BW if nvfp4 else 0.0  # read FP4, write bf16, per pass
+
+    # The training pass: forward + input-gradient backward of the decoder Linears (2x; LoRA weight gradients are < 1%
+    # and left out), flash attention's forward and its ~2x backward (3x), trl's fused LM head 3x (forward, its own
+    # recompute of the logits tiles in the backward, input gradient); gradient checkpointing adds a second forward of
+    # every decoder layer (Linears, attention, dequantization) in ``recompute`` of the passes.
+    def training_s(r: float) -> float:
+        return ((2 + r) * decoder + 3 * head + (3 + r) * attention) / MATMUL_FLOPS + (2 + r) * dequant
+
     phases = {
         "rollout_s": (tokens - 1) * step_bytes / COPY_BW,
         "logprobs_s": (linear + attention) / MATMUL_FLOPS + dequant,
-        # forward + checkpoint recompute + input-gradient backward (3x the Linears; flash attention's
-        # backward is ~2x its forward, so 4x); LoRA weight gradients are < 1% and left out.
-        "fwd_bwd_s": (3 * linear + 4 * attention) / MATMUL_FLOPS + 3 * dequant,
+        "fwd_bwd_s": training_s(recompute),
         "optimizer_s": (c["lora_params"] + c["norm_params"]) * OPTIMIZER_BYTES_PER_PARAM / COPY_BW,
     }
     return {
         "decode_step_ms": step_bytes / COPY_BW * 1e3,
         **phases,
+        "fwd_bwd_no_recompute_s": training_s(0.0),
         "step_s": sum(phases.values()),
         "weight_gb": weight_bytes / 1e9,
-        "step_flops_tflop": (4 * linear + 5 * attention) / 1e12,
+        "step_flops_tflop": (linear + attention + (2 + recompute) * decoder + 3 * head + (3 + recompute) * attention)
+        / 1e12,
     }
 
 
@@ -107,7 +124,10 @@ def memory_estimate(
     shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, tokens: int, lora_r: int, micro: int
 ) -> dict[str, float]:
     """Peak memory (GB) of one GRPO step on one device: the terms of the module docstring, their sum
-    (``peak_gb``) and the part held at the step's start (``start_gb``). ``n``: completions on this device."""
+    (``peak_gb``) and the part held at the step's start (``start_gb``). ``n``: completions on this device.
+    Beside them, the training pass without recompute (``no_recompute_pass_gb``: ``qerl.train.recompute``'s estimate,
+    the one the trainer's auto mode weighs; its layer count is checked on CPU, the whole not yet against a GPU's
+    peak) and the step's peak with it in place of the three checkpointing terms (``peak_no_recompute_gb``)."""
     c = shape_counts(shape, vocab, lora_r)
     hidden, inter, seq = shape["hidden_size"], shape["intermediate_size"], prompt + tokens
     linear_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2)
@@ -120,9 +140,12 @@ def memory_estimate(
         "layer_recompute": micro * seq * (3 * inter + 4 * hidden) * 2 + (2 * hidden * inter * 2 if nvfp4 else 0),
         "head_and_grads": HEAD_ACTIVATIONS * micro * seq * hidden * 2,
     }
+    no_recompute = no_recompute_bytes(shape, micro, seq, lora_r, nvfp4=nvfp4)
     start = sum(terms[k] for k in ("weights", "trainable_states", "engine_lora", "kv_cache"))
     return {
         **{f"{k}_gb": v / 1e9 for k, v in terms.items()},
         "start_gb": start / 1e9,
         "peak_gb": sum(terms.values()) / 1e9,
+        "no_recompute_pass_gb": no_recompute / 1e9,
+        "peak_no_recompute_gb": (start + no_recompute) / 1e9,
     }

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import random_model
+from qerl.train.recompute import enable_recompute
 
 #: The recipe whose loss and optimizer settings the benchmarked step uses (QeRLConfig's own defaults are trl's).
 RECIPE = Path(__file__).resolve().parents[1] / "training" / "recipes" / "qerl_nvfp4.yaml"
@@ -54,6 +55,10 @@ RECIPE_KEYS = (
     "vllm_importance_sampling_mode",
     "vllm_importance_sampling_clip_max",
 )
+
+#: ``--gradient-checkpointing`` of the benchmarks -> ``QeRLConfig.gradient_checkpointing`` (unset: auto on CUDA, on
+#: without CUDA).
+RECOMPUTE_FLAGS = {"auto": None, "on": True, "off": False}
 
 # ---------------------------------------------------------------------------------------------- trainer
 
@@ -137,7 +142,7 @@ def make_trainer(
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
-        gradient_checkpointing=True,
+        gradient_checkpointing=RECOMPUTE_FLAGS[getattr(args, "gradient_checkpointing", "on")],
         mask_truncated_completions=False,
         is_ratio_from_loss_pass=not getattr(args, "trl_logprob_pass", False),
     )
@@ -151,17 +156,28 @@ def make_trainer(
         peft_config=peft,
     )
     # What Trainer.train does before its loop (transformers 5.17, `_inner_training_loop`): gradient
-    # checkpointing, then `_prepare_for_training`: AdamW, `accelerator.prepare(model, optimizer)` (with
-    # bf16 on CUDA this wraps the forward in bf16 autocast, as in every real run) and the cosine schedule.
-    gc_kwargs = dict(config.gradient_checkpointing_kwargs or {})
-    every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
-    trainer.model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs=gc_kwargs or None, every_n_layers=every_n_layers, offload=offload
-    )
+    # checkpointing if the config says on (unset on CUDA: the trainer decides per pass), then `_prepare_for_training`:
+    # AdamW, `accelerator.prepare(model, optimizer)` (with bf16 on CUDA this wraps the forward in bf16 autocast, as in
+    # every real run) and the cosine schedule.
+    if trainer.args.gradient_checkpointing:
+        enable_recompute(trainer.model, trainer.args.gradient_checkpointing_kwargs)
     trainer._prepare_for_training(config.max_steps, trainer.get_train_dataloader(), None)
     # The warm-up runs as step 0 (AQN stage 0: noise-free), the timed steps as steps 1.. (noisy stages).
     trainer.state.max_steps = config.max_steps
     return trainer
+
+
+def recompute_ran(trainer: Any) -> dict[str, Any]:
+    """Which activation recompute the trainer's training passes ran: ``mode`` none, full or mixed, ``share`` the
+    fraction of passes that recomputed (the floors' ``recompute``), ``passes`` per mode (QeRLTrainer counts them;
+    trl's own trainer recomputes in every pass when its model is checkpointing, and counts nothing)."""
+    passes = getattr(trainer, "recompute_passes", None)
+    if passes is None:
+        full = bool(trainer.model.is_gradient_checkpointing)
+        return {"mode": "full" if full else "none", "share": float(full), "passes": None}
+    total = passes["none"] + passes["full"]
+    mode = "mixed" if passes["none"] and passes["full"] else ("full" if passes["full"] else "none")
+    return {"mode": mode, "share": passes["full"] / total if total else 0.0, "passes": dict(passes)}
 
 
 # ---------------------------------------------------------------------------------------------- timing

@@ -4,8 +4,10 @@ What it measures, per configuration (shape x base weights), in one process on on
 
 * the step QeRLTrainer runs: 8 completions of one 256-token prompt, each forced to 2048 new tokens
   (no early stop), LoRA r16 on all 7 projections plus trainable input/post-attention norms (``ln``),
-  AQN on (stage 1 of 10), bnpo loss, token-truncated IS correction, gradient checkpointing, AdamW on the
-  trainable parameters, grad clip 0.2, bf16 autocast on CUDA (accelerate's, as in ``trainer.train()``);
+  AQN on (stage 1 of 10), bnpo loss, token-truncated IS correction, activation recompute as
+  ``--gradient-checkpointing`` says (default auto, QeRLConfig's: ``qerl.train.recompute``; the row's ``recompute``
+  says what the timed passes ran), AdamW on the trainable parameters, grad clip 0.2, bf16 autocast on CUDA
+  (accelerate's, as in ``trainer.train()``);
 * micro-batched as trl users run it (``--micro-batch``, default 2): per_device_train_batch_size = 2 and
   steps_per_generation = gradient_accumulation_steps = 8 / 2 = 4, so the rollout still generates all 8
   completions in one batch, then 4 forward+backward passes of 2 completions accumulate into ONE
@@ -23,7 +25,7 @@ What it measures, per configuration (shape x base weights), in one process on on
                 ``[B, T, V]`` fp32 logits; the row records that tensor's size beside the phase's peak).
                 0 with ``is_ratio_from_loss_pass`` (the default: the ratio comes from the loss forward,
                 qerl.train.is_ratio); ``--trl-logprob-pass`` times trl's pass;
-  ``fwd_bwd``   the loss forward + backward (trl's ``compute_loss`` under gradient checkpointing),
+  ``fwd_bwd``   the loss forward + backward (trl's ``compute_loss``, and the recompute where it runs),
                 summed over the micro-steps;
   ``optimizer`` grad clipping, ``optimizer.step()``, scheduler step, ``zero_grad``;
   ``other``     the rest of the step on the host/device (tokenising, decoding, rewards, padding,
@@ -43,8 +45,9 @@ After each configuration the whole document so far is written to ``<out>.partial
 Floors (per row, and ``--floors`` prints them without a device): rollout = (new tokens - 1) x bytes
 a decode step must read (weights + bf16 LoRA copies + mean KV) / 4.24 TB/s copy bandwidth (measured
 in benchmarks/results/rollout_lora_b1_b8.json); training passes = matmul + attention flops / 790 TFLOP/s
-(plus, for NVFP4, the bytes of dequantizing every weight once per pass); optimizer = 40 B per fp32
-trainable parameter / 4.24 TB/s. docs/performance.md has the measured step beside them.
+(plus, for NVFP4, the bytes of dequantizing every weight once per pass), the training pass counting the recompute
+its passes ran (``fwd_bwd_s``) and none (``fwd_bwd_no_recompute_s``, the work itself; ``of_floor`` has both);
+optimizer = 40 B per fp32 trainable parameter / 4.24 TB/s. docs/performance.md has the measured step beside them.
 
     python -m benchmarks.grpo_step --out $OUT/grpo_step.json        # the H200 run (~5-7 min, predicted)
     python -m benchmarks.grpo_step --tiny --out /tmp/grpo_tiny.json  # 2-layer Llama, 16 tokens, CPU ok
@@ -64,7 +67,8 @@ trainable parameter / 4.24 TB/s. docs/performance.md has the measured step besid
 
 Peak memory is ``torch.cuda.max_memory_allocated`` per phase (``peak_gb``) and the allocator's reserved peak
 over the step (``peak_reserved_gb_step``, what a card must hold); ``memory_estimate_gb`` is the analytic
-estimate of benchmarks/grpo_floors.py beside it. Under data parallelism the row is rank 0's.
+estimate of benchmarks/grpo_floors.py beside it (its ``peak`` with full recompute, ``peak_no_recompute`` without
+any). Under data parallelism the row is rank 0's.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ from benchmarks.common import SHAPES as QWEN2_5_SHAPES
 from benchmarks.common import command, device_name, model_type, utc_now, versions, vocab_size, write_json
 from benchmarks.grpo_floors import COPY_BW, MATMUL_FLOPS, QWEN2_5_72B, floors, memory_estimate, shape_counts
 from benchmarks.grpo_harness import (
+    RECOMPUTE_FLAGS,
     PhaseClock,
     Probe,
     build_model,
@@ -94,6 +99,7 @@ from benchmarks.grpo_harness import (
     gb,
     make_trainer,
     profile_table,
+    recompute_ran,
     round_up,
     run_step,
     sig,
@@ -132,7 +138,7 @@ def measure(
     row["trainable_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in trainable})
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
     row["optimizer"] = f"{type(optimizer).__name__} ({getattr(trainer.args.optim, 'value', trainer.args.optim)})"
-    row["gradient_checkpointing"] = bool(trainer.model.is_gradient_checkpointing)
+    row["gradient_checkpointing"] = args.gradient_checkpointing  # asked: auto (the trainer decides per pass), on, off
     row["mixed_precision"] = trainer.accelerator.mixed_precision  # "bf16": the forward runs under bf16 autocast
 
     clock.stage = "warm-up"
@@ -152,6 +158,7 @@ def measure(
     # seen, not averaged in. ``--profile`` profiles the first timed step, which is then not the one reported
     # unless it is the only one.
     row["timed_steps"] = []
+    trainer.recompute_passes = {"none": 0, "full": 0}  # the timed steps' passes only
     for _ in range(args.steps):
         probe.start_step()
         if cuda:
@@ -183,10 +190,16 @@ def measure(
     row["forced_length"] = probe.completion_lengths == [args.tokens] * args.local_n
     row["decode_steps"] = probe.decode_steps
     row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)
-    measured = {**row["phases_s"], "step": row["step_s"]}
-    row["of_floor"] = {
+    row["recompute"] = recompute_ran(trainer)
+
+
+def of_floor(row: dict) -> dict[str, float]:
+    """Each floor over its measured time (1.0: at the floor); the training pass against the floor of the recompute it
+    ran and against the floor without any recompute."""
+    measured = {**row["phases_s"], "step": row["step_s"], "fwd_bwd_no_recompute": row["phases_s"]["fwd_bwd"]}
+    return {
         p: sig(row["floors"][f"{p}_s"] / measured[p])
-        for p in ("rollout", "logprobs", "fwd_bwd", "optimizer", "step")
+        for p in ("rollout", "logprobs", "fwd_bwd", "fwd_bwd_no_recompute", "optimizer", "step")
         if measured[p] > 0
     }
 
@@ -217,7 +230,6 @@ def run_config(
         "new_tokens": args.tokens,
         "lora_r": args.lora_r,
         "status": "ok",
-        "floors": {k: sig(v) for k, v in floors(shape, vocab, nvfp4, *sizes).items()},
         "memory_estimate_gb": {
             k.removesuffix("_gb"): sig(v) for k, v in memory_estimate(shape, vocab, nvfp4, *sizes).items()
         },
@@ -268,6 +280,12 @@ def run_config(
         except Exception as e:  # noqa: BLE001
             row["cleanup_error"] = f"{type(e).__name__}: {e}"[:300]
     row["total_s"] = round(time.perf_counter() - t0, 2)
+    # The training pass's floor counts the recompute that ran (the share of passes that recomputed; one not measured:
+    # what was asked, auto as full).
+    share = row["recompute"]["share"] if "recompute" in row else float(args.gradient_checkpointing != "off")
+    row["floors"] = {k: sig(v) for k, v in floors(shape, vocab, nvfp4, *sizes, recompute=share).items()}
+    if row["status"] == "ok":
+        row["of_floor"] = of_floor(row)
     return row
 
 
@@ -330,7 +348,7 @@ def document(rows: list[dict], args: argparse.Namespace, env: dict, argv: list[s
             "forced_length": "EOS id outside the model vocabulary",
             "lora": f"r{args.lora_r} on {'/'.join(PROJECTIONS)} + trainable norms",
             "loss": "bnpo, token_truncate IS (C=2), AQN stage 1, mask_truncated_completions=False",
-            "gradient_checkpointing": True,
+            "gradient_checkpointing": args.gradient_checkpointing,
             "warm-up": "decode graphs of every KV bucket + one short (<= 32-token) step, untimed",
             "floor_constants": {"copy_bw_tb_s": COPY_BW / 1e12, "matmul_tflop_s": MATMUL_FLOPS / 1e12},
         },
@@ -347,7 +365,7 @@ def print_floors(args: argparse.Namespace) -> None:
         for base in args.bases:
             dims, vocab, _ = resolve_shape(shape)
             sizes = (args.local_n, args.prompt, args.tokens, args.lora_r, args.micro_batch)
-            f = floors(dims, vocab, base == "nvfp4", *sizes)
+            f = floors(dims, vocab, base == "nvfp4", *sizes, recompute=float(args.gradient_checkpointing != "off"))
             print(f"{shape} {base:5s}: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
             m = memory_estimate(dims, vocab, base == "nvfp4", *sizes)
             print(
@@ -373,6 +391,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=2048, help="new tokens per completion (forced)")
     parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument(
+        "--gradient-checkpointing",
+        choices=list(RECOMPUTE_FLAGS),
+        default="auto",
+        help="activation recompute in the training passes: auto (QeRLConfig's default: none while the card's free "
+        "memory holds a pass's activations, else full; on without CUDA), on (full), off (none)",
+    )
     parser.add_argument(
         "--steps",
         type=int,

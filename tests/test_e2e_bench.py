@@ -60,7 +60,12 @@ def test_native_arms_time_every_phase(tiny_run: dict) -> None:
             assert all(step["phases_s"][p] > 0 for p in ("rollout", "fwd_bwd", "optimizer"))
             assert step["phases_s"]["sync"] == 0  # the native engine reads the trainer's weights in place
             assert step["phases_s"]["logprobs"] == 0  # the IS ratio comes from the loss forward (qerl.train.is_ratio)
-        assert set(r["floors_s"]) == {"rollout", "sync", "logprobs", "fwd_bwd", "optimizer"}
+        assert set(r["floors_s"]) == {"rollout", "sync", "logprobs", "fwd_bwd", "fwd_bwd_no_recompute", "optimizer"}
+        # auto without CUDA: every training pass recomputed (warm-up + 2 timed steps of one pass each), and the
+        # training pass's floor counts it; the floor without recompute is reported beside it.
+        assert r["recompute"] == {"mode": "full", "share": 1.0, "passes": {"none": 0, "full": 3}}
+        assert r["floors_s"]["fwd_bwd"] > r["floors_s"]["fwd_bwd_no_recompute"] > 0
+        assert r["over_floor"]["fwd_bwd_no_recompute"] > r["over_floor"]["fwd_bwd"]
         assert r["generated_tokens_per_s"]["rollout"] > r["generated_tokens_per_s"]["step"] > 0
         assert r["command"].startswith("python") and "--arm" in r["command"]
     assert Path(tiny_run["_out"]).with_suffix(".png").stat().st_size > 0

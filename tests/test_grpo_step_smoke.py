@@ -44,7 +44,13 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
         assert r["phases_s"]["logprobs"] == 0  # the IS ratio comes from the loss forward (qerl.train.is_ratio)
         assert r["step_s"] == pytest.approx(sum(r["phases_s"].values()), rel=1e-3, abs=1e-3)
         assert r["forced_length"] and r["completion_lengths"] == [16] and r["decode_steps"] == 15
-        assert r["gradient_checkpointing"] and r["lora_updated"]
+        assert r["lora_updated"]
+        # Auto (the default) is full recompute without CUDA: every pass of the 2 timed steps recomputed, and the
+        # training pass's floor counts it beside the floor without any recompute.
+        assert r["gradient_checkpointing"] == "auto"
+        assert r["recompute"] == {"mode": "full", "share": 1.0, "passes": {"none": 0, "full": 8}}
+        assert r["floors"]["fwd_bwd_s"] > r["floors"]["fwd_bwd_no_recompute_s"] > 0
+        assert set(r["of_floor"]) >= {"fwd_bwd", "fwd_bwd_no_recompute"}
         assert (r["aqn_sigma"] > 0) is (r["base"] == "nvfp4")  # AQN defaults to on for NVFP4 models only (issue 15)
         # Default micro-batch 2 of n=8: one rollout, four backward passes of 2 completions, AdamW stepped
         # once per step (warm-up + 2 timed steps = 3), no weight moved while the gradients accumulated.
@@ -92,6 +98,26 @@ def test_micro_batching_leaves_the_step_gradient_unchanged(grpo_step: ModuleType
     # rounding differs with the AQN draw: with sigma_end 1e-4 the two passes differ by 2e-8 (0.11%).
     # A scaling error would show as ~2e-5.
     assert rows[2]["loss"] == pytest.approx(rows[4]["loss"], rel=1e-3, abs=1e-7)
+
+
+def test_recompute_off_runs_no_recompute_and_its_floor(grpo_step: ModuleType, tmp_path: Path) -> None:
+    """``--gradient-checkpointing off``: no pass recomputes, and the training pass's floor is the one without
+    recompute. With full recompute the floor is one more forward of the decoder layers above it: the forward pass's
+    floor (the old log-prob pass's) less the LM head, which no recompute repeats."""
+    out = tmp_path / "off.json"
+    grpo_step.main(
+        ["--tiny", "--n", "4", "--bases", "nvfp4", "--steps", "1", "--gradient-checkpointing", "off", "--out", str(out)]
+    )
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["status"] == "ok" and row["gradient_checkpointing"] == "off"
+    assert row["recompute"] == {"mode": "none", "share": 0.0, "passes": {"none": 2, "full": 0}}
+    assert row["floors"]["fwd_bwd_s"] == row["floors"]["fwd_bwd_no_recompute_s"]
+    full = grpo_step.floors(grpo_step.TINY, grpo_step.TINY_VOCAB, True, 4, 32, 16, 16, 2)
+    head = 2 * grpo_step.shape_counts(grpo_step.TINY, grpo_step.TINY_VOCAB, 16)["lm_head_params"] * 4 * 16
+    assert full["fwd_bwd_s"] - full["fwd_bwd_no_recompute_s"] == pytest.approx(
+        full["logprobs_s"] - head / grpo_step.MATMUL_FLOPS, rel=1e-9
+    )
+    assert full["fwd_bwd_no_recompute_s"] == pytest.approx(row["floors"]["fwd_bwd_s"], rel=1e-3)
 
 
 def test_micro_batch_must_divide_the_group(grpo_step: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:

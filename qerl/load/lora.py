@@ -1,25 +1,78 @@
-"""LoRA over ``NVFP4Linear`` through peft's public custom-module API.
+"""LoRA over ``NVFP4Linear`` (and plain ``nn.Linear``) through peft's public custom-module API.
 
-peft's own LoRA Linear does the work (A/B init, scaling, dropout, saving, loading); we only tell it
-where the base layer lives and refuse to merge, because a bf16 delta cannot be folded into 4-bit
-codes without re-quantizing. The adapter therefore always stays unmerged, as QeRL's RL loop needs;
-``qerl.export`` writes a merged checkpoint (bf16, or re-quantized NVFP4) for serving.
+peft's own LoRA Linear does the work (A/B init, scaling, dropout, saving, loading); we tell it where
+the base layer lives, refuse to merge into packed weights (a bf16 delta cannot be folded into 4-bit
+codes without re-quantizing: the adapter always stays unmerged, as QeRL's RL loop needs;
+``qerl.export`` writes a merged checkpoint for serving), and give both layer kinds the same adapter
+forward, ``DirectLoraForward``, for the vanilla case a training pass runs.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from torch import nn
 
 from qerl import arch
 from qerl.load.linear import NVFP4Linear
 
 #: LoRA on every decoder Linear (QeRL's setting).
 DEFAULT_TARGETS = arch.LINEAR_TARGETS
+#: Activation dtypes that an fp32 adapter weight holds exactly, so peft's cast of them to fp32 changes no value.
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class NVFP4LoraLinear(PeftLoraLinear):
+class DirectLoraForward:
+    """peft's vanilla LoRA forward without its per-call dtype round trip and its ``* 1.0``.
+
+    Why: peft keeps the adapters in fp32 and, for each projection, casts the input to the adapter's
+    dtype (``_cast_input_dtype``: a copy of the bf16 activation to fp32) which bf16 autocast then
+    casts back to bf16 for the GEMM; ``* scaling`` multiplies by 1.0 when alpha equals r (qerl's
+    default). Those two casts, the multiply, and their mirror images in the backward ran for every
+    projection of every layer (docs/performance.md, "Training pass"). Here, under autocast, the
+    activation goes to ``lora_A`` as it is (autocast casts the fp32 weights, as it did), the scale
+    is applied only when it is not 1.0, and the delta is added to the base output once.
+
+    Exact: an fp32 weight holds every bf16/fp16 value, so bf16 -> fp32 -> bf16 is the identity; the
+    GEMMs see the same operands; ``x * 1.0`` is ``x``. Anything beyond that vanilla case (dropout that
+    is active, a LoRA variant such as DoRA, ``adapter_names``, several active adapters, merged or
+    disabled adapters, a cast that would change values, extra arguments) runs peft's own forward.
+    """
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        adapter = self._direct_adapter(x) if not (args or kwargs) else None
+        if adapter is None:
+            return super().forward(x, *args, **kwargs)
+        result = self.base_layer(x)
+        delta = self.lora_B[adapter](self.lora_A[adapter](x))
+        scaling = self.scaling[adapter]
+        if scaling != 1.0:
+            delta = delta * scaling
+        return (result + delta).to(result.dtype)
+
+    def _direct_adapter(self, x: torch.Tensor) -> str | None:
+        """The one active adapter when the direct forward computes exactly what peft's would, else None."""
+        if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
+            return None
+        adapter = self.active_adapters[0]
+        if adapter not in self.lora_A or adapter in self.lora_variant:
+            return None
+        dropout = self.lora_dropout[adapter]
+        if not isinstance(dropout, nn.Identity) and dropout.training:
+            return None
+        weight_dtype = self.lora_A[adapter].weight.dtype
+        if x.dtype == weight_dtype:  # peft casts nothing either
+            return adapter
+        # Under autocast the GEMM sees x in the autocast dtype whichever way it comes: skipping peft's cast to the
+        # adapter's dtype is exact when that dtype holds x exactly (an fp32 adapter, a float activation).
+        autocast = torch.is_autocast_enabled(x.device.type)
+        return adapter if autocast and weight_dtype == torch.float32 and x.dtype in _EXACT_IN_FP32 else None
+
+
+class NVFP4LoraLinear(DirectLoraForward, PeftLoraLinear):
     """peft's LoRA Linear over a packed NVFP4 base; adapters stay in their own (fp32) dtype.
 
     peft finds the base layer's device through ``NVFP4Linear.qweight``; being uint8, it leaves the
@@ -41,9 +94,25 @@ class NVFP4LoraLinear(PeftLoraLinear):
         return (b @ a) * self.scaling[adapter]
 
 
+class DenseLoraLinear(DirectLoraForward, PeftLoraLinear):
+    """peft's LoRA Linear over a bf16 (or fp32) ``nn.Linear``, with the direct forward: the bf16 arm's passes
+    lose the same casts as the NVFP4 arm's. Merging and everything else are peft's."""
+
+
+class _PlainLinearType(type):
+    def __instancecheck__(cls, obj: object) -> bool:
+        return type(obj) is nn.Linear
+
+
+class PlainLinear(metaclass=_PlainLinearType):
+    """``isinstance(m, PlainLinear)``: ``m`` is a ``torch.nn.Linear`` itself, not a subclass. peft's custom-module
+    table matches with ``isinstance``; keyed by ``nn.Linear`` it would also take the subclasses that peft's own
+    dispatchers handle (bitsandbytes' quantized Linears), which this key leaves to them."""
+
+
 def register_nvfp4(config: LoraConfig) -> LoraConfig:
-    """Teach a LoraConfig to wrap NVFP4Linear modules; returns the same config."""
-    config._register_custom_module({NVFP4Linear: NVFP4LoraLinear})
+    """Teach a LoraConfig qerl's LoRA layers (NVFP4Linear, plain nn.Linear); returns the same config."""
+    config._register_custom_module({NVFP4Linear: NVFP4LoraLinear, PlainLinear: DenseLoraLinear})
     return config
 
 

@@ -52,6 +52,8 @@ TRL_DEFAULT_OVERRIDES: dict[str, str] = {
     "vllm_importance_sampling_clip_max": "2.0 with token_truncate (FlashRL/verl's TIS cap); trl's 3.0 is its "
     "sequence-level cap",
     "bf16": "unset: on with CUDA, off on CPU (bf16 autocast is emulated, and many times slower, on CPUs)",
+    "gradient_checkpointing": "unset: with CUDA, no recompute while the card's free memory holds the training pass's "
+    "activations, else full (qerl.train.recompute); without CUDA on, as trl",
     "ddp_broadcast_buffers": "False: the packed NVFP4 weights are buffers, identical on every rank; "
     "re-broadcasting tens of GB each forward would dominate the step",
     "ddp_find_unused_parameters": "False: every LoRA/norm parameter is used in every forward",
@@ -83,6 +85,17 @@ class QeRLConfig(GRPOConfig):
         default=None, metadata={"help": "Reference spelling of a fractional warmup_steps."}
     )
     bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; unset: on with CUDA, off on CPU."})
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Recompute activations in the backward: True full, False none; unset (null): auto with CUDA (none "
+            "while the card's free memory holds the pass's activations, else full; qerl.train.recompute), on without "
+            "CUDA.",
+            # A bare --gradient_checkpointing means True, as with trl's flag (argparse reads these keys).
+            "nargs": "?",
+            "const": True,
+        },
+    )
     vllm_importance_sampling_mode: str = field(
         default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.train.trainer docstring)."}
     )
@@ -138,6 +151,8 @@ class QeRLConfig(GRPOConfig):
             self.warmup_steps = self.warmup_ratio
         if self.bf16 is None and not self.fp16:
             self.bf16 = torch.cuda.is_available()
+        if self.gradient_checkpointing is None and not torch.cuda.is_available():
+            self.gradient_checkpointing = True  # no device memory to weigh the recompute against: trl's default
         if not torch.cuda.is_available():  # what makes `accelerate launch` give CPU-only processes gloo DDP
             self.use_cpu = True
         if (

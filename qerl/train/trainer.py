@@ -7,6 +7,8 @@ What is overridden, and why (tested against trl 1.16; ``TRL_RANGE`` below):
   LoRA into the base weights before every sync, which cannot work on a 4-bit base; our engines run
   the adapter unmerged. AQN wraps exactly this call: noise in before, clean weights back after.
   These rollout-side hooks live in ``qerl.train.rollout_hooks`` (a mixin of this class).
+* ``compute_loss``: with ``gradient_checkpointing`` unset, whether this training pass recomputes activations
+  (``qerl.train.recompute``, a mixin of this class).
 * ``training_step``: trl's step under ``cudnn_attention_disabled`` (cuDNN's attention backward can
   return NaN gradients on Hopper; see that function).
 * ``log``: adds sigma, rollout tokens/s and peak GPU memory to trl's metrics (reward mean/std per
@@ -62,6 +64,7 @@ from qerl.load.integrity import check_tensor
 from qerl.train.aqn import NormNoise
 from qerl.train.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.train.is_ratio import LossPassRatio
+from qerl.train.recompute import AutoRecompute
 from qerl.train.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.train.rollout_hooks import RolloutHooks
 
@@ -147,7 +150,7 @@ def keep_trainable_fp32(model: nn.Module) -> list[str]:
     return upcast
 
 
-class QeRLTrainer(RolloutHooks, LossPassRatio, GRPOTrainer):
+class QeRLTrainer(RolloutHooks, LossPassRatio, AutoRecompute, GRPOTrainer):
     """GRPO/DAPO on NVFP4 (or bf16) models with LoRA, qerl rollouts and AQN."""
 
     _tag_names = ["trl", "grpo", "qerl"]
@@ -195,6 +198,7 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, GRPOTrainer):
         self._noise: NormNoise | None = None
         self._rollout_index = (-1, 0)  # (global step, rollouts drawn at that step): seeds the sampler
         self._resume_marker: dict[str, Any] | None = None
+        self.recompute_passes = {"none": 0, "full": 0}
         self.add_callback(MetricsFile())
         if self.rollout_func is not None:
             self.rollout_func = self._in_rollout_mode(self.rollout_func)

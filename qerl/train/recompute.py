@@ -1,0 +1,177 @@
+"""Recompute only what memory requires: what ``--gradient_checkpointing`` left unset (auto) does.
+
+trl switches gradient checkpointing on for every run: each decoder layer's forward runs twice, once in the forward
+and again inside the backward, for memory the card may well have free (docs/performance.md, "Training pass").
+``QeRLConfig`` leaves the flag unset on CUDA (without CUDA it stays on, as before); ``AutoRecompute`` then decides
+before each training pass (one micro-batch's forward + backward): no recompute while the card's free memory covers
+:func:`no_recompute_bytes` for that pass's rows and padded length, full recompute from the first pass where it does
+not, for the rest of the run (one way, so a run does not alternate). ``True`` / ``False`` are trl's, as before.
+
+The choice changes time and memory, never the numbers: the recompute replays the same ops on the same inputs, so the
+loss and every gradient are bitwise the same (``tests/test_recompute.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: Hidden-sized bf16 tensors per token that a training pass holds beyond the decoder layers' saved activations: the
+#: chunked LM head and the activation gradients of the backward. Fitted on the H200 (benchmarks/grpo_floors.py tells
+#: how); the same in both modes, since neither the head nor the gradients are recomputed.
+HEAD_ACTIVATIONS = 36
+#: Share of the card's memory left free under the estimate (allocator fragmentation, cuBLAS workspaces, and what the
+#: estimate does not count).
+HEADROOM = 0.05
+#: The model config fields the estimate reads (``head_dim`` where the family sets it).
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def saved_activation_bytes(
+    shape: Mapping[str, int], rows: int, tokens: int, lora_r: int, *, trained_norms: bool = True, masked: bool = False
+) -> int:
+    """Bytes that autograd holds for the backward of every decoder layer (Llama / Qwen2 layout, LoRA on the seven
+    projections, bf16 activations under autocast) when nothing is recomputed, at ``rows`` x ``tokens``.
+
+    Per layer and token, what each op saves (h hidden, i intermediate, q = heads x head_dim, k = KV heads x head_dim):
+
+    * each RMSNorm (2): its fp32 input (4h: ``pow`` and the normalising ``mul``) and ``rsqrt`` per row (4); with
+      trained norms also the bf16 normalised input (2h, for the weight's gradient);
+    * the shrink GEMMs' inputs, one each however many projections read it: the attention input (2h, q/k/v), the MLP
+      input (2h, gate/up), the down input (2i); the o_proj input is SDPA's output (below);
+    * attention: RoPE'd q (2q), k and v (2k each; 2q each when ``masked``: transformers then repeats them to every
+      head), SDPA's output (2q) and its fp32 log-sum-exp per head (4 x heads); with a mask, also SDPA's additive
+      bf16 mask, tokens x 2 bytes per token and layer;
+    * MLP: the gate output (``silu``), ``silu(gate)`` and the up output (``mul``): 3 x 2i;
+    * LoRA: each of the seven shrinks' outputs (2r), saved by its expand.
+
+    Not counted: the frozen weights (NVFP4's packed ones, bf16 ones) that the GEMMs' backward reads where they are,
+    and what is shared by all layers (RoPE tables, the mask built once per forward).
+    """
+    h, i, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
+    head_dim = shape.get("head_dim") or h // heads
+    q, k = heads * head_dim, shape["num_key_value_heads"] * head_dim
+    kv = q if masked else k
+    norm = 4 * h + 4 + (2 * h if trained_norms else 0)
+    attention = 2 * q + 2 * 2 * kv + 2 * q + 4 * heads + (2 * tokens if masked else 0)
+    per_token = 2 * norm + 2 * h + 2 * h + 2 * i + attention + 3 * 2 * i + 7 * 2 * lora_r
+    return shape["num_hidden_layers"] * rows * tokens * per_token
+
+
+def no_recompute_bytes(
+    shape: Mapping[str, int],
+    rows: int,
+    tokens: int,
+    lora_r: int,
+    *,
+    nvfp4: bool,
+    trained_norms: bool = True,
+    masked: bool = False,
+) -> int:
+    """What a training pass without recompute adds, at its peak, to the memory it starts with: every layer's saved
+    activations (:func:`saved_activation_bytes`), ``HEAD_ACTIVATIONS`` hidden-sized bf16 tensors per token, and for
+    NVFP4 two bf16 copies of the largest weight (dequantized for the GEMMs of the forward and of the backward)."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    saved = saved_activation_bytes(shape, rows, tokens, lora_r, trained_norms=trained_norms, masked=masked)
+    return saved + HEAD_ACTIVATIONS * rows * tokens * h * 2 + (2 * h * i * 2 if nvfp4 else 0)
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(bytes a pass can still allocate, the card's total) on a CUDA ``device``: what the driver reports free plus
+    what torch's allocator holds unused; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+
+
+def enable_recompute(model: nn.Module, gradient_checkpointing_kwargs: dict[str, Any] | None) -> None:
+    """``gradient_checkpointing_enable`` as transformers' training loop calls it: ``every_n_layers`` and ``offload``
+    taken out of the kwargs, the rest handed to ``torch.utils.checkpoint``."""
+    kwargs = dict(gradient_checkpointing_kwargs or {})
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+    )
+
+
+class AutoRecompute:
+    """Mixin over trl's ``GRPOTrainer``: with ``gradient_checkpointing`` unset, the recompute choice of each training
+    pass (see the module docstring), logged in one line when it is made and when it changes.
+
+    ``recompute_passes`` (set by the trainer's ``__init__``) counts the training passes run in each mode, ``none``
+    and ``full``, whatever decided it: the benchmarks record it."""
+
+    _recompute: str | None = None  # the mode of the passes so far: None before the first, then "none" or "full"
+    recompute_passes: dict[str, int]
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.model.training and torch.is_grad_enabled():
+            if self.args.gradient_checkpointing is None and self._recompute != "full":
+                self._choose_recompute(inputs)
+            self.recompute_passes["full" if self.model.is_gradient_checkpointing else "none"] += 1
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def _choose_recompute(self, inputs: dict[str, Any]) -> None:
+        rows, prompt = inputs["prompt_ids"].shape
+        tokens = prompt + inputs["completion_ids"].shape[1]
+        masked = not (bool(inputs["prompt_mask"].all()) and bool(inputs["completion_mask"].all()))
+        need = self._pass_bytes(rows, tokens, masked) + self._unallocated_state_bytes()
+        memory = device_memory(inputs["prompt_ids"].device)
+        room = None if memory is None else memory[0] - HEADROOM * memory[1]
+        mode = "none" if room is not None and need <= room else "full"
+        if mode != self._recompute:
+            free = "no CUDA memory to measure" if room is None else f"{room / 1e9:.1f} GB free besides the headroom"
+            logger.info(
+                "activation recompute: %s from step %d (a pass of %d x %d tokens needs ~%.1f GB without it; %s)",
+                mode,
+                self.state.global_step,
+                rows,
+                tokens,
+                need / 1e9,
+                free,
+            )
+            if mode == "full":
+                enable_recompute(self.model, self.args.gradient_checkpointing_kwargs)
+        self._recompute = mode
+
+    def _pass_bytes(self, rows: int, tokens: int, masked: bool) -> int:
+        from qerl.load.loader import is_nvfp4_model
+
+        model = self.model
+        shape = {key: getattr(model.config, key) for key in SHAPE_KEYS}
+        shape["head_dim"] = getattr(model.config, "head_dim", None)
+        lora_r = max((getattr(c, "r", 0) for c in getattr(model, "peft_config", {}).values()), default=0)
+        trained_norms = any(p.requires_grad for n, p in model.named_parameters() if "norm" in n)
+        return no_recompute_bytes(
+            shape,
+            rows,
+            tokens,
+            lora_r,
+            nvfp4=is_nvfp4_model(model),
+            trained_norms=trained_norms,
+            masked=masked,
+        )
+
+    def _unallocated_state_bytes(self) -> int:
+        """What the pass's backward and the step's optimizer are still to allocate: an fp32 gradient for each trainable
+        parameter without one, and AdamW's two fp32 moments while the optimizer holds no state yet."""
+        moments = 8 if self.optimizer is None or not self.optimizer.state else 0
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return sum(p.numel() * ((4 if p.grad is None else 0) + moments) for p in trainable)
+
+
+__all__ = [
+    "AutoRecompute",
+    "HEAD_ACTIVATIONS",
+    "device_memory",
+    "enable_recompute",
+    "no_recompute_bytes",
+    "saved_activation_bytes",
+]
