@@ -157,8 +157,7 @@ def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
             k for k in saved.keys() | wanted.keys() if k not in RESUMABLE_KEYS and saved.get(k) != wanted.get(k)
         )
     else:
-        has_run = any((out / name).exists() for name in RUN_FILES) or any(out.glob("checkpoint-*"))
-        changed = ["(unknown: no run_config.json)"] if has_run else []
+        changed = ["(unknown: no run_config.json)"] if holds_run(out) else []
     if changed and mode != "force" and record.exists() and not _holds_work(out):  # no record: an older qerl's run
         logger.info(
             "%s: its run (different %s) saved no checkpoint, adapter or summary; starting afresh with these settings",
@@ -171,6 +170,16 @@ def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
     summary = _read_summary(out / SUMMARY_FILE)
     done = summary is not None and (max_steps <= 0 or int(summary.get("global_step") or 0) >= max_steps)
     return Plan(changed=changed, finished=summary if done and not changed else None)
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds (part of) a training run: its settings record, metrics, summary, adapter or a
+    checkpoint. A directory holding anything else is not a run's to write into (``qerl.train.run``)."""
+    return (
+        (out / RUN_CONFIG_FILE).exists()
+        or any((out / name).exists() for name in RUN_FILES)
+        or any(out.glob(f"{PREFIX_CHECKPOINT_DIR}-*"))
+    )
 
 
 def _holds_work(out: Path) -> bool:
@@ -283,6 +292,7 @@ __all__ = [
     "RESUME_MODES",
     "Plan",
     "plan",
+    "holds_run",
     "rows_sha256",
     "run_config",
     "save",

@@ -1,0 +1,70 @@
+"""Training on hostile input (issue 72, the training side): where a run may write, what it resumes from, which
+flag values and data it takes. Each test was seen to fail before its fix. Tiny random dense model with SmolLM2's
+tokenizer (``tiny_dense_dir``), 1-2 steps: a few seconds per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_reliability4 import _argv, _one_error
+
+from qerl.cli import run
+from qerl.train.run import main
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one error line of a training run that must stop (exit status 2) before any work."""
+    capsys.readouterr()
+    return _one_error(run(main, argv), capsys.readouterr().err)
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (None for a directory): what a refused run must leave as it was."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+# --- where a run may write ------------------------------------------------------------------------------------
+
+
+def test_output_dir_holding_other_files_is_refused(
+    tiny_dense_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-empty --output_dir holding no run (a project checkout: README.md, heldout.jsonl, plots/) had its files
+    overwritten with rc 0, and ``--output_dir .`` replaced the checkout's README; now one line naming the flag, and
+    every file is as it was."""
+    mine = tmp_path / "mine"
+    (mine / "plots").mkdir(parents=True)
+    for name in ("README.md", "heldout.jsonl", "plots/reward.png"):
+        (mine / name).write_text(f"my {name}\n")
+    before = _tree(mine)
+    line = _refused(_argv(tiny_dense_dir, mine, "--heldout", "2", steps=1), capsys)
+    assert line.startswith(f"error: --output_dir {mine}: ") and "holds no qerl run" in line, line
+    monkeypatch.chdir(mine)
+    line = _refused(_argv(tiny_dense_dir, Path("."), steps=1), capsys)
+    assert line.startswith("error: --output_dir .: ") and "holds no qerl run" in line, line
+    assert _tree(mine) == before
+
+
+def test_output_dir_that_is_a_link_or_a_loop_is_refused(tiny_dense_dir: Path, tmp_path: Path, capsys) -> None:
+    """A symbolic link planted at --output_dir (in a shared parent such as /tmp) was followed and the run written
+    through it; a loop of links was a traceback. Now each is one line naming the flag, the link's target untouched."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    link = tmp_path / "run"
+    link.symlink_to(target)
+    line = _refused(_argv(tiny_dense_dir, link, steps=1), capsys)
+    assert line == f"error: --output_dir {link}: is a symbolic link; name the directory itself", line
+    assert not any(target.iterdir())
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    line = _refused(_argv(tiny_dense_dir, tmp_path / "a" / "run", steps=1), capsys)
+    assert line.startswith(f"error: --output_dir {tmp_path / 'a' / 'run'}: cannot be resolved"), line
