@@ -1,4 +1,5 @@
-"""Whether a training run may continue what its ``output_dir`` already holds.
+"""Whether a training run may write its ``output_dir`` (:func:`check_output_dir`: no link, not the model's, empty or
+a run's own) and continue what it already holds.
 
 Every run records its settings in ``output_dir/run_config.json`` (written atomically before training
 starts): the model/data/adapter choices, every trainer setting, and digests of the training rows and
@@ -38,8 +39,9 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from qerl.cli import UsageError
-from qerl.fsutil import append_whole, atomic_write_text
+from qerl import hub
+from qerl.cli import UsageError, usage_errors
+from qerl.fsutil import append_whole, atomic_write_text, is_within, real_output
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +184,39 @@ def holds_run(out: Path) -> bool:
     )
 
 
+def check_output_dir(out: Path, model: str) -> None:
+    """Refuse an ``--output_dir`` that a run may not write: a symbolic link (``qerl.fsutil.real_output``), the
+    model's directory or one inside it (the run's checkpoints, metrics and adapter would be mixed into the model's
+    files), or a directory holding files but no run (``--output_dir .`` replaced a checkout's README: a run
+    resumes into a run directory of its own only, as eval, export and quantize refuse a non-empty target)."""
+    with usage_errors(ValueError):
+        resolved_out = real_output(out, "--output_dir")
+    _not_the_model(out, model)
+    if resolved_out.exists() and not resolved_out.is_dir():
+        raise UsageError(f"--output_dir {out}: is not a directory")
+    if resolved_out.is_dir() and any(resolved_out.iterdir()) and not holds_run(resolved_out):
+        raise UsageError(
+            f"--output_dir {out}: is not empty and holds no qerl run (no {RUN_CONFIG_FILE}, metrics or "
+            "checkpoint); name a new or empty directory"
+        )
+
+
+def _not_the_model(out: Path, model: str) -> None:
+    """Refuse an output that is a local model's directory or lies inside it (quantize and export refuse the same)."""
+    try:
+        resolved = hub.resolve_model(model)
+    except (FileNotFoundError, ValueError):
+        return
+    if isinstance(resolved, str):
+        return
+    if is_within(out, Path(resolved)):
+        same = out.expanduser().resolve() == Path(resolved).resolve()
+        raise UsageError(
+            f"--output_dir {out}: is {'the' if same else 'inside the'} model directory "
+            f"({model}); choose a directory outside it"
+        )
+
+
 def _holds_work(out: Path) -> bool:
     """Whether ``out`` holds anything a run with other settings could spoil: a complete checkpoint, the final
     adapter or the summary. A run that crashed before its first save (a wrong flag found in step 1) holds
@@ -283,6 +318,7 @@ def move_aside(checkpoint: Path, why: str) -> Path:
 
 __all__ = [
     "CHECKPOINT_MARKER",
+    "check_output_dir",
     "METRICS_FILE",
     "MetricsFile",
     "last_complete_checkpoint",

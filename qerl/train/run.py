@@ -49,7 +49,7 @@ from transformers import TrainerCallback
 from qerl import hub
 from qerl.checkpoint import read_config
 from qerl.cli import UsageError, one_line, run, usage_errors
-from qerl.fsutil import atomic_directory, atomic_write_text, is_within, real_output
+from qerl.fsutil import atomic_directory, atomic_write_text
 from qerl.load.fingerprint import model_sha256, write_base_record
 from qerl.load.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
 from qerl.load.lora import lora_config
@@ -109,39 +109,6 @@ class CurrentIntervals(TrainerCallback):
         state.compute_steps(args, state.max_steps)
 
 
-def check_output_dir(out: Path, model: str) -> None:
-    """Refuse an ``--output_dir`` that a run may not write: a symbolic link (``qerl.fsutil.real_output``), the
-    model's directory or one inside it (the run's checkpoints, metrics and adapter would be mixed into the model's
-    files), or a directory holding files but no run (``--output_dir .`` replaced a checkout's README: a run
-    resumes into a run directory of its own only, as eval, export and quantize refuse a non-empty target)."""
-    with usage_errors(ValueError):
-        resolved_out = real_output(out, "--output_dir")
-    _not_the_model(out, model)
-    if resolved_out.exists() and not resolved_out.is_dir():
-        raise UsageError(f"--output_dir {out}: is not a directory")
-    if resolved_out.is_dir() and any(resolved_out.iterdir()) and not run_record.holds_run(resolved_out):
-        raise UsageError(
-            f"--output_dir {out}: is not empty and holds no qerl run (no {run_record.RUN_CONFIG_FILE}, metrics or "
-            "checkpoint); name a new or empty directory"
-        )
-
-
-def _not_the_model(out: Path, model: str) -> None:
-    """Refuse an output that is a local model's directory or lies inside it (quantize and export refuse the same)."""
-    try:
-        resolved = hub.resolve_model(model)
-    except (FileNotFoundError, ValueError):
-        return
-    if isinstance(resolved, str):
-        return
-    if is_within(out, Path(resolved)):
-        same = out.expanduser().resolve() == Path(resolved).resolve()
-        raise UsageError(
-            f"--output_dir {out}: is {'the' if same else 'inside the'} model directory "
-            f"({model}); choose a directory outside it"
-        )
-
-
 def is_main_launch_process() -> bool:
     """Whether this process writes the run's files: the only one, or rank 0 under ``accelerate launch``."""
     return os.environ.get("RANK", "0") == "0"
@@ -168,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             logger.warning("--%s is a reference leftover and is ignored", name.replace("_", "-"))
 
     out = Path(config.output_dir)
-    check_output_dir(out, script.model_name)
+    run_record.check_output_dir(out, script.model_name)
     if not is_main_launch_process():
         summary = _train(script, config, out)
     else:
