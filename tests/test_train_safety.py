@@ -68,3 +68,21 @@ def test_output_dir_that_is_a_link_or_a_loop_is_refused(tiny_dense_dir: Path, tm
     (tmp_path / "b").symlink_to(tmp_path / "a")
     line = _refused(_argv(tiny_dense_dir, tmp_path / "a" / "run", steps=1), capsys)
     assert line.startswith(f"error: --output_dir {tmp_path / 'a' / 'run'}: cannot be resolved"), line
+
+
+@pytest.mark.parametrize("planted", ["hard link", "directory"])
+def test_lock_path_holding_a_hard_link_or_a_directory_is_refused(
+    tiny_dense_dir: Path, tmp_path: Path, capsys, planted: str
+) -> None:
+    """A hard link planted at the run lock ``.NAME.lock`` had the file it shares overwritten with the PID; a
+    directory there was a traceback. Now one line naming the lock, and what was planted is left as it was."""
+    lock = tmp_path / ".run.lock"
+    if planted == "hard link":
+        (tmp_path / "precious").write_text("keep me\n")
+        lock.hardlink_to(tmp_path / "precious")
+    else:
+        lock.mkdir()
+    line = _refused(_argv(tiny_dense_dir, tmp_path / "run", steps=1), capsys)
+    assert line.startswith(f"error: --output_dir {tmp_path / 'run'}: its lock {lock} "), line
+    assert lock.is_dir() if planted == "directory" else (tmp_path / "precious").read_text() == "keep me\n"
+    assert not (tmp_path / "run").exists()
