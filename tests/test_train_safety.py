@@ -4,6 +4,8 @@ tokenizer (``tiny_dense_dir``), 1-2 steps: a few seconds per run."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,20 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_dense_dir: Path) -> Path:
+    """A finished 2-step run with checkpoints 1 and 2 and 2 held-out rows (each test changes a copy)."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    main(_argv(tiny_dense_dir, out, "--heldout", "2", steps=2))
+    return out
+
+
+def _copy(trained: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    return out
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -86,3 +102,39 @@ def test_lock_path_holding_a_hard_link_or_a_directory_is_refused(
     assert line.startswith(f"error: --output_dir {tmp_path / 'run'}: its lock {lock} "), line
     assert lock.is_dir() if planted == "directory" else (tmp_path / "precious").read_text() == "keep me\n"
     assert not (tmp_path / "run").exists()
+
+
+# --- what a run resumes from ----------------------------------------------------------------------------------
+
+
+def _state(out: Path, **change: object) -> Path:
+    """Checkpoint 2's trainer_state.json with ``change`` made to it."""
+    file = out / "checkpoint-2" / "trainer_state.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **change}))
+    return file
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (dict(global_step=-5), "global_step: expected an integer >= 0, got -5"),
+        (dict(global_step=1), "global_step is 1, expected 2"),
+        (dict(best_model_checkpoint="/"), "best_model_checkpoint '/' is outside"),
+        (dict(global_step="2"), "global_step: expected an integer"),
+        (dict(epoch=[1]), "epoch: expected a number"),
+        (dict(log_history={"step": 1}), "log_history: expected a list of mappings"),
+        (dict(surprise=1), "unknown field surprise"),
+    ],
+)
+def test_crafted_trainer_state_is_refused_before_resuming(
+    trained: Path, tiny_dense_dir: Path, tmp_path: Path, capsys, change: dict, expected: str
+) -> None:
+    """trainer_state.json was restored as found: global_step -5 created checkpoint--2 and deleted the metrics of
+    the steps after it, a best_model_checkpoint outside the run had --save_total_limit 1 delete every checkpoint of
+    the run, and values of the wrong type were tracebacks. Now one line naming the file; the run is left as it was."""
+    out = _copy(trained, tmp_path)
+    file = _state(out, **change)
+    before = _tree(out)
+    line = _refused(_argv(tiny_dense_dir, out, "--heldout", "2", "--save_total_limit", "1", steps=4), capsys)
+    assert line.startswith(f"error: {file}: {expected}"), line
+    assert _tree(out) == before
