@@ -138,3 +138,18 @@ def test_crafted_trainer_state_is_refused_before_resuming(
     line = _refused(_argv(tiny_dense_dir, out, "--heldout", "2", "--save_total_limit", "1", steps=4), capsys)
     assert line.startswith(f"error: {file}: {expected}"), line
     assert _tree(out) == before
+
+
+def test_refused_forced_resume_writes_nothing_first(
+    trained: Path, tiny_dense_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--resume force into a run whose checkpoint is then refused rewrote heldout.jsonl and ran the held-out
+    evaluation before the refusal; now every check comes before the first write, and the run is as it was."""
+    out = _copy(trained, tmp_path)
+    _state(out, global_step=1)
+    before = _tree(out)
+    monkeypatch.setattr("qerl.train.run.heldout_accuracy", lambda *a, **k: pytest.fail("evaluated before the checks"))
+    argv = _argv(tiny_dense_dir, out, "--heldout", "3", "--resume", "force", steps=3)
+    line = _refused(argv, capsys)
+    assert line.startswith(f"error: {out / 'checkpoint-2' / 'trainer_state.json'}: global_step is 1"), line
+    assert _tree(out) == before

@@ -297,10 +297,15 @@ def build_trainer(
 
 
 def fit(script: ScriptArguments, run: Prepared, out: Path) -> None:
-    """Held-out rows written and measured, the checkpoint to resume checked, the settings recorded (only then:
-    a refused resume leaves the recorded run as it was), and the training itself."""
+    """The checkpoint to resume checked, then (only then: a refused resume leaves the run as it was) the settings
+    recorded, the held-out rows written and measured, and the training itself."""
     trainer = run.trainer
+    with trainer.accelerator.main_process_first():  # it may move checkpoints aside: one process at a time
+        shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(trainer.model).items()}
+        checkpoint = sound_checkpoint(out, shapes, take_previous=script.damaged_checkpoint == "previous")
     out.mkdir(parents=True, exist_ok=True)
+    if trainer.is_world_process_zero():
+        run_record.save(out, run.wanted)
     if len(run.heldout_rows) and trainer.accelerator.is_main_process:  # rows `python -m eval.gsm8k` / eval.math score
         write_jsonl(
             out / "heldout.jsonl",
@@ -310,11 +315,6 @@ def fit(script: ScriptArguments, run: Prepared, out: Path) -> None:
             ],
         )
     _measure_heldout(script, run, "before")
-    with trainer.accelerator.main_process_first():  # it may move checkpoints aside: one process at a time
-        shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(trainer.model).items()}
-        checkpoint = sound_checkpoint(out, shapes, take_previous=script.damaged_checkpoint == "previous")
-    if trainer.is_world_process_zero():
-        run_record.save(out, run.wanted)
     if checkpoint:
         logger.info("resuming from %s", checkpoint)
     try:
