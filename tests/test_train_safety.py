@@ -153,3 +153,36 @@ def test_refused_forced_resume_writes_nothing_first(
     line = _refused(argv, capsys)
     assert line.startswith(f"error: {out / 'checkpoint-2' / 'trainer_state.json'}: global_step is 1"), line
     assert _tree(out) == before
+
+
+# --- flag values ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("max_completion_length", "1000000000"),
+        ("top_p", "nan"),
+        ("beta", "nan"),
+        ("max_grad_norm", "nan"),
+        ("epsilon", "nan"),
+        ("lora_dropout", "nan"),
+        ("lora_dropout", "1.5"),
+        ("learning_rate", "inf"),
+        ("num_generations", "1000000"),
+        ("heldout_max_tokens", "0"),
+        ("seed", "99999999999"),
+    ],
+)
+def test_number_flags_out_of_range_are_refused(
+    tiny_dense_dir: Path, tmp_path: Path, capsys, flag: str, value: str
+) -> None:
+    """--max_completion_length 1000000000, --top_p nan and --beta nan were tracebacks (or NaN gradients);
+    --max_grad_norm, --epsilon and --lora_dropout nan were taken without a word (nan epsilon trained with loss 0).
+    Now every number flag is held to its range in one place (``qerl.train.bounds``): one line naming the flag,
+    before anything is written."""
+    out = tmp_path / "run"
+    line = _refused(_argv(tiny_dense_dir, out, f"--{flag}", value, steps=1), capsys)
+    got = int(value) if value.isdigit() else float(value)
+    assert line.startswith(f"error: --{flag}: expected ") and line.endswith(f", got {got!r}"), line
+    assert not out.exists()

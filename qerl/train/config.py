@@ -19,7 +19,6 @@ import enum
 import importlib.util
 import json
 import logging
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from trl import GRPOConfig
 
 from qerl.rollout import KINDS
 from qerl.train.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule
+from qerl.train.bounds import check_numbers
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +131,8 @@ class QeRLConfig(GRPOConfig):
     aqn_resample: str = field(default="step", metadata={"help": f"AQN draw frequency: one of {RESAMPLE_MODES}."})
 
     def __post_init__(self) -> None:
-        self._check_batch_shape()
+        self._check_numbers()
         if self.warmup_ratio is not None:
-            if not 0 <= self.warmup_ratio < 1:
-                raise ValueError(f"--warmup_ratio: expected a fraction in [0, 1), got {self.warmup_ratio}")
             self.warmup_steps = self.warmup_ratio
         if self.bf16 is None and not self.fp16:
             self.bf16 = torch.cuda.is_available()
@@ -175,26 +173,16 @@ class QeRLConfig(GRPOConfig):
             self.optim = "adamw_torch"
         super().__post_init__()
 
-    def _check_batch_shape(self) -> None:
-        """The values trl and transformers take and only fail on later (a ZeroDivisionError building the config, a
-        traceback in the first step, or a run that never samples), refused in one line naming the flag."""
+    def _check_numbers(self) -> None:
+        """Every number in its range (``qerl.train.bounds``), before trl and transformers take values they fail on
+        only later (a ZeroDivisionError building the config, a traceback in the first step, NaN weights, a run that
+        never samples), in one line naming the flag."""
         steps = self.max_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or not (steps == -1 or steps >= 1):
             raise ValueError(
                 f"--max_steps: expected a positive integer (or -1: --num_train_epochs decides), got {steps!r}"
             )
-        for name, least in (
-            ("per_device_train_batch_size", 1),
-            ("gradient_accumulation_steps", 1),
-            ("num_generations", 2),
-        ):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                why = " (GRPO compares completions of one prompt)" if name == "num_generations" else ""
-                raise ValueError(f"--{name}: expected an integer >= {least}{why}, got {value!r}")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
-            raise ValueError(f"--temperature: expected a finite number > 0 (rollouts must sample), got {t!r}")
+        check_numbers(self)
 
     @property
     def aqn_plan(self) -> AQNSchedule | None:
