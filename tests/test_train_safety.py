@@ -186,3 +186,85 @@ def test_number_flags_out_of_range_are_refused(
     got = int(value) if value.isdigit() else float(value)
     assert line.startswith(f"error: --{flag}: expected ") and line.endswith(f", got {got!r}"), line
     assert not out.exists()
+
+
+# --- training data --------------------------------------------------------------------------------------------
+
+QUESTIONS = [f"What is {a} + {b}?" for a in range(1, 4) for b in range(1, 5)]
+
+
+def _data(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _rows(questions: list) -> list[dict]:
+    return [{"question": q, "answer": "#### 5"} for q in questions]
+
+
+def _gsm8k_argv(model: Path, out: Path, data: Path, *extra: str) -> list[str]:
+    argv = _argv(model, out, "--dataset_path", str(data), *extra, steps=1)
+    argv[argv.index("arithmetic")] = "gsm8k"
+    i = argv.index("--num-samples")
+    return argv[:i] + argv[i + 2 :]
+
+
+def test_training_data_line_past_the_record_bound_is_refused(
+    tiny_dense_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One 1 GiB line was read whole (the run was killed for memory); now no line is read past
+    ``qerl.train.data.MAX_RECORD_BYTES`` (patched small here): one line naming the file and the line."""
+    from qerl.train import data
+
+    monkeypatch.setattr(data, "MAX_RECORD_BYTES", 4096)
+    monkeypatch.setattr(data, "READ_CHUNK", 1000)  # the line spans several chunks, as a 1 GiB one spans 1 MiB reads
+    path = _data(tmp_path, _rows([*QUESTIONS, "What is " + "1 + " * 2000 + "1?"]))
+    line = _refused(_gsm8k_argv(tiny_dense_dir, tmp_path / "run", path), capsys)
+    assert line == f"error: --dataset_path {path}: line 13 is longer than 4096 bytes (one record per line)", line
+
+
+def test_fewer_rows_than_one_generation_are_refused(tiny_dense_dir: Path, tmp_path: Path, capsys) -> None:
+    """One row, and a generation of 2 prompts (4 completions per device, 2 per prompt): 0 steps trained, rc 0.
+    Now one line naming the flags."""
+    argv = _argv(tiny_dense_dir, tmp_path / "run", "--per-device-train-batch-size", "4", steps=1)
+    argv[argv.index("--num-samples") + 1] = "1"
+    line = _refused(argv, capsys)
+    assert "1 training row(s), fewer than the 2 prompts one generation takes" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("question", [["What is", "2 + 3?"], {"text": "What is 2 + 3?"}])
+def test_question_that_is_not_text_is_refused(tiny_dense_dir: Path, tmp_path: Path, capsys, question) -> None:
+    """A list of strings as ``question`` was a traceback, a mapping was trained on as its Python repr; now one line
+    naming the row."""
+    path = _data(tmp_path, _rows([question, question]))
+    line = _refused(_gsm8k_argv(tiny_dense_dir, tmp_path / "run", path), capsys)
+    assert f"--dataset_path {path}: row 0's question is a {type(question).__name__}" in line, line
+
+
+def test_repeated_rows_stay_out_of_the_heldout_split(tiny_dense_dir: Path, tmp_path: Path, caplog) -> None:
+    """Every question twice and --heldout 4: the split put copies of held-out questions into the training rows
+    without a word. Now repeats are dropped before the split (one warning), so the two share no question."""
+    path = _data(tmp_path, _rows(QUESTIONS + QUESTIONS))
+    out = tmp_path / "run"
+    summary = main(_gsm8k_argv(tiny_dense_dir, out, path, "--heldout", "4"))
+    assert (summary["train_rows"], summary["heldout_rows"]) == (len(QUESTIONS) - 4, 4)
+    assert f"dropped 12 of 24 rows of --dataset_path {path} that repeat an earlier prompt" in caplog.text
+
+
+def test_local_data_leaves_no_copy_in_the_datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a local file left its arrow copy in the datasets cache for good (706 MB for a 700 MB file); now the
+    copy is made in a temporary directory of the run's, removed once the rows are in memory."""
+    import tempfile
+
+    import datasets
+
+    from qerl.train import data
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    rows = data.load_dataset("gsm8k", str(_data(tmp_path, _rows(QUESTIONS))))
+    assert len(rows) == len(QUESTIONS) and rows.cache_files == []
+    assert not (tmp_path / "hf").exists() and not any((tmp_path / "tmp").iterdir())

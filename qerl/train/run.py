@@ -185,7 +185,16 @@ def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any) -> tuple[
         )
     if not len(kept):
         raise ValueError(f"--max_prompt_length {budget}: no prompt of the data set is that short")
-    return qdata.train_heldout_split(kept, script.heldout, seed=config.seed)
+    where = qdata.data_name(script.dataset, script.dataset_path)
+    train, heldout = qdata.train_heldout_split(kept, script.heldout, seed=config.seed, where=where)
+    prompts = config.generation_batch_size // config.num_generations  # trl's sampler drops a generation short of it
+    if len(train) < prompts:
+        raise ValueError(
+            f"{where}: {len(train)} training row(s), fewer than the {prompts} prompts one generation takes "
+            "(--per_device_train_batch_size x processes x --steps_per_generation / --num_generations); "
+            "no step would train"
+        )
+    return train, heldout
 
 
 #: The default prompt budget in tokens, where the model's context leaves that much: the reference data sets' prompts
