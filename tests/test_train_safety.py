@@ -268,3 +268,19 @@ def test_local_data_leaves_no_copy_in_the_datasets_cache(tmp_path: Path, monkeyp
     rows = data.load_dataset("gsm8k", str(_data(tmp_path, _rows(QUESTIONS))))
     assert len(rows) == len(QUESTIONS) and rows.cache_files == []
     assert not (tmp_path / "hf").exists() and not any((tmp_path / "tmp").iterdir())
+
+
+# --- smaller ones ---------------------------------------------------------------------------------------------
+
+
+def test_empty_qerl_cache_means_the_default(tiny_dense_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """``QERL_CACHE=`` (set, empty) put the digest cache into the current directory; now empty means unset."""
+    from qerl.load.fingerprint import model_sha256
+
+    monkeypatch.setenv("QERL_CACHE", "")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    model_sha256(str(tiny_dense_dir))
+    assert not any((tmp_path / "cwd").iterdir())
+    assert any((tmp_path / "home" / ".cache" / "qerl").iterdir())
