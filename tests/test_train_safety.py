@@ -284,3 +284,33 @@ def test_empty_qerl_cache_means_the_default(tiny_dense_dir: Path, tmp_path: Path
     model_sha256(str(tiny_dense_dir))
     assert not any((tmp_path / "cwd").iterdir())
     assert any((tmp_path / "home" / ".cache" / "qerl").iterdir())
+
+
+def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C while ``python -m qerl.train`` was still importing torch, transformers and trl (seconds) printed a
+    40-60 line traceback; now ``interrupted`` and status 130, as once the command runs. ``-X importtime`` reports
+    each import as it finishes: the signal comes once torch has begun to import."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "qerl.train", "--output_dir", str(tmp_path / "run")],
+        cwd=Path(__file__).resolve().parents[1],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(
+            signal.SIGINT, signal.SIG_DFL
+        ),  # as from a terminal, suite in background or not
+    )
+    guard = threading.Timer(120, proc.kill)
+    guard.start()
+    lines: list[str] = []
+    for line in proc.stderr:
+        if "torch" in line and not any("torch" in seen for seen in lines):
+            proc.send_signal(signal.SIGINT)
+        lines.append(line)
+    guard.cancel()
+    assert proc.wait() == 130, "".join(lines)
+    assert [line for line in lines if not line.startswith("import time:")] == ["interrupted\n"], "".join(lines)
