@@ -314,3 +314,29 @@ def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path) -> None:
     guard.cancel()
     assert proc.wait() == 130, "".join(lines)
     assert [line for line in lines if not line.startswith("import time:")] == ["interrupted\n"], "".join(lines)
+
+
+@pytest.mark.parametrize("form", ["yaml", "json", "flag"])
+def test_deeply_nested_settings_are_one_line(tmp_path: Path, capsys, form: str) -> None:
+    """A recipe nested 100,000 deep (YAML or JSON), or a --rollout_engine_kwargs as deep, was a RecursionError
+    traceback; now one line naming the recipe or the flag."""
+    from qerl.train.args import parse_args
+
+    deep = "[" * 100_000 + "]" * 100_000
+    recipe = tmp_path / f"recipe.{form}"
+    recipe.write_text({"yaml": f"rewards: {deep}\n", "json": f'{{"rewards": {deep}}}', "flag": "seed: 1\n"}[form])
+    argv = ["--config", str(recipe), "--output_dir", str(tmp_path / "out")]
+    argv += ["--rollout_engine_kwargs", '{"a": ' + deep + "}"] if form == "flag" else []
+    capsys.readouterr()
+    line = _one_error(run(parse_args, argv), capsys.readouterr().err)
+    where = "--rollout_engine_kwargs" if form == "flag" else f"--config {recipe}"
+    assert line.startswith(f"error: {where}: ") and "nested" in line, line
+
+
+def test_deeply_nested_run_record_is_one_line(tiny_dense_dir: Path, tmp_path: Path, capsys) -> None:
+    """A run_config.json nested 100,000 deep was a RecursionError traceback; now it is no settings record."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    line = _refused(_argv(tiny_dense_dir, out, steps=1), capsys)
+    assert line.startswith(f"error: --output_dir {out}: run_config.json is not a settings record"), line

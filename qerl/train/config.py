@@ -145,6 +145,8 @@ class QeRLConfig(GRPOConfig):
         if isinstance(self.rollout_engine_kwargs, str):
             try:
                 self.rollout_engine_kwargs = json.loads(self.rollout_engine_kwargs)
+            except RecursionError:
+                raise ValueError("--rollout_engine_kwargs: nested too deeply to read; expected a JSON object") from None
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"--rollout_engine_kwargs: expected a JSON object, got {self.rollout_engine_kwargs!r} ({e})"
@@ -189,6 +191,8 @@ class QeRLConfig(GRPOConfig):
         return AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule) if self.aqn else None
 
 
+#: What a recipe is, as its refusals say.
+_FLAT = "a mapping of settings (key: value lines)"
 #: A recipe is a page of settings: a larger file is refused before it is parsed.
 MAX_RECIPE_BYTES = 1 << 20
 
@@ -220,9 +224,12 @@ def load_recipe(path: str | Path, fields_of: tuple[type, ...]) -> dict[str, Any]
     path = Path(path)
     if path.stat().st_size > MAX_RECIPE_BYTES:
         raise ValueError(f"{path.stat().st_size} bytes; a recipe is at most {MAX_RECIPE_BYTES} bytes")
-    recipe = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
+    try:
+        recipe = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
+    except RecursionError:  # a value nested thousands deep: the parser recurses once per level
+        raise ValueError(f"nested too deeply to read; {_FLAT}") from None
     if not isinstance(recipe, dict):
-        raise ValueError("expected a mapping of settings (key: value lines)")
+        raise ValueError(f"expected {_FLAT}")
     hints = {name: hint for cls in fields_of for name, hint in typing.get_type_hints(cls).items()}
     for key, value in recipe.items():
         if key in hints and not isinstance(value, str) and _fits(value, hints[key]) is False:

@@ -151,7 +151,7 @@ def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
     if record.exists():
         try:
             saved = json.loads(record.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             saved = None
         if not isinstance(saved, dict):
             raise UsageError(f"--output_dir {out}: {record.name} is not a settings record; {force}")
@@ -231,7 +231,7 @@ def _holds_work(out: Path) -> bool:
 def _read_summary(path: Path) -> dict[str, Any] | None:
     try:
         summary = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return summary if isinstance(summary, dict) else None
 
@@ -282,7 +282,7 @@ def _logged_step(line: str) -> int | None:
         return None
     try:
         step = json.loads(line).get("step")
-    except (json.JSONDecodeError, AttributeError):
+    except (json.JSONDecodeError, AttributeError, RecursionError):
         return None
     return step if isinstance(step, int) else None
 
