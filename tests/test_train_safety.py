@@ -340,3 +340,23 @@ def test_deeply_nested_run_record_is_one_line(tiny_dense_dir: Path, tmp_path: Pa
     (out / "run_config.json").write_text("[" * 100_000 + "]" * 100_000)
     line = _refused(_argv(tiny_dense_dir, out, steps=1), capsys)
     assert line.startswith(f"error: --output_dir {out}: run_config.json is not a settings record"), line
+
+
+def test_rerun_removes_what_a_killed_adapter_save_left(trained: Path, tiny_dense_dir: Path, tmp_path: Path) -> None:
+    """A run killed while writing its final adapter leaves ``.adapter.tmp-*`` (marked scratch) beside it, which the
+    successful rerun kept; now the rerun removes it, and only it: a look-alike without the mark stays."""
+    from qerl.fsutil import SCRATCH_MARK
+
+    out = _copy(trained, tmp_path)
+    shutil.rmtree(out / "adapter")
+    (out / "summary.json").unlink()  # killed before these: the run is not finished
+    killed = out / ".adapter.tmp-killed"
+    killed.mkdir()
+    (killed / SCRATCH_MARK).touch()
+    (killed / "adapter_model.safetensors").write_bytes(b"half")
+    lookalike = out / ".adapter.tmp-notours"
+    lookalike.mkdir()
+    (lookalike / "keep").write_text("mine")
+    assert main(_argv(tiny_dense_dir, out, "--heldout", "2", steps=2))["global_step"] == 2
+    assert sorted(p.name for p in out.glob(".adapter.*")) == [".adapter.tmp-notours"]
+    assert (lookalike / "keep").read_text() == "mine" and (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -49,7 +49,7 @@ from transformers import TrainerCallback
 from qerl import hub
 from qerl.checkpoint import read_config
 from qerl.cli import UsageError, one_line, run, usage_errors
-from qerl.fsutil import atomic_directory, atomic_write_text
+from qerl.fsutil import atomic_directory, atomic_write_text, remove_leftovers
 from qerl.load.fingerprint import model_sha256, write_base_record
 from qerl.load.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
 from qerl.load.lora import lora_config
@@ -93,7 +93,9 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def save_adapter(trainer: QeRLTrainer, out_dir: Path, model: str, digest: str | None) -> Path:
     """The final adapter (and tokenizer) in ``out_dir``, with the record of its base model
-    (``qerl_base.json``), written to a temp dir first then renamed."""
+    (``qerl_base.json``), written to a temp dir first then renamed; the temp dirs a killed save left are removed
+    first (only our marked ones: ``qerl.fsutil.remove_leftovers``; the caller holds the run's lock)."""
+    remove_leftovers(out_dir)
     with atomic_directory(out_dir) as tmp:
         trainer.save_model(str(tmp))
         write_base_record(tmp, model, digest)
