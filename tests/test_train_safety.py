@@ -360,3 +360,16 @@ def test_rerun_removes_what_a_killed_adapter_save_left(trained: Path, tiny_dense
     assert main(_argv(tiny_dense_dir, out, "--heldout", "2", steps=2))["global_step"] == 2
     assert sorted(p.name for p in out.glob(".adapter.*")) == [".adapter.tmp-notours"]
     assert (lookalike / "keep").read_text() == "mine" and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
+def test_vespo_with_a_sequence_level_correction_is_refused(tmp_path: Path, capsys, mode: str) -> None:
+    """trl refuses loss_type vespo with a sequence-level importance-sampling mode, but only for its own vLLM: the
+    correction qerl switches on for every engine trained with it. Now refused in one line, as trl words it."""
+    from qerl.train.args import parse_args
+
+    argv = ["--loss_type", "vespo", "--vllm_importance_sampling_mode", mode, "--output_dir", str(tmp_path / "out")]
+    capsys.readouterr()
+    line = _one_error(run(parse_args, argv), capsys.readouterr().err)
+    assert line.startswith("error: --loss_type vespo: needs --vllm_importance_sampling_mode token_truncate or "), line
+    parse_args([*argv, "--vllm_importance_sampling_correction", "False"])  # no correction: nothing to refuse

@@ -153,6 +153,15 @@ class QeRLConfig(GRPOConfig):
                 ) from None
         if self.rollout_engine not in KINDS:
             raise ValueError(f"--rollout_engine: expected one of {KINDS}, got {self.rollout_engine!r}")
+        if (
+            self.loss_type == "vespo"
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):  # trl refuses it only with its own vLLM; the correction is on for every qerl engine
+            raise ValueError(
+                "--loss_type vespo: needs --vllm_importance_sampling_mode token_truncate or token_mask (trl's rule), "
+                f"got {self.vllm_importance_sampling_mode}; or --vllm_importance_sampling_correction False"
+            )
         if self.aqn_resample not in RESAMPLE_MODES:
             raise ValueError(f"--aqn_resample: expected one of {RESAMPLE_MODES}, got {self.aqn_resample!r}")
         if self.aqn is not False:  # on, or on for an NVFP4 model: either way the schedule must be valid
