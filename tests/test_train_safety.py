@@ -10,31 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_reliability4 import _argv, _one_error
+from test_reliability4 import (  # noqa: F401 (fixtures: a digest cache per test, a finished 2-step run)
+    _argv,
+    _copy,
+    _one_error,
+    _own_digest_cache,
+    trained,
+)
 
 from qerl.cli import run
 from qerl.train.run import main
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, tiny_dense_dir: Path) -> Path:
-    """A finished 2-step run with checkpoints 1 and 2 and 2 held-out rows (each test changes a copy)."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    main(_argv(tiny_dense_dir, out, "--heldout", "2", steps=2))
-    return out
-
-
-def _copy(trained: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(trained, out)
-    return out
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -127,7 +114,12 @@ def _state(out: Path, **change: object) -> Path:
     ],
 )
 def test_crafted_trainer_state_is_refused_before_resuming(
-    trained: Path, tiny_dense_dir: Path, tmp_path: Path, capsys, change: dict, expected: str
+    trained: Path,  # noqa: F811 (the fixture)
+    tiny_dense_dir: Path,
+    tmp_path: Path,
+    capsys,
+    change: dict,
+    expected: str,
 ) -> None:
     """trainer_state.json was restored as found: global_step -5 created checkpoint--2 and deleted the metrics of
     the steps after it, a best_model_checkpoint outside the run had --save_total_limit 1 delete every checkpoint of
@@ -135,13 +127,17 @@ def test_crafted_trainer_state_is_refused_before_resuming(
     out = _copy(trained, tmp_path)
     file = _state(out, **change)
     before = _tree(out)
-    line = _refused(_argv(tiny_dense_dir, out, "--heldout", "2", "--save_total_limit", "1", steps=4), capsys)
+    line = _refused(_argv(tiny_dense_dir, out, "--save_total_limit", "1", steps=4), capsys)
     assert line.startswith(f"error: {file}: {expected}"), line
     assert _tree(out) == before
 
 
 def test_refused_forced_resume_writes_nothing_first(
-    trained: Path, tiny_dense_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+    trained: Path,  # noqa: F811 (the fixture)
+    tiny_dense_dir: Path,
+    tmp_path: Path,
+    capsys,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """--resume force into a run whose checkpoint is then refused rewrote heldout.jsonl and ran the held-out
     evaluation before the refusal; now every check comes before the first write, and the run is as it was."""
@@ -342,7 +338,11 @@ def test_deeply_nested_run_record_is_one_line(tiny_dense_dir: Path, tmp_path: Pa
     assert line.startswith(f"error: --output_dir {out}: run_config.json is not a settings record"), line
 
 
-def test_rerun_removes_what_a_killed_adapter_save_left(trained: Path, tiny_dense_dir: Path, tmp_path: Path) -> None:
+def test_rerun_removes_what_a_killed_adapter_save_left(
+    trained: Path,  # noqa: F811 (the fixture)
+    tiny_dense_dir: Path,
+    tmp_path: Path,
+) -> None:
     """A run killed while writing its final adapter leaves ``.adapter.tmp-*`` (marked scratch) beside it, which the
     successful rerun kept; now the rerun removes it, and only it: a look-alike without the mark stays."""
     from qerl.fsutil import SCRATCH_MARK
@@ -357,7 +357,7 @@ def test_rerun_removes_what_a_killed_adapter_save_left(trained: Path, tiny_dense
     lookalike = out / ".adapter.tmp-notours"
     lookalike.mkdir()
     (lookalike / "keep").write_text("mine")
-    assert main(_argv(tiny_dense_dir, out, "--heldout", "2", steps=2))["global_step"] == 2
+    assert main(_argv(tiny_dense_dir, out, steps=2))["global_step"] == 2
     assert sorted(p.name for p in out.glob(".adapter.*")) == [".adapter.tmp-notours"]
     assert (lookalike / "keep").read_text() == "mine" and (out / "adapter" / "adapter_model.safetensors").is_file()
 
