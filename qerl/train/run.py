@@ -21,10 +21,10 @@ finished run is a no-op, and different settings are refused in one line unless `
 resumed run. The run writes the final adapter to ``output_dir/adapter`` (temp dir, then rename) with
 the base model's digest (``qerl_base.json``; checkpoints have it in ``run_config.json`` beside them),
 so that export and evaluation can refuse another base, logs every step to ``output_dir/metrics.jsonl``
-and draws the curves with ``qerl.train.plot``. One run at a time holds ``output_dir`` (``qerl.runlock``); ``output_dir`` must be new,
-empty or a run's own, and neither a link nor the model's directory or inside it (``qerl.train.resume.check_output_dir``).
-A failed save (a full disk) leaves no ``checkpoint-N`` that
-looks complete: the incomplete one is moved aside before the error is reported.
+and draws the curves with ``qerl.train.plot``. One run at a time holds ``output_dir`` (``qerl.runlock``), which
+must be new, empty or a run's own, and neither a link nor the model's directory or inside it
+(``qerl.train.resume.check_output_dir``). A failed save (a full disk) leaves no ``checkpoint-N`` that looks
+complete: the incomplete one is moved aside before the error is reported.
 
 Bad input (an unknown flag or recipe key, an unknown reward, a negative learning rate, a missing
 file) stops before any work with ``error: <one line>`` and exit status 2 (``qerl.cli``).
