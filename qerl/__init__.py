@@ -6,8 +6,22 @@ keeps what several steps share (``nvfp4`` the format, ``checkpoint`` its files, 
 ``fsutil``, ``runlock``, ``hub``, ``cli``), ``export``, and the public names ``qerl.trainer`` and ``qerl.plot``.
 """
 
-from qerl.load.linear import NVFP4Linear
-from qerl.load.loader import load_model, load_tokenizer
+from typing import Any
 
 __all__ = ["NVFP4Linear", "load_model", "load_tokenizer"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use. ``python -m qerl.train`` (any ``qerl.X`` command) imports this package
+    before the command's own code runs: imported here, torch and transformers (seconds) loaded before a command could
+    turn a Ctrl-C into its one line (``qerl.train.__main__``), and a Ctrl-C then printed a long traceback."""
+    if name == "NVFP4Linear":
+        from qerl.load.linear import NVFP4Linear
+
+        return NVFP4Linear
+    if name in ("load_model", "load_tokenizer"):
+        from qerl.load import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'qerl' has no attribute {name!r}")

@@ -141,6 +141,21 @@ def write_text(path: Path, text: str) -> None:
         path.write_text(text)
 
 
+def real_output(path: Path, flag: str) -> Path:
+    """``path`` resolved, once it is known not to be a symbolic link itself and to resolve at all; ValueError in one
+    line naming ``flag`` otherwise. A link planted at an output in a shared folder (``/tmp/run`` pointing elsewhere)
+    would have a command write, replace or delete where the link's owner chose; a loop of links made every ``resolve``
+    a traceback."""
+    if path.is_symlink():
+        raise ValueError(f"{flag} {path}: is a symbolic link; name the directory itself")
+    try:
+        return path.expanduser().resolve()
+    except RuntimeError:  # a loop, up to Python 3.12 (from 3.13: OSError ELOOP)
+        raise ValueError(f"{flag} {path}: cannot be resolved (a loop of symbolic links)") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot be resolved ({e.strerror})") from None
+
+
 def is_within(path: Path, root: Path) -> bool:
     """Whether ``path`` is ``root`` or lies inside it, both resolved (links and ``..`` followed)."""
     path, root = Path(path).expanduser().resolve(), Path(root).expanduser().resolve()

@@ -30,8 +30,9 @@ _EOS = "<|im_end|>"
 
 
 def cache_dir() -> Path:
-    """$QERL_CACHE, else ~/.cache/qerl."""
-    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl"))
+    """$QERL_CACHE, else (unset or empty) ~/.cache/qerl. ``QERL_CACHE=`` is unset, not the current directory, which
+    it was: the digest cache and the converted default model were written wherever a command ran."""
+    return Path(os.environ.get("QERL_CACHE") or Path.home() / ".cache" / "qerl")
 
 
 def _sha256(path: Path) -> str:

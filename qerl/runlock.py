@@ -12,7 +12,7 @@ The lock is keyed by what the output *is*, not how it is spelled: its path with 
 resolved, so ``alias`` (a link to ``runs/a``) and ``runs/a`` share one lock. The lock file is opened
 without following a link: one planted at ``.NAME.lock`` would otherwise have its target's content
 replaced by our PID (and the target deleted at the end), so a link there, or anything but a regular
-file, is refused in one line.
+file of one name (a hard link would have the file it shares overwritten), is refused in one line.
 """
 
 from __future__ import annotations
@@ -43,19 +43,25 @@ def lock_path(output: str | os.PathLike[str]) -> Path:
 
 
 def _open_lock_file(path: Path, flag: str, output: Path) -> int:
-    """``path`` opened for reading and writing (created when missing), never through a link."""
+    """``path`` opened for reading and writing (created when missing), never through a link, and only when it is a
+    regular file of one name: the PID written into a hard-linked one would replace the content of the file it
+    shares (and a directory there was a traceback)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
+        if e.errno == errno.EISDIR:
+            raise UsageError(f"{flag} {output}: its lock {path} is a directory, not a lock file; remove it") from None
         if e.errno != errno.ELOOP:
             raise
         raise UsageError(
             f"{flag} {output}: its lock {path} is a symbolic link, which qerl never writes; "
             "remove it (the file it points to is left untouched)"
         ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(fd)
-        raise UsageError(f"{flag} {output}: its lock {path} is not a regular file; remove it")
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a hard link ({info.st_nlink} names)"
+        raise UsageError(f"{flag} {output}: its lock {path} is {what}, which qerl never writes; remove it")
     return fd
 
 

@@ -6,7 +6,6 @@ Kept apart from the run itself (``qerl.train.run``) so that what a user may say 
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from trl import TrlParser
 from qerl.cli import StrictParsing, UsageError, one_line, usage_errors
 from qerl.load.lora import DEFAULT_TARGETS
 from qerl.train import data as qdata
+from qerl.train.bounds import check_numbers
 from qerl.train.config import QeRLConfig, load_recipe
 
 #: Reference flags kept only so that its scripts parse; they change nothing here.
@@ -145,28 +145,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, QeRL
         raise UsageError(f"--config {recipe}: unknown key(s) {keys} (see python -m qerl.train --help)")
     if unknown_args:
         raise UsageError(f"unrecognized arguments: {' '.join(unknown_args)} (see python -m qerl.train --help)")
-    _check_values(script, config)
+    _check_values(script)
     if config.max_completion_length is None:  # the reference scripts' budget for this data set (None: 8192)
         with usage_errors(ValueError):
             config.max_completion_length = qdata.spec(script.dataset).completion_length
     return script, config
 
 
-def _check_values(script: ScriptArguments, config: QeRLConfig) -> None:
-    """Values no library checks before training starts (a negative learning rate fails deep in torch)."""
-    lr = config.learning_rate
-    if lr is not None and not (math.isfinite(lr) and lr >= 0):
-        raise UsageError(f"--learning_rate: expected a non-negative number, got {lr}")
-    if script.lora_rank < 1:
-        raise UsageError(f"--lora_rank: expected a positive integer, got {script.lora_rank}")
-    if script.heldout < 0:
-        raise UsageError(f"--heldout: expected a count >= 0, got {script.heldout}")
+def _check_values(script: ScriptArguments) -> None:
+    """Values no library checks before training starts: the script's numbers in their ranges (``QeRLConfig`` checks
+    its own, ``qerl.train.bounds``) and its choices."""
+    with usage_errors(ValueError):
+        check_numbers(script, skip=IGNORED_REFERENCE_FLAGS)
     if script.damaged_checkpoint not in DAMAGED_CHECKPOINT_CHOICES:
         raise UsageError(
             f"--damaged_checkpoint: expected one of {', '.join(DAMAGED_CHECKPOINT_CHOICES)}, "
             f"got {script.damaged_checkpoint!r}"
         )
-    if script.max_prompt_length is not None and script.max_prompt_length < 1:
-        raise UsageError(f"--max_prompt_length: expected a positive integer, got {script.max_prompt_length}")
-    if script.num_samples is not None and script.num_samples < 1:
-        raise UsageError(f"--num_samples: expected a positive integer, got {script.num_samples}")

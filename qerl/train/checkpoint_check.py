@@ -1,4 +1,5 @@
-"""Whether a training checkpoint can be resumed: every file read back whole and finite, its adapter the model's.
+"""Whether a training checkpoint can be resumed: every file read back whole and finite, its adapter the model's, its
+recorded state of the types and steps transformers acts on.
 
 transformers restores a checkpoint's files one by one where it meets them: a truncated ``trainer_state.json``,
 ``optimizer.pt`` or adapter was a traceback mid-restore, and one NaN in the optimizer's moments turned every
@@ -11,12 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from qerl.cli import UsageError, one_line
+from qerl.fsutil import is_within
 from qerl.train.resume import CHECKPOINT_MARKER, last_complete_checkpoint, move_aside
 
 logger = logging.getLogger(__name__)
@@ -69,7 +72,9 @@ REQUIRED_FILES = ("trainer_state.json", "adapter_model.safetensors", CHECKPOINT_
 
 def check_checkpoint(path: Path, adapter_shapes: dict[str, tuple[int, ...]]) -> None:
     """Raise :class:`DamagedCheckpoint` (one line naming the file) unless every file of checkpoint ``path``
-    reads back whole and finite and its adapter has the tensors and shapes ``adapter_shapes`` (the model's).
+    reads back whole and finite, its adapter has the tensors and shapes ``adapter_shapes`` (the model's), and its
+    ``trainer_state.json`` holds what transformers would act on safely (:data:`STATE_FIELDS`, the step the
+    checkpoint is named after, a ``best_model_checkpoint`` inside the run or none).
 
     Why all of it: transformers restores each file where it meets it, so a truncated one was a traceback
     mid-restore, and one NaN in the optimizer's moments turned every trained weight NaN with exit status 0.
@@ -77,15 +82,77 @@ def check_checkpoint(path: Path, adapter_shapes: dict[str, tuple[int, ...]]) -> 
     for name in REQUIRED_FILES:
         if not (path / name).is_file():
             raise DamagedCheckpoint(f"{path / name}: missing")
-    for name in (CHECKPOINT_MARKER, "trainer_state.json"):
-        try:
-            if not isinstance(json.loads((path / name).read_text(encoding="utf-8")), dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise DamagedCheckpoint(f"{path / name}: not readable JSON ({one_line(e)})") from None
+    marker, state = (_read_json(path / name) for name in (CHECKPOINT_MARKER, "trainer_state.json"))
+    _check_state(path / "trainer_state.json", state)
+    for file, record in ((path / CHECKPOINT_MARKER, marker), (path / "trainer_state.json", state)):
+        if record.get("global_step") != int(path.name.rpartition("-")[2]):
+            raise DamagedCheckpoint(
+                f"{file}: global_step is {record.get('global_step')!r}, expected {path.name.rpartition('-')[2]} "
+                "(the checkpoint's number)"
+            )
+    best = state.get("best_model_checkpoint")
+    if best is not None and not is_within(Path(best), path.parent):
+        raise DamagedCheckpoint(
+            f"{path / 'trainer_state.json'}: best_model_checkpoint {best!r} is outside the run {path.parent}"
+        )
     _check_adapter(path / "adapter_model.safetensors", adapter_shapes)
     for file in sorted(path.glob("*.pt")) + sorted(path.glob("rng_state*.pth")):
         _check_finite(file, _torch_load(file))
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON object, or DamagedCheckpoint (a 100,000-deep nesting too: RecursionError)."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise DamagedCheckpoint(f"{file}: not readable JSON ({one_line(e)})") from None
+    if not isinstance(value, dict):
+        raise DamagedCheckpoint(f"{file}: not readable JSON (not a JSON object)")
+    return value
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _instance(*types: type) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, types)
+
+
+_COUNT, _NUMBER = (_count, "an integer >= 0"), (_number, "a number >= 0")
+#: What each field of ``trainer_state.json`` must hold. transformers restores the file as found: global_step -5 ran
+#: steps -4, -3, ... (saving checkpoint--2, dropping the metrics of the steps after -5), a best_model_checkpoint
+#: outside the run made checkpoint rotation delete the run's own checkpoints, a string step was a traceback.
+STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(("global_step", "max_steps", "num_input_tokens_seen"), _COUNT),
+    **dict.fromkeys(("epoch", "num_train_epochs", "total_flos", "logging_steps", "eval_steps", "save_steps"), _NUMBER),
+    **dict.fromkeys(("train_batch_size", "best_global_step"), (_optional(_count), "an integer >= 0 or null")),
+    "best_metric": (_optional(lambda v: type(v) in (int, float) and math.isfinite(v)), "a finite number or null"),
+    "log_history": (lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v), "a list of mappings"),
+    **dict.fromkeys(("best_model_checkpoint", "trial_name"), (_optional(_instance(str)), "a string or null")),
+    **dict.fromkeys(("stateful_callbacks", "trial_params"), (_optional(_instance(dict)), "a mapping or null")),
+    **dict.fromkeys(
+        ("is_local_process_zero", "is_world_process_zero", "is_hyper_param_search"), (_instance(bool), "true or false")
+    ),
+}
+
+
+def _check_state(file: Path, state: dict[str, Any]) -> None:
+    """Every field of ``trainer_state.json`` one that transformers knows, of the type and range it must have."""
+    for key, value in state.items():
+        if key not in STATE_FIELDS:
+            raise DamagedCheckpoint(f"{file}: unknown field {key}")
+        check, expected = STATE_FIELDS[key]
+        if not check(value):
+            raise DamagedCheckpoint(f"{file}: {key}: expected {expected}, got {value!r}")
 
 
 def _check_adapter(file: Path, expected: dict[str, tuple[int, ...]]) -> None:

@@ -19,7 +19,6 @@ import enum
 import importlib.util
 import json
 import logging
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from trl import GRPOConfig
 
 from qerl.rollout import KINDS
 from qerl.train.aqn import RESAMPLE_MODES, SCHEDULES, AQNSchedule
+from qerl.train.bounds import check_numbers
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +144,8 @@ class QeRLConfig(GRPOConfig):
     aqn_resample: str = field(default="step", metadata={"help": f"AQN draw frequency: one of {RESAMPLE_MODES}."})
 
     def __post_init__(self) -> None:
-        self._check_batch_shape()
+        self._check_numbers()
         if self.warmup_ratio is not None:
-            if not 0 <= self.warmup_ratio < 1:
-                raise ValueError(f"--warmup_ratio: expected a fraction in [0, 1), got {self.warmup_ratio}")
             self.warmup_steps = self.warmup_ratio
         if self.bf16 is None and not self.fp16:
             self.bf16 = torch.cuda.is_available()
@@ -162,12 +160,23 @@ class QeRLConfig(GRPOConfig):
         if isinstance(self.rollout_engine_kwargs, str):
             try:
                 self.rollout_engine_kwargs = json.loads(self.rollout_engine_kwargs)
+            except RecursionError:
+                raise ValueError("--rollout_engine_kwargs: nested too deeply to read; expected a JSON object") from None
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"--rollout_engine_kwargs: expected a JSON object, got {self.rollout_engine_kwargs!r} ({e})"
                 ) from None
         if self.rollout_engine not in KINDS:
             raise ValueError(f"--rollout_engine: expected one of {KINDS}, got {self.rollout_engine!r}")
+        if (
+            self.loss_type == "vespo"
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):  # trl refuses it only with its own vLLM; the correction is on for every qerl engine
+            raise ValueError(
+                "--loss_type vespo: needs --vllm_importance_sampling_mode token_truncate or token_mask (trl's rule), "
+                f"got {self.vllm_importance_sampling_mode}; or --vllm_importance_sampling_correction False"
+            )
         if self.aqn_resample not in RESAMPLE_MODES:
             raise ValueError(f"--aqn_resample: expected one of {RESAMPLE_MODES}, got {self.aqn_resample!r}")
         if self.aqn is not False:  # on, or on for an NVFP4 model: either way the schedule must be valid
@@ -190,32 +199,24 @@ class QeRLConfig(GRPOConfig):
             self.optim = "adamw_torch"
         super().__post_init__()
 
-    def _check_batch_shape(self) -> None:
-        """The values trl and transformers take and only fail on later (a ZeroDivisionError building the config, a
-        traceback in the first step, or a run that never samples), refused in one line naming the flag."""
+    def _check_numbers(self) -> None:
+        """Every number in its range (``qerl.train.bounds``), before trl and transformers take values they fail on
+        only later (a ZeroDivisionError building the config, a traceback in the first step, NaN weights, a run that
+        never samples), in one line naming the flag."""
         steps = self.max_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or not (steps == -1 or steps >= 1):
             raise ValueError(
                 f"--max_steps: expected a positive integer (or -1: --num_train_epochs decides), got {steps!r}"
             )
-        for name, least in (
-            ("per_device_train_batch_size", 1),
-            ("gradient_accumulation_steps", 1),
-            ("num_generations", 2),
-        ):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                why = " (GRPO compares completions of one prompt)" if name == "num_generations" else ""
-                raise ValueError(f"--{name}: expected an integer >= {least}{why}, got {value!r}")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
-            raise ValueError(f"--temperature: expected a finite number > 0 (rollouts must sample), got {t!r}")
+        check_numbers(self)
 
     @property
     def aqn_plan(self) -> AQNSchedule | None:
         return AQNSchedule(self.sigma_start, self.sigma_end, self.num_stages, self.aqn_schedule) if self.aqn else None
 
 
+#: What a recipe is, as its refusals say.
+_FLAT = "a mapping of settings (key: value lines)"
 #: A recipe is a page of settings: a larger file is refused before it is parsed.
 MAX_RECIPE_BYTES = 1 << 20
 
@@ -247,9 +248,12 @@ def load_recipe(path: str | Path, fields_of: tuple[type, ...]) -> dict[str, Any]
     path = Path(path)
     if path.stat().st_size > MAX_RECIPE_BYTES:
         raise ValueError(f"{path.stat().st_size} bytes; a recipe is at most {MAX_RECIPE_BYTES} bytes")
-    recipe = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
+    try:
+        recipe = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
+    except RecursionError:  # a value nested thousands deep: the parser recurses once per level
+        raise ValueError(f"nested too deeply to read; {_FLAT}") from None
     if not isinstance(recipe, dict):
-        raise ValueError("expected a mapping of settings (key: value lines)")
+        raise ValueError(f"expected {_FLAT}")
     hints = {name: hint for cls in fields_of for name, hint in typing.get_type_hints(cls).items()}
     for key, value in recipe.items():
         if key in hints and not isinstance(value, str) and _fits(value, hints[key]) is False:

@@ -17,7 +17,10 @@ all-zero, so a 200-step run learned nothing.
 from __future__ import annotations
 
 import codecs
+import json
+import logging
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,8 @@ from datasets.fingerprint import generate_random_fingerprint
 from qerl.hub import path_shaped
 from qerl.train.answers import gsm8k_gold
 from qerl.train.prompts import PROMPT_STYLES, SOURCE_STYLE, chat_messages, encode_chat
+
+logger = logging.getLogger(__name__)
 
 #: The reference scripts' completion budget for a data set without a preset of its own.
 DEFAULT_COMPLETION_LENGTH = 8192
@@ -79,24 +84,44 @@ def _read_local(path: Path) -> Dataset:
     if path.suffix not in LOCAL_SUFFIXES:
         raise ValueError(f"--dataset_path {path}: expected a .jsonl, .json or .parquet file")
     if path.suffix != ".parquet":
-        _check_utf8(path)
-    try:
-        return Dataset.from_parquet(str(path)) if path.suffix == ".parquet" else Dataset.from_json(str(path))
-    except Exception as e:  # datasets wraps the reader's error (binary file, bad JSON) in its own types
-        raise ValueError(f"--dataset_path {path}: not a readable {path.suffix} file ({_reason(e)})") from e
+        _check_text(path)
+    read = Dataset.from_parquet if path.suffix == ".parquet" else Dataset.from_json
+    # datasets converts the file to an arrow copy in its cache, there for good (706 MB for a 700 MB file): the copy
+    # goes to a directory of ours instead, removed once the rows are in memory.
+    with tempfile.TemporaryDirectory(prefix="qerl-data-") as scratch:
+        try:
+            return read(str(path), cache_dir=scratch, keep_in_memory=True)
+        except Exception as e:  # datasets wraps the reader's error (binary file, bad JSON) in its own types
+            raise ValueError(f"--dataset_path {path}: not a readable {path.suffix} file ({_reason(e)})") from e
 
 
-def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
-    """Refuse a JSON file that is not UTF-8 text, naming it and the byte: datasets reads such a file and the bad
-    bytes surface later as a UnicodeDecodeError that names neither the file nor the flag."""
+#: The longest line (one record) a JSON data file may have. The reader takes a record whole, growing its block until
+#: the record fits: one 1 GiB line was killed for memory. A GSM8K or DAPO-Math row is a few kB.
+MAX_RECORD_BYTES = 16 << 20
+#: How much of a data file :func:`_check_text` reads at a time.
+READ_CHUNK = 1 << 20
+
+
+def _check_text(path: Path) -> None:
+    """Refuse a JSON file that is not UTF-8 text (naming the byte: datasets reads such a file and the bad bytes
+    surface later as a UnicodeDecodeError that names neither the file nor the flag) or that has a line longer than
+    :data:`MAX_RECORD_BYTES`, reading it a chunk at a time."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
+    offset, lines, current = 0, 0, 0  # bytes read, newlines seen, length of the line not yet ended
     with path.open("rb") as f:
-        while block := f.read(chunk):
+        while block := f.read(min(READ_CHUNK, MAX_RECORD_BYTES)):
             try:
                 decoder.decode(block)
             except UnicodeDecodeError as e:
                 raise ValueError(f"--dataset_path {path}: not UTF-8 text (near byte {offset + e.start})") from None
+            first, last = block.find(b"\n"), block.rfind(b"\n")  # lines between them are shorter than a chunk
+            if current + (len(block) if first < 0 else first) > MAX_RECORD_BYTES:
+                raise ValueError(
+                    f"--dataset_path {path}: line {lines + 1} is longer than {MAX_RECORD_BYTES} bytes "
+                    "(one record per line)"
+                )
+            lines += block.count(b"\n")
+            current = current + len(block) if first < 0 else len(block) - last - 1
             offset += len(block)
     try:
         decoder.decode(b"", final=True)
@@ -150,17 +175,22 @@ def prompt_style(name: str, style: str | None) -> str:
     return style
 
 
-def _conversation(row: dict[str, Any], columns: list[str]) -> list[dict[str, str]]:
-    """A row's own prompt (``source_prompt``: a list of role/content messages), checked."""
-    messages = row.get("source_prompt")
-    if not (
+def _is_conversation(messages: Any) -> bool:
+    """Whether ``messages`` is a non-empty list of role/content messages (their text strings)."""
+    return (
         isinstance(messages, list)
-        and messages
+        and bool(messages)
         and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages
         )
-    ):
+    )
+
+
+def _conversation(row: dict[str, Any], columns: list[str]) -> list[dict[str, str]]:
+    """A row's own prompt (``source_prompt``: a list of role/content messages), checked."""
+    messages = row.get("source_prompt")
+    if not _is_conversation(messages):
         raise ValueError(
             f"--prompt-style {SOURCE_STYLE}: data set row has no source_prompt conversation (a list of "
             f"role/content messages), found columns {columns}; use --prompt-style dapo"
@@ -176,22 +206,31 @@ def _unhashed() -> dict[str, Any]:
     return {"new_fingerprint": generate_random_fingerprint(), "keep_in_memory": True}
 
 
-def to_rows(raw: Dataset, s: DatasetSpec, style: str) -> Dataset:
-    """Normalise a raw data set to ``prompt`` (messages in ``style``) + ``answer`` (gold string)."""
+def to_rows(raw: Dataset, s: DatasetSpec, style: str, where: str = "data set") -> Dataset:
+    """Normalise a raw data set to ``prompt`` (messages in ``style``) + ``answer`` (gold string); ``where`` names
+    the data (``--dataset_path FILE``) in the refusal of a row whose question or answer is not text."""
     columns = list(raw.column_names)
 
-    def convert(row: dict[str, Any]) -> dict[str, Any]:
+    def text(row: dict[str, Any], index: int, fields: tuple[str, ...], what: str) -> str:
+        value = _pick(row, fields, what, columns)
+        if what == "question" and isinstance(value, list) and _is_conversation(value):
+            value = value[-1]["content"]  # already a conversation: keep its last turn's text
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(
+                f"{where}: row {index}'s {what} is a {type(value).__name__}, expected text"
+                f"{' or a list of chat messages' if what == 'question' else ''}"
+            )
+        return str(value)
+
+    def convert(row: dict[str, Any], index: int) -> dict[str, Any]:
         if style == SOURCE_STYLE:
             prompt = _conversation(row, columns)
         else:
-            question = _pick(row, s.question_fields, "question", columns)
-            if isinstance(question, list):  # already a conversation: keep its last user turn's text
-                question = question[-1]["content"]
-            prompt = chat_messages(str(question), style)
-        gold = str(_pick(row, s.answer_fields, "answer", columns))
+            prompt = chat_messages(text(row, index, s.question_fields, "question"), style)
+        gold = text(row, index, s.answer_fields, "answer")
         return {"prompt": prompt, "answer": gsm8k_gold(gold) if s.reading == "numeric" else gold}
 
-    return raw.map(convert, remove_columns=columns, **_unhashed())
+    return raw.map(convert, with_indices=True, remove_columns=columns, **_unhashed())
 
 
 @dataclass(frozen=True)
@@ -278,7 +317,12 @@ def load_dataset(
         raw = _read_source(name, source, split)
         if num_samples is not None:
             raw = raw.shuffle(seed=seed).select(range(min(num_samples, len(raw))))
-    return to_rows(raw, s, style)
+    return to_rows(raw, s, style, data_name(name, source))
+
+
+def data_name(name: str, source: str | None) -> str:
+    """How messages name the data: ``--dataset_path FILE`` when one was given, else ``--dataset NAME``."""
+    return f"--dataset_path {source}" if source is not None else f"--dataset {name}"
 
 
 def filter_prompt_length(ds: Dataset, tokenizer: Any, max_tokens: int) -> Dataset:
@@ -298,10 +342,25 @@ def filter_prompt_length(ds: Dataset, tokenizer: Any, max_tokens: int) -> Datase
     return ds.filter(short, **_unhashed())
 
 
-def train_heldout_split(ds: Dataset, heldout: int, seed: int = 0) -> tuple[Dataset, Dataset]:
-    """A seeded split into (train, held-out) with ``heldout`` rows held out for before/after accuracy."""
+def train_heldout_split(ds: Dataset, heldout: int, seed: int = 0, where: str = "data set") -> tuple[Dataset, Dataset]:
+    """A seeded split into (train, held-out) with ``heldout`` rows held out for before/after accuracy.
+
+    Rows that repeat an earlier row's prompt are dropped first, with one warning naming ``where``: a copy on each
+    side of the split measured the held-out accuracy on questions the run trained on. (Without held-out rows the
+    data is trained as given: repeats are the user's weighting.)"""
     if heldout <= 0:
         return ds, ds.select([])
+    first: dict[str, int] = {}
+    for i, prompt in enumerate(ds["prompt"]):
+        first.setdefault(json.dumps(prompt, sort_keys=True), i)
+    if len(first) < len(ds):
+        logger.warning(
+            "dropped %d of %d rows of %s that repeat an earlier prompt, so that no held-out question is trained on",
+            len(ds) - len(first),
+            len(ds),
+            where,
+        )
+        ds = ds.select(sorted(first.values()), **_unhashed())
     if heldout >= len(ds):
         raise ValueError(f"--heldout {heldout}: must be smaller than the data set ({len(ds)} rows)")
     parts = ds.train_test_split(test_size=heldout, seed=seed, shuffle=True)

@@ -1,4 +1,5 @@
-"""Whether a training run may continue what its ``output_dir`` already holds.
+"""Whether a training run may write its ``output_dir`` (:func:`check_output_dir`: no link, not the model's, empty or
+a run's own) and continue what it already holds.
 
 Every run records its settings in ``output_dir/run_config.json`` (written atomically before training
 starts): the model/data/adapter choices, every trainer setting, and digests of the training rows and
@@ -38,8 +39,9 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from qerl.cli import UsageError
-from qerl.fsutil import append_whole, atomic_write_text
+from qerl import hub
+from qerl.cli import UsageError, usage_errors
+from qerl.fsutil import append_whole, atomic_write_text, is_within, real_output
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +151,7 @@ def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
     if record.exists():
         try:
             saved = json.loads(record.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             saved = None
         if not isinstance(saved, dict):
             raise UsageError(f"--output_dir {out}: {record.name} is not a settings record; {force}")
@@ -157,8 +159,7 @@ def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
             k for k in saved.keys() | wanted.keys() if k not in RESUMABLE_KEYS and saved.get(k) != wanted.get(k)
         )
     else:
-        has_run = any((out / name).exists() for name in RUN_FILES) or any(out.glob("checkpoint-*"))
-        changed = ["(unknown: no run_config.json)"] if has_run else []
+        changed = ["(unknown: no run_config.json)"] if holds_run(out) else []
     if changed and mode != "force" and record.exists() and not _holds_work(out):  # no record: an older qerl's run
         logger.info(
             "%s: its run (different %s) saved no checkpoint, adapter or summary; starting afresh with these settings",
@@ -171,6 +172,49 @@ def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
     summary = _read_summary(out / SUMMARY_FILE)
     done = summary is not None and (max_steps <= 0 or int(summary.get("global_step") or 0) >= max_steps)
     return Plan(changed=changed, finished=summary if done and not changed else None)
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds (part of) a training run: its settings record, metrics, summary, adapter or a
+    checkpoint. A directory holding anything else is not a run's to write into (``qerl.train.run``)."""
+    return (
+        (out / RUN_CONFIG_FILE).exists()
+        or any((out / name).exists() for name in RUN_FILES)
+        or any(out.glob(f"{PREFIX_CHECKPOINT_DIR}-*"))
+    )
+
+
+def check_output_dir(out: Path, model: str) -> None:
+    """Refuse an ``--output_dir`` that a run may not write: a symbolic link (``qerl.fsutil.real_output``), the
+    model's directory or one inside it (the run's checkpoints, metrics and adapter would be mixed into the model's
+    files), or a directory holding files but no run (``--output_dir .`` replaced a checkout's README: a run
+    resumes into a run directory of its own only, as eval, export and quantize refuse a non-empty target)."""
+    with usage_errors(ValueError):
+        resolved_out = real_output(out, "--output_dir")
+    _not_the_model(out, model)
+    if resolved_out.exists() and not resolved_out.is_dir():
+        raise UsageError(f"--output_dir {out}: is not a directory")
+    if resolved_out.is_dir() and any(resolved_out.iterdir()) and not holds_run(resolved_out):
+        raise UsageError(
+            f"--output_dir {out}: is not empty and holds no qerl run (no {RUN_CONFIG_FILE}, metrics or "
+            "checkpoint); name a new or empty directory"
+        )
+
+
+def _not_the_model(out: Path, model: str) -> None:
+    """Refuse an output that is a local model's directory or lies inside it (quantize and export refuse the same)."""
+    try:
+        resolved = hub.resolve_model(model)
+    except (FileNotFoundError, ValueError):
+        return
+    if isinstance(resolved, str):
+        return
+    if is_within(out, Path(resolved)):
+        same = out.expanduser().resolve() == Path(resolved).resolve()
+        raise UsageError(
+            f"--output_dir {out}: is {'the' if same else 'inside the'} model directory "
+            f"({model}); choose a directory outside it"
+        )
 
 
 def _holds_work(out: Path) -> bool:
@@ -187,7 +231,7 @@ def _holds_work(out: Path) -> bool:
 def _read_summary(path: Path) -> dict[str, Any] | None:
     try:
         summary = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return summary if isinstance(summary, dict) else None
 
@@ -238,7 +282,7 @@ def _logged_step(line: str) -> int | None:
         return None
     try:
         step = json.loads(line).get("step")
-    except (json.JSONDecodeError, AttributeError):
+    except (json.JSONDecodeError, AttributeError, RecursionError):
         return None
     return step if isinstance(step, int) else None
 
@@ -274,6 +318,7 @@ def move_aside(checkpoint: Path, why: str) -> Path:
 
 __all__ = [
     "CHECKPOINT_MARKER",
+    "check_output_dir",
     "METRICS_FILE",
     "MetricsFile",
     "last_complete_checkpoint",
@@ -283,6 +328,7 @@ __all__ = [
     "RESUME_MODES",
     "Plan",
     "plan",
+    "holds_run",
     "rows_sha256",
     "run_config",
     "save",

@@ -21,9 +21,10 @@ finished run is a no-op, and different settings are refused in one line unless `
 resumed run. The run writes the final adapter to ``output_dir/adapter`` (temp dir, then rename) with
 the base model's digest (``qerl_base.json``; checkpoints have it in ``run_config.json`` beside them),
 so that export and evaluation can refuse another base, logs every step to ``output_dir/metrics.jsonl``
-and draws the curves with ``qerl.train.plot``. One run at a time holds ``output_dir`` (``qerl.runlock``); ``output_dir`` may not be
-the model's directory or lie inside it. A failed save (a full disk) leaves no ``checkpoint-N`` that
-looks complete: the incomplete one is moved aside before the error is reported.
+and draws the curves with ``qerl.train.plot``. One run at a time holds ``output_dir`` (``qerl.runlock``), which
+must be new, empty or a run's own, and neither a link nor the model's directory or inside it
+(``qerl.train.resume.check_output_dir``). A failed save (a full disk) leaves no ``checkpoint-N`` that looks
+complete: the incomplete one is moved aside before the error is reported.
 
 Bad input (an unknown flag or recipe key, an unknown reward, a negative learning rate, a missing
 file) stops before any work with ``error: <one line>`` and exit status 2 (``qerl.cli``).
@@ -49,7 +50,7 @@ from transformers import TrainerCallback
 from qerl import hub
 from qerl.checkpoint import read_config
 from qerl.cli import UsageError, one_line, run, usage_errors
-from qerl.fsutil import atomic_directory, atomic_write_text, is_within
+from qerl.fsutil import atomic_directory, atomic_write_text, remove_leftovers
 from qerl.load.fingerprint import model_sha256, write_base_record
 from qerl.load.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
 from qerl.load.lora import lora_config
@@ -93,7 +94,9 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def save_adapter(trainer: QeRLTrainer, out_dir: Path, model: str, digest: str | None) -> Path:
     """The final adapter (and tokenizer) in ``out_dir``, with the record of its base model
-    (``qerl_base.json``), written to a temp dir first then renamed."""
+    (``qerl_base.json``), written to a temp dir first then renamed; the temp dirs a killed save left are removed
+    first (only our marked ones: ``qerl.fsutil.remove_leftovers``; the caller holds the run's lock)."""
+    remove_leftovers(out_dir)
     with atomic_directory(out_dir) as tmp:
         trainer.save_model(str(tmp))
         write_base_record(tmp, model, digest)
@@ -107,23 +110,6 @@ class CurrentIntervals(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         state.compute_steps(args, state.max_steps)
-
-
-def check_output_dir(out: Path, model: str) -> None:
-    """Refuse an ``--output_dir`` that is the model's directory or inside it: the run's checkpoints,
-    metrics and adapter would be mixed into the model's files (quantize and export refuse the same)."""
-    try:
-        resolved = hub.resolve_model(model)
-    except (FileNotFoundError, ValueError):
-        return
-    if isinstance(resolved, str):
-        return
-    if is_within(out, Path(resolved)):
-        same = out.expanduser().resolve() == Path(resolved).resolve()
-        raise UsageError(
-            f"--output_dir {out}: is {'the' if same else 'inside the'} model directory "
-            f"({model}); choose a directory outside it"
-        )
 
 
 def is_main_launch_process() -> bool:
@@ -152,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             logger.warning("--%s is a reference leftover and is ignored", name.replace("_", "-"))
 
     out = Path(config.output_dir)
-    check_output_dir(out, script.model_name)
+    run_record.check_output_dir(out, script.model_name)
     if not is_main_launch_process():
         summary = _train(script, config, out)
     else:
@@ -202,7 +188,16 @@ def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any) -> tuple[
         )
     if not len(kept):
         raise ValueError(f"--max_prompt_length {budget}: no prompt of the data set is that short")
-    return qdata.train_heldout_split(kept, script.heldout, seed=config.seed)
+    where = qdata.data_name(script.dataset, script.dataset_path)
+    train, heldout = qdata.train_heldout_split(kept, script.heldout, seed=config.seed, where=where)
+    prompts = config.generation_batch_size // config.num_generations  # trl's sampler drops a generation short of it
+    if len(train) < prompts:
+        raise ValueError(
+            f"{where}: {len(train)} training row(s), fewer than the {prompts} prompts one generation takes "
+            "(--per_device_train_batch_size x processes x --steps_per_generation / --num_generations); "
+            "no step would train"
+        )
+    return train, heldout
 
 
 #: The default prompt budget in tokens, where the model's context leaves that much: the reference data sets' prompts
@@ -314,10 +309,15 @@ def build_trainer(
 
 
 def fit(script: ScriptArguments, run: Prepared, out: Path) -> None:
-    """Held-out rows written and measured, the checkpoint to resume checked, the settings recorded (only then:
-    a refused resume leaves the recorded run as it was), and the training itself."""
+    """The checkpoint to resume checked, then (only then: a refused resume leaves the run as it was) the settings
+    recorded, the held-out rows written and measured, and the training itself."""
     trainer = run.trainer
+    with trainer.accelerator.main_process_first():  # it may move checkpoints aside: one process at a time
+        shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(trainer.model).items()}
+        checkpoint = sound_checkpoint(out, shapes, take_previous=script.damaged_checkpoint == "previous")
     out.mkdir(parents=True, exist_ok=True)
+    if trainer.is_world_process_zero():
+        run_record.save(out, run.wanted)
     if len(run.heldout_rows) and trainer.accelerator.is_main_process:  # rows `python -m eval.gsm8k` / eval.math score
         write_jsonl(
             out / "heldout.jsonl",
@@ -327,11 +327,6 @@ def fit(script: ScriptArguments, run: Prepared, out: Path) -> None:
             ],
         )
     _measure_heldout(script, run, "before")
-    with trainer.accelerator.main_process_first():  # it may move checkpoints aside: one process at a time
-        shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(trainer.model).items()}
-        checkpoint = sound_checkpoint(out, shapes, take_previous=script.damaged_checkpoint == "previous")
-    if trainer.is_world_process_zero():
-        run_record.save(out, run.wanted)
     if checkpoint:
         logger.info("resuming from %s", checkpoint)
     try:
