@@ -46,7 +46,7 @@ from safetensors import safe_open
 
 from qerl import checkpoint, hub, nvfp4
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
-from qerl.fsutil import atomic_directory, remove_leftovers, scratch_directory, write_text
+from qerl.fsutil import atomic_directory, refuse_link, remove_leftovers, scratch_directory, write_text
 from qerl.load.fingerprint import check_adapter_base
 from qerl.load.headers import check_headers
 from qerl.load.integrity import check_tensor, check_tensors
@@ -263,8 +263,7 @@ def _dequantized(tensors: checkpoint.TensorIndex, layer: str) -> torch.Tensor:
 def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> None:
     """Refuse an output that is a symbolic link or one of the inputs, or exists and was not written by this
     tool, or exists without ``--overwrite``; all before any work."""
-    if out.is_symlink():  # replacing it would remove the link's target, or fail on the link after the whole merge
-        raise ValueError(f"--output {out}: is a symbolic link; name the directory itself")
+    refuse_link(out, "--output")
     if any(out.resolve() == p.resolve() for p in inputs):
         raise ValueError(f"--output {out}: is one of the inputs; choose a new directory")
     if not out.exists():
