@@ -60,11 +60,11 @@ def test_jsonl_is_read_only_as_far_as_the_limit(tmp_path: Path, monkeypatch) -> 
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _rows(5)) + "not json\n" + "x" * 4096 + "\n")
     assert [p.gold for p in _load(path, 5)] == ["1", "2", "3", "4", "5"]
-    monkeypatch.setattr(data, "MAX_LINE_BYTES", 1024)
+    monkeypatch.setattr(data, "MAX_LINE_CHARS", 1024)
     with pytest.raises(SystemExit, match=r"big\.jsonl:6: not valid JSON"):
         _load(path, None)
     path.write_text("".join(json.dumps(r) + "\n" for r in _rows(5)) + "x" * 4096 + "\n")
-    with pytest.raises(SystemExit, match=r"big\.jsonl:6: a line longer than 1024 bytes"):
+    with pytest.raises(SystemExit, match=r"big\.jsonl:6: a line longer than 1024 characters"):
         _load(path, None)
 
 
