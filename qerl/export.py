@@ -46,7 +46,7 @@ from safetensors import safe_open
 
 from qerl import checkpoint, hub, nvfp4
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
-from qerl.fsutil import atomic_directory, refuse_link, remove_leftovers, scratch_directory, write_text
+from qerl.fsutil import atomic_directory, is_within, refuse_link, remove_leftovers, scratch_directory, write_text
 from qerl.load.fingerprint import check_adapter_base
 from qerl.load.headers import check_headers
 from qerl.load.integrity import check_tensor, check_tensors
@@ -260,12 +260,15 @@ def _dequantized(tensors: checkpoint.TensorIndex, layer: str) -> torch.Tensor:
     return nvfp4.dequantize(*(tensors.get(f"{layer}.{s}") for s in checkpoint.QUANTIZED_SUFFIXES), torch.float32)
 
 
-def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> None:
-    """Refuse an output that is a symbolic link or one of the inputs, or exists and was not written by this
-    tool, or exists without ``--overwrite``; all before any work."""
+def check_output(out: Path, overwrite: bool, model_dir: Path, adapter_dir: Path) -> None:
+    """Refuse an output that is a symbolic link, is or lies inside the model or adapter directory (its files would
+    change their digest: the run's own adapter then counted as made for other weights), or exists and was not
+    written by this tool, or exists without ``--overwrite``; all before any work."""
     refuse_link(out, "--output")
-    if any(out.resolve() == p.resolve() for p in inputs):
-        raise ValueError(f"--output {out}: is one of the inputs; choose a new directory")
+    for what, path in (("model", model_dir), ("adapter", adapter_dir)):
+        if is_within(out, path):
+            where = "the" if out.resolve() == path.resolve() else "inside the"
+            raise ValueError(f"--output {out}: is {where} {what} directory ({path}); choose a directory outside it")
     if not out.exists():
         return
     if not (out / MARKER).is_file():
@@ -307,8 +310,9 @@ def export(
         "quantized_source": checkpoint.is_nvfp4_config(source_config),
         "base_verified": same_base,
     }
-    with run_lock(out):  # checked under the lock: a run that finished meanwhile is an existing output
-        check_output(out, overwrite, (model_dir, adapter_dir))
+    check_output(out, overwrite, model_dir, adapter_dir)  # before the lock, so that bad input creates no folder
+    with run_lock(out):  # and under it: a run that finished meanwhile is an existing output
+        check_output(out, overwrite, model_dir, adapter_dir)
         remove_leftovers(out)  # of a killed export to the same output (the lock says none is running)
         _write(model_dir, adapter, out, record, fmt, method, source_config, max_shard_bytes)
     kept = record.get("lora_delta_retained")
