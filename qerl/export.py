@@ -47,6 +47,7 @@ from safetensors import safe_open
 from qerl import checkpoint, hub, nvfp4
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
 from qerl.fsutil import atomic_directory, is_within, refuse_link, remove_leftovers, scratch_directory, write_text
+from qerl.load.adapter import read_adapter_config
 from qerl.load.fingerprint import check_adapter_base
 from qerl.load.headers import check_headers
 from qerl.load.integrity import check_tensor, check_tensors
@@ -128,20 +129,13 @@ def read_adapter(path: Path) -> Adapter:
 
 
 def _lora_config(path: Path) -> tuple[LoraConfig, Path]:
-    """The adapter directory's peft ``LoraConfig`` and weights file, refused in one line unless a plain LoRA."""
+    """The adapter directory's peft ``LoraConfig`` (checked: ``qerl.load.adapter``) and weights file, refused in
+    one line unless a plain LoRA."""
     from peft import LoraConfig  # peft is slow to import: only when an export runs
 
-    if not path.is_dir():
-        raise FileNotFoundError(f"--lora {path}: not a directory; expected a peft adapter directory")
-    if not (path / "adapter_config.json").exists():
-        raise FileNotFoundError(f"--lora {path}: no adapter_config.json; expected a peft adapter directory")
-    weights = path / "adapter_model.safetensors"
-    if not weights.exists():
-        raise FileNotFoundError(f"--lora {path}: no adapter_model.safetensors (only safetensors adapters are read)")
-    try:
-        config = LoraConfig.from_pretrained(str(path))
-    except Exception as e:  # peft raises TypeError/ValueError/JSONDecodeError for foreign configs
-        raise ValueError(f"--lora {path}/adapter_config.json: not a LoRA config ({str(e).splitlines()[0]})") from None
+    config, weights = read_adapter_config(path)
+    if not isinstance(config, LoraConfig):
+        raise ValueError(f"--lora {path}/adapter_config.json: not a LoRA config (a {type(config).__name__})")
     refused = [
         name
         for name, on in (
