@@ -170,7 +170,7 @@ def check_small(path: Path, limit: int | None = None) -> None:
     st = os.stat(path)
     _refuse_special(path, st.st_mode)
     if st.st_size > limit:
-        raise ValueError(f"{path}: larger than {limit} bytes; not a file read whole")
+        raise ValueError(f"{path}: larger than {limit} bytes")
 
 
 def check_regular(path: Path) -> None:
@@ -192,7 +192,7 @@ def read_small(path: Path, limit: int | None = None) -> bytes:
     with open(fd, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise ValueError(f"{path}: larger than {limit} bytes; not a file read whole")
+        raise ValueError(f"{path}: larger than {limit} bytes")
     return data
 
 
