@@ -6,30 +6,16 @@ the fix (NaN weights written with rc 0, a hang, a traceback)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import safety_fixtures as sf
 import torch
+from safety_fixtures import own_caches, qtiny  # noqa: F401 (fixtures)
 from test_export import make_adapter
-from test_reliability3 import (
-    EVAL_FLAGS,
-    GOOD,
-    _data,
-    _one_error,
-    qtiny,  # noqa: F401 (a fixture: a tiny NVFP4 chat Llama)
-)
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +32,15 @@ def _changed(adapter: Path, out: Path, **changes: object) -> Path:
 
 def _commands(model: Path, lora: Path, tmp_path: Path) -> dict[str, list[str]]:
     """The export and eval command lines (as ``python -m`` arguments) that read ``lora`` over ``model``."""
-    data = _data(tmp_path, [GOOD])
+    data = sf.data_file(tmp_path, [sf.GOOD])
     return {
         "export": ["qerl.export", "--model", str(model), "--lora", str(lora), "--output", str(tmp_path / "x")],
         "eval": [
             "eval.gsm8k",
             *("--model", str(model), "--lora", str(lora), "--data", str(data)),
-            *("--output", str(tmp_path / "r.jsonl"), *EVAL_FLAGS),
+            *("--output", str(tmp_path / "r.jsonl"), *sf.EVAL_FLAGS),
         ],
     }
-
-
-def _run_module(argv: list[str], tmp_path: Path, timeout: float = 60) -> tuple[int, str]:
-    """``python -m ARGV`` in a child (a hung regular expression cannot be interrupted from inside)."""
-    env = {**os.environ, "QERL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"python -m {argv[0]} still ran after {timeout} s")
-    return done.returncode, done.stderr
 
 
 #: adapter_config.json changes, and what the one line must say.
@@ -87,8 +61,8 @@ def test_bad_adapter_config_is_one_line_in_export_and_eval(qtiny, adapter, tmp_p
     changes, field = CASES[case]
     bad = _changed(adapter, tmp_path / "bad", **changes)
     for command, argv in _commands(qtiny, bad, tmp_path).items():
-        code, err = _run_module(argv, tmp_path)
-        line = _one_error(code, err)
+        code, err = sf.run_module(argv, tmp_path)
+        line = sf.one_error(code, err)
         assert "adapter_config.json" in line and field in line, (command, line)
     assert not (tmp_path / "x").exists() and not (tmp_path / "r.jsonl").exists()
 
@@ -116,5 +90,5 @@ def test_eval_of_a_bin_adapter_is_one_line(qtiny, adapter, tmp_path: Path, capsy
     (legacy / "adapter_model.safetensors").unlink()
     commands = _commands(qtiny, legacy, tmp_path)
     for command in (lambda: run(gsm8k.main, commands["eval"][1:]), lambda: export.main(commands["export"][1:])):
-        line = _one_error(command(), capsys.readouterr().err)
+        line = sf.one_error(command(), capsys.readouterr().err)
         assert str(legacy / "adapter_model.bin") in line and "only safetensors adapters are read" in line, line

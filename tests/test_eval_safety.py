@@ -7,23 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import safety_fixtures as sf
 import torch
-from test_reliability3 import (
-    EVAL_FLAGS,
-    GOOD,
-    _data,
-    _one_error,
-    qtiny,  # noqa: F401 (a fixture: a tiny NVFP4 chat Llama)
-)
+from safety_fixtures import own_caches, qtiny  # noqa: F401 (fixtures)
 
 from qerl.cli import run
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
 
 
 def test_eval_refuses_a_linked_output(qtiny, tmp_path: Path, capsys) -> None:  # noqa: F811
@@ -35,8 +25,8 @@ def test_eval_refuses_a_linked_output(qtiny, tmp_path: Path, capsys) -> None:  #
     victim.write_text("")
     link = tmp_path / "r.jsonl"
     link.symlink_to(victim)
-    argv = ["--model", str(qtiny), "--data", str(_data(tmp_path, [GOOD])), "--output", str(link), *EVAL_FLAGS]
-    line = _one_error(run(gsm8k.main, argv), capsys.readouterr().err)
+    argv = [*sf.eval_argv(qtiny, tmp_path), "--output", str(link)]  # the last --output counts
+    line = sf.one_error(run(gsm8k.main, argv), capsys.readouterr().err)
     assert line == f"error: --output {link}: is a symbolic link; name the file itself", line
     assert victim.read_text() == "" and link.is_symlink()
 

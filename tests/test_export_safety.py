@@ -7,19 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import safety_fixtures as sf
 import torch
-from test_reliability3 import _one_error
-from test_reliability5 import merge  # noqa: F401 (a fixture: a tiny NVFP4 Llama and its adapter)
+from safety_fixtures import merge, own_caches  # noqa: F401 (fixtures)
 
 from qerl import export
 from qerl.load.fingerprint import model_sha256
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def _own_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("inside", ["export", "sub/dir/export", "."])
@@ -30,7 +25,7 @@ def test_export_into_the_model_directory_is_refused(merge, tmp_path: Path, capsy
     digest = model_sha256(model)
     out = model / inside
     argv = ["--model", str(model), "--lora", str(merge["adapter"]), "--output", str(out), "--allow-base-mismatch"]
-    line = _one_error(export.main(argv), capsys.readouterr().err)
+    line = sf.one_error(export.main(argv), capsys.readouterr().err)
     assert f"--output {out}: is inside the model directory" in line or "is the model directory" in line, line
     assert model_sha256(model) == digest and sorted(p.name for p in model.iterdir()) == sorted(
         p.name for p in merge["model"].iterdir()
