@@ -25,13 +25,15 @@ from qerl.load.integrity import DamagedTensor, check_tensors
 from qerl.load.lora import load_adapter
 
 
-def load_base(model: str, load: str, dtype: torch.dtype | None, device: str | None) -> Any:
+def load_base(
+    model: str, load: str, dtype: torch.dtype | None, device: str | None, *, trust_remote_code: bool = False
+) -> Any:
     """The model through qerl's loader, in eval mode; loader errors become one line naming --model/--load.
     (The tokenizer is the caller's: the runner reads it first, to bound the prompts before any weight.)"""
     from qerl.load.loader import load_model
 
     try:
-        base = load_model(model, dtype=dtype, device=device, load=load)
+        base = load_model(model, dtype=dtype, device=device, load=load, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {model} (--load {load}): {str(e).strip().splitlines()[0]}") from None
     base.eval()

@@ -47,6 +47,7 @@ from safetensors import safe_open
 from qerl import checkpoint, hub, nvfp4
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
 from qerl.fsutil import atomic_directory, is_within, refuse_link, remove_leftovers, scratch_directory, write_text
+from qerl.load import model_files
 from qerl.load.adapter import read_adapter_config
 from qerl.load.fingerprint import check_adapter_base
 from qerl.load.headers import check_headers
@@ -292,7 +293,7 @@ def export(
     if fmt == "nvfp4" and method not in QUANT_METHODS:
         raise ValueError(f"--method: expected one of {QUANT_METHODS}, got {method!r}")
     model_dir = hub.local_model_dir(model, what="--model")
-    source_config = checkpoint.read_config(model_dir)
+    source_config, _ = model_files.checked_config(model_dir, copying=True)  # no code, no links out, sound fields
     adapter_dir, out = Path(lora), Path(output)
     adapter = read_adapter(adapter_dir)
     same_base = check_adapter_base(adapter_dir, str(model), allow_base_mismatch)
