@@ -49,7 +49,8 @@ def check_files(model_dir: Path, *, trust_remote_code: bool = False, copying: bo
         record = read_json(path) if path.exists() else None
         if not isinstance(record, dict) or "auto_map" not in record:
             continue
-        code = ", ".join(sorted({str(v) for v in _flat(record["auto_map"]) if v}))[:200]
+        auto_map = record["auto_map"]
+        code = (", ".join(map(str, auto_map.values())) if isinstance(auto_map, dict) else str(auto_map))[:200]
         if copying:
             raise ValueError(
                 f"{path}: auto_map names code in the model directory ({code}); quantize and export never run a "
@@ -60,15 +61,6 @@ def check_files(model_dir: Path, *, trust_remote_code: bool = False, copying: bo
                 f"{path}: auto_map names code in the model directory ({code}); qerl runs a model's own code "
                 f"only with {TRUST_FLAG}"
             )
-
-
-def _flat(value: object) -> list[object]:
-    """The leaves of an ``auto_map`` (names, or lists of a slow and a fast tokenizer class)."""
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _flat(v)]
-    if isinstance(value, list):
-        return [leaf for v in value for leaf in _flat(v)]
-    return [value]
 
 
 def _own_tree(model_dir: Path) -> Path:
