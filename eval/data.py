@@ -7,6 +7,7 @@ half-valid data.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl.cli import UsageError
+from qerl.fsutil import read_small
 from qerl.hub import path_shaped
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -29,10 +31,24 @@ class Problem:
     gold: str
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
+#: The longest line (in characters) a JSONL record may take: a line is read whole before it is parsed.
+MAX_LINE_CHARS = 16 << 20
+#: The largest .json file read: a JSON array is one document, parsed whole whatever ``--limit`` asks for.
+MAX_JSON_BYTES = 256 << 20
+
+
+def _read_jsonl(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    """The first ``limit`` records (all without one), read line by line: nothing after them is read."""
+    rows: list[dict[str, Any]] = []
     with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+        for lineno in itertools.count(1):
+            if limit is not None and len(rows) >= limit:
+                break
+            line = f.readline(MAX_LINE_CHARS + 1)
+            if not line:
+                break
+            if len(line) > MAX_LINE_CHARS:
+                raise UsageError(f"{path}:{lineno}: a line longer than {MAX_LINE_CHARS} characters; not a JSONL record")
             if not line.strip():
                 continue
             try:
@@ -45,39 +61,52 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_local(path: Path) -> list[dict[str, Any]]:
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    """A JSON list of objects, refused unparsed above :data:`MAX_JSON_BYTES`."""
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise UsageError(
+            f"{path}: larger than {MAX_JSON_BYTES} bytes, and a JSON array is parsed whole; convert it to .jsonl "
+            "(one record per line, read only as far as --limit needs)"
+        )
+    try:
+        rows = json.loads(read_small(path, MAX_JSON_BYTES).decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise UsageError(f"{path}: expected a JSON list of objects")
+    return rows
+
+
+def _read_local(path: Path, limit: int | None) -> list[dict[str, Any]]:
     """Rows of a local file; a file that is not what its suffix says (binary, not UTF-8) is one line too."""
     try:
-        return _read_by_suffix(path)
+        return _read_by_suffix(path, limit)
     except UnicodeDecodeError:
         raise UsageError(f"--data {path}: not UTF-8 text (a binary file?); expected a {path.suffix} file") from None
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
+def _read_parquet(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    """The rows of a parquet file; with ``limit``, only the first batch of that many (not the whole table)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_table(path).to_pylist()
+        if limit is None:
+            return pq.read_table(path).to_pylist()
+        return next(pq.ParquetFile(path).iter_batches(batch_size=limit), pa.table({})).to_pylist()
     except (pa.ArrowException, OSError) as e:
         raise UsageError(
             f"--data {path}: not a readable parquet file ({str(e).strip().splitlines()[0][:200]})"
         ) from None
 
 
-def _read_by_suffix(path: Path) -> list[dict[str, Any]]:
+def _read_by_suffix(path: Path, limit: int | None) -> list[dict[str, Any]]:
     if path.suffix == ".jsonl":
-        return _read_jsonl(path)
+        return _read_jsonl(path, limit)
     if path.suffix == ".json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise UsageError(f"{path}: expected a JSON list of objects")
-        return rows
+        return _read_json(path)
     if path.suffix == ".parquet":
-        return _read_parquet(path)
+        return _read_parquet(path, limit)
     raise UsageError(
         f"--data {path}: unsupported file type {path.suffix!r}; expected one of {', '.join(LOCAL_SUFFIXES)}"
     )
@@ -116,7 +145,7 @@ def load_problems(
     """
     path = Path(data).expanduser()
     if path.is_file():
-        rows, where = _read_local(path), str(path)
+        rows, where = _read_local(path, limit), str(path)
     elif path.is_dir():
         raise UsageError(
             f"--data {data}: is a directory; expected a {'/'.join(LOCAL_SUFFIXES)} file or a hub dataset id"

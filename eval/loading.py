@@ -15,40 +15,50 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftConfig, PeftModel
+from peft import LoraConfig, PeftModel
 from peft.utils import get_peft_model_state_dict
 
 from qerl.cli import UsageError
+from qerl.load.adapter import read_adapter_config
 from qerl.load.fingerprint import check_adapter_base
 from qerl.load.integrity import DamagedTensor, check_tensors
 from qerl.load.lora import load_adapter
 
-ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
-
-def load_base(model: str, load: str, dtype: torch.dtype | None, device: str | None) -> Any:
+def load_base(
+    model: str, load: str, dtype: torch.dtype | None, device: str | None, *, trust_remote_code: bool = False
+) -> Any:
     """The model through qerl's loader, in eval mode; loader errors become one line naming --model/--load.
     (The tokenizer is the caller's: the runner reads it first, to bound the prompts before any weight.)"""
     from qerl.load.loader import load_model
 
     try:
-        base = load_model(model, dtype=dtype, device=device, load=load)
+        base = load_model(model, dtype=dtype, device=device, load=load, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {model} (--load {load}): {str(e).strip().splitlines()[0]}") from None
     base.eval()
     return base
 
 
-def _read_adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    for name in ADAPTER_WEIGHT_FILES:
-        path = adapter_dir / name
-        if path.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+def _read_adapter(adapter_dir: str) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """The adapter's checked LoraConfig (``qerl.load.adapter``: the same checks as export's) and its tensors."""
+    from safetensors.torch import load_file
 
-                return load_file(path)
-            return torch.load(path, map_location="cpu", weights_only=True)
-    raise UsageError(f"--lora {adapter_dir}: no adapter weights (expected one of {', '.join(ADAPTER_WEIGHT_FILES)})")
+    try:
+        config, weights = read_adapter_config(Path(adapter_dir).expanduser())
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if not isinstance(config, LoraConfig):
+        raise UsageError(f"--lora {adapter_dir}: a {type(config).__name__} adapter; only LoRA adapters are supported")
+    try:
+        saved = load_file(weights)
+    except Exception as e:  # safetensors raises several types for damaged files
+        raise UsageError(f"--lora {weights}: unreadable safetensors file ({e})") from None
+    try:
+        check_tensors(saved, f"--lora {adapter_dir}")
+    except DamagedTensor as e:
+        raise UsageError(str(e)) from None
+    return config, saved
 
 
 def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_mismatch: bool = False) -> PeftModel:
@@ -59,20 +69,11 @@ def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_misma
     Raises UsageError when the adapter was made for another base (recorded name or tensor shapes).
     """
     path = Path(adapter_dir).expanduser()
-    if not (path / "adapter_config.json").is_file():
-        raise UsageError(f"--lora {adapter_dir}: no adapter_config.json (expected a peft adapter directory)")
-    saved = _read_adapter_tensors(path)
-    try:
-        check_tensors(saved, f"--lora {adapter_dir}")
-    except DamagedTensor as e:
-        raise UsageError(str(e)) from None
-    config = PeftConfig.from_pretrained(str(path))
-    if not isinstance(config, LoraConfig):
-        raise UsageError(f"--lora {adapter_dir}: a {type(config).__name__} adapter; only LoRA adapters are supported")
+    config, saved = _read_adapter(adapter_dir)
     recorded = config.base_model_name_or_path
     check_adapter_base(path, model_arg, allow_base_mismatch)
     try:
-        wrapped = load_adapter(model, str(path))
+        wrapped = load_adapter(model, str(path), config=config)
     except (RuntimeError, ValueError, KeyError) as e:
         detail = _first_mismatch(str(e)) or " ".join(str(e).split())[:300]
         raise UsageError(

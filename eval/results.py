@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl.cli import UsageError
-from qerl.fsutil import append_whole, atomic_write_text
+from qerl.fsutil import append_whole, atomic_write_text, check_regular, read_json, refuse_link
 
 Key = tuple[int, str, int]  # (problem index, question, sample index)
 
@@ -40,6 +40,12 @@ class ResultFile:
     """
 
     def __init__(self, path: Path, settings: dict[str, Any]) -> None:
+        try:  # appending through a planted link would write into its target; a FIFO would hang the read
+            refuse_link(path, "--output", "file")
+            if path.exists():
+                check_regular(path)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         self.path = path
         self.settings = dict(settings)
         self.records: dict[Key, dict[str, Any]] = {}
@@ -60,9 +66,9 @@ class ResultFile:
                 )
             return []
         try:
-            previous = json.loads(meta.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UsageError(f"--output {self.path}: {meta} is not valid JSON; use a new --output") from None
+            previous = read_json(meta)
+        except ValueError as e:  # not JSON, not a regular file, too large
+            raise UsageError(f"--output {self.path}: {e}; use a new --output") from None
         if not isinstance(previous, dict):
             raise UsageError(f"--output {self.path}: {meta} is not a settings record; use a new --output")
         wanted = self.settings

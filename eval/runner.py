@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser, default_data: str | None = No
         "adapters without qerl_base.json; shapes are still checked)",
     )
     parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run Python code the model directory names (auto_map in config.json / tokenizer_config.json); "
+        "without it such a model is refused",
+    )
+    parser.add_argument(
         "--engine",
         choices=("native", "vllm", "hf"),
         default="native",
@@ -195,9 +201,10 @@ def _load_tokenizer(args: argparse.Namespace) -> tuple[Any, int, str]:
     from qerl.load.loader import check_supported, load_tokenizer
 
     try:
-        check_supported(args.model)  # a config that does not describe the weights: transformers reads it first
-        tokenizer = load_tokenizer(args.model)
-        config = AutoConfig.from_pretrained(local_model_dir(args.model))
+        trust = args.trust_remote_code
+        check_supported(args.model, trust_remote_code=trust)  # before transformers reads anything of it
+        tokenizer = load_tokenizer(args.model, trust_remote_code=trust)
+        config = AutoConfig.from_pretrained(local_model_dir(args.model), trust_remote_code=trust)
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {args.model}: {str(e).strip().splitlines()[0]}") from None
     template = use_chat_template(tokenizer, args.model, args.chat_template, args.prompt_style)
@@ -213,7 +220,7 @@ def _load_engine(args: argparse.Namespace, tokenizer: Any) -> tuple[Any, list[in
     from qerl.rollout import get_engine
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = load_base(args.model, args.load, dtype, args.device)
+    model = load_base(args.model, args.load, dtype, args.device, trust_remote_code=args.trust_remote_code)
     if args.lora:
         model = apply_adapter(model, args.lora, args.model, allow_base_mismatch=args.allow_base_mismatch)
     stop = {tokenizer.eos_token_id}

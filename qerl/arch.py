@@ -88,7 +88,7 @@ def check_model(model: Any, where: str) -> Family:
     if isinstance(model, str):
         from transformers import AutoConfig
 
-        return check_config(AutoConfig.from_pretrained(model), where)
+        return check_config(AutoConfig.from_pretrained(model, trust_remote_code=False), where)
     get_base = getattr(model, "get_base_model", None)
     lm = get_base() if callable(get_base) else model
     return check_config(getattr(lm, "config", None) or {}, where)

@@ -6,7 +6,6 @@ so the format lives in one place.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -14,6 +13,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from qerl.fsutil import check_regular, read_json
 
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 #: compressed-tensors' names for a quantized Linear's tensors (after ``{layer}.``): the packed E2M1
@@ -54,13 +55,14 @@ def quantization_config(ignore: list[str], version: str | None = None) -> dict:
 
 
 def read_config(model_dir: Path) -> dict:
+    """``model_dir``'s config.json as a dict, read bounded (``qerl.fsutil.read_json``: a device or FIFO is refused)."""
     path = model_dir / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face model directory")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def is_nvfp4_config(config: dict) -> bool:
@@ -69,10 +71,21 @@ def is_nvfp4_config(config: dict) -> bool:
 
 
 def shard_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a model directory (through the index when there is one)."""
+    """The safetensors files of a model directory (through the index when there is one), each a regular file.
+    The index may name files of the directory only: one outside it (``../x``, an absolute path) would load weights
+    that the model's digest (``qerl.load.fingerprint``) does not cover."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        record = read_json(index)
+        weight_map = record.get("weight_map") if isinstance(record, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map is not an object of tensor names to file names")
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if name in ("", ".", "..") or Path(name).name != name:
+                raise ValueError(
+                    f"{index}: weight_map names {name!r}, outside the model directory; expected file names in it"
+                )
         files = [model_dir / n for n in names]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -81,6 +94,7 @@ def shard_files(model_dir: Path) -> list[Path]:
     for f in files:
         if not f.exists():
             raise FileNotFoundError(f"{f}: listed in model.safetensors.index.json but missing")
+        check_regular(f)  # a FIFO would hang the reader
     return files
 
 
@@ -88,16 +102,18 @@ def shard_files(model_dir: Path) -> list[Path]:
 _LAYER_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def check_layer_count(model_dir: Path, config: dict) -> None:
+def check_layer_count(model_dir: Path, config: dict, tensors: TensorIndex | None = None) -> None:
     """Raise a one-line ``ValueError`` unless ``config``'s ``num_hidden_layers`` is exactly the decoder layers
     the weights hold (read from the safetensors headers, no tensor data). A config that claims fewer layers
     runs a truncated model with every extra weight ignored, more layers adds random ones (or allocates a
-    huge skeleton before any tensor is compared), so the count is settled before anything is allocated."""
+    huge skeleton before any tensor is compared), so the count is settled before anything is allocated.
+    ``tensors``: the checkpoint's headers when the caller has them already."""
     where = model_dir / "config.json"
     count = config.get("num_hidden_layers")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"{where}: num_hidden_layers is {count!r}; expected a positive integer")
-    held = {int(m.group(1)) for name in TensorIndex(model_dir).names() if (m := _LAYER_TENSOR.search(name))}
+    names = (tensors or TensorIndex(model_dir)).names()
+    held = {int(m.group(1)) for name in names if (m := _LAYER_TENSOR.search(name))}
     if len(held) != count or max(held) != count - 1:  # distinct indices from 0: exactly 0..count-1
         found = f"layers {min(held)}-{max(held)} ({len(held)} in all)" if held else "no decoder layers"
         raise ValueError(

@@ -46,7 +46,9 @@ from safetensors import safe_open
 
 from qerl import checkpoint, hub, nvfp4
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
-from qerl.fsutil import atomic_directory, remove_leftovers, scratch_directory, write_text
+from qerl.fsutil import atomic_directory, is_within, refuse_link, remove_leftovers, scratch_directory, write_text
+from qerl.load import model_files
+from qerl.load.adapter import read_adapter_config
 from qerl.load.fingerprint import check_adapter_base
 from qerl.load.headers import check_headers
 from qerl.load.integrity import check_tensor, check_tensors
@@ -128,20 +130,13 @@ def read_adapter(path: Path) -> Adapter:
 
 
 def _lora_config(path: Path) -> tuple[LoraConfig, Path]:
-    """The adapter directory's peft ``LoraConfig`` and weights file, refused in one line unless a plain LoRA."""
+    """The adapter directory's peft ``LoraConfig`` (checked: ``qerl.load.adapter``) and weights file, refused in
+    one line unless a plain LoRA."""
     from peft import LoraConfig  # peft is slow to import: only when an export runs
 
-    if not path.is_dir():
-        raise FileNotFoundError(f"--lora {path}: not a directory; expected a peft adapter directory")
-    if not (path / "adapter_config.json").exists():
-        raise FileNotFoundError(f"--lora {path}: no adapter_config.json; expected a peft adapter directory")
-    weights = path / "adapter_model.safetensors"
-    if not weights.exists():
-        raise FileNotFoundError(f"--lora {path}: no adapter_model.safetensors (only safetensors adapters are read)")
-    try:
-        config = LoraConfig.from_pretrained(str(path))
-    except Exception as e:  # peft raises TypeError/ValueError/JSONDecodeError for foreign configs
-        raise ValueError(f"--lora {path}/adapter_config.json: not a LoRA config ({str(e).splitlines()[0]})") from None
+    config, weights = read_adapter_config(path)
+    if not isinstance(config, LoraConfig):
+        raise ValueError(f"--lora {path}/adapter_config.json: not a LoRA config (a {type(config).__name__})")
     refused = [
         name
         for name, on in (
@@ -260,13 +255,15 @@ def _dequantized(tensors: checkpoint.TensorIndex, layer: str) -> torch.Tensor:
     return nvfp4.dequantize(*(tensors.get(f"{layer}.{s}") for s in checkpoint.QUANTIZED_SUFFIXES), torch.float32)
 
 
-def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> None:
-    """Refuse an output that is a symbolic link or one of the inputs, or exists and was not written by this
-    tool, or exists without ``--overwrite``; all before any work."""
-    if out.is_symlink():  # replacing it would remove the link's target, or fail on the link after the whole merge
-        raise ValueError(f"--output {out}: is a symbolic link; name the directory itself")
-    if any(out.resolve() == p.resolve() for p in inputs):
-        raise ValueError(f"--output {out}: is one of the inputs; choose a new directory")
+def check_output(out: Path, overwrite: bool, model_dir: Path, adapter_dir: Path) -> None:
+    """Refuse an output that is a symbolic link, is or lies inside the model or adapter directory (its files would
+    change their digest: the run's own adapter then counted as made for other weights), or exists and was not
+    written by this tool, or exists without ``--overwrite``; all before any work."""
+    refuse_link(out, "--output")
+    for what, path in (("model", model_dir), ("adapter", adapter_dir)):
+        if is_within(out, path):
+            where = "the" if out.resolve() == path.resolve() else "inside the"
+            raise ValueError(f"--output {out}: is {where} {what} directory ({path}); choose a directory outside it")
     if not out.exists():
         return
     if not (out / MARKER).is_file():
@@ -296,7 +293,7 @@ def export(
     if fmt == "nvfp4" and method not in QUANT_METHODS:
         raise ValueError(f"--method: expected one of {QUANT_METHODS}, got {method!r}")
     model_dir = hub.local_model_dir(model, what="--model")
-    source_config = checkpoint.read_config(model_dir)
+    source_config, _ = model_files.checked_config(model_dir, copying=True)  # no code, no links out, sound fields
     adapter_dir, out = Path(lora), Path(output)
     adapter = read_adapter(adapter_dir)
     same_base = check_adapter_base(adapter_dir, str(model), allow_base_mismatch)
@@ -308,8 +305,9 @@ def export(
         "quantized_source": checkpoint.is_nvfp4_config(source_config),
         "base_verified": same_base,
     }
-    with run_lock(out):  # checked under the lock: a run that finished meanwhile is an existing output
-        check_output(out, overwrite, (model_dir, adapter_dir))
+    check_output(out, overwrite, model_dir, adapter_dir)  # before the lock, so that bad input creates no folder
+    with run_lock(out):  # and under it: a run that finished meanwhile is an existing output
+        check_output(out, overwrite, model_dir, adapter_dir)
         remove_leftovers(out)  # of a killed export to the same output (the lock says none is running)
         _write(model_dir, adapter, out, record, fmt, method, source_config, max_shard_bytes)
     kept = record.get("lora_delta_retained")

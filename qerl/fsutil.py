@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -146,14 +148,82 @@ def real_output(path: Path, flag: str) -> Path:
     line naming ``flag`` otherwise. A link planted at an output in a shared folder (``/tmp/run`` pointing elsewhere)
     would have a command write, replace or delete where the link's owner chose; a loop of links made every ``resolve``
     a traceback."""
-    if path.is_symlink():
-        raise ValueError(f"{flag} {path}: is a symbolic link; name the directory itself")
+    refuse_link(path, flag)
     try:
         return path.expanduser().resolve()
     except RuntimeError:  # a loop, up to Python 3.12 (from 3.13: OSError ELOOP)
         raise ValueError(f"{flag} {path}: cannot be resolved (a loop of symbolic links)") from None
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot be resolved ({e.strerror})") from None
+
+
+#: The most bytes a small file (a model's config and tokenizer files, an index, adapter_config.json) may hold: every
+#: one is read whole, so ``config.json -> /dev/zero`` or a planted 10 GB one must stop here. The largest real ones
+#: are tokenizers (Gemma 3's tokenizer.json: 33 MB).
+SMALL_FILE_BYTES = 64 << 20
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def _refuse_special(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path}: is {_KINDS.get(stat.S_IFMT(mode), 'a special file')}, not a regular file")
+
+
+def check_small(path: Path, limit: int | None = None) -> None:
+    """Raise a one-line ``ValueError`` unless ``path`` (links followed) is a regular file of at most ``limit`` bytes
+    (default :data:`SMALL_FILE_BYTES`): for a file a library reads whole after us (a FIFO hangs its reader, a
+    device never ends). Ours are read by :func:`read_small`."""
+    limit = SMALL_FILE_BYTES if limit is None else limit
+    st = os.stat(path)
+    _refuse_special(path, st.st_mode)
+    if st.st_size > limit:
+        raise ValueError(f"{path}: larger than {limit} bytes")
+
+
+def check_regular(path: Path) -> None:
+    """Raise a one-line ``ValueError`` unless ``path`` (links followed) is a regular file, of any size (weights)."""
+    _refuse_special(path, os.stat(path).st_mode)
+
+
+def read_small(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of the small file ``path``; a one-line ``ValueError`` when it is not a regular file or holds more
+    than ``limit`` bytes (default :data:`SMALL_FILE_BYTES`), of which no more than that are read. Opened without
+    blocking, so that a FIFO is refused by its descriptor instead of waited on."""
+    limit = SMALL_FILE_BYTES if limit is None else limit
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        _refuse_special(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path}: larger than {limit} bytes")
+    return data
+
+
+def read_json(path: Path, limit: int | None = None) -> Any:
+    """:func:`read_small` parsed as JSON; a file that is not JSON (or nests past the parser's depth) is one line."""
+    data = read_small(path, limit)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def refuse_link(path: Path, flag: str, what: str = "directory") -> None:
+    """Raise a one-line ``ValueError`` when the output ``path`` is a symbolic link: writing through it changes the
+    link's target, someone else's file, and replacing it would remove that target, or fail after all the work."""
+    if Path(path).is_symlink():
+        raise ValueError(f"{flag} {path}: is a symbolic link; name the {what} itself")
 
 
 def is_within(path: Path, root: Path) -> bool:

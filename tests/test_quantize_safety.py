@@ -120,9 +120,9 @@ def test_non_finite_weight_is_refused(
 @pytest.mark.parametrize(
     ("key", "value", "expect"),
     [
-        ("intermediate_size", 96, "shape"),
-        ("num_hidden_layers", 1, "model.layers.1."),
-        ("num_hidden_layers", 3, "missing"),
+        ("intermediate_size", 96, "config.json: intermediate_size gives"),
+        ("num_hidden_layers", 1, "config.json: num_hidden_layers is 1, but the weights hold layers 0-1"),
+        ("num_hidden_layers", 3, "config.json: num_hidden_layers is 3, but the weights hold layers 0-1"),
     ],
 )
 def test_config_that_disagrees_with_the_tensors_is_refused(

@@ -69,7 +69,7 @@ def _damaged(model: Path, out: Path, change: Callable[[dict[str, torch.Tensor]],
 DAMAGE = {
     "larger tensor": (
         lambda s: s.update({"model.embed_tokens.weight": torch.zeros(4 * VOCAB, 64, dtype=torch.bfloat16)}),
-        "model.embed_tokens.weight' is declared BF16 [1024, 64], the model's is BF16/F16/F32 [256, 64]",
+        "vocab_size gives 'model.embed_tokens.weight' 256 rows, but model.safetensors declares it [1024, 64]",
     ),
     "extra tensor": (
         lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(8, 8, dtype=torch.bfloat16)}),

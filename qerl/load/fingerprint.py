@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from qerl.cli import UsageError
-from qerl.fsutil import atomic_write_text
+from qerl.fsutil import atomic_write_text, read_json
 
 _CACHE_NAME = "file-digests.json"
 #: Written into every adapter training saves: the digest of the model it was trained on.
@@ -131,7 +131,7 @@ def _recorded_base(adapter_dir: Path) -> tuple[str | None, str | None]:
         (adapter_dir.parent / "run_config.json", "model_name"),
     ):
         try:
-            record = json.loads(path.read_text())
+            record = read_json(path)
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and isinstance(record.get("model_sha256"), str):
@@ -185,7 +185,7 @@ def _check_recorded_name(adapter_dir: Path, model: str, allow_mismatch: bool) ->
     from qerl.hub import resolve_model
 
     try:
-        recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        recorded = read_json(adapter_dir / "adapter_config.json").get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         return
     if not recorded or allow_mismatch:

@@ -27,11 +27,11 @@ def expected_tensors(
     claim: compared with this, a damaged one is refused before its tensor is read, let alone copied."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # plain Linears: their dense shapes give the packed ones
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     expected = {}
     for name, tensor in skeleton.state_dict().items():
         layer = name.removesuffix(".weight")

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from qerl import arch, checkpoint, hub
+from qerl.load import model_files
 from qerl.load.integrity import Verdicts
 from qerl.load.linear import NVFP4Linear, replace_linears, stack_fused_groups
 
@@ -34,27 +35,22 @@ def is_nvfp4_model(model: nn.Module) -> bool:
     return any(isinstance(m, NVFP4Linear) for m in model.modules())
 
 
-def load_tokenizer(path: str | os.PathLike[str]):
-    """The checkpoint's tokenizer, with a pad token (eos when the checkpoint has none)."""
-    tok = AutoTokenizer.from_pretrained(hub.local_model_dir(path))
+def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer, with a pad token (eos when the checkpoint has none). Code the directory names
+    (``auto_map``) is refused in one line unless ``trust_remote_code`` (``qerl.load.model_files``)."""
+    model_dir = hub.local_model_dir(path)
+    model_files.check_files(model_dir, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def check_supported(path: str | os.PathLike[str]) -> arch.Family:
-    """The family of the model at ``path`` (directory, hub id or ``smollm2-135m``) from its config.json
-    and its weights' headers, or the one-line error of ``arch.check_config`` or ``checkpoint.check_layer_count``:
-    for commands that do other work (hashing, data) before loading."""
-    return _checked_config(hub.local_model_dir(path))[1]
-
-
-def _checked_config(model_dir: Path) -> tuple[dict, arch.Family]:
-    """``model_dir``'s config.json and family, once it is known to be a supported one that describes the weights."""
-    config = checkpoint.read_config(model_dir)
-    family = arch.check_config(config, str(model_dir / "config.json"))
-    checkpoint.check_layer_count(model_dir, config)
-    return config, family
+def check_supported(path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> arch.Family:
+    """The family of the model at ``path`` (directory, hub id or ``smollm2-135m``) once its directory, config.json
+    and weights' headers passed ``qerl.load.model_files.checked_config``, else its one-line error: for commands that
+    do other work (hashing, data) before loading."""
+    return model_files.checked_config(hub.local_model_dir(path), trust_remote_code=trust_remote_code)[1]
 
 
 def load_model(
@@ -63,12 +59,14 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     load: LoadMode = "auto",
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load a causal LM from a directory, a hub id or ``smollm2-135m``.
 
     ``load="nvfp4"`` insists on an NVFP4 checkpoint, ``"bf16"`` on a dense one, ``"auto"`` takes
     either. ``dtype`` is the dtype of the non-quantized tensors (embeddings, norms, lm_head, biases);
-    by default bf16 on GPU and fp32 on CPU.
+    by default bf16 on GPU and fp32 on CPU. A model whose directory names code of its own (``auto_map``) is refused
+    unless ``trust_remote_code``.
     """
     if load not in ("auto", "nvfp4", "bf16"):
         raise ValueError(f"--load must be auto, nvfp4 or bf16, got {load!r}")
@@ -77,7 +75,7 @@ def load_model(
     )
     dtype = dtype or default_dtype(device)
     model_dir = hub.local_model_dir(path)
-    config, _ = _checked_config(model_dir)
+    config, _ = model_files.checked_config(model_dir, trust_remote_code=trust_remote_code)
     quantized = checkpoint.is_nvfp4_config(config)
     if load == "nvfp4" and not quantized:
         raise ValueError(
@@ -87,23 +85,24 @@ def load_model(
     if load == "bf16" and quantized:
         raise ValueError(f"{model_dir}: is an NVFP4 checkpoint but --load bf16 was asked for")
     if not quantized:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = model.to(device)
         verdicts = Verdicts(model_dir)
         for name, tensor in model.state_dict().items():
             verdicts.add(name, tensor)
         verdicts.finish()
         return model
-    return _load_nvfp4(model_dir, dtype, device)
+    return _load_nvfp4(model_dir, dtype, device, trust_remote_code)
 
 
-def _load_nvfp4(model_dir: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+def _load_nvfp4(model_dir: Path, dtype: torch.dtype, device: torch.device, trust: bool) -> PreTrainedModel:
     tensors = checkpoint.TensorIndex(model_dir, keep_open=True)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
     # Drop the quantization block so transformers builds plain modules; we do the swapping.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust)
     _swap_quantized_linears(model, tensors, model_dir, dtype)
     model.to_empty(device=device)
     _fill_from_checkpoint(model, tensors, model_dir)

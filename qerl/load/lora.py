@@ -135,11 +135,13 @@ def lora_config(
     return register_nvfp4(cfg)
 
 
-def load_adapter(model: torch.nn.Module, adapter_dir: str, *, is_trainable: bool = False) -> PeftModel:
+def load_adapter(
+    model: torch.nn.Module, adapter_dir: str, *, is_trainable: bool = False, config: LoraConfig | None = None
+) -> PeftModel:
     """``PeftModel.from_pretrained`` for NVFP4 and bf16 bases alike.
 
-    peft does not save custom-module mappings in adapter_config.json, so the saved LoraConfig is
-    read, registered for NVFP4Linear, and passed in explicitly.
+    peft does not save custom-module mappings in adapter_config.json, so the saved LoraConfig (``config``, when the
+    caller read and checked it already: ``qerl.load.adapter``) is registered for NVFP4Linear and passed in explicitly.
     """
-    config = LoraConfig.from_pretrained(adapter_dir)
+    config = config if config is not None else LoraConfig.from_pretrained(adapter_dir)
     return PeftModel.from_pretrained(model, adapter_dir, config=register_nvfp4(config), is_trainable=is_trainable)

@@ -21,7 +21,6 @@ Three methods, one format (``qerl.nvfp4``), which vLLM and ``qerl.load.loader`` 
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ from tqdm import tqdm
 
 from qerl import arch, checkpoint, hub, nvfp4
 from qerl.fsutil import atomic_directory, remove_leftovers, save_safetensors, scratch_directory
+from qerl.load import model_files
 from qerl.quantize import importance, mse, target
 from qerl.quantize.calibration import Calibration
 from qerl.quantize.source import SourceModel, check_finite
@@ -133,10 +133,10 @@ class _ShardWriter:
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer, generation config, chat template (:data:`qerl.hub.SIDE_FILES`); never other weights."""
-    for f in src.iterdir():
-        if f.is_file() and any(fnmatch.fnmatch(f.name, pattern) for pattern in hub.SIDE_FILES):
-            shutil.copy2(f, dst / f.name)
+    """Tokenizer, generation config, chat template (:data:`qerl.hub.SIDE_FILES`); never other weights, never a link
+    out of the model (``qerl.load.model_files.side_files``)."""
+    for f in model_files.side_files(src):
+        shutil.copy2(f, dst / f.name)
 
 
 @dataclass
@@ -222,10 +222,10 @@ def quantize_llmcompressor(
     kwargs: dict[str, Any] = {}
     if method == "gptq":
         calibration = calibration or Calibration()
-        data = calibration.dataset(AutoTokenizer.from_pretrained(source.path))
+        data = calibration.dataset(AutoTokenizer.from_pretrained(source.path, trust_remote_code=False))
         kwargs = {"dataset": data, "num_calibration_samples": len(data), "max_seq_length": calibration.max_tokens}
     modifier = GPTQModifier if method == "gptq" else QuantizationModifier
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype="auto", trust_remote_code=False)
     for name, tensor in model.state_dict().items():
         check_finite(name, tensor, source.path)
     oneshot(model=model, recipe=modifier(targets="Linear", scheme="NVFP4A16", ignore=source.ignored), **kwargs)

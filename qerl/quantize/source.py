@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from qerl import arch, checkpoint, nvfp4
+from qerl import checkpoint, nvfp4
+from qerl.load import model_files
 
 LM_HEAD = "lm_head"
 #: Checked in slices of this many elements, so the boolean mask never costs a tensor's worth of RAM.
@@ -55,10 +56,13 @@ class SourceModel:
     def from_dir(cls, src: Path) -> SourceModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = checkpoint.read_config(src)
-        arch.check_config(config, str(src / "config.json"))  # before transformers builds anything
+        # Before transformers builds anything: the directory, the config's fields and layer count against the headers
+        # (100,000 claimed layers took 177 s and 5 GB of skeleton before); no code of the model's own (never trusted).
+        config, _ = model_files.checked_config(src, copying=True)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(src, trust_remote_code=False), trust_remote_code=False
+            )
         return cls(config, model)
 
     @property

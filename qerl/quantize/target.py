@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qerl import checkpoint
-from qerl.fsutil import is_within
+from qerl.fsutil import is_within, refuse_link
 
 
 def check_target(out_dir: Path, sources: Sequence[Path], overwrite: bool) -> None:
@@ -23,8 +23,7 @@ def check_target(out_dir: Path, sources: Sequence[Path], overwrite: bool) -> Non
     existing ``out_dir`` may be replaced only with ``overwrite`` and only when it is an NVFP4
     checkpoint that neither is nor contains any of them or the current directory.
     """
-    if out_dir.is_symlink():
-        raise ValueError(f"--output {out_dir} is a symbolic link; give the directory itself")
+    refuse_link(out_dir, "--output")
     if not out_dir.exists():
         return
     if not overwrite:

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from qerl.fsutil import read_small
+
 TAG_SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
     "The assistant first thinks about the reasoning process step by step and then provides the user with "
@@ -67,11 +69,13 @@ class ChatTemplateError(ValueError):
 
 
 def read_template(path: str | Path) -> str:
-    """The chat template file at ``path``, refused unread when it is larger than :data:`MAX_TEMPLATE_BYTES`."""
-    with Path(path).expanduser().open("rb") as f:
-        data = f.read(MAX_TEMPLATE_BYTES + 1)
-    if len(data) > MAX_TEMPLATE_BYTES:
-        raise ChatTemplateError(f"larger than {MAX_TEMPLATE_BYTES} bytes; not a chat template")
+    """The chat template file at ``path``, refused unread when it is larger than :data:`MAX_TEMPLATE_BYTES` or not a
+    regular file (a FIFO would hang the read: ``qerl.fsutil.read_small``)."""
+    path = Path(path).expanduser()
+    try:
+        data = read_small(path, MAX_TEMPLATE_BYTES)
+    except ValueError as e:
+        raise ChatTemplateError(f"{str(e).removeprefix(f'{path}: ')}; not a chat template") from None
     return data.decode("utf-8")
 
 

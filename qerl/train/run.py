@@ -148,12 +148,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return summary
 
 
-def _tokenizer(model: str) -> Any:
+def _tokenizer(model: str, trust_remote_code: bool) -> Any:
     """The model's tokenizer, once the model is known to be supported and to have a chat template (every prompt is
-    rendered through it: without one, trl failed in the first step with a traceback)."""
+    rendered through it: without one, trl failed in the first step with a traceback); code the model directory names
+    runs only with ``--trust_remote_code`` (trl's flag, ``qerl.load.model_files``)."""
     try:
-        check_supported(model)  # before the tokenizer (which reads the config), hashing and the data
-        tokenizer = load_tokenizer(model)
+        check_supported(model, trust_remote_code=trust_remote_code)  # before the tokenizer, hashing and the data
+        tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UsageError(f"--model_name {model}: {one_line(e)}") from None
     if not tokenizer.chat_template:
@@ -250,7 +251,7 @@ def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, 
 def prepare(script: ScriptArguments, config: QeRLConfig, out: Path) -> Prepared | dict[str, Any]:
     """Inputs, settings record and trainer, or the summary of a run that already finished. Everything that fails
     here is the user's input (paths, names, values), reported in one line; nothing is written yet."""
-    tokenizer = _tokenizer(script.model_name)
+    tokenizer = _tokenizer(script.model_name, config.trust_remote_code)
     with usage_errors(ValueError, OSError):
         train_rows, heldout_rows = _rows(script, config, tokenizer)
         reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
@@ -293,7 +294,9 @@ def build_trainer(
     )
     # This process's device: cuda:LOCAL_RANK under `accelerate launch` (one process per GPU), cuda
     # alone, else CPU. Loading straight there keeps N processes from all filling the first GPU.
-    model = load_model(script.model_name, device=config.device, load=script.load)
+    model = load_model(
+        script.model_name, device=config.device, load=script.load, trust_remote_code=config.trust_remote_code
+    )
     logger.info("model %s: %s", script.model_name, "NVFP4 base" if is_nvfp4_model(model) else "dense base")
     if config.rollout_engine == "vllm":  # vLLM serves the same checkpoint the trainer loaded
         engine_kwargs = dict(config.rollout_engine_kwargs or {})
