@@ -1,0 +1,145 @@
+"""``qerl.train.memory``: the peak-memory estimate against every peak recorded on a GPU in ``benchmarks/results/``,
+and its terms against hand counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qerl.train.memory import GB, NATIVE_KV_BLOCK, ModelShape, RunShape, estimate
+from qerl.train.recompute import HEAD_ACTIVATIONS, no_recompute_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def recorded_rows() -> list[tuple[str, dict[str, Any], RunShape, float]]:
+    """(file, row, the row's configuration as a RunShape, the peak it measured in bytes) for every row of a qerl
+    GRPO step recorded on a GPU: grpo_step.json and grpo_step_72b.json (micro-batch 2, trained norms, as their setup
+    says; the peak above what the process held before building the model) and the qerl arms of e2e.json (micro-batch
+    8, LoRA without trained norms: e2e.build_trainer's lora_config(r)). trl's own arm (trl_vllm_bf16) is not a
+    qerl.train run: its peak is vLLM's pool and trl's trainer, which the estimate does not model."""
+    out = []
+    for name in ("grpo_step.json", "grpo_step_72b.json"):
+        doc = json.loads((RESULTS / name).read_text())
+        assert "trainable norms" in doc["setup"]["lora"]
+        for row in doc["results"]:
+            assert row["status"] == "ok" and row["gradient_checkpointing"] is True  # they ran full recompute
+            assert "adamw" in row["optimizer"].lower() and "8bit" not in row["optimizer"]
+            run = RunShape(row["n"], row["micro_batch"], row["prompt_tokens"], row["new_tokens"], row["lora_r"])
+            out.append((name, row, run, (row["peak_gb_step"] - row["allocated_before_build_gb"]) * GB))
+    e2e = json.loads((RESULTS / "e2e.json").read_text())
+    for row in e2e["results"]:
+        if row["trainer"] != "qerl":
+            continue
+        # These rows predate auto recompute (e2e.py records the mode each row ran since then): trl's default ran,
+        # full recompute in every pass.
+        assert row["status"] == "ok" and "recompute" not in row and row["engine"] == "native"
+        sizes = (row["sequences"], row["micro_batch"], row["prompt_tokens"], row["new_tokens"], row["lora_r"])
+        out.append(("e2e.json", row, RunShape(*sizes, trained_norms=False), row["peak_allocated_gb"] * GB))
+    return out
+
+
+def row_model(row: dict[str, Any]) -> ModelShape:
+    """The row's model: grpo_step's shape by name, e2e's Qwen2.5-7B (``e2e.model_shape``)."""
+    from benchmarks.e2e import model_shape
+    from benchmarks.grpo_step import SHAPES, vocab_size
+
+    shape, vocab = (SHAPES[row["shape"]], vocab_size(row["shape"])) if "shape" in row else model_shape(tiny=False)
+    return ModelShape.from_config({**shape, "vocab_size": vocab}, nvfp4=row["base"] == "nvfp4")
+
+
+def test_the_estimate_is_within_10_percent_of_every_recorded_peak() -> None:
+    """The peak of each row, and where the row records it (grpo_step's), what the step held at its start: the
+    resident terms apart from the training pass."""
+    rows = recorded_rows()
+    assert len(rows) == 6  # 7B NVFP4 / bf16 and 32B NVFP4, 72B NVFP4, e2e's two qerl arms
+    ratios = {}
+    for name, row, run, measured in rows:
+        est = estimate(row_model(row), run)
+        key = f"{name} {row.get('shape', '7b')} {row['base']} micro {run.micro_batch}"
+        ratios[key] = est.peak / measured
+        if "allocated_at_step_start_gb" in row:
+            start = (row["allocated_at_step_start_gb"] - row["allocated_before_build_gb"]) * GB
+            ratios[f"{key} start"] = est.resident / start
+    assert len(ratios) == 10 and all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+}
+
+
+def test_the_terms_against_hand_counts() -> None:
+    """Weights, trainable state (fp32 and 8-bit AdamW), the engines' memory and both training passes of a 2-layer
+    shape (h 64, i 128, 4 heads of 16, 2 KV heads), counted by hand."""
+    linear = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)  # q, k and v, o, gate / up / down, 2 layers
+    dense = ModelShape.from_config(TINY)
+    assert dense.linear_params == linear and not dense.nvfp4
+    run = RunShape(rollout_rows=5, micro_batch=2, prompt_tokens=100, completion_tokens=200, lora_r=4, masked=False)
+    e = estimate(dense, run)
+    assert e.weights == linear * 2 + 2 * 1000 * 64 * 2  # bf16 Linears, embeddings and an untied head
+    lora = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64))
+    assert e.trainable_states == (lora + 2 * 2 * 64) * 16 and e.engine_lora == lora * 2
+    # 5 rows -> the engine's bucket of 8; 300 positions -> 512, its 256-position blocks; K and V of 2 x 16, bf16
+    assert e.kv_cache == 2 * (2 * 2 * 16 * 2) * 8 * 512 and e.engine_pool == 0
+    assert e.checkpointed == 2 * 2 * 300 * 64 * 2
+    assert e.layer_recompute == 2 * 300 * (3 * 128 + 4 * 64) * 2  # no dequantized copies for a dense model
+    assert e.head_and_grads == HEAD_ACTIVATIONS * 2 * 300 * 64 * 2 and e.no_recompute_pass == 0
+    assert e.peak == e.resident + e.training_pass
+    none = estimate(dense, dataclasses.replace(run, recompute=False))
+    assert none.training_pass == none.no_recompute_pass == no_recompute_bytes(dense.dims(), 2, 300, 4, nvfp4=False)
+    assert none.resident == e.resident
+    hf = estimate(dense, dataclasses.replace(run, engine="hf"))
+    assert hf.kv_cache == 2 * (2 * 2 * 16 * 2) * 5 * 300 and hf.engine_lora == 0  # as many rows and positions
+    vllm = estimate(dense, dataclasses.replace(run, engine="vllm", engine_share=0.25), card_total=8 * GB)
+    assert vllm.engine_pool == 2 * GB and vllm.kv_cache == vllm.engine_lora == 0
+    # 8-bit AdamW: 2 B of moments (+ fp32 absmax per 256) for tensors of >= 4096 values; the rest stays 32-bit
+    big = estimate(dense, dataclasses.replace(run, lora_r=64, eight_bit=True, trained_norms=False))
+    sizes = dense.trainable_tensors(
+        64, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False
+    )
+    assert big.trainable_states == pytest.approx(sum(n * (8 + (2 * (1 + 4 / 256) if n >= 4096 else 8)) for n in sizes))
+    assert (
+        big.trainable_states
+        < estimate(dense, dataclasses.replace(run, lora_r=64, trained_norms=False)).trainable_states
+    )
+
+
+def test_the_checkpoint_decides_how_the_weights_are_stored() -> None:
+    """An NVFP4A16 checkpoint's config packs its Linears at 9/16 B except what its ignore list keeps in bf16; a tied
+    head costs nothing beyond the embeddings; a config value that is not a positive integer is named."""
+    nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    plain = ModelShape.from_config({**TINY, "quantization_config": {**nvfp4, "ignore": ["lm_head"]}})
+    assert plain.nvfp4 and not plain.packed_head and plain.dense_linear_params == 0
+    run = RunShape(8, 2, 100, 200, 4)
+    packed = plain.linear_params * 9 / 16
+    assert estimate(plain, run).weights == int(packed + 2 * 1000 * 64 * 2)
+    ignore = ["re:.*mlp.down_proj$", "model.layers.0.self_attn.q_proj"]
+    mixed = ModelShape.from_config({**TINY, "quantization_config": {**nvfp4, "ignore": ignore}})
+    assert mixed.packed_head and mixed.dense_linear_params == 2 * 128 * 64 + 64 * 64
+    head = 1000 * 64 * 9 / 16
+    dense_part = mixed.dense_linear_params
+    assert estimate(mixed, run).weights == int(
+        (mixed.linear_params - dense_part) * 9 / 16 + dense_part * 2 + 1000 * 64 * 2 + head
+    )
+    tied = ModelShape.from_config({**TINY, "tie_word_embeddings": True})
+    assert estimate(tied, run).weights == tied.linear_params * 2 + 1000 * 64 * 2
+    with pytest.raises(ValueError, match=r"^config.json: hidden_size is '64'; expected a positive integer$"):
+        ModelShape.from_config({**TINY, "hidden_size": "64"})
+
+
+def test_the_native_kv_block_is_the_engines_default() -> None:
+    from qerl.rollout.native import NativeEngine
+
+    assert inspect.signature(NativeEngine).parameters["kv_block"].default == NATIVE_KV_BLOCK
