@@ -1,17 +1,24 @@
 """``qerl.train.memory``: the peak-memory estimate against every peak recorded on a GPU in ``benchmarks/results/``,
-and its terms against hand counts."""
+its terms against hand counts, and ``python -m qerl.train`` refusing, before loading anything, a run that would not
+fit on its card (``torch.cuda`` mocked: no GPU here)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import json
+import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
-from qerl.train.memory import GB, NATIVE_KV_BLOCK, ModelShape, RunShape, estimate
+from qerl.cli import UsageError
+from qerl.cli import run as run_cli
+from qerl.train import run as train_run
+from qerl.train.memory import GB, NATIVE_KV_BLOCK, ModelShape, RunShape, check_fits, estimate
 from qerl.train.recompute import HEAD_ACTIVATIONS, no_recompute_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,3 +150,160 @@ def test_the_native_kv_block_is_the_engines_default() -> None:
     from qerl.rollout.native import NativeEngine
 
     assert inspect.signature(NativeEngine).parameters["kv_block"].default == NATIVE_KV_BLOCK
+
+
+class Proceeded(Exception):
+    """Raised where the run would build the trainer: it got past the memory check."""
+
+
+@pytest.fixture
+def card(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """``python -m qerl.train`` on a mocked CUDA card (``card["free"]``, ``card["total"]`` bytes): the flags are parsed
+    on this CPU machine as on a CUDA one (``use_cpu`` off), then torch.cuda reports the card; building the trainer
+    raises :class:`Proceeded` instead of loading the model."""
+    parse = train_run.parse_args
+    state: dict[str, Any] = {"free": 7.5 * GB, "total": 8 * GB}
+
+    real = {name: getattr(torch.cuda, name) for name in ("is_available", "mem_get_info", "get_device_properties")}
+
+    def parse_on_a_card(argv: Any) -> Any:
+        for name, function in real.items():  # a main() before this one left the card in place
+            monkeypatch.setattr(torch.cuda, name, function)
+        script, config = parse(argv)
+        config.use_cpu = False
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(state["free"]), int(state["total"])))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(name="Mock GPU"))
+        return script, config
+
+    def build(*args: Any, **kwargs: Any) -> None:
+        raise Proceeded
+
+    monkeypatch.setattr(train_run, "parse_args", parse_on_a_card)
+    monkeypatch.setattr(train_run, "build_trainer", build)
+    return state
+
+
+def _argv(model: Path, out: Path, *extra: str, prompt_bound: bool = True) -> list[str]:
+    """SmolLM2 on arithmetic: 16 completions of up to 4096 tokens in one training pass of 16; prompts bounded to 256
+    tokens (``prompt_bound``), else the default bound."""
+    argv = [
+        "--model-name", str(model), "--dataset", "arithmetic", "--num-samples", "32", "--output-dir", str(out),
+        "--report-to", "none", "--max-completion-length", "4096", "--num-generations", "16",
+        "--per-device-train-batch-size", "16", "--gradient-accumulation-steps", "1",
+    ]  # fmt: skip
+    return argv + (["--max-prompt-length", "256"] if prompt_bound else []) + list(extra)
+
+
+def test_a_run_that_will_not_fit_is_refused_before_anything_loads(
+    smollm2_dir: Path,
+    tmp_path: Path,
+    card: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SmolLM2-135M, 16 completions of 256 + 4096 tokens in passes of 16 on an 8 GB card with 7.5 GB free: ~8.2 GB,
+    refused in one line naming the estimate, the free memory and the micro-batch that fits, before the data, the
+    model's digest or the model; nothing is left in or beside the output dir."""
+    for owner, name in ((train_run.qdata, "load_dataset"), (train_run, "model_sha256")):
+        monkeypatch.setattr(owner, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} ran before the memory check"))
+    assert run_cli(train_run.main, _argv(smollm2_dir, tmp_path / "run")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and not any("Traceback" in line for line in lines), lines
+    assert errors[0] == (
+        "error: will not fit on Mock GPU (cuda:0): the run's peak is estimated at 8.2 GB (weights 0.3 + LoRA and "
+        "optimizer 0.1 + rollout engine 1.6 + training pass 6.3 GB) and the card has 7.5 GB free of 8.0 GB (5% of it "
+        "kept as headroom); --per_device_train_batch_size 8 --gradient_accumulation_steps 2 would fit it (~5.1 GB), "
+        "or --force runs it anyway"
+    )
+    assert list(tmp_path.iterdir()) == []  # no output dir, no lock file beside it
+
+
+def test_force_runs_anyway_and_a_run_that_fits_goes_on(
+    smollm2_dir: Path,
+    tmp_path: Path,
+    card: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refused run with ``--force`` gets past the check (the refusal logged as a warning; ``--force`` is not part
+    of the run's settings record, so a resume with or without it is the same run), and so does the run with the
+    suggested micro-batch, without one."""
+    plan, recorded = train_run.run_record.plan, []
+    monkeypatch.setattr(
+        train_run.run_record, "plan", lambda out, wanted, *a: recorded.append(wanted) or plan(out, wanted, *a)
+    )
+    with caplog.at_level(logging.INFO, logger="qerl.train.memory"), pytest.raises(Proceeded):
+        train_run.main(_argv(smollm2_dir, tmp_path / "forced", "--force"))
+    assert len(recorded) == 1 and "force" not in recorded[0] and "plot" in recorded[0]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("will not fit on Mock GPU (cuda:0): the run's peak is estimated at 8.2 GB")
+    assert warning.endswith("; running anyway (--force)")
+    caplog.clear()
+    fits = ("--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "2")
+    with caplog.at_level(logging.INFO, logger="qerl.train.memory"), pytest.raises(Proceeded):
+        train_run.main(_argv(smollm2_dir, tmp_path / "fits", *fits))
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert caplog.records[0].getMessage().startswith("memory: peak estimated at 5.1 GB")
+
+
+@pytest.mark.parametrize(
+    ("flags", "prompt_bound", "free_gb", "fix"),
+    [
+        # no recompute asked for: ~78 GB; recompute alone fits (and changes no result)
+        (["--gradient-checkpointing", "False"], True, 16, "--gradient_checkpointing True would fit it (~8.2 GB)"),
+        # vLLM's 90% of 16 GB beside the trainer's 6.6 GB: half the card fits
+        (
+            ["--rollout-engine", "vllm", "--vllm-gpu-memory-utilization", "0.9"],
+            True,
+            16,
+            "--vllm_gpu_memory_utilization 0.5 would fit it (~14.6 GB)",
+        ),
+        # --max_prompt_length left at its default bound (4096 here): a shorter bound first
+        ([], False, 10, "--max_prompt_length 768 would fit it (~9.1 GB)"),
+        # lengths fixed by the flags and a micro-batch of 1: the completion budget last
+        (
+            ["--per-device-train-batch-size", "1", "--gradient-accumulation-steps", "16"],
+            True,
+            2.3,
+            "--max_completion_length 3584 would fit it (~2.1 GB)",
+        ),
+        # nothing single does on a 1 GB card
+        (
+            [],
+            True,
+            1,
+            "no single change of --gradient_checkpointing, --per_device_train_batch_size or the lengths makes it fit",
+        ),
+    ],
+)
+def test_the_refusal_names_the_flag_that_makes_it_fit(
+    smollm2_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    prompt_bound: bool,
+    free_gb: float,
+    fix: str,
+) -> None:
+    script, config = train_run.parse_args(_argv(smollm2_dir, tmp_path / "run", *flags, prompt_bound=prompt_bound))
+    config.use_cpu = False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gb * GB), int(free_gb * GB)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(name="Mock GPU"))
+    monkeypatch.setenv("LOCAL_RANK", "1")  # under accelerate launch: this process's card
+    with pytest.raises(UsageError) as refused:
+        check_fits(script, config, train_run.prompt_budget(script, config))
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("will not fit on Mock GPU (cuda:1): the run's peak is estimated at ")
+    assert f"the card has {free_gb:.1f} GB free of {free_gb:.1f} GB" in line and fix in line, line
+
+
+def test_without_cuda_there_is_no_check(smollm2_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    script, config = train_run.parse_args(_argv(smollm2_dir, tmp_path / "run", "--max-completion-length", "100000"))
+    with caplog.at_level(logging.INFO, logger="qerl.train.memory"):
+        assert check_fits(script, config, 4096) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "memory check skipped: no CUDA device (the run trains on the CPU)"
+    ]
