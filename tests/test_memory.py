@@ -18,7 +18,7 @@ import torch
 from qerl.cli import UsageError
 from qerl.cli import run as run_cli
 from qerl.train import run as train_run
-from qerl.train.memory import GB, NATIVE_KV_BLOCK, ModelShape, RunShape, check_fits, estimate
+from qerl.train.memory import GB, NATIVE_KV_BLOCK, ModelShape, RunShape, check_fits, estimate, planned_run
 from qerl.train.recompute import HEAD_ACTIVATIONS, no_recompute_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,3 +307,15 @@ def test_without_cuda_there_is_no_check(smollm2_dir: Path, tmp_path: Path, caplo
     assert [r.getMessage() for r in caplog.records] == [
         "memory check skipped: no CUDA device (the run trains on the CPU)"
     ]
+
+
+def test_the_run_shape_of_the_flags(smollm2_dir: Path, tmp_path: Path) -> None:
+    """A generation batch of per-device batch x steps_per_generation completions, the micro-batch, the lengths, the
+    recompute asked for; a kv_block of 0 in the engine's kwargs is its default block, not a division by zero."""
+    extra = ("--steps-per-generation", "2", "--gradient-checkpointing", "False")
+    extra += ("--rollout-engine-kwargs", '{"kv_block": 0}', "--lora-rank", "8", "--ln", "False")
+    script, config = train_run.parse_args(_argv(smollm2_dir, tmp_path / "run", *extra))
+    shape = planned_run(script, config, 256)
+    assert (shape.rollout_rows, shape.micro_batch, shape.prompt_tokens, shape.completion_tokens) == (32, 16, 256, 4096)
+    assert (shape.lora_r, shape.trained_norms, shape.recompute, shape.kv_block) == (8, False, False, NATIVE_KV_BLOCK)
+    assert shape.engine == "native" and not shape.eight_bit

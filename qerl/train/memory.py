@@ -276,7 +276,7 @@ def planned_run(script: Any, config: Any, prompt_tokens: int) -> RunShape:
         recompute=config.gradient_checkpointing is not False,
         engine=config.rollout_engine,
         engine_share=float(kwargs.get("gpu_memory_utilization", config.vllm_gpu_memory_utilization)) if vllm else 0.0,
-        kv_block=int(kwargs.get("kv_block", NATIVE_KV_BLOCK)),
+        kv_block=max(1, int(kwargs.get("kv_block") or NATIVE_KV_BLOCK)),
     )
 
 
