@@ -1,38 +1,25 @@
 """The analytic side of benchmarks/grpo_step.py: shape counts, time floors and a peak-memory estimate
 of one GRPO step, with no device and no model (``python -m benchmarks.grpo_step --floors`` prints them).
 
-The memory estimate adds what a step holds at its peak (the training pass: forward + backward under
-gradient checkpointing), in the order the step allocates it:
+The memory estimate is ``qerl.train.memory``'s, the one ``python -m qerl.train`` refuses a run with before loading
+it (its docstring lists the terms): :func:`memory_estimate` reports its terms for a benchmark's shape and sizes, with
+gradient checkpointing and without, keeping the keys earlier result files hold.
 
-* ``weights``: decoder Linears packed (9/16 B per weight: 4-bit codes + one fp8 scale per 16) or bf16,
-  plus the bf16 embeddings and LM head;
-* ``trainable_states``: LoRA and norm parameters in fp32 with their gradient and AdamW's two moments
-  (16 B each);
-* ``engine_lora``: the native engine's bf16 copies of the LoRA weights;
-* ``kv_cache``: the engine's cache for the step's completions (it stays allocated between rollouts);
-* ``checkpointed``: one bf16 hidden state per layer and token of a micro-batch (gradient checkpointing; the estimate
-  without recompute, ``peak_no_recompute``, has ``no_recompute_pass`` in place of this term and the next two:
-  ``qerl.train.recompute.no_recompute_bytes``);
-* ``layer_recompute``: one decoder layer's activations recomputed in the backward (the MLP's three
-  intermediate-sized tensors, four hidden-sized ones) and, for NVFP4, two bf16 copies of its largest
-  dequantized weight;
-* ``head_and_grads``: the rest of the training pass, modelled as ``HEAD_ACTIVATIONS`` hidden-sized bf16
-  tensors per token of a micro-batch (the chunked LM head's log-probs and the activation gradients).
-
-``HEAD_ACTIVATIONS`` is the one fitted constant: the H200 rows of benchmarks/results/grpo_step.json
-(7B and 32B NVFP4, n=8, 2048 new tokens, micro-batch 2) leave 1.13 and 1.75 GB of their training
-pass's peak unexplained by the other terms, 34 and 37 hidden-sized tensors per token; 36 makes the
-estimate 10.7 GB for the 7B (measured 10.9) and 34.2 GB for the 32B (measured 34.1 above what the
-previous configuration left allocated). On the rows it was not fitted on it gives 65.2 GB for the 72B NVFP4
-step (benchmarks/results/grpo_step_72b.json, measured 64.3) and 19.8 GB for the 7B bf16 step (measured 20.2);
-tests/test_grpo_step_smoke.py holds both to 3%.
+``HEAD_ACTIVATIONS`` (``qerl.train.recompute``) is the estimate's one fitted constant: the H200 rows of
+benchmarks/results/grpo_step.json (7B and 32B NVFP4, n=8, 2048 new tokens, micro-batch 2) leave 1.13 and 1.75 GB of
+their training pass's peak unexplained by the other terms, 34 and 37 hidden-sized tensors per token; 36 makes the
+estimate 10.7 GB for the 7B (measured 10.9) and 34.2 GB for the 32B (measured 34.1 above what the previous
+configuration left allocated). On the rows it was not fitted on it gives 65.2 GB for the 72B NVFP4 step
+(benchmarks/results/grpo_step_72b.json, measured 64.3) and 19.8 GB for the 7B bf16 step (measured 20.2);
+tests/test_grpo_step_smoke.py holds both to 3%, and tests/test_memory.py every recorded row to 10%.
 """
 
 from __future__ import annotations
 
-# Hidden-sized bf16 tensors per token of a micro-batch that the training pass holds beyond the modelled terms (fitted
-# on the 7B and 32B H200 rows; see the module docstring); the trainer's auto recompute weighs the same constant.
-from qerl.train.recompute import HEAD_ACTIVATIONS, no_recompute_bytes
+import dataclasses
+
+from qerl.arch import LINEAR_TARGETS
+from qerl.train.memory import ModelShape, RunShape, estimate
 
 #: Device-to-device copy bandwidth measured on the H200 (benchmarks/results/rollout_lora_b1_b8.json).
 COPY_BW = 4.24e12
@@ -49,20 +36,17 @@ QWEN2_5_72B = dict(
 
 
 def shape_counts(shape: dict[str, int], vocab: int, lora_r: int) -> dict[str, int]:
-    """Parameter and byte counts of a Llama/Qwen2 shape that the floors need."""
-    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    head_dim = shape.get("head_dim", h // shape["num_attention_heads"])  # Qwen3 sets it: 32B's 64 x 128 > hidden
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    in_out = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
+    """Parameter and byte counts of a Llama/Qwen2 shape that the floors need (``qerl.train.memory.ModelShape``'s)."""
+    model = ModelShape.from_config({**shape, "vocab_size": vocab}, nvfp4=False)
     return {
-        "layers": layers,
-        "hidden": h,
-        "attention_width": q,  # heads x head_dim: what QK^T and PV run over
-        "linear_params": layers * sum(a * b for a, b in in_out),
-        "lm_head_params": h * vocab,
-        "lora_params": layers * lora_r * sum(a + b for a, b in in_out),
-        "norm_params": layers * 2 * h,
-        "kv_bytes_per_position": layers * 2 * kv * 2,  # K and V, bf16
+        "layers": model.layers,
+        "hidden": model.hidden,
+        "attention_width": model.heads * model.head_dim,  # heads x head_dim: what QK^T and PV run over
+        "linear_params": model.linear_params,
+        "lm_head_params": model.hidden * vocab,
+        "lora_params": sum(model.trainable_tensors(lora_r, LINEAR_TARGETS, trained_norms=False)),
+        "norm_params": model.layers * 2 * model.hidden,
+        "kv_bytes_per_position": model.kv_bytes_per_position,  # K and V, bf16
     }
 
 
@@ -123,29 +107,20 @@ def floors(
 def memory_estimate(
     shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, tokens: int, lora_r: int, micro: int
 ) -> dict[str, float]:
-    """Peak memory (GB) of one GRPO step on one device: the terms of the module docstring, their sum
-    (``peak_gb``) and the part held at the step's start (``start_gb``). ``n``: completions on this device.
-    Beside them, the training pass without recompute (``no_recompute_pass_gb``: ``qerl.train.recompute``'s estimate,
-    the one the trainer's auto mode weighs; its layer count is checked on CPU, the whole not yet against a GPU's
-    peak) and the step's peak with it in place of the three checkpointing terms (``peak_no_recompute_gb``)."""
-    c = shape_counts(shape, vocab, lora_r)
-    hidden, inter, seq = shape["hidden_size"], shape["intermediate_size"], prompt + tokens
-    linear_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2)
-    terms = {
-        "weights": linear_bytes + 2 * c["lm_head_params"] * 2,  # + embeddings, the same size as the head
-        "trainable_states": (c["lora_params"] + c["norm_params"]) * 16,
-        "engine_lora": c["lora_params"] * 2,
-        "kv_cache": c["kv_bytes_per_position"] * n * seq,
-        "checkpointed": c["layers"] * micro * seq * hidden * 2,
-        "layer_recompute": micro * seq * (3 * inter + 4 * hidden) * 2 + (2 * hidden * inter * 2 if nvfp4 else 0),
-        "head_and_grads": HEAD_ACTIVATIONS * micro * seq * hidden * 2,
-    }
-    no_recompute = no_recompute_bytes(shape, micro, seq, lora_r, nvfp4=nvfp4)
-    start = sum(terms[k] for k in ("weights", "trainable_states", "engine_lora", "kv_cache"))
+    """Peak memory (GB) of one GRPO step on one device, ``qerl.train.memory.estimate``'s terms with gradient
+    checkpointing, their sum (``peak_gb``) and the part held at the step's start (``start_gb``). ``n``: completions on
+    this device (LoRA r on the seven projections, trained norms, AdamW, the native engine, forced-length completions:
+    no padding). Beside them, the training pass without recompute (``no_recompute_pass_gb``: the estimate the
+    trainer's auto mode weighs) and the step's peak with it in place of the three checkpointing terms
+    (``peak_no_recompute_gb``)."""
+    model = ModelShape.from_config({**shape, "vocab_size": vocab}, nvfp4=nvfp4)
+    run = RunShape(n, micro, prompt_tokens=prompt, completion_tokens=tokens, lora_r=lora_r, masked=False)
+    full, none = estimate(model, run), estimate(model, dataclasses.replace(run, recompute=False))
+    terms = ("weights", "trainable_states", "engine_lora", "kv_cache", "checkpointed", "layer_recompute")
     return {
-        **{f"{k}_gb": v / 1e9 for k, v in terms.items()},
-        "start_gb": start / 1e9,
-        "peak_gb": sum(terms.values()) / 1e9,
-        "no_recompute_pass_gb": no_recompute / 1e9,
-        "peak_no_recompute_gb": (start + no_recompute) / 1e9,
+        **{f"{k}_gb": getattr(full, k) / 1e9 for k in (*terms, "head_and_grads")},
+        "start_gb": full.resident / 1e9,
+        "peak_gb": full.peak / 1e9,
+        "no_recompute_pass_gb": none.training_pass / 1e9,
+        "peak_no_recompute_gb": none.peak / 1e9,
     }

@@ -2,6 +2,6 @@
 and ``checkpoint_check`` deciding whether a checkpoint can be resumed; ``trainer`` is the trl drop-in
 (``QeRLTrainer``, ``QeRLConfig`` from ``config``) and ``rollout_hooks`` the hooks it overrides to generate with our
 engines; ``aqn`` the rollout noise, ``is_ratio`` the rollout importance-sampling ratio, ``recompute`` the choice of
-activation recompute, ``rewards``/``answers``
+activation recompute, ``memory`` the peak-memory estimate a run is refused with, ``rewards``/``answers``
 the scoring, ``data``/``prompts`` the data sets, ``resume`` the run record and ``plot`` the curves. Importing the
 package imports none of them (trl is slow to import)."""

@@ -96,6 +96,10 @@ class ScriptArguments:
             "the resume in one line; previous: move it aside and resume from the one before."
         },
     )
+    force: bool = field(
+        default=False,
+        metadata={"help": "Run even where the estimated peak GPU memory exceeds the card's free memory."},
+    )
     plot: bool = field(default=True, metadata={"help": "Write reward/entropy/sigma curves at the end."})
     max_seq_length: int | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})
     fast_inference: bool | None = field(default=None, metadata={"help": "Ignored (reference leftover)."})

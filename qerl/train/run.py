@@ -27,7 +27,8 @@ must be new, empty or a run's own, and neither a link nor the model's directory 
 complete: the incomplete one is moved aside before the error is reported.
 
 Bad input (an unknown flag or recipe key, an unknown reward, a negative learning rate, a missing
-file) stops before any work with ``error: <one line>`` and exit status 2 (``qerl.cli``).
+file) stops before any work with ``error: <one line>`` and exit status 2 (``qerl.cli``), and so does a run whose
+estimated peak GPU memory exceeds the card's free memory (``qerl.train.memory``; ``--force`` runs it anyway).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from qerl.train import resume as run_record
 from qerl.train.answers import judge
 from qerl.train.args import IGNORED_REFERENCE_FLAGS, ScriptArguments, parse_args
 from qerl.train.checkpoint_check import sound_checkpoint
+from qerl.train.memory import check_fits
 from qerl.train.prompts import encode_chat
 from qerl.train.rewards import get_rewards
 from qerl.train.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
@@ -165,9 +167,9 @@ def _tokenizer(model: str, trust_remote_code: bool) -> Any:
     return tokenizer
 
 
-def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any) -> tuple[Any, Any]:
-    """(training rows, held-out rows), every prompt within :func:`prompt_budget` tokens (longer ones dropped, by
-    characters first: a huge question is never tokenized whole)."""
+def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any, budget: int) -> tuple[Any, Any]:
+    """(training rows, held-out rows), every prompt within ``budget`` tokens (:func:`prompt_budget`; longer ones
+    dropped, by characters first: a huge question is never tokenized whole)."""
     rows = qdata.load_dataset(
         script.dataset,
         script.dataset_path,
@@ -176,7 +178,6 @@ def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any) -> tuple[
         arithmetic_level=script.arithmetic_level,
         style=script.prompt_style,
     )
-    budget = prompt_budget(script, config)
     kept = qdata.filter_prompt_length(rows, tokenizer, budget)
     if len(kept) < len(rows):
         flag = "--max_prompt_length" if script.max_prompt_length else "the default --max_prompt_length"
@@ -253,10 +254,13 @@ def prepare(script: ScriptArguments, config: QeRLConfig, out: Path) -> Prepared 
     here is the user's input (paths, names, values), reported in one line; nothing is written yet."""
     tokenizer = _tokenizer(script.model_name, config.trust_remote_code)
     with usage_errors(ValueError, OSError):
-        train_rows, heldout_rows = _rows(script, config, tokenizer)
+        budget = prompt_budget(script, config)
+        check_fits(script, config, budget)  # refused before the data, the model's digest and the model
+        train_rows, heldout_rows = _rows(script, config, tokenizer, budget)
         reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
         rewards = get_rewards(reward_names)
-        used = {k: v for k, v in dataclasses.asdict(script).items() if k not in IGNORED_REFERENCE_FLAGS}
+        unrecorded = (*IGNORED_REFERENCE_FLAGS, "force")  # --force: how to start, not what the run is
+        used = {k: v for k, v in dataclasses.asdict(script).items() if k not in unrecorded}
         base_digest = model_sha256(script.model_name)
         wanted = run_record.run_config(
             used,
