@@ -96,6 +96,14 @@ class QeRLConfig(GRPOConfig):
             "const": True,
         },
     )
+    pass_chunk_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows (completions) per forward + backward of a training pass, the loss and metrics still the "
+            "micro-batch's (qerl.train.chunked_pass); unset (null): chunks without recompute where the "
+            "checkpointing is auto and a whole pass does not fit the card but a chunk does; 0: never; N: chunks of N."
+        },
+    )
     vllm_importance_sampling_mode: str = field(
         default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.train.trainer docstring)."}
     )
@@ -153,6 +161,9 @@ class QeRLConfig(GRPOConfig):
             self.bf16 = torch.cuda.is_available()
         if self.gradient_checkpointing is None and not torch.cuda.is_available():
             self.gradient_checkpointing = True  # no device memory to weigh the recompute against: trl's default
+        chunk = self.pass_chunk_rows
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+            raise ValueError(f"--pass_chunk_rows: expected an integer >= 0 (0: never chunk) or unset, got {chunk!r}")
         if not torch.cuda.is_available():  # what makes `accelerate launch` give CPU-only processes gloo DDP
             self.use_cpu = True
         if (
