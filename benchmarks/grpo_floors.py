@@ -81,7 +81,8 @@ def floors(
     ``micro`` (default n) completions per training pass: NVFP4 dequantizes every weight once per pass.
     ``recompute``: the share of training passes that recompute every layer's forward in the backward (gradient
     checkpointing; 1.0 all, 0.0 none), which ``fwd_bwd_s`` counts; ``fwd_bwd_no_recompute_s`` is the pass without
-    any recompute, the floor of the work itself."""
+    any recompute, the floor of the work itself, and the floor of a pass run in row chunks (qerl.train.chunked_pass:
+    the same flops, nothing recomputed; the dequantization it repeats per chunk is not counted)."""
     c = shape_counts(shape, vocab, lora_r)
     passes = n // (micro or n)
     weight_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2) + c["lm_head_params"] * 2
@@ -127,7 +128,9 @@ def memory_estimate(
     (``peak_gb``) and the part held at the step's start (``start_gb``). ``n``: completions on this device.
     Beside them, the training pass without recompute (``no_recompute_pass_gb``: ``qerl.train.recompute``'s estimate,
     the one the trainer's auto mode weighs; its layer count is checked on CPU, the whole not yet against a GPU's
-    peak) and the step's peak with it in place of the three checkpointing terms (``peak_no_recompute_gb``)."""
+    peak), the same for one row (``no_recompute_row_gb``: the smallest chunk of a pass in row chunks,
+    qerl.train.chunked_pass) and the step's peak with it in place of the three checkpointing terms
+    (``peak_no_recompute_gb``)."""
     c = shape_counts(shape, vocab, lora_r)
     hidden, inter, seq = shape["hidden_size"], shape["intermediate_size"], prompt + tokens
     linear_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2)
@@ -147,5 +150,6 @@ def memory_estimate(
         "start_gb": start / 1e9,
         "peak_gb": sum(terms.values()) / 1e9,
         "no_recompute_pass_gb": no_recompute / 1e9,
+        "no_recompute_row_gb": no_recompute_bytes(shape, 1, seq, lora_r, nvfp4=nvfp4) / 1e9,
         "peak_no_recompute_gb": (start + no_recompute) / 1e9,
     }
