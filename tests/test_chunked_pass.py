@@ -14,8 +14,8 @@ that clipping, KL and the importance-sampling ratio all act). The reference is t
 
 Bounds (fp32 on CPU; only the order of sums moves, and one or two fp32 roundings of the normalising factor): loss and
 every logged metric within rel 1e-6 of the unchunked (the IS-ratio metrics bitwise: each row's log-probs are bitwise
-the same in a chunk); every LoRA and norm gradient within 1e-5 of its largest magnitude (observed: loss <= 2.3e-7,
-gradients <= 1.2e-6, metrics <= 1.2e-7). The ``gpu`` test repeats the comparison on CUDA (bf16 autocast, Triton FP4
+the same in a chunk); every LoRA and norm gradient within 1e-5 of its largest magnitude (observed: loss <= 2.9e-7,
+gradients <= 8.1e-7, metrics <= 7.5e-8). The ``gpu`` test repeats the comparison on CUDA (bf16 autocast, Triton FP4
 kernels)."""
 
 from __future__ import annotations
@@ -158,9 +158,9 @@ def test_two_micro_batches_of_one_generation(tmp_path: Path, loss_type: str) -> 
     chunked passes accumulate the same gradients, log each loss metric once per micro-batch and the
     importance-sampling metrics once per generation (after the second), with the same values."""
     trainer = build_trainer(str(tmp_path), micro_batches=2)
-    first, second = micro_batch(trainer, 5), micro_batch(trainer, 6)
-    total = int(first["completion_mask"].sum() + second["completion_mask"].sum())
-    batches = [micro_batch(trainer, 5, total), micro_batch(trainer, 6, total)]
+    tokens = [int(micro_batch(trainer, seed)["completion_mask"].sum()) for seed in (5, 7)]
+    assert tokens[0] != tokens[1]  # bnpo's per-micro-batch normalisers then differ from dapo's generation-wide one
+    batches = [micro_batch(trainer, seed, sum(tokens)) for seed in (5, 7)]
     ref = run_step(trainer, batches, loss_type, 0)
     got = run_step(trainer, batches, loss_type, 3)
     assert len(ref[2]["entropy"]) == 2 and len(ref[2]["sampling/importance_sampling_ratio/mean"]) == 1
