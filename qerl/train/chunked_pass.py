@@ -108,8 +108,8 @@ def chunk_scales(loss_type: str, mask: torch.Tensor, spans: list[tuple[int, int]
     if loss_type == "dapo":
         return [1.0] * len(spans)
     if loss_type == "bnpo":
-        tokens = [max(float(mask[start:end].sum()), 1.0) for start, end in spans]
-        return [t / max(float(mask.sum()), 1.0) for t in tokens]
+        total = max(float(mask.sum()), 1.0)
+        return [max(float(mask[start:end].sum()), 1.0) / total for start, end in spans]
     return [(end - start) / spans[-1][1] for start, end in spans]
 
 
