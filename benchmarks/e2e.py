@@ -31,7 +31,9 @@ trl's old log-probs for the IS ratio, which qerl's trainer takes from the loss f
 Beside each phase: its floor from benchmarks/grpo_floors.py, rescaled to the copy bandwidth and bf16 matmul rate
 measured in the same process. The training pass's floor counts the activation recompute the arm ran (each row's
 ``recompute``: trl's arm recomputes in every pass, its default; qerl's arms as ``--gradient-checkpointing`` says,
-default auto, ``qerl.train.recompute``), and ``fwd_bwd_no_recompute`` is the floor of the same passes without any.
+default auto, ``qerl.train.recompute``), and ``fwd_bwd_no_recompute`` is the floor of the same passes without any;
+a pass run in row chunks (``qerl.train.chunked_pass``, each row's ``chunking``) recomputes nothing, so its floor is the
+latter.
 
     python -m benchmarks.e2e prepare --dir .e2e                     # the two checkpoints (once per machine)
     python -m benchmarks.e2e run --dir .e2e --arms trl_vllm_bf16 --batches b8 b128 --out $OUT/e2e.json
@@ -68,10 +70,12 @@ from benchmarks.common import (
 from benchmarks.common import versions as package_versions
 from benchmarks.grpo_floors import COPY_BW, MATMUL_FLOPS, floors, shape_counts
 from benchmarks.grpo_harness import (
+    PASS_CHUNK_HELP,
     RECOMPUTE_FLAGS,
     PhaseClock,
     Probe,
     build_tokenizer,
+    chunking_ran,
     gb,
     load_benchmark_tokenizer,
     recompute_ran,
@@ -280,6 +284,7 @@ def build_trainer(arm: Arm, ckpt: Path, args: argparse.Namespace, out_dir: str) 
         rollout_engine=arm.engine,
         rollout_engine_kwargs=engine_kwargs,
         gradient_checkpointing=RECOMPUTE_FLAGS[args.gradient_checkpointing],
+        pass_chunk_rows=args.pass_chunk_rows,
     )
     model = load_model(str(ckpt), device=config.device)
     return QeRLTrainer(
@@ -368,6 +373,7 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
             before = watched.detach().clone()
             trainer.train()
             row["recompute"] = recompute_ran(trainer)  # over every training pass of the run, warm-up included
+            row["chunking"] = chunking_ran(trainer)
             row["lora_updated"] = not torch.equal(before, watched.detach())
             row["train_s"] = round(time.perf_counter() - t0 - row["build_s"], 1)
             logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -489,6 +495,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             help="qerl arms' activation recompute (QeRLConfig's default auto: none while the card's free memory "
             "holds a pass's activations); the trl arm keeps trl's default (on)",
         )
+        s.add_argument("--pass-chunk-rows", type=int, default=None, help=f"qerl arms: {PASS_CHUNK_HELP}")
         s.add_argument("--warmup", type=int, default=1)
         s.add_argument("--steps", type=int, default=3)
         if name == "arm":
@@ -544,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         str(args.micro),
         "--gradient-checkpointing",
         args.gradient_checkpointing,
+        *([] if args.pass_chunk_rows is None else ["--pass-chunk-rows", str(args.pass_chunk_rows)]),
         "--warmup",
         str(args.warmup),
         "--steps",

@@ -65,7 +65,8 @@ def floors(
     ``micro`` (default n) completions per training pass: NVFP4 dequantizes every weight once per pass.
     ``recompute``: the share of training passes that recompute every layer's forward in the backward (gradient
     checkpointing; 1.0 all, 0.0 none), which ``fwd_bwd_s`` counts; ``fwd_bwd_no_recompute_s`` is the pass without
-    any recompute, the floor of the work itself."""
+    any recompute, the floor of the work itself, and the floor of a pass run in row chunks (qerl.train.chunked_pass:
+    the same flops, nothing recomputed; the dequantization it repeats per chunk is not counted)."""
     c = shape_counts(shape, vocab, lora_r)
     passes = n // (micro or n)
     weight_bytes = c["linear_params"] * (9 / 16 if nvfp4 else 2) + c["lm_head_params"] * 2
@@ -111,16 +112,19 @@ def memory_estimate(
     checkpointing, their sum (``peak_gb``) and the part held at the step's start (``start_gb``). ``n``: completions on
     this device (LoRA r on the seven projections, trained norms, AdamW, the native engine, forced-length completions:
     no padding). Beside them, the training pass without recompute (``no_recompute_pass_gb``: the estimate the
-    trainer's auto mode weighs) and the step's peak with it in place of the three checkpointing terms
+    trainer's auto mode weighs), the same for one row (``no_recompute_row_gb``: the smallest chunk of a pass in row
+    chunks, ``qerl.train.chunked_pass``) and the step's peak with it in place of the three checkpointing terms
     (``peak_no_recompute_gb``)."""
     model = ModelShape.from_config({**shape, "vocab_size": vocab}, nvfp4=nvfp4)
     run = RunShape(n, micro, prompt_tokens=prompt, completion_tokens=tokens, lora_r=lora_r, masked=False)
     full, none = estimate(model, run), estimate(model, dataclasses.replace(run, recompute=False))
+    row = estimate(model, dataclasses.replace(run, recompute=False, micro_batch=1))
     terms = ("weights", "trainable_states", "engine_lora", "kv_cache", "checkpointed", "layer_recompute")
     return {
         **{f"{k}_gb": getattr(full, k) / 1e9 for k in (*terms, "head_and_grads")},
         "start_gb": full.resident / 1e9,
         "peak_gb": full.peak / 1e9,
         "no_recompute_pass_gb": none.training_pass / 1e9,
+        "no_recompute_row_gb": row.training_pass / 1e9,
         "peak_no_recompute_gb": none.peak / 1e9,
     }

@@ -59,6 +59,12 @@ RECIPE_KEYS = (
 #: ``--gradient-checkpointing`` of the benchmarks -> ``QeRLConfig.gradient_checkpointing`` (unset: auto on CUDA, on
 #: without CUDA).
 RECOMPUTE_FLAGS = {"auto": None, "on": True, "off": False}
+#: The benchmarks' ``--pass-chunk-rows`` (``QeRLConfig.pass_chunk_rows``).
+PASS_CHUNK_HELP = (
+    "rows per forward + backward inside a training pass (QeRLConfig.pass_chunk_rows; qerl.train.chunked_pass): unset "
+    "(auto) chunks without recompute where the checkpointing is auto and a whole pass does not fit the card but a "
+    "chunk does; 0 never; N chunks of N rows"
+)
 
 # ---------------------------------------------------------------------------------------------- trainer
 
@@ -145,6 +151,7 @@ def make_trainer(
         gradient_checkpointing=RECOMPUTE_FLAGS[getattr(args, "gradient_checkpointing", "on")],
         mask_truncated_completions=False,
         is_ratio_from_loss_pass=not getattr(args, "trl_logprob_pass", False),
+        pass_chunk_rows=getattr(args, "pass_chunk_rows", None),
     )
     peft = lora_config(r=args.lora_r, train_norms=True)
     trainer = QeRLTrainer(
@@ -178,6 +185,14 @@ def recompute_ran(trainer: Any) -> dict[str, Any]:
     total = passes["none"] + passes["full"]
     mode = "mixed" if passes["none"] and passes["full"] else ("full" if passes["full"] else "none")
     return {"mode": mode, "share": passes["full"] / total if total else 0.0, "passes": dict(passes)}
+
+
+def chunking_ran(trainer: Any) -> dict[str, Any]:
+    """How the trainer's training passes were split (beside ``recompute_ran``): ``chunked_passes`` the passes run in row
+    chunks (qerl.train.chunked_pass; none recomputed unless checkpointing was on) and ``rows_per_chunk`` those passes
+    by rows per chunk; the other passes ran whole. trl's own trainer runs every pass whole and counts nothing."""
+    chunks = getattr(trainer, "chunk_passes", None) or {}
+    return {"chunked_passes": sum(chunks.values()), "rows_per_chunk": {str(k): v for k, v in sorted(chunks.items())}}
 
 
 # ---------------------------------------------------------------------------------------------- timing

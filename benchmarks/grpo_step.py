@@ -6,7 +6,8 @@ What it measures, per configuration (shape x base weights), in one process on on
   (no early stop), LoRA r16 on all 7 projections plus trainable input/post-attention norms (``ln``),
   AQN on (stage 1 of 10), bnpo loss, token-truncated IS correction, activation recompute as
   ``--gradient-checkpointing`` says (default auto, QeRLConfig's: ``qerl.train.recompute``; the row's ``recompute``
-  says what the timed passes ran), AdamW on the trainable parameters, grad clip 0.2, bf16 autocast on CUDA
+  says what the timed passes ran, its ``chunking`` which passes ran in row chunks: ``qerl.train.chunked_pass``,
+  ``--pass-chunk-rows``), AdamW on the trainable parameters, grad clip 0.2, bf16 autocast on CUDA
   (accelerate's, as in ``trainer.train()``);
 * micro-batched as trl users run it (``--micro-batch``, default 2): per_device_train_batch_size = 2 and
   steps_per_generation = gradient_accumulation_steps = 8 / 2 = 4, so the rollout still generates all 8
@@ -90,12 +91,14 @@ from benchmarks.common import SHAPES as QWEN2_5_SHAPES
 from benchmarks.common import command, device_name, model_type, utc_now, versions, vocab_size, write_json
 from benchmarks.grpo_floors import COPY_BW, MATMUL_FLOPS, QWEN2_5_72B, floors, memory_estimate, shape_counts
 from benchmarks.grpo_harness import (
+    PASS_CHUNK_HELP,
     RECOMPUTE_FLAGS,
     PhaseClock,
     Probe,
     build_model,
     build_tokenizer,
     capture_decode_graphs,
+    chunking_ran,
     gb,
     make_trainer,
     profile_table,
@@ -139,6 +142,7 @@ def measure(
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
     row["optimizer"] = f"{type(optimizer).__name__} ({getattr(trainer.args.optim, 'value', trainer.args.optim)})"
     row["gradient_checkpointing"] = args.gradient_checkpointing  # asked: auto (the trainer decides per pass), on, off
+    row["pass_chunk_rows"] = args.pass_chunk_rows  # asked: None auto, 0 never, N rows per chunk
     row["mixed_precision"] = trainer.accelerator.mixed_precision  # "bf16": the forward runs under bf16 autocast
 
     clock.stage = "warm-up"
@@ -158,7 +162,7 @@ def measure(
     # seen, not averaged in. ``--profile`` profiles the first timed step, which is then not the one reported
     # unless it is the only one.
     row["timed_steps"] = []
-    trainer.recompute_passes = {"none": 0, "full": 0}  # the timed steps' passes only
+    trainer.recompute_passes, trainer.chunk_passes = {"none": 0, "full": 0}, {}  # the timed steps' passes only
     for _ in range(args.steps):
         probe.start_step()
         if cuda:
@@ -191,6 +195,7 @@ def measure(
     row["decode_steps"] = probe.decode_steps
     row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)
     row["recompute"] = recompute_ran(trainer)
+    row["chunking"] = chunking_ran(trainer)
 
 
 def of_floor(row: dict) -> dict[str, float]:
@@ -349,6 +354,7 @@ def document(rows: list[dict], args: argparse.Namespace, env: dict, argv: list[s
             "lora": f"r{args.lora_r} on {'/'.join(PROJECTIONS)} + trainable norms",
             "loss": "bnpo, token_truncate IS (C=2), AQN stage 1, mask_truncated_completions=False",
             "gradient_checkpointing": args.gradient_checkpointing,
+            "pass_chunk_rows": args.pass_chunk_rows,
             "warm-up": "decode graphs of every KV bucket + one short (<= 32-token) step, untimed",
             "floor_constants": {"copy_bw_tb_s": COPY_BW / 1e12, "matmul_tflop_s": MATMUL_FLOPS / 1e12},
         },
@@ -398,6 +404,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="activation recompute in the training passes: auto (QeRLConfig's default: none while the card's free "
         "memory holds a pass's activations, else full; on without CUDA), on (full), off (none)",
     )
+    parser.add_argument("--pass-chunk-rows", type=int, default=None, help=PASS_CHUNK_HELP)
     parser.add_argument(
         "--steps",
         type=int,

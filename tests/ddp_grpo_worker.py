@@ -14,7 +14,10 @@ half of every group, as in the 7B recipe on 2 GPUs):
   weights after 2 steps can be compared with a 1-process run over the same global batch. Its KL term
   (beta 1, large enough to stand out of the fp32 rounding) makes the loss non-zero from step 2:
   on-policy with equal lengths, the policy term of GRPO is exactly zero (advantages have zero mean
-  in each group).
+  in each group);
+* ``chunked``: ``fixed`` with each training pass in chunks of one row and no recompute
+  (``qerl.train.chunked_pass``): all but the last chunk's backward outside DDP's all-reduce, trl's metrics
+  gathered per chunk; compared with the same 1-process run.
 
 Every completion has TOKENS tokens, so every rank holds the same number of tokens: bnpo (the recipes'
 loss) normalises by the tokens of each rank's batch and DDP averages the ranks, which equals the
@@ -44,7 +47,7 @@ def fixed_completion(prompt: list[int], row: int) -> list[int]:
     return [(h + 37 * row + 11 * t) % 900 + 100 for t in range(TOKENS)]
 
 
-def make_trainer(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> Any:
+def make_trainer(model_dir: str, out_dir: str, per_device: int, fixed: bool, chunk: int | None = None) -> Any:
     from qerl.hub import embedded_model_dir
     from qerl.load.loader import load_model, load_tokenizer
     from qerl.load.lora import lora_config
@@ -73,7 +76,8 @@ def make_trainer(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> 
         warmup_steps=0,
         learning_rate=1e-3,
         mask_truncated_completions=False,
-        gradient_checkpointing=True,
+        gradient_checkpointing=chunk is None,
+        pass_chunk_rows=chunk,
         disable_tqdm=True,
         logging_steps=1,
         bf16=False,
@@ -93,10 +97,10 @@ def make_trainer(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> 
     )
 
 
-def run(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> dict[str, Any]:
-    """Train STEPS steps; return the logged losses and grad norms, the trainable weights, and this
-    process's prompts and completions."""
-    trainer = make_trainer(model_dir, out_dir, per_device, fixed)
+def run(model_dir: str, out_dir: str, per_device: int, fixed: bool, chunk: int | None = None) -> dict[str, Any]:
+    """Train STEPS steps (``chunk``: each pass in chunks of that many rows); return the logged losses and grad norms,
+    the trainable weights, the passes run in chunks, and this process's prompts and completions."""
+    trainer = make_trainer(model_dir, out_dir, per_device, fixed, chunk)
     logs: list[dict[str, float]] = []
     rollouts: list[tuple[list[list[int]], list[list[int]]]] = []
 
@@ -127,6 +131,7 @@ def run(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> dict[str,
         "grad_norms": [v["grad_norm"] for v in logs],
         "weights": weights,
         "rollouts": rollouts,
+        "chunk_passes": dict(trainer.chunk_passes),
         "process_index": trainer.accelerator.process_index,
         "num_processes": trainer.accelerator.num_processes,
     }
@@ -135,8 +140,8 @@ def run(model_dir: str, out_dir: str, per_device: int, fixed: bool) -> dict[str,
 if __name__ == "__main__":
     torch.set_num_threads(1)
     model_dir, out_dir, per_device = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    for kind in ("engine", "fixed"):
-        result = run(model_dir, str(out_dir / kind), per_device, fixed=kind == "fixed")
+    for kind in ("engine", "fixed", "chunked"):
+        result = run(model_dir, str(out_dir / kind), per_device, kind != "engine", 1 if kind == "chunked" else None)
         torch.save(result, out_dir / f"{kind}-rank{result['process_index']}.pt")
     from qerl.train.run import end_process_group
 

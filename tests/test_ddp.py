@@ -3,7 +3,8 @@
 completions per step split 4 + 4 across the ranks. Checked: the trainable weights stay identical on
 both ranks (gradients all-reduced) while the ranks drew different completions of the same prompt; and
 with rollouts that do not depend on the process count, the loss, gradient norm and weights after two
-steps equal a 1-process run over the same global batch (fp32, up to the order of the sums).
+steps equal a 1-process run over the same global batch (fp32, up to the order of the sums), also with each training
+pass in row chunks (``qerl.train.chunked_pass``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[
     ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = {kind: [torch.load(out / f"{kind}-rank{r}.pt") for r in (0, 1)] for kind in ("engine", "fixed")}
+    ranks = {kind: [torch.load(out / f"{kind}-rank{r}.pt") for r in (0, 1)] for kind in ("engine", "fixed", "chunked")}
     single = run(str(model), str(root / "single"), GROUP, fixed=True)
     return ranks, single
 
@@ -90,9 +91,11 @@ def test_ranks_split_a_group_and_sample_differently(runs) -> None:
         assert {tuple(c) for c in c0}.isdisjoint({tuple(c) for c in c1})
 
 
-def test_two_processes_match_one_over_the_same_global_batch(runs) -> None:
+@pytest.mark.parametrize("kind", ["fixed", "chunked"], ids=["whole-passes", "chunked-passes"])
+def test_two_processes_match_one_over_the_same_global_batch(runs, kind: str) -> None:
     ranks, single = runs
-    ddp = ranks["fixed"][0]
+    ddp = ranks[kind][0]
+    assert ddp["chunk_passes"] == ({1: STEPS} if kind == "chunked" else {})  # one pass of 4 rows per step and rank
     assert single["num_processes"] == 1 and len(single["rollouts"][0][0]) == GROUP
     assert single["losses"][-1] > 0  # the KL term: a loss that can disagree
     # abs: the policy term is a sum of zero-mean advantages, 0 up to fp32 rounding (~1e-8)

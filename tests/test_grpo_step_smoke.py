@@ -49,6 +49,7 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
         # training pass's floor counts it beside the floor without any recompute.
         assert r["gradient_checkpointing"] == "auto"
         assert r["recompute"] == {"mode": "full", "share": 1.0, "passes": {"none": 0, "full": 8}}
+        assert r["pass_chunk_rows"] is None and r["chunking"] == {"chunked_passes": 0, "rows_per_chunk": {}}
         assert r["floors"]["fwd_bwd_s"] > r["floors"]["fwd_bwd_no_recompute_s"] > 0
         assert set(r["of_floor"]) >= {"fwd_bwd", "fwd_bwd_no_recompute"}
         assert (r["aqn_sigma"] > 0) is (r["base"] == "nvfp4")  # AQN defaults to on for NVFP4 models only (issue 15)
@@ -118,6 +119,27 @@ def test_recompute_off_runs_no_recompute_and_its_floor(grpo_step: ModuleType, tm
         full["logprobs_s"] - head / grpo_step.MATMUL_FLOPS, rel=1e-9
     )
     assert full["fwd_bwd_no_recompute_s"] == pytest.approx(row["floors"]["fwd_bwd_s"], rel=1e-3)
+
+
+def test_chunked_passes_are_recorded_and_leave_the_step_unchanged(grpo_step: ModuleType, tmp_path: Path) -> None:
+    """``--pass-chunk-rows 1`` (no recompute): the row records each pass of 2 completions run in chunks of one row,
+    the training pass's floor is the one without recompute, and the step's loss and pre-clip gradient norm are the
+    whole passes' (qerl.train.chunked_pass: the micro-batch's loss, up to the order of sums)."""
+    rows = {}
+    for chunk in ([], ["--pass-chunk-rows", "1"]):
+        out = tmp_path / f"chunk{len(chunk)}.json"
+        argv = ["--tiny", "--n", "4", "--bases", "nvfp4", "--steps", "1", "--gradient-checkpointing", "off"]
+        grpo_step.main([*argv, *chunk, "--out", str(out)])
+        (rows[bool(chunk)],) = json.loads(out.read_text())["results"]
+    whole, chunked = rows[False], rows[True]
+    assert chunked["status"] == "ok" and chunked["pass_chunk_rows"] == 1
+    assert chunked["chunking"] == {"chunked_passes": 2, "rows_per_chunk": {"1": 2}}
+    assert whole["chunking"] == {"chunked_passes": 0, "rows_per_chunk": {}}
+    assert chunked["recompute"] == {"mode": "none", "share": 0.0, "passes": {"none": 2, "full": 0}}
+    assert chunked["floors"]["fwd_bwd_s"] == chunked["floors"]["fwd_bwd_no_recompute_s"] == whole["floors"]["fwd_bwd_s"]
+    assert chunked["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5) and whole["grad_norm"] > 0
+    # The loss sums terms of either sign near 1 that nearly cancel (~2e-4 left): fp32 order of sums, ~1e-8 absolute.
+    assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
 
 
 def test_micro_batch_must_divide_the_group(grpo_step: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,11 +8,13 @@ fails by name."""
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 
 import pytest
 from trl import GRPOTrainer
 
+from qerl.train import chunked_pass
 from qerl.train.is_ratio import LossPassRatio
 from qerl.train.trainer import QeRLTrainer
 
@@ -60,6 +62,12 @@ STEERED: dict[str, str] = {
     "self.vllm_importance_sampling_correction": "_generate_and_score_completions",  # off while LossPassRatio works
     "self._last_loaded_step": "_generate",  # marks trl's weight sync done: qerl's engines read the live modules
     "self._metrics": "_generate_and_score_completions",  # where the sampling/* metrics go
+    # what qerl.train.chunked_pass reads to decide whether, and how, a pass runs in row chunks
+    "self.loss_type": "_compute_loss",
+    "self.importance_sampling_level": "_compute_loss",
+    "self.top_entropy_quantile": "_compute_loss",
+    "self._entropy_bonus_enabled": "_compute_loss",
+    "self.aux_loss_enabled": "_compute_loss",
 }
 
 
@@ -97,3 +105,15 @@ def test_private_hook_signature_is_the_pinned_one(name: str) -> None:
 def test_steered_attribute_is_still_read_by_trl(attribute: str) -> None:
     method = STEERED[attribute]
     assert attribute in inspect.getsource(base_method(method)), f"trl's {method} no longer uses {attribute}"
+
+
+def test_chunked_pass_combines_every_metric_of_trls_loss() -> None:
+    """A pass in row chunks (``qerl.train.chunked_pass``) calls trl's loss once per chunk and combines what it logged
+    per call; every metric trl's loss can log is combined there, or logged only with an option that keeps the pass in
+    one piece (the entropy bonus's, the MoE aux loss, the other loss types'). And transformers' step hands trl's loss
+    to ``accelerator.backward`` unscaled, as the chunked pass does with all but the last chunk's."""
+    logged = set(re.findall(r'self\._metrics\[mode\]\["([^"]+)"\]', inspect.getsource(base_method("_compute_loss"))))
+    combined = {*chunked_pass.TOKEN_MEANS, *chunked_pass.CLIP_MEANS, *chunked_pass.EXTREMES}
+    refused = {"policy_loss", "entropy_coef", "aux_loss", "cispo_clip_ratio", "vespo/phi_seq_mean"}
+    assert logged == combined | refused
+    assert GRPOTrainer.loss_is_scaled_for_ga is True

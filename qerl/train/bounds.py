@@ -83,6 +83,7 @@ BOUNDS: dict[str, Bound] = {
     "num_generations": Bound(2, MAX_BATCH, why="GRPO compares completions of one prompt"),
     **dict.fromkeys(("lora_rank", "lora_alpha", "num_samples", "generation_batch_size"), Bound(1)),
     **dict.fromkeys(("heldout", "top_k"), Bound(0)),
+    "pass_chunk_rows": Bound(0, MAX_BATCH, why="0: never chunk; unset: auto"),
     **dict.fromkeys(("seed", "data_seed"), Bound(0, INT_LIMIT)),  # numpy takes no negative seed
     **dict.fromkeys(
         (

@@ -96,6 +96,14 @@ class QeRLConfig(GRPOConfig):
             "const": True,
         },
     )
+    pass_chunk_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows (completions) per forward + backward of a training pass, the loss and metrics still the "
+            "micro-batch's (qerl.train.chunked_pass); unset (null): chunks without recompute where the "
+            "checkpointing is auto and a whole pass does not fit the card but a chunk does; 0: never; N: chunks of N."
+        },
+    )
     vllm_importance_sampling_mode: str = field(
         default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.train.trainer docstring)."}
     )

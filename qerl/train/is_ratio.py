@@ -69,8 +69,12 @@ class LossPassRatio:
     """
 
     _ratio_inputs: dict[str, Any] | None = None
-    #: (log-prob differences, ratios) of the current generation's micro-batches so far.
+    #: (log-prob differences, ratios) of the current generation's loss forwards so far.
     _ratio_parts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: Loss forwards still to come of the current micro-batch: a pass in row chunks (``qerl.train.chunked_pass``) runs
+    #: one per chunk, and a generation ends with its last micro-batch's last.
+    _ratio_pieces_left: int = 0
+    _ratio_batches: int = 0  # micro-batches of the current generation done so far
 
     def _ratio_from_loss_pass(self) -> bool:
         args = self.args
@@ -112,7 +116,8 @@ class LossPassRatio:
         return result
 
     def _loss_pass_ratio(self, logps: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
-        """:func:`rollout_ratio` for one micro-batch; trl's ``sampling/*`` metrics once per generation."""
+        """:func:`rollout_ratio` for one micro-batch (or one chunk of its rows); trl's ``sampling/*`` metrics once per
+        generation."""
         mask = (
             inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
         )
@@ -126,8 +131,11 @@ class LossPassRatio:
         parts.append(
             (delta[~torch.isnan(delta)], ratio.flatten() if mode.startswith("sequence") else ratio[mask.bool()])
         )
-        if len(parts) == (self.args.steps_per_generation if self.model.training else 1):  # a generation's last
-            self._ratio_parts = None
+        if self._ratio_pieces_left:
+            return ratio
+        self._ratio_batches += 1
+        if self._ratio_batches == (self.args.steps_per_generation if self.model.training else 1):  # its last
+            self._ratio_parts, self._ratio_batches = None, 0
             self._log_ratio_metrics(torch.cat([d for d, _ in parts]), torch.cat([r for _, r in parts]))
         return ratio
 

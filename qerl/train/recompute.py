@@ -3,18 +3,28 @@
 trl switches gradient checkpointing on for every run: each decoder layer's forward runs twice, once in the forward
 and again inside the backward, for memory the card may well have free (docs/performance.md, "Training pass").
 ``QeRLConfig`` leaves the flag unset on CUDA (without CUDA it stays on, as before); ``AutoRecompute`` then decides
-before each training pass (one micro-batch's forward + backward): no recompute while the card's free memory covers
-:func:`no_recompute_bytes` for that pass's rows and padded length, full recompute from the first pass where it does
-not, for the rest of the run (one way, so a run does not alternate). ``True`` / ``False`` are trl's, as before.
+before each training pass (one micro-batch's forward + backward) how it runs, weighing :func:`no_recompute_bytes` for
+its padded length against the card's free memory:
 
-The choice changes time and memory, never the numbers: the recompute replays the same ops on the same inputs, so the
-loss and every gradient are bitwise the same (``tests/test_recompute.py``).
+* no recompute, the micro-batch in one piece, while the whole pass fits;
+* no recompute, the micro-batch in row chunks (``qerl.train.chunked_pass``: each chunk's forward + backward in turn,
+  the loss and metrics still the whole micro-batch's), when one chunk fits and the whole does not: the fewest chunks
+  whose largest fits (:func:`chunk_rows`);
+* full recompute when not even one row fits, or the pass cannot be chunked (``--pass_chunk_rows 0``, a loss whose
+  chunks qerl cannot normalise: ``chunked_pass.refusal``).
+
+One way within a run: a chunk never grows back and full recompute stays, so a run does not alternate and logs each
+change in one line. ``True`` / ``False`` are trl's, as before, in one piece unless ``--pass_chunk_rows`` asks chunks.
+
+None of it changes the numbers beyond the order of sums: the recompute replays the same ops on the same inputs, so
+the loss and every gradient are bitwise the same (``tests/test_recompute.py``); chunks change only how the
+micro-batch's sums are split (``tests/test_chunked_pass.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -101,45 +111,66 @@ def enable_recompute(model: nn.Module, gradient_checkpointing_kwargs: dict[str, 
     )
 
 
-class AutoRecompute:
-    """Mixin over trl's ``GRPOTrainer``: with ``gradient_checkpointing`` unset, the recompute choice of each training
-    pass (see the module docstring), logged in one line when it is made and when it changes.
+def chunk_rows(rows: int, fits: Callable[[int], bool]) -> int:
+    """Rows per chunk of a pass over ``rows`` rows: all of them where ``fits(rows)``; else the fewest chunks whose
+    largest fits, as even as they come (8 rows of which 5 fit: two chunks of 4; of which 3 fit: 3, 3 and 2); 0 where not
+    even one row fits. ``fits`` is tried from ``rows`` down, so it must turn false as the rows grow, as memory does."""
+    largest = next((c for c in range(rows, 0, -1) if fits(c)), 0)
+    return -(-rows // -(-rows // largest)) if largest else 0
 
-    ``recompute_passes`` (set by the trainer's ``__init__``) counts the training passes run in each mode, ``none``
-    and ``full``, whatever decided it: the benchmarks record it."""
+
+class AutoRecompute:
+    """Mixin over trl's ``GRPOTrainer``: with ``gradient_checkpointing`` unset, the plan of each training pass (see the
+    module docstring), logged in one line when it is made and when it changes; ``qerl.train.chunked_pass`` asks for it
+    before each pass and runs it."""
 
     _recompute: str | None = None  # the mode of the passes so far: None before the first, then "none" or "full"
-    recompute_passes: dict[str, int]
+    _chunk: int | None = None  # rows per chunk of the passes so far; a later pass's chunk is at most this
 
-    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.model.training and torch.is_grad_enabled():
-            if self.args.gradient_checkpointing is None and self._recompute != "full":
-                self._choose_recompute(inputs)
-            self.recompute_passes["full" if self.model.is_gradient_checkpointing else "none"] += 1
-        return super().compute_loss(model, inputs, *args, **kwargs)
-
-    def _choose_recompute(self, inputs: dict[str, Any]) -> None:
+    def _choose_recompute(self, inputs: dict[str, Any], chunks: bool) -> int:
+        """Rows per forward + backward of this pass (all its rows: one piece, with full recompute if it came to that);
+        ``chunks``: whether the pass may run in row chunks."""
         rows, prompt = inputs["prompt_ids"].shape
         tokens = prompt + inputs["completion_ids"].shape[1]
         masked = not (bool(inputs["prompt_mask"].all()) and bool(inputs["completion_mask"].all()))
-        need = self._pass_bytes(rows, tokens, masked) + self._unallocated_state_bytes()
+        state = self._unallocated_state_bytes()
         memory = device_memory(inputs["prompt_ids"].device)
         room = None if memory is None else memory[0] - HEADROOM * memory[1]
-        mode = "none" if room is not None and need <= room else "full"
-        if mode != self._recompute:
+
+        def need(c: int) -> int:
+            return self._pass_bytes(c, tokens, masked) + state
+
+        def fits(c: int) -> bool:
+            return room is not None and c <= (self._chunk or rows) and need(c) <= room
+
+        chunk = self._agreed(chunk_rows(rows, fits) if chunks else (rows if fits(rows) else 0))
+        mode = "none" if chunk else "full"
+        if (mode, chunk) != (self._recompute, self._chunk):
             free = "no CUDA memory to measure" if room is None else f"{room / 1e9:.1f} GB free besides the headroom"
+            piece = f" in chunks of {chunk} rows" if 0 < chunk < rows else ""
+            each = f", a chunk of {chunk} rows ~{need(chunk) / 1e9:.1f} GB" if piece else ""
             logger.info(
-                "activation recompute: %s from step %d (a pass of %d x %d tokens needs ~%.1f GB without it; %s)",
+                "activation recompute: %s%s from step %d (a pass of %d x %d tokens needs ~%.1f GB without it%s; %s)",
                 mode,
+                piece,
                 self.state.global_step,
                 rows,
                 tokens,
-                need / 1e9,
+                need(rows) / 1e9,
+                each,
                 free,
             )
             if mode == "full":
                 enable_recompute(self.model, self.args.gradient_checkpointing_kwargs)
-        self._recompute = mode
+        self._recompute, self._chunk = mode, chunk
+        return chunk or rows
+
+    def _agreed(self, chunk: int) -> int:
+        """The smallest of every data-parallel rank's choice: each rank must run as many pieces, since trl's loss
+        gathers its metrics across the ranks in every piece (one rank that recomputes makes every rank recompute)."""
+        if self.accelerator.num_processes == 1:
+            return chunk
+        return int(self.accelerator.gather(torch.tensor([chunk], device=self.accelerator.device)).min())
 
     def _pass_bytes(self, rows: int, tokens: int, masked: bool) -> int:
         from qerl.load.loader import is_nvfp4_model
@@ -170,6 +201,7 @@ class AutoRecompute:
 __all__ = [
     "AutoRecompute",
     "HEAD_ACTIVATIONS",
+    "chunk_rows",
     "device_memory",
     "enable_recompute",
     "no_recompute_bytes",

@@ -8,7 +8,8 @@ What is overridden, and why (tested against trl 1.16; ``TRL_RANGE`` below):
   the adapter unmerged. AQN wraps exactly this call: noise in before, clean weights back after.
   These rollout-side hooks live in ``qerl.train.rollout_hooks`` (a mixin of this class).
 * ``compute_loss``: with ``gradient_checkpointing`` unset, whether this training pass recomputes activations
-  (``qerl.train.recompute``, a mixin of this class).
+  (``qerl.train.recompute``), and a pass in row chunks where a chunk's activations fit and the whole's do not, or
+  ``--pass_chunk_rows`` asks it (``qerl.train.chunked_pass``, a mixin of this class).
 * ``training_step``: trl's step under ``cudnn_attention_disabled`` (cuDNN's attention backward can
   return NaN gradients on Hopper; see that function).
 * ``log``: adds sigma, rollout tokens/s and peak GPU memory to trl's metrics (reward mean/std per
@@ -62,9 +63,9 @@ from qerl import arch
 from qerl.fsutil import atomic_write_text
 from qerl.load.integrity import check_tensor
 from qerl.train.aqn import NormNoise
+from qerl.train.chunked_pass import ChunkedPass
 from qerl.train.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.train.is_ratio import LossPassRatio
-from qerl.train.recompute import AutoRecompute
 from qerl.train.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.train.rollout_hooks import RolloutHooks
 
@@ -150,7 +151,7 @@ def keep_trainable_fp32(model: nn.Module) -> list[str]:
     return upcast
 
 
-class QeRLTrainer(RolloutHooks, LossPassRatio, AutoRecompute, GRPOTrainer):
+class QeRLTrainer(RolloutHooks, LossPassRatio, ChunkedPass, GRPOTrainer):
     """GRPO/DAPO on NVFP4 (or bf16) models with LoRA, qerl rollouts and AQN."""
 
     _tag_names = ["trl", "grpo", "qerl"]
@@ -198,7 +199,8 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, AutoRecompute, GRPOTrainer):
         self._noise: NormNoise | None = None
         self._rollout_index = (-1, 0)  # (global step, rollouts drawn at that step): seeds the sampler
         self._resume_marker: dict[str, Any] | None = None
-        self.recompute_passes = {"none": 0, "full": 0}
+        self.recompute_passes, self.chunk_passes = {"none": 0, "full": 0}, {}
+        self.check_pass_chunks()
         self.add_callback(MetricsFile())
         if self.rollout_func is not None:
             self.rollout_func = self._in_rollout_mode(self.rollout_func)
