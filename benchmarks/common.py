@@ -152,17 +152,17 @@ class Layer:
         kernel's K order, as the rollout engine's producers write it (no permute inside the timed call), and launched as
         the engine launches it (``pdl``: the calls of the graph overlap as the engine's chain of kernels does)."""
         from qerl.kernels import fp4_gemm as fg
-        from qerl.kernels import reference
+        from qerl.kernels import gluon_layout
 
-        permuted = config is None and fg.gluon_takes(x.shape[0], self.n, self.k, x.dtype, x.device)
-        xin = reference.nibble_major(x) if permuted else x
+        gluon_k = config is None and fg.gluon_takes(x.shape[0], self.n, self.k, x.dtype, x.device)
+        xin = gluon_layout.to_gluon_k(x) if gluon_k else x
         return [
             lambda q=q: fg.matmul(
                 xin,
                 q,
                 config=config,
-                x_permuted=permuted,
-                pdl=permuted,
+                gluon_k=gluon_k,
+                pdl=gluon_k,
             )
             for q in self.q
         ]

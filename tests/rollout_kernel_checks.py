@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from qerl.kernels import fused_step, plan, reference, step_base, step_sampler
-from qerl.kernels.reference import nibble_major
+from qerl.kernels.gluon_layout import to_gluon_k
 from qerl.load.linear import stack_fused_groups
 from qerl.rollout.layers import Group, Norm, Proj
 
@@ -104,35 +104,33 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         _close(hc, ref_h, tol, "rms_norm in-place residual")
         _close(x3, ref_x, tol, "rms_norm output")
 
-    # Outputs in the Gluon decode kernel's K order (permute=True): the same values, each row permuted
-    # as reference.nibble_major does it; rows that are not whole 256-element steps are refused.
+    # Outputs in the Gluon decode kernel's K order (gluon_k=True): the same values, each row permuted
+    # as gluon_layout.to_gluon_k does it; rows that are not whole 256-element steps are refused.
     h, d, w, g, u = rnd(3, 512), rnd(3, 512), rnd(512, scale=0.3) + 1, rnd(3, 512), rnd(3, 512)
     natural = fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6).cpu()
-    assert torch.equal(fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6, permute=True).cpu(), nibble_major(natural))
+    assert torch.equal(fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6, gluon_k=True).cpu(), to_gluon_k(natural))
     natural = fused_step.silu_mul(dev(g), dev(u)).cpu()
-    assert torch.equal(fused_step.silu_mul(dev(g), dev(u), permute=True).cpu(), nibble_major(natural))
-    # The fused shrinks with permute: the output permuted, u (reduced from the natural-order values) bitwise the same.
+    assert torch.equal(fused_step.silu_mul(dev(g), dev(u), gluon_k=True).cpu(), to_gluon_k(natural))
+    # The fused shrinks with gluon_k: the output permuted, u (reduced from the natural-order values) bitwise the same.
     a = rnd(24, 512, scale=0.1)
     bounds = (8, 16)
     for rb in (0, 2):
         hout, natural, u_nat = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, rb=rb)
         hout_p, permuted, u_p = fused_step.rms_norm_shrink(
-            dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, permute=True, rb=rb
+            dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, gluon_k=True, rb=rb
         )
-        assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())), (
-            f"rms_norm_shrink(permute=True, rb={rb}) output"
-        )
+        assert torch.equal(permuted.cpu(), to_gluon_k(natural.cpu())), f"rms_norm_shrink(gluon_k=True, rb={rb}) output"
         assert torch.equal(u_p, u_nat) and torch.equal(hout_p, hout), (
-            f"rms_norm_shrink(permute=True, rb={rb}) u / residual"
+            f"rms_norm_shrink(gluon_k=True, rb={rb}) u / residual"
         )
     natural, u_nat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
-    permuted, u_p = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a), permute=True)
-    assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())) and torch.equal(u_p, u_nat), (
-        "silu_mul_shrink(permute=True)"
+    permuted, u_p = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a), gluon_k=True)
+    assert torch.equal(permuted.cpu(), to_gluon_k(natural.cpu())) and torch.equal(u_p, u_nat), (
+        "silu_mul_shrink(gluon_k=True)"
     )
     try:
-        fused_step.rms_norm(dev(h[:, :200]), None, dev(w[:200]), 1e-6, permute=True)
-        raise AssertionError("rms_norm(permute=True) accepted rows of 200")
+        fused_step.rms_norm(dev(h[:, :200]), None, dev(w[:200]), 1e-6, gluon_k=True)
+        raise AssertionError("rms_norm(gluon_k=True) accepted rows of 200")
     except ValueError as err:
         assert "256" in str(err)
 
@@ -175,13 +173,13 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     check_qk_norm_in_attention(rnd, dev, dev(a), tol)
     qw, kw, vw = rnd(b, 16, hd), rnd(b, nkv, s, hd).to(device), rnd(b, nkv, s, hd).to(device)  # 16 heads x 16 = 256
     natural = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5)[0].cpu()
-    permuted = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, permute=True)[0].cpu()
-    assert torch.equal(permuted, nibble_major(natural)), "decode_attention(permute=True)"
+    permuted = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, gluon_k=True)[0].cpu()
+    assert torch.equal(permuted, to_gluon_k(natural)), "decode_attention(gluon_k=True)"
     a = rnd(12, 256, scale=0.1)
     _, u_nat = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a))
-    permuted, u_p = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a), permute=True)
-    assert torch.equal(permuted.cpu(), nibble_major(natural)) and torch.equal(u_p, u_nat), (
-        "decode_attention(permute, shrink)"
+    permuted, u_p = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a), gluon_k=True)
+    assert torch.equal(permuted.cpu(), to_gluon_k(natural)) and torch.equal(u_p, u_nat), (
+        "decode_attention(gluon_k, shrink)"
     )
 
     check_finish_step(device)

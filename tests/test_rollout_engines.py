@@ -423,7 +423,7 @@ def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.Monk
     lowered to this small model's GEMMs) or of at most ``DIRECT_MAX_M`` rows (the
     mma.sync kernel) on a model whose GEMM inputs are whole 256-code K steps run every decode GEMM on that
     Gluon kernel with x already in its K order (written so by the producing norm / attention / SiLU kernels;
-    the LoRA shrinks fused into them at 6 and 20 rows, through ``lora_a_gluon`` at 40): no per-call permute, and
+    the LoRA shrinks fused into them at 6 and 20 rows, through ``lora_a_gluon_k`` at 40): no per-call permute, and
     the logits match the Triton-kernel engine's (<= 1% of max |logit|) and HF's forward (<= 5%)."""
     from qerl.kernels import fp4_direct, fp4_gluon
     from qerl.kernels import schedule as sch
@@ -441,7 +441,7 @@ def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.Monk
     calls: list[bool] = []
 
     def counted(*args, _f=module.matmul, **kwargs):
-        calls.append(kwargs.get("permuted", kernel == "direct"))  # fp4_gemm sends the direct kernel permuted x only
+        calls.append(kwargs.get("gluon_k", kernel == "direct"))  # fp4_gemm sends the direct kernel permuted x only
         return _f(*args, **kwargs)
 
     monkeypatch.setattr(module, "matmul", counted)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qerl.kernels import backend, reference, schedule
+from qerl.kernels import backend, gluon_layout, reference, schedule
 from qerl.load.linear import NVFP4Linear
 from qerl.nvfp4 import NVFP4Tensors
 from qerl.rollout import decoder
@@ -68,8 +68,8 @@ def _group(shapes: list[tuple[int, int]], bias: bool, lora: bool, stacked: bool,
     if lora:
         r = RANK * len(projs)
         group.lora_a = torch.empty(r, k, device="meta")
-        if device.type == "cuda" and k % reference.GLUON_K_STEP == 0:
-            group.lora_a_gluon = torch.empty(r, k, device="meta")
+        if device.type == "cuda" and gluon_layout.fits(k):
+            group.lora_a_gluon_k = torch.empty(r, k, device="meta")
         for j, p in enumerate(projs):
             p.lora_slice = slice(j * RANK, (j + 1) * RANK)
             p.lora_b = torch.empty(p.base.out_features, RANK, device="meta")
@@ -138,7 +138,7 @@ def _producer(op: functools.partial) -> str:
     kw = op.keywords
     r = kw.get("r")
     fuse = r is not None and r.fuse
-    gluon_k = kw.get("permute", False) or (r is not None and r.permute)
+    gluon_k = kw.get("gluon_k", False) or (r is not None and r.gluon_k)
     return PRODUCERS[op.func] + ("+s" if fuse else "") + (":g" if gluon_k else "")
 
 
@@ -158,7 +158,7 @@ def _projection(op: Callable, proj: Proj, m: int, view: ModelPlan) -> str:
 
 def _group_op(op: functools.partial, group: Group, m: int, view: ModelPlan) -> str:
     if op.func is decoder.stacked_forward:
-        gluon_k = op.keywords["permuted"]
+        gluon_k = op.keywords["gluon_k"]
         n = sum(group.fp4_launch()[0].splits)
         k = group.projs[0].base.in_features
         return f"1{':g' if gluon_k else ''}:{_gemm(m, n, k, view.dtype, view.device, gluon_k)}"

@@ -74,13 +74,13 @@ def nvfp4_group_decode(
     splits: tuple[int, ...],
     *,
     epilogue: Epilogue = PLAIN,
-    x_permuted: bool = False,
+    gluon_k: bool = False,
     pdl: bool = False,
 ) -> list[torch.Tensor]:
     """One to three projections that read the same x and whose weights are stacked row-wise (``splits``
     rows each, one global scale): one launch instead of one per projection, each output a contiguous
-    ``[..., N_j]`` tensor. For the rollout engine (no autograd). ``x_permuted``: x is in the Gluon
-    decode kernel's K order (see ``gluon_order``). ``pdl``: the weights are frozen (no kernel in flight writes them), so
+    ``[..., N_j]`` tensor. For the rollout engine (no autograd). ``gluon_k``: x is in the Gluon K
+    order (``gluon_layout``; see ``gluon_order``). ``pdl``: the weights are frozen (no kernel in flight writes them), so
     the decode kernels may launch with programmatic dependent launch (``qerl/kernels/pdl.py``).
 
     Why: q/k/v and gate/up as separate launches cost the 7B decode step 27-42% more FP4-kernel time
@@ -104,9 +104,9 @@ def nvfp4_group_decode(
     if ops.use_triton(x2):
         from qerl.kernels import fp4_gemm
 
-        flat = fp4_gemm.matmul(x2, weight, epilogue=epilogue, x_permuted=x_permuted, pdl=pdl)
-    elif x_permuted:
-        raise ValueError("x_permuted: the Gluon K order is for the CUDA decode kernels only")
+        flat = fp4_gemm.matmul(x2, weight, epilogue=epilogue, gluon_k=gluon_k, pdl=pdl)
+    elif gluon_k:
+        raise ValueError("gluon_k: the Gluon K order is for the CUDA decode kernels only")
     else:
         flat = reference.mm(x2, weight, epilogue)
     outs, start = [], 0
@@ -118,8 +118,8 @@ def nvfp4_group_decode(
 
 def gluon_order(rows: int, n: int, k: int, x: torch.Tensor) -> bool:
     """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device to ``n`` outputs runs a Gluon kernel,
-    which reads x in their K order (``fp4_base.nibble_major``; ``fp4_gemm.gluon_takes``): the rollout engine
-    then has the op producing x write it so (``fused_step``, ``permute=True``) instead of permuting it per call."""
+    which reads x in their K order (``gluon_layout``; ``fp4_gemm.gluon_takes``): the rollout engine
+    then has the op producing x write it so (``fused_step``, ``gluon_k=True``) instead of permuting it per call."""
     if not ops.use_triton(x):
         return False
     from qerl.kernels import fp4_gemm

@@ -13,7 +13,7 @@ warpgroup to issue it (docs/kernels.md#direct-kernel). Here:
   as int32 words (``word_layout``; int16 elements cost PRMTs a step) and decoded on the word by
   ``fp4_base.nibble_asm`` (``word_nibble``), times the fp8 block scale converted once per (row, group)
   (``gluon_base.scale_layout``): exact, as in the other kernels;
-* x comes in the Gluon K order (``fp4_base.nibble_major``), so nibble ``i``'s x for a K step is 64 contiguous
+* x comes in the Gluon K order (``gluon_layout``), so nibble ``i``'s x for a K step is 64 contiguous
   elements, cp.async'd into a ring of up to ``MAX_STEPS`` K steps (4 KB each) and read with 16-byte LDS (read from
   global memory inside the loop it missed L1 every step);
 * with programmatic dependent launch (``pdl.py``) a slice's first weights are loaded before the wait for the kernel
@@ -293,7 +293,7 @@ def matmul(
     pdl: bool = False,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (the ``epilogue``; operands checked there when it dispatches here) for
-    an x already in the Gluon K order (``reference.nibble_major``); see ``supports`` for what it takes. ``split``: K
+    an x already in the Gluon K order (``gluon_layout``); see ``supports`` for what it takes. ``split``: K
     slices (0: ``decode_split``'s choice). ``pdl``: a programmatic dependent launch (``pdl.py``; the caller vouches
     that no kernel in flight writes the weights)."""
     check_act(x)

@@ -4,7 +4,7 @@ Callers (``ops``, ``nvfp4_group_decode``, the benchmarks) reach every FP4 kernel
 with the rollout engine's bias, LoRA-expand and segmented-layout epilogue) and ``matmul_t`` (grad_x); the kernels
 sit one family a module below it:
 
-* decode-sized M (<= ``schedule.DECODE_MAX_M``): on Hopper, for x in the Gluon K order (``fp4_base.nibble_major``),
+* decode-sized M (<= ``schedule.DECODE_MAX_M``): on Hopper, for x in the Gluon K order (``gluon_layout``),
   ``fp4_direct`` (mma.sync, up to ``schedule.DIRECT_MAX_M`` rows) or ``fp4_gluon`` (TMA/wgmma, above
   ``schedule.GLUON_MIN_M`` rows, above ``DIRECT_MAX_M`` for GEMMs of at least ``schedule.GLUON_MIN_WEIGHTS`` weights,
   at any row count for those ``fp4_direct.refills``): ``gluon_takes``; everything else ``fp4_decode`` (Triton);
@@ -43,7 +43,7 @@ class Request(NamedTuple):
 
     m: int  #: x's rows
     config: DecodeConfig | None  #: an explicit Triton decode schedule (tests, tuning), else None
-    x_permuted: bool  #: x is in the Gluon kernels' K order (``nibble_major``)
+    gluon_k: bool  #: x is in the Gluon K order (``gluon_layout``)
     gluon: str | None  #: the Gluon kernel ``gluon_takes`` gives the GEMM: "tma", "direct" or None
     pdl: bool  #: the caller allows programmatic dependent launch (``pdl.gemm_launch``)
 
@@ -58,7 +58,7 @@ def _dequantized(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torc
 
 
 def _tma(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Tensor | None, req: Request):
-    return fp4_gluon.matmul(x, weight, epilogue=epi, out=out, permuted=req.x_permuted, pdl=req.pdl)
+    return fp4_gluon.matmul(x, weight, epilogue=epi, out=out, gluon_k=req.gluon_k, pdl=req.pdl)
 
 
 def _direct(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Tensor | None, req: Request):
@@ -73,8 +73,8 @@ def _triton(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Ten
 ROUTES: tuple[tuple[Launcher, Callable[[Request], bool]], ...] = (
     (_dequantized, lambda r: r.m > DECODE_MAX_M),
     (_tma, lambda r: r.gluon == "tma"),
-    (_direct, lambda r: r.gluon == "direct" and r.x_permuted),
-    (_triton, lambda r: not r.x_permuted),
+    (_direct, lambda r: r.gluon == "direct" and r.gluon_k),
+    (_triton, lambda r: not r.gluon_k),
 )
 
 
@@ -85,15 +85,15 @@ def matmul(
     epilogue: Epilogue = PLAIN,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
-    x_permuted: bool = False,
+    gluon_k: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
     """y = x @ W_hat^T and the ``epilogue`` (bias, LoRA expand, segmented y / u) for 2-D bf16/fp16 x on CUDA, on the
     first kernel of ``ROUTES`` whose condition holds.
 
     An explicit ``DecodeConfig`` sets the Triton decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
-    contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer. ``x_permuted``: x is in the Gluon
-    kernels' K order (``nibble_major``); only for GEMMs ``gluon_takes``. ``pdl``: the Gluon kernels launch with
+    contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer. ``gluon_k``: x is in the Gluon K
+    order (``gluon_layout``); only for GEMMs ``gluon_takes``. ``pdl``: the Gluon kernels launch with
     programmatic dependent launch where ``pdl.gemm_launch`` allows it (``qerl/kernels/pdl.py``); the caller vouches
     that no kernel still in flight writes the weight (a model's frozen base weights).
     """
@@ -106,13 +106,12 @@ def matmul(
     if M > DECODE_MAX_M and config is not None:
         raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
     decode = M <= DECODE_MAX_M and config is None
-    req = Request(M, config, x_permuted, _gluon_kernel(M, N, K, x.dtype, x.device) if decode else None, pdl)
+    req = Request(M, config, gluon_k, _gluon_kernel(M, N, K, x.dtype, x.device) if decode else None, pdl)
     for launch, applies in ROUTES:
         if applies(req):
             return launch(x.contiguous(), weight, epilogue, out, req)
     raise ValueError(
-        f"x in the Gluon kernels' K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
-        f"{x.dtype}, config={config}"
+        f"x in the Gluon K order (gluon_k) needs a GEMM gluon_takes, got M={M}, K={K}, {x.dtype}, config={config}"
     )
 
 
@@ -129,7 +128,7 @@ def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:
 
 def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``matmul`` runs an [M, K] x [K, N] decode GEMM on a Gluon kernel that reads x in its K order
-    (``nibble_major``), so the op producing x should write it so (the rollout engine asks this):
+    (``gluon_layout``), so the op producing x should write it so (the rollout engine asks this):
 
     * above ``GLUON_MIN_M`` rows, from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least ``GLUON_MIN_WEIGHTS``
       weights, and at fewer rows for GEMMs whose split-K slices the mma.sync kernel would stream through its
@@ -137,7 +136,7 @@ def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
       ``schedule.SWITCHES.gluon_decode``: sm_90, bf16, M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is
       not in that order itself;
     * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,
-      ``schedule.SWITCHES.direct_decode``), for an x already in that order (``x_permuted``); an x in natural order
+      ``schedule.SWITCHES.direct_decode``), for an x already in that order (``gluon_k``); an x in natural order
       takes ``fp4_decode`` (a direct kernel reading natural order was 2% faster at M=1 but ~48% slower at
       M=8: docs/kernels.md#direct-max-m).
 

@@ -7,7 +7,7 @@ attention before o, the SiLU gating before down) has three ways to run, and a ``
 * the torch reference (``reference``: CPU, fp32, ``QERL_TRITON=0``), the group's LoRA shrink one matmul after it;
 * the fused Triton kernel (``fused_step``) with the group's shrink reduced inside it (at most ``fuse_max_rows``
   rows: docs/kernels.md#fused-lora-rows), or as one matmul after it;
-* either kernel writing its output in the Gluon decode kernels' K order (``permute``) when the group's one FP4
+* either kernel writing its output in the Gluon decode kernels' K order (``gluon_k``) when the group's one FP4
   launch reads that order (``gluon_order``): this replaces a permute launch per GEMM (4 a layer: ~0.34 ms of a 7B
   b=64 step).
 
@@ -59,12 +59,12 @@ class LoraU:
 LoraInputs = LoraU | None
 
 
-def lora_inputs(x: torch.Tensor, group: Any, permuted: bool = False) -> LoraInputs:
+def lora_inputs(x: torch.Tensor, group: Any, gluon_k: bool = False) -> LoraInputs:
     """``u_j = x @ A_j.T`` for every LoRA-wrapped projection of the group: one matmul (None without LoRA).
-    ``permuted``: x is in the Gluon kernel's K order, so A's columns are taken in that order too."""
+    ``gluon_k``: x is in the Gluon kernel's K order, so A's columns are taken in that order too."""
     if group is None or group.lora_a is None:
         return None
-    return LoraU(x @ (group.lora_a_gluon if permuted else group.lora_a).t(), None, x.shape[:-1])
+    return LoraU(x @ (group.lora_a_gluon_k if gluon_k else group.lora_a).t(), None, x.shape[:-1])
 
 
 def segmented(flat: torch.Tensor, like: torch.Tensor, group: Any) -> LoraU:
@@ -87,24 +87,24 @@ def qk_norm(
 @dataclass(frozen=True)
 class Route:
     """How the op producing a group's input runs: ``kernel`` (the fused Triton kernel, else the torch reference),
-    ``fuse`` (the group's LoRA shrink inside that kernel), ``permute`` (its output in the Gluon K order), and
+    ``fuse`` (the group's LoRA shrink inside that kernel), ``gluon_k`` (its output in the Gluon K order), and
     ``stacked`` (the group's projections as one FP4 launch, ``decoder.stacked_forward``)."""
 
     kernel: bool
     fuse: bool = False
-    permute: bool = False
+    gluon_k: bool = False
     stacked: bool = False
 
 
 def gluon_order(like: torch.Tensor, rows: int, k: int, group: Any, stack: bool) -> bool:
     """Whether the op producing the group's input (``rows`` x ``k``) writes it in the Gluon decode kernels' K order:
     the group runs as one FP4 launch (``stack``: row-stacked groups may) that takes one of them
-    (``kernels.gluon_order``), and its shrink, if any, has ``lora_a_gluon`` (used when the shrink is not fused)."""
+    (``kernels.gluon_order``), and its shrink, if any, has ``lora_a_gluon_k`` (used when the shrink is not fused)."""
     launch = None if group is None else group.fp4_launch()
     return (
         launch is not None
         and (stack or group.stacked is None)
-        and (group.lora_a is None or group.lora_a_gluon is not None)
+        and (group.lora_a is None or group.lora_a_gluon_k is not None)
         and kernels.gluon_order(rows, sum(launch[0].splits), k, like)
     )
 
@@ -116,12 +116,12 @@ def route(
     of the module doc); ``group`` None: an op feeding no projection (the final norm). ``natural``: that op is not
     one of these (prefill's attention), so its output stays in natural K order."""
     kernel = backend.available(like)
-    permute = not natural and gluon_order(like, rows, k, group, stack)
+    gluon_k = not natural and gluon_order(like, rows, k, group, stack)
     return Route(
         kernel=kernel,
         fuse=kernel and group is not None and group.lora_a is not None and rows <= fuse_max_rows,
-        permute=permute,
-        stacked=group is not None and (permute or (stack and group.stacked is not None and kernel)),
+        gluon_k=gluon_k,
+        stacked=group is not None and (gluon_k or (stack and group.stacked is not None and kernel)),
     )
 
 
@@ -135,14 +135,14 @@ def _norm_reference(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Any, g
     return h, x, lora_inputs(x, group)
 
 
-def _norm_kernel(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Any, group: Any, permute: bool) -> tuple:
-    x = kernels.step_kernels().rms_norm(h, delta, norm.weight, norm.eps, permute=permute)
-    return h, x, lora_inputs(x, group, permute)
+def _norm_kernel(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Any, group: Any, gluon_k: bool) -> tuple:
+    x = kernels.step_kernels().rms_norm(h, delta, norm.weight, norm.eps, gluon_k=gluon_k)
+    return h, x, lora_inputs(x, group, gluon_k)
 
 
-def _norm_shrink(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Any, group: Any, permute: bool) -> tuple:
+def _norm_shrink(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Any, group: Any, gluon_k: bool) -> tuple:
     h, x, flat = kernels.step_kernels().rms_norm_shrink(
-        h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds, permute
+        h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds, gluon_k
     )
     return h, x, segmented(flat, x, group)
 
@@ -152,7 +152,7 @@ def norm_op(r: Route, norm: Any, group: Any) -> NormOp:
     stream to carry on with: ``h`` updated in place, or a new tensor when a fused shrink needs ``h`` unchanged."""
     if not r.kernel:
         return functools.partial(_norm_reference, norm=norm, group=group)
-    return functools.partial(_norm_shrink if r.fuse else _norm_kernel, norm=norm, group=group, permute=r.permute)
+    return functools.partial(_norm_shrink if r.fuse else _norm_kernel, norm=norm, group=group, gluon_k=r.gluon_k)
 
 
 # ----------------------------------------------------------------- SiLU gating
@@ -165,13 +165,13 @@ def _silu_reference(gate: torch.Tensor, up: torch.Tensor, *, group: Any) -> tupl
     return act, lora_inputs(act, group)
 
 
-def _silu_kernel(gate: torch.Tensor, up: torch.Tensor, *, group: Any, permute: bool) -> tuple:
-    act = kernels.step_kernels().silu_mul(gate, up, permute=permute)
-    return act, lora_inputs(act, group, permute)
+def _silu_kernel(gate: torch.Tensor, up: torch.Tensor, *, group: Any, gluon_k: bool) -> tuple:
+    act = kernels.step_kernels().silu_mul(gate, up, gluon_k=gluon_k)
+    return act, lora_inputs(act, group, gluon_k)
 
 
-def _silu_shrink(gate: torch.Tensor, up: torch.Tensor, *, group: Any, permute: bool) -> tuple:
-    act, flat = kernels.step_kernels().silu_mul_shrink(gate, up, group.lora_a, permute)
+def _silu_shrink(gate: torch.Tensor, up: torch.Tensor, *, group: Any, gluon_k: bool) -> tuple:
+    act, flat = kernels.step_kernels().silu_mul_shrink(gate, up, group.lora_a, gluon_k)
     return act, segmented(flat, act, group)
 
 
@@ -179,7 +179,7 @@ def silu_op(r: Route, group: Any) -> SiluOp:
     """``(gate, up) -> (silu(gate) * up, lora inputs of group)``."""
     if not r.kernel:
         return functools.partial(_silu_reference, group=group)
-    return functools.partial(_silu_shrink if r.fuse else _silu_kernel, group=group, permute=r.permute)
+    return functools.partial(_silu_shrink if r.fuse else _silu_kernel, group=group, gluon_k=r.gluon_k)
 
 
 # ----------------------------------------------------------------- decode attention
@@ -201,9 +201,9 @@ def _attention_kernel(q, k, v, a: AttentionArgs, *, group: Any, norms: HeadNorms
     fused = kernels.step_kernels()
     q = fused.rope_and_cache(q, k, v, a, norms)
     out, flat = fused.decode_attention(
-        q, a.k_cache, a.v_cache, a.pos, a.scale, group.lora_a if r.fuse else None, permute=r.permute
+        q, a.k_cache, a.v_cache, a.pos, a.scale, group.lora_a if r.fuse else None, gluon_k=r.gluon_k
     )
-    return out, (segmented(flat, out, group) if r.fuse else lora_inputs(out, group, r.permute))
+    return out, (segmented(flat, out, group) if r.fuse else lora_inputs(out, group, r.gluon_k))
 
 
 def _attention_rope_kernel(q, k, v, a: AttentionArgs, *, group: Any, norms: HeadNorms | None, r: Route) -> tuple:
@@ -215,11 +215,11 @@ def _attention_rope_kernel(q, k, v, a: AttentionArgs, *, group: Any, norms: Head
         a.pos,
         a.scale,
         group.lora_a if r.fuse else None,
-        permute=r.permute,
+        gluon_k=r.gluon_k,
         rope=(k, v, a.cos, a.sin),
         qk_norm=norms,
     )
-    return out, (segmented(flat, out, group) if r.fuse else lora_inputs(out, group, r.permute))
+    return out, (segmented(flat, out, group) if r.fuse else lora_inputs(out, group, r.gluon_k))
 
 
 def attention_op(r: Route, group: Any, qk_norms: tuple[Any, Any] | None) -> AttentionOp:

@@ -87,7 +87,7 @@ def group_op(route: Route, group: Group, device: torch.device) -> plan.GroupOp:
     time on ``device`` (on CPU the per-module dense copies of ``dense_forward`` beat dequantizing a stacked weight
     every step)."""
     if route.stacked:
-        return functools.partial(stacked_forward, group=group, permuted=route.permute)
+        return functools.partial(stacked_forward, group=group, gluon_k=route.gluon_k)
     return functools.partial(group_forward, group=group, projs=[projection_op(p, device) for p in group.projs])
 
 
@@ -154,15 +154,15 @@ def group_forward(x: torch.Tensor, lora: LoraInputs = None, *, group: Group, pro
 
 
 def stacked_forward(
-    x: torch.Tensor, lora: LoraInputs = None, *, group: Group, permuted: bool = False
+    x: torch.Tensor, lora: LoraInputs = None, *, group: Group, gluon_k: bool = False
 ) -> list[torch.Tensor]:
     """The group in one ``kernels.nvfp4_group_decode`` call (``Group.fp4_launch``): each output its own
     contiguous tensor, the LoRA expands (a stacked group's block-diagonal ``lora_b``) in the same
-    epilogue. ``permuted``: x is in the Gluon kernel's K order (``plan.gluon_order``)."""
+    epilogue. ``gluon_k``: x is in the Gluon K order (``plan.gluon_order``)."""
     st, lora_b = group.fp4_launch()
     bias = None if st.bias is None else st.bias.to(x.dtype)
     u, bounds, lora_b = (None, None, None) if lora is None else (lora.u, lora.bounds, lora_b)
     epilogue = Epilogue(bias, u, lora_b, lora_bounds=bounds)
     return kernels.nvfp4_group_decode(
-        x, st.weight, st.splits, epilogue=epilogue, x_permuted=permuted, pdl=True
+        x, st.weight, st.splits, epilogue=epilogue, gluon_k=gluon_k, pdl=True
     )  # the base weights are frozen

@@ -27,7 +27,7 @@ from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from qerl import arch, nvfp4
-from qerl.kernels import reference
+from qerl.kernels import gluon_layout
 from qerl.load.linear import NVFP4Linear
 
 
@@ -148,9 +148,9 @@ class Group:
     lora_a: torch.Tensor | None = None  # [sum r, K], compute dtype
     stacked: Stacked | None = None
     lora_b: torch.Tensor | None = None  # [sum N, sum r] block-diagonal, with ``stacked`` only
-    #: ``lora_a`` with its K columns in the Gluon decode kernel's order (``reference.nibble_major``), for
-    #: the shrink of an x written in that order (CUDA, K a multiple of 256; else None).
-    lora_a_gluon: torch.Tensor | None = None
+    #: ``lora_a`` with its K columns in the Gluon K order (``gluon_layout``), for the shrink of an x written in that
+    #: order (CUDA, K whole K steps; else None).
+    lora_a_gluon_k: torch.Tensor | None = None
 
     def fp4_launch(self) -> tuple[Stacked, torch.Tensor | None] | None:
         """The group as one FP4 launch: ``(operands, block-diagonal lora_b)`` from ``stacked``, or a lone
@@ -220,9 +220,9 @@ def _group(modules: list[nn.Module], dtype: torch.dtype, previous: Group | None)
     in_features = first.lora_sources[0][0].shape[1]
     old_a = previous.lora_a if previous is not None else None
     group = Group(projs, _buffer((sum(ranks), in_features), dtype, device, old_a), stacked)
-    if device.type == "cuda" and in_features % reference.GLUON_K_STEP == 0:
-        old = previous.lora_a_gluon if previous is not None else None
-        group.lora_a_gluon = _buffer((sum(ranks), in_features), dtype, device, old)
+    if device.type == "cuda" and gluon_layout.fits(in_features):
+        old = previous.lora_a_gluon_k if previous is not None else None
+        group.lora_a_gluon_k = _buffer((sum(ranks), in_features), dtype, device, old)
     if stacked is not None:
         old = previous.lora_b if previous is not None else None
         group.lora_b = _buffer((sum(stacked.splits), sum(ranks)), dtype, device, old)
@@ -255,8 +255,8 @@ def refresh_lora(group: Group) -> None:
         b = torch.cat([b * s for _, b, s in proj.lora_sources], dim=1)
         group.lora_a[proj.lora_slice].copy_(a)
         proj.lora_b.copy_(b)
-    if group.lora_a_gluon is not None:
-        group.lora_a_gluon.copy_(reference.nibble_major(group.lora_a))
+    if group.lora_a_gluon_k is not None:
+        group.lora_a_gluon_k.copy_(gluon_layout.to_gluon_k(group.lora_a))
 
 
 @dataclass
@@ -339,7 +339,9 @@ class ModelPlan:
             ptrs += [ptr(layer.attn_norm.weight), ptr(layer.mlp_norm.weight)]
             ptrs += [ptr(n.weight) for n in layer.qk_norms or ()]
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                ptrs.append((ptr(group.lora_a), ptr(group.lora_b), ptr(group.lora_a_gluon), group.stacked is not None))
+                ptrs.append(
+                    (ptr(group.lora_a), ptr(group.lora_b), ptr(group.lora_a_gluon_k), group.stacked is not None)
+                )
                 ptrs += [
                     (
                         p.weight_ptr,
