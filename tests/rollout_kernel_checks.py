@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from qerl.kernels import fused_step, plan, reference, step_base, step_sampler
+from qerl.kernels import fused_step, reference, step_base, step_sampler
 from qerl.kernels.gluon_layout import to_gluon_k
 from qerl.load.linear import stack_fused_groups
+from qerl.rollout import step_plan
+from qerl.rollout.decoder import LoraInputs, LoraU, lora_inputs
 from qerl.rollout.layers import Group, Norm, Proj
 
 
@@ -38,18 +40,18 @@ def _group(ranks: list[int], lora_a: torch.Tensor) -> Group:
     return Group(projs, lora_a)
 
 
-#: The torch reference route of ``kernels.plan`` (what CPU rollouts run), the kernels' oracle here.
-_REFERENCE = plan.Route(kernel=False)
+#: The torch reference route of ``rollout.step_plan`` (what CPU rollouts run), the kernels' oracle here.
+_REFERENCE = step_plan.Route(kernel=False)
 
 
 def _ref_norm(
     h: torch.Tensor, norm: Norm, delta: torch.Tensor | None = None, group: Group | None = None
-) -> tuple[torch.Tensor, torch.Tensor, plan.LoraInputs]:
-    return plan.norm_op(_REFERENCE, norm, group)(h, delta)
+) -> tuple[torch.Tensor, torch.Tensor, LoraInputs]:
+    return step_plan.norm_op(_REFERENCE, norm, group)(h, delta)
 
 
-def _ref_silu(gate: torch.Tensor, up: torch.Tensor, group: Group) -> tuple[torch.Tensor, plan.LoraInputs]:
-    return plan.silu_op(_REFERENCE, group)(gate, up)
+def _ref_silu(gate: torch.Tensor, up: torch.Tensor, group: Group) -> tuple[torch.Tensor, LoraInputs]:
+    return step_plan.silu_op(_REFERENCE, group)(gate, up)
 
 
 def _at(
@@ -61,9 +63,9 @@ def _at(
 
 def _ref_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, scale: float, group: Group
-) -> tuple[torch.Tensor, plan.LoraInputs]:
+) -> tuple[torch.Tensor, LoraInputs]:
     out = reference.decode_attention(q, k_cache, v_cache, pos, scale)
-    return out, plan.lora_inputs(out, group)
+    return out, lora_inputs(out, group)
 
 
 def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
@@ -90,7 +92,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
             _close(h_out, ref_h, tol, f"rms_norm_shrink residual (rb={rb})")
             _close(x, ref_x, tol, f"rms_norm_shrink output (rb={rb})")
             for got, want in zip(
-                plan.segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
+                LoraU.from_kernel(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
             ):
                 assert (got is None) == (want is None)
                 if got is not None:
@@ -251,7 +253,7 @@ def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> Non
 
 def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: int = 200) -> None:  # noqa: ANN001
     """Qwen3's per-head q / k norms inside the RoPE kernels: ``rope_and_cache(qk_norm=)`` against torch's
-    ``plan.qk_norm`` + ``reference.rope_and_cache`` (q, k cache, v cache), and ``decode_attention(rope=,
+    ``step_plan.qk_norm`` + ``reference.rope_and_cache`` (q, k cache, v cache), and ``decode_attention(rope=,
     qk_norm=)`` against ``rope_and_cache(qk_norm=)`` + ``decode_attention``: the caches bit for bit (each kernel
     norms a k head as one ``[D]`` vector), the output and the shrink within ``tol``. A q head's sum of squares is
     reduced over a ``[D]`` vector by ``rope_and_cache`` and over a ``[G, D]`` tile by the attention kernel: on a GPU
@@ -270,7 +272,7 @@ def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: in
     norms = (Norm(qw, 1e-6), Norm(kw, 1e-5))
     fused = (dev(qw), dev(kw), 1e-6, 1e-5)
     kr, vr = kc.float().clone(), vc.float().clone()
-    qn, kn = plan.qk_norm(q.float(), k.float(), norms, hd)
+    qn, kn = step_plan.qk_norm(q.float(), k.float(), norms, hd)
     q_ref = reference.rope_and_cache(qn, kn, v.float(), _at(cos.float(), sin.float(), pos, kr, vr))
     k1, v1 = dev(kc), dev(vc)
     q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), _at(dev(cos), dev(sin), dev(pos), k1, v1), fused)
@@ -325,7 +327,7 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
                 assert torch.equal(flat, fused_step.rms_norm_shrink(*args, rb=rb)[2]), "rms_norm_shrink not repeatable"
                 _close(x, ref_x, tol, "7b rms_norm_shrink output")
                 for got, want in zip(
-                    plan.segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
+                    LoraU.from_kernel(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
                 ):
                     _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks}, rb={rb})")
         g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)

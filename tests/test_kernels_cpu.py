@@ -282,8 +282,8 @@ def test_direct_decode_split_counts() -> None:
     assert split(37888, 3584, sch.DECODE_PROGRAM_STEPS) == 3
 
 
-def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which decode kernel ``gluon_takes`` consults: the mma.sync kernel up to 8 rows (but the TMA/wgmma kernel
+def test_gluon_kernel_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which decode kernel ``gluon_kernel`` gives a GEMM: the mma.sync kernel up to 8 rows (but the TMA/wgmma kernel
     where its split-K slices would refill its x ring), the TMA/wgmma kernel above 16, and from 9 to 16 rows only
     for GEMMs of at least ``GLUON_MIN_WEIGHTS`` weights (7B gate_up and down, not its q/k/v or o:
     docs/kernels.md#gluon-min-weights); the rest take the Triton kernel."""
@@ -300,8 +300,9 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
 
     def route(m: int, n: int, k: int) -> str | None:
         asked.clear()
-        taken = fp4_gemm.gluon_takes(m, n, k, torch.bfloat16, torch.device("cpu"))
-        return asked[0] if taken else None
+        taken = fp4_gemm.gluon_kernel(m, n, k, torch.bfloat16, torch.device("cpu"))
+        assert taken is None or taken == asked[0]
+        return taken
 
     assert route(8, 37888, 3584) == "direct"
     assert [route(m, 37888, 3584) for m in (9, 12, 16)] == ["tma"] * 3  # 7B gate_up

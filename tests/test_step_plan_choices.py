@@ -20,7 +20,6 @@ import functools
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,12 +27,12 @@ import torch
 from qerl.kernels import backend, gluon_layout, reference, schedule
 from qerl.load.linear import NVFP4Linear
 from qerl.nvfp4 import NVFP4Tensors
-from qerl.rollout import decoder
-from qerl.rollout.layers import Group, LayerPlan, ModelPlan, Norm, Proj, Stacked
+from qerl.rollout import decoder, step_plan
+from qerl.rollout.layers import Group, LayerView, ModelView, Norm, Proj, Stacked
 
 fp4_gemm = pytest.importorskip("qerl.kernels.fp4_gemm")
 pytest.importorskip("triton.experimental.gluon")
-from qerl.kernels import fp4_direct, fp4_gluon, plan  # noqa: E402  (after the skips: they need Triton's Gluon)
+from qerl.kernels import fp4_direct, fp4_gluon  # noqa: E402  (after the skips: they need Triton's Gluon)
 
 TABLE = Path(__file__).parent / "data" / "step_plan_choices.txt"
 CUDA = torch.device("cuda", 0)
@@ -76,14 +75,14 @@ def _group(shapes: list[tuple[int, int]], bias: bool, lora: bool, stacked: bool,
     return group
 
 
-def _view(model: str, lora: bool, stacked: bool, dtype: torch.dtype, device: torch.device) -> ModelPlan:
+def _view(model: str, lora: bool, stacked: bool, dtype: torch.dtype, device: torch.device) -> ModelView:
     """Two layers of ``model``'s shapes (the second layer's norm feeds the final norm)."""
     hidden, inter, heads, kv, hd, bias = MODELS[model]
     norm = Norm(torch.empty(hidden, device="meta"), 1e-6)
     qkv = [(hidden, heads * hd), (hidden, kv * hd), (hidden, kv * hd)]
 
-    def layer() -> LayerPlan:
-        return LayerPlan(
+    def layer() -> LayerView:
+        return LayerView(
             attn_norm=norm,
             qkv=_group(qkv, bias, lora, stacked, device),
             o=_group([(heads * hd, hidden)], False, lora, stacked, device),
@@ -92,17 +91,15 @@ def _view(model: str, lora: bool, stacked: bool, dtype: torch.dtype, device: tor
             down=_group([(inter, hidden)], False, lora, stacked, device),
         )
 
-    return ModelPlan(None, None, [layer(), layer()], norm, None, None, heads, kv, hd, None, dtype, device)
+    return ModelView(None, None, [layer(), layer()], norm, None, None, heads, kv, hd, None, dtype, device)
 
 
 def _gemm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gluon_k: bool) -> str:
     """The FP4 kernel ``fp4_gemm.matmul`` runs for this GEMM, and its schedule."""
-    if not (
-        backend.available(SimpleNamespace(is_cuda=device.type == "cuda")) and dtype in (torch.bfloat16, torch.half)
-    ):
+    if not (backend.serves(device) and dtype in (torch.bfloat16, torch.half)):
         return "ref"
     decode = m <= schedule.DECODE_MAX_M
-    req = fp4_gemm.Request(m, None, gluon_k, fp4_gemm._gluon_kernel(m, n, k, dtype, device) if decode else None, True)
+    req = fp4_gemm.Request(m, None, gluon_k, fp4_gemm.gluon_kernel(m, n, k, dtype, device) if decode else None, True)
     launch = next((f.__name__ for f, applies in fp4_gemm.ROUTES if applies(req)), "error")
     if launch == "_triton":
         c = schedule.decode_config(m, n, k, device)
@@ -122,15 +119,15 @@ def _gemm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gluo
 
 #: The producer ops' functions in the table's words.
 PRODUCERS: dict[Callable, str] = {
-    plan._norm_reference: "ref",
-    plan._norm_kernel: "k",
-    plan._norm_shrink: "k+s",
-    plan._silu_reference: "ref",
-    plan._silu_kernel: "k",
-    plan._silu_shrink: "k+s",
-    plan._attention_reference: "ref",
-    plan._attention_kernel: "rope,k",
-    plan._attention_rope_kernel: "k(rope)",
+    step_plan._norm_reference: "ref",
+    step_plan._norm_kernel: "k",
+    step_plan._norm_shrink: "k+s",
+    step_plan._silu_reference: "ref",
+    step_plan._silu_kernel: "k",
+    step_plan._silu_shrink: "k+s",
+    step_plan._attention_reference: "ref",
+    step_plan._attention_kernel: "rope,k",
+    step_plan._attention_rope_kernel: "k(rope)",
 }
 
 
@@ -142,7 +139,7 @@ def _producer(op: functools.partial) -> str:
     return PRODUCERS[op.func] + ("+s" if fuse else "") + (":g" if gluon_k else "")
 
 
-def _projection(op: Callable, proj: Proj, m: int, view: ModelPlan) -> str:
+def _projection(op: Callable, proj: Proj, m: int, view: ModelView) -> str:
     """One projection's bound op (``decoder.projection_op``)."""
     if not isinstance(op, functools.partial):  # no adapter: the base alone
         op, lora = op.__closure__[0].cell_contents, ""
@@ -156,7 +153,7 @@ def _projection(op: Callable, proj: Proj, m: int, view: ModelPlan) -> str:
     return gemm + lora
 
 
-def _group_op(op: functools.partial, group: Group, m: int, view: ModelPlan) -> str:
+def _group_op(op: functools.partial, group: Group, m: int, view: ModelView) -> str:
     if op.func is decoder.stacked_forward:
         gluon_k = op.keywords["gluon_k"]
         n = sum(group.fp4_launch()[0].splits)
@@ -166,14 +163,11 @@ def _group_op(op: functools.partial, group: Group, m: int, view: ModelPlan) -> s
     return "[" + ",".join(_projection(p, q, m, view) for p, q in zip(projs, group.projs, strict=True)) + "]"
 
 
-def _choices(view: ModelPlan, rows: int, decode: bool) -> str:
+def _choices(view: ModelView, rows: int, decode: bool) -> str:
     """One line of the table: every op of the plan of ``rows`` rows over ``view``."""
-    like = SimpleNamespace(is_cuda=view.device.type == "cuda", dtype=view.dtype, device=view.device)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan, "torch", SimpleNamespace(empty=lambda *a, **k: like))
-        ops = decoder.step_plan(view, rows, decode=decode)
-        sampler = "kernel" if plan.fused_sampler(like) else "torch"
-        finish = "ref" if plan.finish_step_op(like) is reference.finish_step else "kernel"
+    ops = step_plan.build(view, rows, decode=decode)
+    sampler = "kernel" if ops.sample is not None else "torch"
+    finish = "ref" if ops.finish is reference.finish_step else "kernel"
     first, last = ops.layers
     layer = view.layers[0]
     parts = {
@@ -235,7 +229,7 @@ def table() -> list[str]:
             with pytest.MonkeyPatch.context() as inner:
                 inner.setattr(schedule, "SWITCHES", replace(schedule.SWITCHES, **v.get("switches", {})))
                 for name, value in v.get("const", {}).items():
-                    inner.setattr(decoder, name, value)
+                    inner.setattr(step_plan, name, value)
                 if "min_weights" in v:
                     inner.setattr(schedule, "GLUON_MIN_WEIGHTS", v["min_weights"])
                 if not v.get("triton", True):

@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from qerl.kernels import ops, reference
+from qerl.kernels import backend, ops, reference
 from qerl.kernels.epilogue import PLAIN, Epilogue
 from qerl.nvfp4 import NVFP4Tensors
 
@@ -80,7 +80,7 @@ def nvfp4_group_decode(
     """One to three projections that read the same x and whose weights are stacked row-wise (``splits``
     rows each, one global scale): one launch instead of one per projection, each output a contiguous
     ``[..., N_j]`` tensor. For the rollout engine (no autograd). ``gluon_k``: x is in the Gluon K
-    order (``gluon_layout``; see ``gluon_order``). ``pdl``: the weights are frozen (no kernel in flight writes them), so
+    order (``gluon_layout``; see ``reads_gluon_k``). ``pdl``: the weights are frozen (no kernel in flight writes them), so
     the decode kernels may launch with programmatic dependent launch (``qerl/kernels/pdl.py``).
 
     Why: q/k/v and gate/up as separate launches cost the 7B decode step 27-42% more FP4-kernel time
@@ -116,12 +116,13 @@ def nvfp4_group_decode(
     return outs
 
 
-def gluon_order(rows: int, n: int, k: int, x: torch.Tensor) -> bool:
-    """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device to ``n`` outputs runs a Gluon kernel,
-    which reads x in their K order (``gluon_layout``; ``fp4_gemm.gluon_takes``): the rollout engine
-    then has the op producing x write it so (``fused_step``, ``gluon_k=True``) instead of permuting it per call."""
-    if not ops.use_triton(x):
+def reads_gluon_k(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an [M, K] x [K, N] decode GEMM of ``dtype`` activations on ``device`` runs a Gluon kernel, which reads
+    x in the Gluon K order (``gluon_layout``; ``fp4_gemm.gluon_kernel`` says which): a question about the GEMM's
+    shape, for the rollout's step plan, which then has the op producing x write it so (``fused_step``,
+    ``gluon_k=True``) instead of permuting it per call. False where the Triton kernels do not serve ``device``."""
+    if not backend.serves(device):
         return False
     from qerl.kernels import fp4_gemm
 
-    return fp4_gemm.gluon_takes(rows, n, k, x.dtype, x.device)
+    return fp4_gemm.gluon_kernel(M, N, K, dtype, device) is not None

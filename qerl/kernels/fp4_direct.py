@@ -258,7 +258,7 @@ SPLIT_CHUNK = 8
 
 def refills(N: int, K: int, device: torch.device) -> bool:
     """Whether this GEMM is split into K slices (``decode_split``'s choice, as ``matmul`` launches it) longer than
-    the x ring, so each slice refills it (the ``RING`` build); ``fp4_gemm.gluon_takes`` gives those GEMMs (the 32B
+    the x ring, so each slice refills it (the ``RING`` build); ``fp4_gemm.gluon_kernel`` gives those GEMMs (the 32B
     down; no 7B GEMM) to the TMA/wgmma kernel instead, faster on them. A GEMM whose single slice per tile refills the
     ring (32B gate_up) stays here, faster here (docs/kernels.md#direct-ring)."""
     tiles, k_steps, slots = launch_shape(N, K, device)

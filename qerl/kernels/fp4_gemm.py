@@ -7,7 +7,7 @@ sit one family a module below it:
 * decode-sized M (<= ``schedule.DECODE_MAX_M``): on Hopper, for x in the Gluon K order (``gluon_layout``),
   ``fp4_direct`` (mma.sync, up to ``schedule.DIRECT_MAX_M`` rows) or ``fp4_gluon`` (TMA/wgmma, above
   ``schedule.GLUON_MIN_M`` rows, above ``DIRECT_MAX_M`` for GEMMs of at least ``schedule.GLUON_MIN_WEIGHTS`` weights,
-  at any row count for those ``fp4_direct.refills``): ``gluon_takes``; everything else ``fp4_decode`` (Triton);
+  at any row count for those ``fp4_direct.refills``): ``gluon_kernel``; everything else ``fp4_decode`` (Triton);
 * larger M: ``fp4_dequant.dequantize`` once into a transient bf16/fp16 copy, then cuBLAS;
 * grad_x: ``fp4_backward`` up to ``schedule.FUSED_BWD_MAX_M`` rows, dequantize + cuBLAS above.
 
@@ -44,7 +44,7 @@ class Request(NamedTuple):
     m: int  #: x's rows
     config: DecodeConfig | None  #: an explicit Triton decode schedule (tests, tuning), else None
     gluon_k: bool  #: x is in the Gluon K order (``gluon_layout``)
-    gluon: str | None  #: the Gluon kernel ``gluon_takes`` gives the GEMM: "tma", "direct" or None
+    gluon: str | None  #: the Gluon kernel ``gluon_kernel`` gives the GEMM: "tma", "direct" or None
     pdl: bool  #: the caller allows programmatic dependent launch (``pdl.gemm_launch``)
 
 
@@ -93,7 +93,7 @@ def matmul(
 
     An explicit ``DecodeConfig`` sets the Triton decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
     contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer. ``gluon_k``: x is in the Gluon K
-    order (``gluon_layout``); only for GEMMs ``gluon_takes``. ``pdl``: the Gluon kernels launch with
+    order (``gluon_layout``); only for GEMMs a Gluon kernel takes (``gluon_kernel``). ``pdl``: the Gluon kernels launch with
     programmatic dependent launch where ``pdl.gemm_launch`` allows it (``qerl/kernels/pdl.py``); the caller vouches
     that no kernel still in flight writes the weight (a model's frozen base weights).
     """
@@ -106,17 +106,18 @@ def matmul(
     if M > DECODE_MAX_M and config is not None:
         raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
     decode = M <= DECODE_MAX_M and config is None
-    req = Request(M, config, gluon_k, _gluon_kernel(M, N, K, x.dtype, x.device) if decode else None, pdl)
+    req = Request(M, config, gluon_k, gluon_kernel(M, N, K, x.dtype, x.device) if decode else None, pdl)
     for launch, applies in ROUTES:
         if applies(req):
             return launch(x.contiguous(), weight, epilogue, out, req)
     raise ValueError(
-        f"x in the Gluon K order (gluon_k) needs a GEMM gluon_takes, got M={M}, K={K}, {x.dtype}, config={config}"
+        f"x in the Gluon K order (gluon_k) needs a GEMM a Gluon kernel takes, got M={M}, K={K}, {x.dtype}, "
+        f"config={config}"
     )
 
 
 def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:
-    """Whether the TMA/wgmma kernel is the Gluon kernel for this many rows of this GEMM (``gluon_takes``)."""
+    """Whether the TMA/wgmma kernel is the Gluon kernel for this many rows of this GEMM (``gluon_kernel``)."""
     if not schedule.SWITCHES.gluon_decode:
         return False
     if M > schedule.GLUON_MIN_M or (M > schedule.DIRECT_MAX_M and N * K >= schedule.GLUON_MIN_WEIGHTS):
@@ -126,26 +127,21 @@ def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:
     return fp4_direct.refills(N, K, device)
 
 
-def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``matmul`` runs an [M, K] x [K, N] decode GEMM on a Gluon kernel that reads x in its K order
-    (``gluon_layout``), so the op producing x should write it so (the rollout engine asks this):
+def gluon_kernel(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The Gluon kernel ``matmul`` runs an [M, K] x [K, N] decode GEMM on, which reads x in the Gluon K order
+    (``gluon_layout``), so the op producing x should write it so (the rollout engine asks ``kernels.reads_gluon_k``):
 
-    * above ``GLUON_MIN_M`` rows, from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least ``GLUON_MIN_WEIGHTS``
+    * "tma" above ``GLUON_MIN_M`` rows, from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least ``GLUON_MIN_WEIGHTS``
       weights, and at fewer rows for GEMMs whose split-K slices the mma.sync kernel would stream through its
       x ring (``fp4_direct.refills``: the 32B down), the TMA/wgmma kernel (``fp4_gluon``,
       ``schedule.SWITCHES.gluon_decode``: sm_90, bf16, M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is
       not in that order itself;
-    * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,
+    * "direct" at most ``DIRECT_MAX_M`` rows: the register-only ``mma.sync`` kernel (``fp4_direct``,
       ``schedule.SWITCHES.direct_decode``), for an x already in that order (``gluon_k``); an x in natural order
       takes ``fp4_decode`` (a direct kernel reading natural order was 2% faster at M=1 but ~48% slower at
       M=8: docs/kernels.md#direct-max-m).
 
-    False without a Triton that has Gluon."""
-    return _gluon_kernel(M, N, K, dtype, device) is not None
-
-
-def _gluon_kernel(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """``gluon_takes``'s kernel: "tma" (``fp4_gluon``), "direct" (``fp4_direct``) or None (neither)."""
+    None for every other GEMM, and without a Triton that has Gluon."""
     if not HAS_GLUON:
         return None
     if _tma_rows(M, N, K, device):

@@ -86,7 +86,7 @@ class Switches:
     """Every ``QERL_*`` switch of the kernels, read once at import (table: docs/kernels.md#switches). Frozen, so
     a test or an A/B swaps the whole object (``switched``); a captured CUDA graph keeps what it was built with."""
 
-    #: The Gluon TMA/wgmma decode GEMM (``fp4_gemm.gluon_takes``; docs/kernels.md#gluon-min-m).
+    #: The Gluon TMA/wgmma decode GEMM (``fp4_gemm.gluon_kernel``; docs/kernels.md#gluon-min-m).
     gluon_decode: bool = True
     #: The register-only mma.sync decode GEMM up to ``DIRECT_MAX_M`` rows (docs/kernels.md#direct-max-m).
     direct_decode: bool = True
