@@ -42,8 +42,9 @@ FUSED_LORA_MAX_ROWS = 64
 #: fresh engine (graphs bake the choice in), for an A/B.
 STACK_GROUPS = True
 
-#: Qwen3's per-head norms as the attention kernels take them: (q weight ``[D]``, k weight ``[D]``, q eps, k eps).
-HeadNorms = tuple[torch.Tensor, torch.Tensor, float, float]
+#: Qwen3's per-head norms as the attention kernels take them: (q weight ``[D]``, k weight ``[D]``, q eps, k eps);
+#: None for the other families.
+HeadNorms = tuple[torch.Tensor, torch.Tensor, float, float] | None
 
 
 def qk_norm(
@@ -180,14 +181,7 @@ def _attention_reference(
 
 
 def _attention_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: AttentionArgs,
-    *,
-    group: Group,
-    norms: HeadNorms | None,
-    r: Route,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionArgs, *, group: Group, norms: HeadNorms, r: Route
 ) -> tuple:
     """RoPE and the cache write in their own kernel (Qwen3's head norms in it), then the attention kernels."""
     fused = kernels.step_kernels()
@@ -199,14 +193,7 @@ def _attention_kernel(
 
 
 def _attention_rope_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: AttentionArgs,
-    *,
-    group: Group,
-    norms: HeadNorms | None,
-    r: Route,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionArgs, *, group: Group, norms: HeadNorms, r: Route
 ) -> tuple:
     """The attention's partial kernel ropes q and this step's k and writes k / v into the cache itself."""
     out, flat = kernels.step_kernels().decode_attention(
