@@ -339,7 +339,7 @@ def test_direct_decode_lora_split(M: int, r: int, lora_bounds: tuple[int, int]) 
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_lora_epilogue(M: int, rank: int) -> None:
-    from qerl.kernels import nvfp4_decode
+    from qerl.kernels import nvfp4_forward
 
     N, K = 1000, 2048
     q = _weight(N, K)
@@ -348,7 +348,7 @@ def test_lora_epilogue(M: int, rank: int) -> None:
     b = _rand(N, rank, dtype=torch.float32) * 0.1
     ref = x.double() @ _w64(q).t() + 0.5 * u.double() @ b.double().t()
     _poison_allocator()
-    y = nvfp4_decode(x, q, epilogue=Epilogue(None, u, b, 0.5))
+    y = nvfp4_forward(x, q, epilogue=Epilogue(None, u, b, 0.5))
     assert max_err(y, ref) < TOL[torch.bfloat16]
 
 

@@ -9,9 +9,10 @@ dequantize + cuBLAS above; ``grad_x`` in backward: a fused Triton kernel for M <
 cuBLAS above). On CPU, fp32, or without Triton it dequantizes and calls
 ``F.linear``: the reference path that every fast path is tested against.
 
-``nvfp4_decode`` is the same op with an optional LoRA expand fused into its epilogue (an ``Epilogue``), for the
-rollout engine: ``y = x @ W_hat.T + bias + lora_scale * lora_u @ lora_B.T`` where ``lora_u = x @ A.T``
-is computed once per input (shared by q/k/v or gate/up).
+``nvfp4_forward`` is that op itself, the training forward's (``nvfp4_linear`` calls it on CUDA), with an optional
+LoRA expand fused into its epilogue (an ``Epilogue``) for the rollout engine's per-projection forward:
+``y = x @ W_hat.T + bias + lora_scale * lora_u @ lora_B.T`` where ``lora_u = x @ A.T`` is computed once per input
+(shared by q/k/v or gate/up). ``nvfp4_group_decode`` is the rollout's stacked one-launch form (no autograd).
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensors, bias: torch.Tensor | Non
     """y = x @ dequant(W).T + bias, through the fastest path available for x's device."""
     if not ops.use_triton(x):
         return reference.mm(x, weight, Epilogue(bias))
-    return nvfp4_decode(x, weight, epilogue=Epilogue(bias))
+    return nvfp4_forward(x, weight, epilogue=Epilogue(bias))
 
 
-def nvfp4_decode(x: torch.Tensor, weight: NVFP4Tensors, *, epilogue: Epilogue = PLAIN) -> torch.Tensor:
+def nvfp4_forward(x: torch.Tensor, weight: NVFP4Tensors, *, epilogue: Epilogue = PLAIN) -> torch.Tensor:
     """``x @ W_hat.T + bias + lora_scale * lora_u @ lora_b.T`` for x of shape ``[..., K]`` (``epilogue`` holds all
-    but x and W; not segmented).
+    but x and W; not segmented): the differentiable FP4 forward, the training forward's and the rollout's.
 
     ``lora_u`` is ``[..., r]`` (same leading dims as x), ``lora_b`` is ``[N, r]``. Any device and
     dtype (the reference path serves what the kernels do not); differentiable in x, bias and the

@@ -97,10 +97,10 @@ def dense_forward(x: torch.Tensor, proj: Proj) -> torch.Tensor:
 
 
 def fp4_lora_forward(x: torch.Tensor, u: torch.Tensor, proj: Proj) -> torch.Tensor:
-    """An NVFP4 base with LoRA on CUDA: the kernels' decode op with the expand ``u @ B.T`` folded into its epilogue."""
+    """An NVFP4 base with LoRA on CUDA: the kernels' FP4 forward with the expand ``u @ B.T`` folded into its epilogue."""
     base = proj.base
     bias = None if base.bias is None else base.bias.to(x.dtype)
-    return kernels.nvfp4_decode(x, base.packed_weight, epilogue=Epilogue(bias, u, proj.lora_b))
+    return kernels.nvfp4_forward(x, base.packed_weight, epilogue=Epilogue(bias, u, proj.lora_b))
 
 
 def addmm_lora_forward(x: torch.Tensor, u: torch.Tensor, proj: Proj, base: ProjOp) -> torch.Tensor:
