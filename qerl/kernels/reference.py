@@ -1,6 +1,6 @@
 """Plain-torch versions of every kernel in ``qerl.kernels``: what runs where Triton does not (CPU,
 fp32, ``QERL_TRITON=0``), and what each kernel is tested against. Same signatures as the kernels,
-less their fused LoRA shrinks (``qerl.rollout.decoder`` computes those inputs separately here).
+less their fused LoRA shrinks (the rollout's step plan computes those inputs with ``decoder.lora_inputs`` here).
 
 Rounding follows transformers' modules (fp32 norm math cast back to the activation dtype, softmax in
 fp32), so the native engine on this path matches a transformers forward.

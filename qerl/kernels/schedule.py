@@ -83,8 +83,10 @@ def _flag(name: str, default: bool) -> bool:
 
 @dataclass(frozen=True)
 class Switches:
-    """Every ``QERL_*`` switch of the kernels, read once at import (table: docs/kernels.md#switches). Frozen, so
-    a test or an A/B swaps the whole object (``switched``); a captured CUDA graph keeps what it was built with."""
+    """The kernels' ``QERL_*`` switches, read once at import (table: docs/kernels.md#switches). Frozen, so a test or
+    an A/B swaps the whole object (``switched``); a captured CUDA graph keeps what it was built with. One switch is
+    not here: ``QERL_TRITON=0`` runs the plain-torch references everywhere; it says whether the kernels run at all,
+    not which of them, and ``backend.enabled`` reads it once, at first use."""
 
     #: The Gluon TMA/wgmma decode GEMM (``fp4_gemm.gluon_kernel``; docs/kernels.md#gluon-min-m).
     gluon_decode: bool = True
