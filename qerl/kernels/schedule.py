@@ -127,7 +127,7 @@ SWITCHES = Switches.from_env()
 @contextlib.contextmanager
 def switched(**changes: object) -> Iterator[Switches]:
     """``SWITCHES`` with ``changes`` (field=value) inside the block, restored after it: how tests and A/B runs
-    flip a switch without touching the environment. Engines built inside keep the plans they built."""
+    flip a switch without touching the environment. Engines built inside keep the step plans they built."""
     global SWITCHES
     saved = SWITCHES
     SWITCHES = replace(saved, **changes)
@@ -229,8 +229,8 @@ def balanced_split(tiles: int, split: int, slots: int, k_steps: int, sms: int) -
     docs/kernels.md#balanced-split). With 40 tiles in 5 slices the grid is 264 programs and
     the kernel launches the longer slices' programs first (``fp4_gluon._slice_of``), so each SM holds at most one
     of them. Where there are more long programs than SMs, some SM still runs two and the extra slices only add
-    partials (32B down at M=32: 56 long programs x 3 > 132 SMs): the plan is kept only when the round-robin load
-    model (``_max_sm_steps``) says the busiest SM gets lighter.
+    partials (32B down at M=32: 56 long programs x 3 > 132 SMs): the balanced split is kept only when the round-robin
+    load model (``_max_sm_steps``) says the busiest SM gets lighter.
     ``extra`` stays below ``tiles`` (all of them would be a uniform split the wave model did not pick)."""
     if split + 1 > k_steps or tiles * split >= slots:
         return split, 0
