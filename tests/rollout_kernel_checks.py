@@ -434,6 +434,13 @@ def check_finish_step(device: str) -> None:
     assert d_out_tok.sum() == 7 + 3 + pad + 3, "nothing else written"
 
 
+def _plans_run_the_kernels(engine: object) -> bool:
+    """Whether every step plan the engine built binds the kernels (the fused sampler and bookkeeping), not the torch
+    references: the engine checks below would pass on the references too."""
+    plans = engine._step_plans.values()
+    return bool(plans) and all(p.sample is not None and p.finish is not reference.finish_step for p in plans)
+
+
 def check_engine_interpreted() -> None:
     """A tiny NVFP4+LoRA Llama generated through every rollout kernel (CPU tensors, interpreter)."""
     from test_rollout_engines import PROMPTS, greedy
@@ -452,7 +459,9 @@ def check_engine_interpreted() -> None:
     # RoPE and the cache write in their own kernel, then in the attention kernel: the same tokens
     for rope_in_attention in (False, True):
         with schedule.switched(rope_in_attention=rope_in_attention):
-            runs[rope_in_attention] = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
+            engine = NativeEngine(model, 0, kv_block=32)
+            runs[rope_in_attention] = engine.generate(prompts, greedy(8))
+        assert _plans_run_the_kernels(engine)
     out, fused = runs[False], runs[True]
     assert out.completion_ids == ref.completion_ids, "interpreted kernels: greedy differs from transformers"
     assert fused.completion_ids == out.completion_ids and fused.logprobs == out.logprobs, "rope in attention"
@@ -478,7 +487,9 @@ def check_qwen3_engine_interpreted() -> None:
     ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))
     for rope_in_attention in (False, True):
         with schedule.switched(rope_in_attention=rope_in_attention):
-            out = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
+            engine = NativeEngine(model, 0, kv_block=32)
+            out = engine.generate(prompts, greedy(8))
+        assert _plans_run_the_kernels(engine)
         assert out.completion_ids == ref.completion_ids, f"qwen3 (rope in attention {rope_in_attention}): greedy"
         worst = max(
             abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)
@@ -493,7 +504,7 @@ if __name__ == "__main__":
     check_decode_kernel(torch.float16, 4e-3)
     from qerl.kernels import backend
 
-    backend.available = lambda x: True  # CPU tensors to the (interpreted) Triton kernels from here on
+    backend.serves = lambda device: True  # CPU tensors to the (interpreted) Triton kernels from here on
     check_stacked_decode("cpu", torch.float16, 4e-3, ms=(1, 5))
     check_engine_interpreted()
     print("rollout kernels: interpreted checks passed")
