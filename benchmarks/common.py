@@ -148,21 +148,21 @@ class Layer:
         self.w = [wd] + [wd.clone() for _ in range(max(1, -(-ROTATE_BYTES // (2 * n * k))) - 1)]
 
     def fwd_fns(self, x: torch.Tensor, config: Any = None) -> list[Callable[[], torch.Tensor]]:
-        """``fp4_gemm.matmul`` per copy; where it runs a Gluon kernel (``gluon_takes``) x is handed over in that
+        """``fp4_gemm.matmul`` per copy; where it runs a Gluon kernel (``gluon_kernel``) x is handed over in that
         kernel's K order, as the rollout engine's producers write it (no permute inside the timed call), and launched as
         the engine launches it (``pdl``: the calls of the graph overlap as the engine's chain of kernels does)."""
         from qerl.kernels import fp4_gemm as fg
-        from qerl.kernels import reference
+        from qerl.kernels import gluon_layout
 
-        permuted = config is None and fg.gluon_takes(x.shape[0], self.n, self.k, x.dtype, x.device)
-        xin = reference.nibble_major(x) if permuted else x
+        gluon_k = config is None and fg.gluon_kernel(x.shape[0], self.n, self.k, x.dtype, x.device) is not None
+        xin = gluon_layout.to_gluon_k(x) if gluon_k else x
         return [
             lambda q=q: fg.matmul(
                 xin,
                 q,
                 config=config,
-                x_permuted=permuted,
-                pdl=permuted,
+                gluon_k=gluon_k,
+                pdl=gluon_k,
             )
             for q in self.q
         ]

@@ -185,20 +185,20 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
 def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
     """``--gluon``: the Triton decode kernel, the Gluon TMA/wgmma kernel (x permuted in the call / beforehand)
     and, at M <= 8, the mma.sync kernel (``fp4_direct``, x permuted beforehand)."""
-    from qerl.kernels import fp4_direct, fp4_gluon, reference
+    from qerl.kernels import fp4_direct, fp4_gluon, gluon_layout
 
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     rows = []
     for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
-        xp = reference.nibble_major(x)
+        xp = gluon_layout.to_gluon_k(x)
         ref = x.double() @ w64.t()
         base = graph_time(layer.bf16_fwd_fns(x)) * 1e6
         calls = {
             "triton": lambda q, x=x: fg.matmul(x, q),
             "gluon": lambda q, x=x: fp4_gluon.matmul(x, q),
-            "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(xp, q, permuted=True),
+            "gluon_prepermuted": lambda q, xp=xp: fp4_gluon.matmul(xp, q, gluon_k=True),
         }
         if fp4_direct.supports(m, layer.k, x.dtype, x.device):
             calls["direct_prepermuted"] = lambda q, xp=xp: fp4_direct.matmul(xp, q)
@@ -226,7 +226,7 @@ def gluon_rows(layer: Layer, shape: str, ms: tuple[int, ...]) -> list[dict]:
 def gluon_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (64, 128)) -> list[dict]:
     """``--gluon-splits``: the Gluon kernel (x pre-permuted, as the engine hands it) at each distinct
     split-K count up to 16 and at its default (``decode_split`` over ``fp4_gluon.SCHEDULE``'s residency)."""
-    from qerl.kernels import fp4_gluon, reference
+    from qerl.kernels import fp4_gluon, gluon_layout
 
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
@@ -234,11 +234,11 @@ def gluon_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (64, 128)) 
     rows = []
     for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
-        xp, ref = reference.nibble_major(x), x.double() @ w64.t()
+        xp, ref = gluon_layout.to_gluon_k(x), x.double() @ w64.t()
         for split in (0, *splits):
 
             def call(q: nvfp4.NVFP4Tensors, xp: torch.Tensor = xp, split: int = split) -> torch.Tensor:
-                return fp4_gluon.matmul(xp, q, permuted=True, split=split)
+                return fp4_gluon.matmul(xp, q, gluon_k=True, split=split)
 
             t = graph_time([lambda q=q, call=call: call(q) for q in layer.q]) * 1e6
             rows.append(
@@ -305,7 +305,7 @@ def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) ->
     """``--direct-splits``: the mma.sync kernel at every distinct split of ``layer``, without and with the LoRA
     epilogue of the engine's rank for this GEMM (dense u and B), x pre-permuted: checked against float64, timed."""
     from qerl.kernels import fp4_direct as fd
-    from qerl.kernels import reference
+    from qerl.kernels import gluon_layout
 
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
@@ -315,7 +315,7 @@ def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) ->
     rows = []
     for m in ms:
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
-        xp = reference.nibble_major(x)
+        xp = gluon_layout.to_gluon_k(x)
         u = torch.randn(m, rank, device="cuda", dtype=torch.bfloat16) * 0.1
         b = torch.randn(layer.n, rank, device="cuda", dtype=torch.bfloat16) * 0.01
         for lora in (False, True):

@@ -125,7 +125,7 @@ def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) 
         "flops": flops,
         "fp4_weight_bytes": layer.packed_bytes,
         "bf16_weight_bytes": 2 * n * k,
-        "x_in_gluon_order": fg.gluon_takes(m, n, k, x.dtype, x.device),
+        "x_in_gluon_order": fg.gluon_kernel(m, n, k, x.dtype, x.device) is not None,
     }  # Layer.fwd_fns hands x over as the engine does
     for kind, ours, base in (
         ("fwd", layer.fwd_fns(x), layer.bf16_fwd_fns(x)),

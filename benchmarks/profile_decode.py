@@ -55,16 +55,16 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ nvfp4.dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale, torch.float64).t()
     if args.kernel == "gluon":
-        from qerl.kernels import fp4_gluon, reference
+        from qerl.kernels import fp4_gluon, gluon_layout
 
-        xp = reference.nibble_major(x)
+        xp = gluon_layout.to_gluon_k(x)
         launch = lambda: fp4_gluon.matmul(  # noqa: E731
-            xp, q, permuted=True, pdl=args.pdl
+            xp, q, gluon_k=True, pdl=args.pdl
         )
     elif args.kernel == "direct":
-        from qerl.kernels import fp4_direct, reference
+        from qerl.kernels import fp4_direct, gluon_layout
 
-        xp = reference.nibble_major(x)
+        xp = gluon_layout.to_gluon_k(x)
         launch = lambda: fp4_direct.matmul(xp, q, pdl=args.pdl)  # noqa: E731
     else:
         launch = lambda: fg.matmul(  # noqa: E731

@@ -21,8 +21,8 @@ bandwidth measured in the same run.
 ``--lora-sweep`` measures only the LoRA cost on the 7B NVFP4 model, at b = 1/8/64: ms/step and GPU
 launches per decode step (kernels + memcpy/memset of an eager step, i.e. the nodes its CUDA graph
 holds) for LoRA with shrinks fused into the producing kernels, the same with one FP4 launch per
-projection instead of per stacked q/k/v and gate/up group (``decoder.STACK_GROUPS = False``), LoRA
-with one cuBLAS shrink per group (``decoder.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
+projection instead of per stacked q/k/v and gate/up group (``step_plan.STACK_GROUPS = False``), LoRA
+with one cuBLAS shrink per group (``step_plan.FUSED_LORA_MAX_ROWS = 0``), and LoRA disabled.
 
 ``--kernel-ab`` / ``--ab-constant`` time one engine setting against another in one process
 (benchmarks/rollout_ab.py says how).
@@ -141,22 +141,22 @@ def launches_per_step(model: nn.Module, prompts: list[list[int]], steps: int = 4
 
 def lora_sweep(args: argparse.Namespace) -> dict:
     """7B NVFP4 at b=1/8/64: LoRA fused / LoRA via cuBLAS shrinks / LoRA disabled, in one process."""
-    from qerl.rollout import decoder
+    from qerl.rollout import step_plan
     from qerl.rollout.native import NativeEngine
 
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     model = build_model("7b", nvfp4=True)
     wbytes, lbytes = weight_bytes(model)
-    fused_rows = decoder.FUSED_LORA_MAX_ROWS
+    fused_rows = step_plan.FUSED_LORA_MAX_ROWS
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     for b in args.batches:
         prompts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         kv = kv_bytes_per_step("7b", b, args.tokens)
         for variant in ("lora_fused", "lora_per_projection", "lora_cublas", "nolora"):
-            decoder.FUSED_LORA_MAX_ROWS = 0 if variant == "lora_cublas" else fused_rows
-            decoder.STACK_GROUPS = variant != "lora_per_projection"
+            step_plan.FUSED_LORA_MAX_ROWS = 0 if variant == "lora_cublas" else fused_rows
+            step_plan.STACK_GROUPS = variant != "lora_per_projection"
             try:
                 with model.disable_adapter() if variant == "nolora" else contextlib.nullcontext():
                     engine = NativeEngine(model, 0)  # fresh graphs: the shrink placement is baked in
@@ -164,8 +164,8 @@ def lora_sweep(args: argparse.Namespace) -> dict:
                     del engine
                     launches = launches_per_step(model, prompts)
             finally:
-                decoder.FUSED_LORA_MAX_ROWS = fused_rows
-                decoder.STACK_GROUPS = True
+                step_plan.FUSED_LORA_MAX_ROWS = fused_rows
+                step_plan.STACK_GROUPS = True
             gc.collect()
             torch.cuda.empty_cache()
             floor = (wbytes + (0 if variant == "nolora" else lbytes) + kv) / bw * 1e3

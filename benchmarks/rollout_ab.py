@@ -8,7 +8,7 @@ Triton kernel, the RoPE and cache write in the attention kernel (``rope_in_atten
 split over u's ranks (``shrink_by_rank``), programmatic dependent launch (``decode_pdl``).
 
 ``--ab-constant MODULE.NAME=BASE:VARIANT ...`` does the same for module constants set together (e.g.
-``qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64 qerl.kernels.step_norm.RANK_SPLIT_MAX_ROWS=32:64``), so a
+``qerl.rollout.step_plan.FUSED_LORA_MAX_ROWS=32:64 qerl.kernels.step_norm.RANK_SPLIT_MAX_ROWS=32:64``), so a
 threshold's A/B needs no script of its own.
 
 Each engine's greedy tokens (16 of them) are compared with the first base engine's on the same prompts: a wrong
@@ -58,7 +58,7 @@ def parse_ab_constants(specs: list[str]) -> tuple[Setting, Setting]:
         target, _, values = spec.partition("=")
         path, _, name = target.rpartition(".")
         a, sep, b = values.partition(":")
-        expected = "MODULE.NAME=BASE:VARIANT, e.g. qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64"
+        expected = "MODULE.NAME=BASE:VARIANT, e.g. qerl.rollout.step_plan.FUSED_LORA_MAX_ROWS=32:64"
         if not (path and name and sep):
             raise ValueError(f"--ab-constant {spec!r}: expected {expected}")
         try:

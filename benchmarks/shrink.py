@@ -32,14 +32,14 @@ def measure(rank: int, bounds: tuple[int, int], m: int, a_copies: list[torch.Ten
     d = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
 
     def shrink(a: torch.Tensor, rb: int) -> tuple[torch.Tensor, ...]:
-        return step_norm.rms_norm_shrink(h, d, w, 1e-6, a, bounds, permute=True, rb=rb)
+        return step_norm.rms_norm_shrink(h, d, w, 1e-6, a, bounds, gluon_k=True, rb=rb)
 
     ref = shrink(a_copies[0], 0)
     row = {
         "R": rank,
         "rows": m,
         "rank_block_rule": step_norm.rank_block(m, rank, K),
-        "plain_norm_us": graph_time([lambda: step_norm.rms_norm(h, None, w, 1e-6, permute=True)]) * 1e6,
+        "plain_norm_us": graph_time([lambda: step_norm.rms_norm(h, None, w, 1e-6, gluon_k=True)]) * 1e6,
         "column_split_us": graph_time([lambda a=a: shrink(a, 0) for a in a_copies]) * 1e6,
         "by_rank": {},
     }

@@ -87,11 +87,6 @@ def min_global_scale(scales: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([s.reshape(()) for s in scales]).min().reshape(1)
 
 
-def shared_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
-    """One global scale for fused layers, from their weights."""
-    return min_global_scale([global_scale(w) for w in weights])
-
-
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value (ties as compressed-tensors), returning 4-bit codes as uint8."""
     mag = x.abs()

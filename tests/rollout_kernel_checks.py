@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from qerl.kernels import fused_step, plan, reference, step_base, step_sampler
-from qerl.kernels.reference import nibble_major
+from qerl.kernels import fused_step, reference, step_base, step_sampler
+from qerl.kernels.gluon_layout import to_gluon_k
 from qerl.load.linear import stack_fused_groups
+from qerl.rollout import step_plan
+from qerl.rollout.decoder import LoraInputs, LoraU, lora_inputs
 from qerl.rollout.layers import Group, Norm, Proj
 
 
@@ -38,18 +40,18 @@ def _group(ranks: list[int], lora_a: torch.Tensor) -> Group:
     return Group(projs, lora_a)
 
 
-#: The torch reference route of ``kernels.plan`` (what CPU rollouts run), the kernels' oracle here.
-_REFERENCE = plan.Route(kernel=False)
+#: The torch reference route of ``rollout.step_plan`` (what CPU rollouts run), the kernels' oracle here.
+_REFERENCE = step_plan.Route(kernel=False)
 
 
 def _ref_norm(
     h: torch.Tensor, norm: Norm, delta: torch.Tensor | None = None, group: Group | None = None
-) -> tuple[torch.Tensor, torch.Tensor, plan.LoraInputs]:
-    return plan.norm_op(_REFERENCE, norm, group)(h, delta)
+) -> tuple[torch.Tensor, torch.Tensor, LoraInputs]:
+    return step_plan.norm_op(_REFERENCE, norm, group)(h, delta)
 
 
-def _ref_silu(gate: torch.Tensor, up: torch.Tensor, group: Group) -> tuple[torch.Tensor, plan.LoraInputs]:
-    return plan.silu_op(_REFERENCE, group)(gate, up)
+def _ref_silu(gate: torch.Tensor, up: torch.Tensor, group: Group) -> tuple[torch.Tensor, LoraInputs]:
+    return step_plan.silu_op(_REFERENCE, group)(gate, up)
 
 
 def _at(
@@ -61,9 +63,9 @@ def _at(
 
 def _ref_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, scale: float, group: Group
-) -> tuple[torch.Tensor, plan.LoraInputs]:
+) -> tuple[torch.Tensor, LoraInputs]:
     out = reference.decode_attention(q, k_cache, v_cache, pos, scale)
-    return out, plan.lora_inputs(out, group)
+    return out, lora_inputs(out, group)
 
 
 def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
@@ -90,7 +92,7 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
             _close(h_out, ref_h, tol, f"rms_norm_shrink residual (rb={rb})")
             _close(x, ref_x, tol, f"rms_norm_shrink output (rb={rb})")
             for got, want in zip(
-                plan.segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
+                LoraU.from_kernel(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
             ):
                 assert (got is None) == (want is None)
                 if got is not None:
@@ -104,35 +106,33 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
         _close(hc, ref_h, tol, "rms_norm in-place residual")
         _close(x3, ref_x, tol, "rms_norm output")
 
-    # Outputs in the Gluon decode kernel's K order (permute=True): the same values, each row permuted
-    # as reference.nibble_major does it; rows that are not whole 256-element steps are refused.
+    # Outputs in the Gluon decode kernel's K order (gluon_k=True): the same values, each row permuted
+    # as gluon_layout.to_gluon_k does it; rows that are not whole 256-element steps are refused.
     h, d, w, g, u = rnd(3, 512), rnd(3, 512), rnd(512, scale=0.3) + 1, rnd(3, 512), rnd(3, 512)
     natural = fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6).cpu()
-    assert torch.equal(fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6, permute=True).cpu(), nibble_major(natural))
+    assert torch.equal(fused_step.rms_norm(dev(h), dev(d), dev(w), 1e-6, gluon_k=True).cpu(), to_gluon_k(natural))
     natural = fused_step.silu_mul(dev(g), dev(u)).cpu()
-    assert torch.equal(fused_step.silu_mul(dev(g), dev(u), permute=True).cpu(), nibble_major(natural))
-    # The fused shrinks with permute: the output permuted, u (reduced from the natural-order values) bitwise the same.
+    assert torch.equal(fused_step.silu_mul(dev(g), dev(u), gluon_k=True).cpu(), to_gluon_k(natural))
+    # The fused shrinks with gluon_k: the output permuted, u (reduced from the natural-order values) bitwise the same.
     a = rnd(24, 512, scale=0.1)
     bounds = (8, 16)
     for rb in (0, 2):
         hout, natural, u_nat = fused_step.rms_norm_shrink(dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, rb=rb)
         hout_p, permuted, u_p = fused_step.rms_norm_shrink(
-            dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, permute=True, rb=rb
+            dev(h), dev(d), dev(w), 1e-6, dev(a), bounds, gluon_k=True, rb=rb
         )
-        assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())), (
-            f"rms_norm_shrink(permute=True, rb={rb}) output"
-        )
+        assert torch.equal(permuted.cpu(), to_gluon_k(natural.cpu())), f"rms_norm_shrink(gluon_k=True, rb={rb}) output"
         assert torch.equal(u_p, u_nat) and torch.equal(hout_p, hout), (
-            f"rms_norm_shrink(permute=True, rb={rb}) u / residual"
+            f"rms_norm_shrink(gluon_k=True, rb={rb}) u / residual"
         )
     natural, u_nat = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a))
-    permuted, u_p = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a), permute=True)
-    assert torch.equal(permuted.cpu(), nibble_major(natural.cpu())) and torch.equal(u_p, u_nat), (
-        "silu_mul_shrink(permute=True)"
+    permuted, u_p = fused_step.silu_mul_shrink(dev(g), dev(u), dev(a), gluon_k=True)
+    assert torch.equal(permuted.cpu(), to_gluon_k(natural.cpu())) and torch.equal(u_p, u_nat), (
+        "silu_mul_shrink(gluon_k=True)"
     )
     try:
-        fused_step.rms_norm(dev(h[:, :200]), None, dev(w[:200]), 1e-6, permute=True)
-        raise AssertionError("rms_norm(permute=True) accepted rows of 200")
+        fused_step.rms_norm(dev(h[:, :200]), None, dev(w[:200]), 1e-6, gluon_k=True)
+        raise AssertionError("rms_norm(gluon_k=True) accepted rows of 200")
     except ValueError as err:
         assert "256" in str(err)
 
@@ -175,13 +175,13 @@ def check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
     check_qk_norm_in_attention(rnd, dev, dev(a), tol)
     qw, kw, vw = rnd(b, 16, hd), rnd(b, nkv, s, hd).to(device), rnd(b, nkv, s, hd).to(device)  # 16 heads x 16 = 256
     natural = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5)[0].cpu()
-    permuted = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, permute=True)[0].cpu()
-    assert torch.equal(permuted, nibble_major(natural)), "decode_attention(permute=True)"
+    permuted = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, gluon_k=True)[0].cpu()
+    assert torch.equal(permuted, to_gluon_k(natural)), "decode_attention(gluon_k=True)"
     a = rnd(12, 256, scale=0.1)
     _, u_nat = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a))
-    permuted, u_p = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a), permute=True)
-    assert torch.equal(permuted.cpu(), nibble_major(natural)) and torch.equal(u_p, u_nat), (
-        "decode_attention(permute, shrink)"
+    permuted, u_p = fused_step.decode_attention(dev(qw), kw, vw, dev(pos), hd**-0.5, dev(a), gluon_k=True)
+    assert torch.equal(permuted.cpu(), to_gluon_k(natural)) and torch.equal(u_p, u_nat), (
+        "decode_attention(gluon_k, shrink)"
     )
 
     check_finish_step(device)
@@ -253,7 +253,7 @@ def check_rope_in_attention(rnd, dev, lora_a: torch.Tensor, s: int = 200) -> Non
 
 def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: int = 200) -> None:  # noqa: ANN001
     """Qwen3's per-head q / k norms inside the RoPE kernels: ``rope_and_cache(qk_norm=)`` against torch's
-    ``plan.qk_norm`` + ``reference.rope_and_cache`` (q, k cache, v cache), and ``decode_attention(rope=,
+    ``step_plan.qk_norm`` + ``reference.rope_and_cache`` (q, k cache, v cache), and ``decode_attention(rope=,
     qk_norm=)`` against ``rope_and_cache(qk_norm=)`` + ``decode_attention``: the caches bit for bit (each kernel
     norms a k head as one ``[D]`` vector), the output and the shrink within ``tol``. A q head's sum of squares is
     reduced over a ``[D]`` vector by ``rope_and_cache`` and over a ``[G, D]`` tile by the attention kernel: on a GPU
@@ -272,7 +272,7 @@ def check_qk_norm_in_attention(rnd, dev, lora_a: torch.Tensor, tol: float, s: in
     norms = (Norm(qw, 1e-6), Norm(kw, 1e-5))
     fused = (dev(qw), dev(kw), 1e-6, 1e-5)
     kr, vr = kc.float().clone(), vc.float().clone()
-    qn, kn = plan.qk_norm(q.float(), k.float(), norms, hd)
+    qn, kn = step_plan.qk_norm(q.float(), k.float(), norms, hd)
     q_ref = reference.rope_and_cache(qn, kn, v.float(), _at(cos.float(), sin.float(), pos, kr, vr))
     k1, v1 = dev(kc), dev(vc)
     q1 = fused_step.rope_and_cache(dev(q), dev(k), dev(v), _at(dev(cos), dev(sin), dev(pos), k1, v1), fused)
@@ -327,7 +327,7 @@ def check_7b_shapes(device: str, dtype: torch.dtype, tol: float) -> None:
                 assert torch.equal(flat, fused_step.rms_norm_shrink(*args, rb=rb)[2]), "rms_norm_shrink not repeatable"
                 _close(x, ref_x, tol, "7b rms_norm_shrink output")
                 for got, want in zip(
-                    plan.segmented(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
+                    LoraU.from_kernel(flat, x, group).per_projection(group), ref_u.per_projection(group), strict=True
                 ):
                     _close(got, want, 2 * tol, f"7b rms_norm_shrink u (m={m}, ranks={ranks}, rb={rb})")
         g, u, a = rnd(m, inter), rnd(m, inter), rnd(16, inter, scale=0.05)
@@ -434,6 +434,13 @@ def check_finish_step(device: str) -> None:
     assert d_out_tok.sum() == 7 + 3 + pad + 3, "nothing else written"
 
 
+def _plans_run_the_kernels(engine: object) -> bool:
+    """Whether every step plan the engine built binds the kernels (the fused sampler and bookkeeping), not the torch
+    references: the engine checks below would pass on the references too."""
+    plans = engine._step_plans.values()
+    return bool(plans) and all(p.sample is not None and p.finish is not reference.finish_step for p in plans)
+
+
 def check_engine_interpreted() -> None:
     """A tiny NVFP4+LoRA Llama generated through every rollout kernel (CPU tensors, interpreter)."""
     from test_rollout_engines import PROMPTS, greedy
@@ -452,7 +459,9 @@ def check_engine_interpreted() -> None:
     # RoPE and the cache write in their own kernel, then in the attention kernel: the same tokens
     for rope_in_attention in (False, True):
         with schedule.switched(rope_in_attention=rope_in_attention):
-            runs[rope_in_attention] = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
+            engine = NativeEngine(model, 0, kv_block=32)
+            runs[rope_in_attention] = engine.generate(prompts, greedy(8))
+        assert _plans_run_the_kernels(engine)
     out, fused = runs[False], runs[True]
     assert out.completion_ids == ref.completion_ids, "interpreted kernels: greedy differs from transformers"
     assert fused.completion_ids == out.completion_ids and fused.logprobs == out.logprobs, "rope in attention"
@@ -478,7 +487,9 @@ def check_qwen3_engine_interpreted() -> None:
     ref = get_engine(model, 0, kind="hf").generate(prompts, greedy(8))
     for rope_in_attention in (False, True):
         with schedule.switched(rope_in_attention=rope_in_attention):
-            out = NativeEngine(model, 0, kv_block=32).generate(prompts, greedy(8))
+            engine = NativeEngine(model, 0, kv_block=32)
+            out = engine.generate(prompts, greedy(8))
+        assert _plans_run_the_kernels(engine)
         assert out.completion_ids == ref.completion_ids, f"qwen3 (rope in attention {rope_in_attention}): greedy"
         worst = max(
             abs(a - b) for la, lb in zip(out.logprobs, ref.logprobs, strict=True) for a, b in zip(la, lb, strict=True)
@@ -493,7 +504,7 @@ if __name__ == "__main__":
     check_decode_kernel(torch.float16, 4e-3)
     from qerl.kernels import backend
 
-    backend.available = lambda x: True  # CPU tensors to the (interpreted) Triton kernels from here on
+    backend.serves = lambda device: True  # CPU tensors to the (interpreted) Triton kernels from here on
     check_stacked_decode("cpu", torch.float16, 4e-3, ms=(1, 5))
     check_engine_interpreted()
     print("rollout kernels: interpreted checks passed")

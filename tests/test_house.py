@@ -77,3 +77,39 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = [x.strip() for x in (root / ".ci" / "run").read_text().splitlines()]
     assert steps == [".venv/bin/ruff check .", ".venv/bin/ruff format --check .", ".venv/bin/python -m pytest -q tests"]
     assert [x for x in ci if x in steps] == steps
+
+
+def _imported(path: Path, node: ast.AST) -> list[str]:
+    """The qerl modules (or names in them) an import statement of ``path`` reaches, relative imports resolved."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    package = list(path.relative_to(QERL.parent).with_suffix("").parts[:-1])
+    base = ".".join(package[: len(package) - node.level + 1] if node.level else [])
+    module = ".".join(p for p in (base, node.module or "") if p)
+    return [module] + [f"{module}.{a.name}" for a in node.names]
+
+
+def test_the_kernels_import_nothing_from_the_rollout() -> None:
+    """``qerl/kernels/`` answers shape questions (which kernel serves an M, N, K and dtype); the rollout's step plan asks
+    them and decides, so no kernels module imports ``qerl.rollout``, deferred imports included."""
+    found = [
+        f"{path.relative_to(QERL)}: {name}"
+        for path in sorted((QERL / "kernels").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in _imported(path, node)
+        if name == "qerl.rollout" or name.startswith("qerl.rollout.")
+    ]
+    assert not found, found
+
+
+def test_the_step_plan_names_its_types() -> None:
+    """The rollout's step plan reads the model view, its groups and norms by their own types: no ``Any`` in it."""
+    tree = ast.parse((QERL / "rollout" / "step_plan.py").read_text())
+    anys = [
+        node.lineno
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Name) and node.id == "Any") or (isinstance(node, ast.Attribute) and node.attr == "Any")
+    ]
+    assert not anys, f"qerl/rollout/step_plan.py: Any at lines {anys}"

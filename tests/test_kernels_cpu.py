@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from qerl import nvfp4
-from qerl.kernels import backend, nvfp4_decode, nvfp4_linear, ops
+from qerl.kernels import backend, nvfp4_forward, nvfp4_linear, ops
 from qerl.kernels.epilogue import Epilogue
 from qerl.load.linear import NVFP4Linear
 
@@ -47,7 +47,7 @@ def test_reference_and_op_on_cpu_match_float64() -> None:
     ref = x.double() @ w.t() + bias.double() + 0.25 * u.double() @ b.double().t()
     y = torch.ops.qerl.nvfp4_mm(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias, u, b, 0.25)
     assert y.shape == (5, 48) and _rel(y, ref) < 1e-5
-    y3 = nvfp4_decode(x.reshape(1, 5, 80), q, epilogue=Epilogue(bias, u.reshape(1, 5, 4), b, 0.25))
+    y3 = nvfp4_forward(x.reshape(1, 5, 80), q, epilogue=Epilogue(bias, u.reshape(1, 5, 4), b, 0.25))
     assert y3.shape == (1, 5, 48) and _rel(y3.reshape(5, 48), ref) < 1e-5
     gy = torch.randn(5, 48, generator=g)
     gx = torch.ops.qerl.nvfp4_mm_t(gy, q.weight_packed, q.weight_scale, q.weight_global_scale)
@@ -63,7 +63,7 @@ def test_op_autograd_matches_dense() -> None:
     u = torch.randn(6, 8, generator=g, requires_grad=True)
     b = torch.randn(32, 8, generator=g, requires_grad=True)
     gy = torch.randn(6, 32, generator=g)
-    y = nvfp4_decode(x, q, epilogue=Epilogue(bias, u, b, 0.5))
+    y = nvfp4_forward(x, q, epilogue=Epilogue(bias, u, b, 0.5))
     grads = torch.autograd.grad(y, (x, bias, u, b), gy)
     leaves = [t.detach().clone().requires_grad_() for t in (x, bias, u, b)]
     ref = torch.nn.functional.linear(leaves[0], w, leaves[1]) + 0.5 * leaves[2] @ leaves[3].t()
@@ -282,8 +282,8 @@ def test_direct_decode_split_counts() -> None:
     assert split(37888, 3584, sch.DECODE_PROGRAM_STEPS) == 3
 
 
-def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which decode kernel ``gluon_takes`` consults: the mma.sync kernel up to 8 rows (but the TMA/wgmma kernel
+def test_gluon_kernel_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which decode kernel ``gluon_kernel`` gives a GEMM: the mma.sync kernel up to 8 rows (but the TMA/wgmma kernel
     where its split-K slices would refill its x ring), the TMA/wgmma kernel above 16, and from 9 to 16 rows only
     for GEMMs of at least ``GLUON_MIN_WEIGHTS`` weights (7B gate_up and down, not its q/k/v or o:
     docs/kernels.md#gluon-min-weights); the rest take the Triton kernel."""
@@ -300,8 +300,9 @@ def test_gluon_takes_routes_by_rows_and_size(monkeypatch: pytest.MonkeyPatch) ->
 
     def route(m: int, n: int, k: int) -> str | None:
         asked.clear()
-        taken = fp4_gemm.gluon_takes(m, n, k, torch.bfloat16, torch.device("cpu"))
-        return asked[0] if taken else None
+        taken = fp4_gemm.gluon_kernel(m, n, k, torch.bfloat16, torch.device("cpu"))
+        assert taken is None or taken == asked[0]
+        return taken
 
     assert route(8, 37888, 3584) == "direct"
     assert [route(m, 37888, 3584) for m in (9, 12, 16)] == ["tma"] * 3  # 7B gate_up

@@ -127,7 +127,7 @@ def test_gluon_decode(M: int, N: int, K: int, monkeypatch: pytest.MonkeyPatch) -
     """The Gluon decode candidate against float64: split-K (its own ticket reduction), N not a multiple
     of its 64-row tile, x permuted in the call and beforehand; then the Triton kernel, which shares the
     ticket table, is still exact (a candidate once left it inconsistent for the launches after it)."""
-    from qerl.kernels import fp4_gemm, fp4_gluon, reference
+    from qerl.kernels import fp4_gemm, fp4_gluon, gluon_layout
 
     q = _weight(N, K)
     x = _rand(M, K)
@@ -136,7 +136,7 @@ def test_gluon_decode(M: int, N: int, K: int, monkeypatch: pytest.MonkeyPatch) -
     for split in (0, 1, 3):
         y = fp4_gluon.matmul(x, q, split=split)
         assert max_err(y, ref) < TOL[torch.bfloat16], (split, max_err(y, ref))
-    y = fp4_gluon.matmul(reference.nibble_major(x), q, permuted=True)
+    y = fp4_gluon.matmul(gluon_layout.to_gluon_k(x), q, gluon_k=True)
     assert max_err(y, ref) < TOL[torch.bfloat16]
     assert max_err(fp4_gemm.matmul(x, q), ref) < TOL[torch.bfloat16]
     # The last program sums the vector partials in slice order however many it reads per round trip.
@@ -220,14 +220,14 @@ def test_pdl_decode_chain_matches_serial(M: int, monkeypatch: pytest.MonkeyPatch
     lora_a, lora_b = _rand(16, k) * 0.05, _rand(n, 16) * 0.05
     norm_w = torch.rand(k, device="cuda", generator=_gen()).to(torch.bfloat16) + 0.5
     h0 = _rand(M, k)
-    takes = fp4_gemm.gluon_takes(M, n, k, torch.bfloat16, h0.device)
+    takes = fp4_gemm.gluon_kernel(M, n, k, torch.bfloat16, h0.device) is not None
     assert takes, f"M={M}, N=K={n}: expected a Gluon decode kernel, the ones launched with PDL"
 
     def chain() -> list[torch.Tensor]:
         h, outs = h0, []
         for q in qs:
-            _, x, u = fused_step.rms_norm_shrink(h, None, norm_w, 1e-6, lora_a, (16, 16), permute=takes)
-            h = fp4_gemm.matmul(x, q, epilogue=Epilogue(None, u.view(M, 16), lora_b), x_permuted=takes, pdl=True)
+            _, x, u = fused_step.rms_norm_shrink(h, None, norm_w, 1e-6, lora_a, (16, 16), gluon_k=takes)
+            h = fp4_gemm.matmul(x, q, epilogue=Epilogue(None, u.view(M, 16), lora_b), gluon_k=takes, pdl=True)
             outs.append(h)
         return outs
 
@@ -268,12 +268,12 @@ def test_direct_decode(M: int, N: int, K: int) -> None:
     N not a multiple of its 64-row tile, one K step, slices longer than the x ring (17 steps in one slice:
     fills of 7, 7 and 3); then the Triton kernel (sharing the ticket table) is still exact; M > 8 and K off
     the 256-code steps are refused."""
-    from qerl.kernels import fp4_direct, fp4_gemm, reference
+    from qerl.kernels import fp4_direct, fp4_gemm, gluon_layout
 
     q = _weight(N, K)
     x = _rand(M, K)
     ref = x.double() @ _w64(q).t()
-    xp = reference.nibble_major(x)
+    xp = gluon_layout.to_gluon_k(x)
     _poison_allocator()
     for split in (0, 1, 3):  # one slice refills the x ring past MAX_STEPS steps; 3 leaves the last slice short
         y = fp4_direct.matmul(xp, q, split=split)
@@ -290,12 +290,12 @@ def test_direct_decode(M: int, N: int, K: int) -> None:
 @pytest.mark.parametrize("M", [1, 5, 8])
 @pytest.mark.parametrize("r,lora_bounds", [(16, (6, 11)), (48, (16, 32))])
 def test_direct_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """``fp4_gemm.matmul(x_permuted=True)`` at M <= ``DIRECT_MAX_M`` takes the mma.sync kernel with what the
+    """``fp4_gemm.matmul(gluon_k=True)`` at M <= ``DIRECT_MAX_M`` takes the mma.sync kernel with what the
     rollout engine hands it (bias, the LoRA expand from a segmented u, segmented outputs) against the float64
     reference, as the Triton kernel does on the same x in natural order, and as the TMA/wgmma kernel does where the
     mma.sync kernel's slices would refill its x ring (``fp4_direct.refills``, forced here); at M = 9 an x in that
     order is refused."""
-    from qerl.kernels import fp4_direct, fp4_gemm, fp4_gluon, reference
+    from qerl.kernels import fp4_direct, fp4_gemm, fp4_gluon, gluon_layout
     from qerl.kernels import schedule as sch
 
     monkeypatch.setattr(sch, "SWITCHES", replace(sch.SWITCHES, direct_decode=True))
@@ -307,16 +307,16 @@ def test_direct_decode_epilogue(M: int, r: int, lora_bounds: tuple[int, int], mo
     monkeypatch.setattr(fp4_gluon, "matmul", lambda *a, _f=fp4_gluon.matmul, **k: calls.append("tma") or _f(*a, **k))
     q, x, epilogue, ref = _stacked_epilogue_case(M, r, lora_bounds)
     _poison_allocator()
-    y = fp4_gemm.matmul(reference.nibble_major(x), q, epilogue=epilogue, x_permuted=True)
+    y = fp4_gemm.matmul(gluon_layout.to_gluon_k(x), q, epilogue=epilogue, gluon_k=True)
     assert calls == ["direct"]
     assert max_err(y, ref) < TOL[torch.bfloat16]
     assert max_err(fp4_gemm.matmul(x, q, epilogue=epilogue), ref) < TOL[torch.bfloat16]
     assert calls == ["direct"]  # natural order: the Triton kernel
     monkeypatch.setattr(fp4_direct, "refills", lambda *a: True)
-    y = fp4_gemm.matmul(reference.nibble_major(x), q, epilogue=epilogue, x_permuted=True)
+    y = fp4_gemm.matmul(gluon_layout.to_gluon_k(x), q, epilogue=epilogue, gluon_k=True)
     assert calls == ["direct", "tma"] and max_err(y, ref) < TOL[torch.bfloat16]
-    with pytest.raises(ValueError, match="x_permuted"):
-        fp4_gemm.matmul(_rand(9, x.shape[1]), q, x_permuted=True)
+    with pytest.raises(ValueError, match="gluon_k"):
+        fp4_gemm.matmul(_rand(9, x.shape[1]), q, gluon_k=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
@@ -326,10 +326,10 @@ def test_direct_decode_lora_split(M: int, r: int, lora_bounds: tuple[int, int]) 
     """The mma.sync kernel's LoRA expand (rank chunks on the tile's last K slice, before its K loop) against float64
     at split counts from one slice (the expand and the whole K loop in one program) to one K step a slice, with
     ranks of one, three and five 16-rank chunks."""
-    from qerl.kernels import fp4_direct, reference
+    from qerl.kernels import fp4_direct, gluon_layout
 
     q, x, epilogue, ref = _stacked_epilogue_case(M, r, lora_bounds)
-    xp = reference.nibble_major(x)
+    xp = gluon_layout.to_gluon_k(x)
     _poison_allocator()
     for split in (1, 2, 3, 5, 8):
         y = fp4_direct.matmul(xp, q, epilogue=epilogue, split=split)
@@ -339,7 +339,7 @@ def test_direct_decode_lora_split(M: int, r: int, lora_bounds: tuple[int, int]) 
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 100, 128, 200])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_lora_epilogue(M: int, rank: int) -> None:
-    from qerl.kernels import nvfp4_decode
+    from qerl.kernels import nvfp4_forward
 
     N, K = 1000, 2048
     q = _weight(N, K)
@@ -348,7 +348,7 @@ def test_lora_epilogue(M: int, rank: int) -> None:
     b = _rand(N, rank, dtype=torch.float32) * 0.1
     ref = x.double() @ _w64(q).t() + 0.5 * u.double() @ b.double().t()
     _poison_allocator()
-    y = nvfp4_decode(x, q, epilogue=Epilogue(None, u, b, 0.5))
+    y = nvfp4_forward(x, q, epilogue=Epilogue(None, u, b, 0.5))
     assert max_err(y, ref) < TOL[torch.bfloat16]
 
 

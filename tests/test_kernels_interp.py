@@ -177,7 +177,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     from qerl.kernels import backend
 
-    backend.available = lambda x: True  # CPU tensors to the (interpreted) Triton kernels
+    backend.serves = lambda device: True  # CPU tensors to the (interpreted) Triton kernels
     f16 = torch.float16
     # fused grad_x at 1 / 17 rows (K off the 128-code tile, N off the 64-row step), dequantize + matmul at 65
     check_backward("cpu", f16, [(1, 200, 1040), (17, 72, 272), (65, 64, 128)], 4e-3)

@@ -133,13 +133,13 @@ def test_scale_pair_asm_converts_every_scale() -> None:
     assert regs["$0"][-1] == 0 and regs["$1"][-1] == 0
 
 
-def test_nibble_major_order() -> None:
+def test_gluon_k_order() -> None:
     """The Gluon decode kernel's x order: within each 256-element K step, element 4j + i sits at
     i * 64 + j (nibble i of packed int16 element j meets a contiguous x slice); rows keep their steps."""
-    from qerl.kernels.reference import nibble_major
+    from qerl.kernels.gluon_layout import to_gluon_k
 
     x = torch.arange(2 * 512).view(2, 512)
-    y = nibble_major(x)
+    y = to_gluon_k(x)
     i, j = torch.arange(4).view(4, 1), torch.arange(64).view(1, 64)
     for row in range(2):
         for step in range(2):

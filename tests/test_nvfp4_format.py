@@ -43,9 +43,9 @@ def test_quantize_dequantize_error_and_scales():
     assert torch.all(w_hat[3, :16] == 0)
 
 
-def test_shared_global_scale_is_the_minimum():
+def test_fused_layers_share_the_minimum_global_scale():
     a, b = torch.randn(16, 32), torch.randn(16, 32) * 3
-    g = nvfp4.shared_global_scale([a, b])
+    g = nvfp4.min_global_scale([nvfp4.global_scale(a), nvfp4.global_scale(b)])
     assert g.item() == min(nvfp4.global_scale(a).item(), nvfp4.global_scale(b).item())
 
 

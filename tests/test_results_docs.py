@@ -20,11 +20,18 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 CITED = re.compile(r"(?:git show ([0-9a-f]{7,40}):)?(benchmarks/results/[\w./-]*\w)")
 #: Bare result-file names in a cell or list that follows a full path, e.g. "`rollout.json`, `grpo_step_72b.json`".
 BARE = re.compile(r"`([\w-]+\.(?:json|png|txt))`")
+#: A result file marked as left the tree (`` `name.json`† ``), and the one sentence that names the commit holding every
+#: such file of a document ("marked † ... at commit `C`"), said once instead of a ``git show C:`` per file.
+MARKED = re.compile(r"`([\w.-]+)`†")
+MARKED_AT = re.compile(r"marked † .*? at commit\s+`([0-9a-f]{7,40})`", re.DOTALL)
 
 
 def cited(text: str) -> list[tuple[str | None, str]]:
-    """(commit or None, path) of every result file or folder a document cites."""
-    return [(m.group(1), m.group(2)) for m in CITED.finditer(text)]
+    """(commit or None, path) of every result file or folder a document cites; a file marked † is at the commit
+    the document names for them (None, so it must be in the tree, where it names none)."""
+    at = MARKED_AT.search(text)
+    marked = [(at and at.group(1), f"benchmarks/results/{name}") for name in MARKED.findall(text)]
+    return [(m.group(1), m.group(2)) for m in CITED.finditer(text)] + marked
 
 
 def script_of(command: str) -> Path | None:

@@ -202,29 +202,29 @@ def test_ab_constants_parse_apply_and_restore() -> None:
     """``--ab-constant``: each spec becomes a (module, name, value) pair for the base and the variant, applied together
     and restored afterwards, even when the block raises."""
     from benchmarks import rollout_ab as bench
-    from qerl.rollout import decoder
+    from qerl.rollout import step_plan
 
-    start = decoder.FUSED_LORA_MAX_ROWS
+    start = step_plan.FUSED_LORA_MAX_ROWS
     base, variant = bench.parse_ab_constants(
-        ["qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:64", "qerl.rollout.decoder.STACK_GROUPS=True:False"]
+        ["qerl.rollout.step_plan.FUSED_LORA_MAX_ROWS=32:64", "qerl.rollout.step_plan.STACK_GROUPS=True:False"]
     )
     assert [(n, v) for _, n, v in base] == [("FUSED_LORA_MAX_ROWS", 32), ("STACK_GROUPS", True)]
     assert [(n, v) for _, n, v in variant] == [("FUSED_LORA_MAX_ROWS", 64), ("STACK_GROUPS", False)]
     with pytest.raises(RuntimeError), bench.applied(variant):
-        assert (decoder.FUSED_LORA_MAX_ROWS, decoder.STACK_GROUPS) == (64, False)
+        assert (step_plan.FUSED_LORA_MAX_ROWS, step_plan.STACK_GROUPS) == (64, False)
         raise RuntimeError
-    assert decoder.FUSED_LORA_MAX_ROWS == start and decoder.STACK_GROUPS is True
+    assert step_plan.FUSED_LORA_MAX_ROWS == start and step_plan.STACK_GROUPS is True
 
 
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
         ("FUSED_LORA_MAX_ROWS=32:64", "expected MODULE.NAME=BASE:VARIANT"),
-        ("qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32", "expected MODULE.NAME=BASE:VARIANT"),
+        ("qerl.rollout.step_plan.FUSED_LORA_MAX_ROWS=32", "expected MODULE.NAME=BASE:VARIANT"),
         ("qerl.rollout.nowhere.X=1:2", "cannot import qerl.rollout.nowhere"),
-        ("qerl.rollout.decoder.FUSED_LORA_MAX_ROW=32:64", "has no attribute FUSED_LORA_MAX_ROW"),
-        ("qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=32:6.4", "expected two int literals"),
-        ("qerl.rollout.decoder.STACK_GROUPS=1:0", "expected two bool literals"),
+        ("qerl.rollout.step_plan.FUSED_LORA_MAX_ROW=32:64", "has no attribute FUSED_LORA_MAX_ROW"),
+        ("qerl.rollout.step_plan.FUSED_LORA_MAX_ROWS=32:6.4", "expected two int literals"),
+        ("qerl.rollout.step_plan.STACK_GROUPS=1:0", "expected two bool literals"),
     ],
 )
 def test_ab_constants_reject_bad_specs(spec: str, says: str) -> None:
@@ -243,7 +243,7 @@ def test_constant_ab_times_each_variant_under_its_settings(monkeypatch: pytest.M
     from benchmarks import common
     from benchmarks import rollout_ab as bench
     from benchmarks.rollout_models import with_lora
-    from qerl.rollout import decoder
+    from qerl.rollout import step_plan
 
     tiny = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
@@ -258,15 +258,15 @@ def test_constant_ab_times_each_variant_under_its_settings(monkeypatch: pytest.M
     seen = []
 
     def timing(engine: object, prompts: list, tokens: int) -> tuple[float, float]:
-        seen.append(decoder.FUSED_LORA_MAX_ROWS)
+        seen.append(step_plan.FUSED_LORA_MAX_ROWS)
         return 1.0, 0.1
 
     monkeypatch.setattr(bench, "ms_per_step", timing)
     monkeypatch.setattr(bench, "environment", dict)
-    start = decoder.FUSED_LORA_MAX_ROWS
+    start = step_plan.FUSED_LORA_MAX_ROWS
     args = Namespace(shapes=["7b"], batches=[1], tokens=8)
-    result = bench.constant_ab(args, *bench.parse_ab_constants(["qerl.rollout.decoder.FUSED_LORA_MAX_ROWS=5:7"]))
-    assert seen == [5, 7, 5] and decoder.FUSED_LORA_MAX_ROWS == start
+    result = bench.constant_ab(args, *bench.parse_ab_constants(["qerl.rollout.step_plan.FUSED_LORA_MAX_ROWS=5:7"]))
+    assert seen == [5, 7, 5] and step_plan.FUSED_LORA_MAX_ROWS == start
     rows = result["results"]
     assert [r["variant"] for r in rows] == ["FUSED_LORA_MAX_ROWS=5", "FUSED_LORA_MAX_ROWS=7", "FUSED_LORA_MAX_ROWS=5"]
     assert all(r["greedy_rows_equal_to_base"] == 1.0 and r["ms_per_step"] == 1.0 for r in rows)

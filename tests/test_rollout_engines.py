@@ -403,7 +403,7 @@ def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: 
     got = engine.teacher_forced_logits(prompts, completions)
     assert engine.last_stats["graphs"] >= 1
     if stacked:
-        assert all(g.stacked is not None for layer in engine._plan.layers for g in (layer.qkv, layer.gate_up))
+        assert all(g.stacked is not None for layer in engine._view.layers for g in (layer.qkv, layer.gate_up))
     worst, scale = 0.0, 0.0
     for prompt, comp, logits in zip(prompts, completions, got, strict=True):
         with torch.no_grad():
@@ -418,12 +418,12 @@ def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: 
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
 @pytest.mark.parametrize("kernel,rows", [("gluon", 40), ("gluon", 20), ("gluon", 12), ("direct", 6)])
-def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_gluon_k_decode(kernel: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode batches above ``GLUON_MIN_M`` (the TMA/wgmma kernel; at 12 rows too, with ``GLUON_MIN_WEIGHTS``
     lowered to this small model's GEMMs) or of at most ``DIRECT_MAX_M`` rows (the
     mma.sync kernel) on a model whose GEMM inputs are whole 256-code K steps run every decode GEMM on that
     Gluon kernel with x already in its K order (written so by the producing norm / attention / SiLU kernels;
-    the LoRA shrinks fused into them at 6 and 20 rows, through ``lora_a_gluon`` at 40): no per-call permute, and
+    the LoRA shrinks fused into them at 6 and 20 rows, through ``lora_a_gluon_k`` at 40): no per-call permute, and
     the logits match the Triton-kernel engine's (<= 1% of max |logit|) and HF's forward (<= 5%)."""
     from qerl.kernels import fp4_direct, fp4_gluon
     from qerl.kernels import schedule as sch
@@ -441,7 +441,7 @@ def test_gpu_gluon_order_decode(kernel: str, rows: int, monkeypatch: pytest.Monk
     calls: list[bool] = []
 
     def counted(*args, _f=module.matmul, **kwargs):
-        calls.append(kwargs.get("permuted", kernel == "direct"))  # fp4_gemm sends the direct kernel permuted x only
+        calls.append(kwargs.get("gluon_k", kernel == "direct"))  # fp4_gemm sends the direct kernel permuted x only
         return _f(*args, **kwargs)
 
     monkeypatch.setattr(module, "matmul", counted)

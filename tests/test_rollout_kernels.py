@@ -87,7 +87,7 @@ def test_rank_kernel_fits_registers(block: int) -> None:
     assert most == {4096: 8, 8192: 4}[block]
 
     def spills(rb: int) -> int:
-        consts = {"HAS_DELTA": True, "BLOCK": block, "RB": rb, "PERMUTE": True}
+        consts = {"HAS_DELTA": True, "BLOCK": block, "RB": rb, "GLUON_K": True}
         ptrs = ("h_ptr", "d_ptr", "w_ptr", "hout_ptr", "out_ptr", "a_ptr", "u_ptr")
         sig = {
             **dict.fromkeys(ptrs, "*bf16"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qerl.rollout.base import SamplingParams
-from qerl.rollout.sampling import adjust_logits, make_generator, sample, sample_params
+from qerl.rollout.sampling import adjust_logits, make_generator, sample
 
 torch.set_num_threads(1)
 
@@ -91,7 +91,7 @@ def test_logprob_is_processed_probability(temperature: float, top_k: int, top_p:
 
 def test_greedy_logprob_is_unprocessed() -> None:
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
-    tokens, logprobs = sample_params(logits, SamplingParams(temperature=0.0, top_k=2, top_p=0.1))
+    tokens, logprobs = sample(logits, 0.0, top_k=2, top_p=0.1)  # the filters do not apply to greedy
     assert torch.equal(tokens, logits.argmax(-1))
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
 

@@ -17,7 +17,7 @@ from qerl import arch
 from qerl.kernels import reference
 from qerl.load.linear import NVFP4Linear, stack_fused_groups
 from qerl.rollout import decoder
-from qerl.rollout.layers import ModelPlan
+from qerl.rollout.layers import ModelView
 
 
 def _bases(model: torch.nn.Module, names: tuple[str, ...]) -> list[list[NVFP4Linear]]:
@@ -63,11 +63,11 @@ def test_stacking_keeps_every_tensor_and_the_forward() -> None:
 
 
 def test_groups_with_different_global_scales_stay_apart() -> None:
-    """Per-Linear global scales (not a fused-group checkpoint): nothing is stacked, the plan runs per projection."""
+    """Per-Linear global scales (not a fused-group checkpoint): nothing is stacked, the view runs them per projection."""
     model = nvfp4_lora(tiny_qwen2())
     assert stack_fused_groups(model) == 0
-    plan = ModelPlan.from_model(model)
-    assert all(g.stacked is None for g in plan.groups())
+    view = ModelView.from_model(model)
+    assert all(g.stacked is None for g in view.groups())
 
 
 @pytest.mark.parametrize("segmented", [False, True])
@@ -77,9 +77,9 @@ def test_stacked_forward_matches_each_projection(segmented: bool) -> None:
     torch.manual_seed(1)
     model = nvfp4_lora(tiny_qwen2(), group_scales=True)
     stack_fused_groups(model)
-    plan = ModelPlan.from_model(model)
-    plan.refresh_lora()
-    layer = plan.layers[1]
+    view = ModelView.from_model(model)
+    view.refresh_lora()
+    layer = view.layers[1]
     for group in (layer.qkv, layer.gate_up):
         assert group.stacked is not None and group.lora_b is not None
         row = 0
@@ -93,7 +93,7 @@ def test_stacked_forward_matches_each_projection(segmented: bool) -> None:
             row += n
         x = torch.randn(3, 2, group.stacked.weight.weight_packed.shape[1] * 2)
         lora = decoder.lora_inputs(x, group)
-        want = [decoder.project(x, p, u) for p, u in zip(group.projs, lora.per_projection(group), strict=True)]
+        want = decoder.group_op(group, x.device, stacked=False, gluon_k=False)(x, lora)  # one projection at a time
         if segmented:
             flat = reference.segment(lora.u.reshape(6, -1), group.lora_bounds)
             lora = decoder.LoraU(flat, group.lora_bounds, x.shape[:-1])
@@ -101,7 +101,7 @@ def test_stacked_forward_matches_each_projection(segmented: bool) -> None:
                 lora.per_projection(group), decoder.lora_inputs(x, group).per_projection(group), strict=True
             ):
                 assert torch.equal(got_u, want_u)
-        got = decoder.stacked_forward(x, lora, group=group)
+        got = decoder.group_op(group, x.device, stacked=True, gluon_k=False)(x, lora)
         assert [g.shape for g in got] == [w.shape for w in want]
         for g, w in zip(got, want, strict=True):
             assert g.is_contiguous()

@@ -9,9 +9,10 @@ dequantize + cuBLAS above; ``grad_x`` in backward: a fused Triton kernel for M <
 cuBLAS above). On CPU, fp32, or without Triton it dequantizes and calls
 ``F.linear``: the reference path that every fast path is tested against.
 
-``nvfp4_decode`` is the same op with an optional LoRA expand fused into its epilogue (an ``Epilogue``), for the
-rollout engine: ``y = x @ W_hat.T + bias + lora_scale * lora_u @ lora_B.T`` where ``lora_u = x @ A.T``
-is computed once per input (shared by q/k/v or gate/up).
+``nvfp4_forward`` is that op itself, the training forward's (``nvfp4_linear`` calls it on CUDA), with an optional
+LoRA expand fused into its epilogue (an ``Epilogue``) for the rollout engine's per-projection forward:
+``y = x @ W_hat.T + bias + lora_scale * lora_u @ lora_B.T`` where ``lora_u = x @ A.T`` is computed once per input
+(shared by q/k/v or gate/up). ``nvfp4_group_decode`` is the rollout's stacked one-launch form (no autograd).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from qerl.kernels import ops, reference
+from qerl.kernels import backend, ops, reference
 from qerl.kernels.epilogue import PLAIN, Epilogue
 from qerl.nvfp4 import NVFP4Tensors
 
@@ -42,12 +43,12 @@ def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensors, bias: torch.Tensor | Non
     """y = x @ dequant(W).T + bias, through the fastest path available for x's device."""
     if not ops.use_triton(x):
         return reference.mm(x, weight, Epilogue(bias))
-    return nvfp4_decode(x, weight, epilogue=Epilogue(bias))
+    return nvfp4_forward(x, weight, epilogue=Epilogue(bias))
 
 
-def nvfp4_decode(x: torch.Tensor, weight: NVFP4Tensors, *, epilogue: Epilogue = PLAIN) -> torch.Tensor:
+def nvfp4_forward(x: torch.Tensor, weight: NVFP4Tensors, *, epilogue: Epilogue = PLAIN) -> torch.Tensor:
     """``x @ W_hat.T + bias + lora_scale * lora_u @ lora_b.T`` for x of shape ``[..., K]`` (``epilogue`` holds all
-    but x and W; not segmented).
+    but x and W; not segmented): the differentiable FP4 forward, the training forward's and the rollout's.
 
     ``lora_u`` is ``[..., r]`` (same leading dims as x), ``lora_b`` is ``[N, r]``. Any device and
     dtype (the reference path serves what the kernels do not); differentiable in x, bias and the
@@ -74,13 +75,13 @@ def nvfp4_group_decode(
     splits: tuple[int, ...],
     *,
     epilogue: Epilogue = PLAIN,
-    x_permuted: bool = False,
+    gluon_k: bool = False,
     pdl: bool = False,
 ) -> list[torch.Tensor]:
     """One to three projections that read the same x and whose weights are stacked row-wise (``splits``
     rows each, one global scale): one launch instead of one per projection, each output a contiguous
-    ``[..., N_j]`` tensor. For the rollout engine (no autograd). ``x_permuted``: x is in the Gluon
-    decode kernel's K order (see ``gluon_order``). ``pdl``: the weights are frozen (no kernel in flight writes them), so
+    ``[..., N_j]`` tensor. For the rollout engine (no autograd). ``gluon_k``: x is in the Gluon K
+    order (``gluon_layout``; see ``reads_gluon_k``). ``pdl``: the weights are frozen (no kernel in flight writes them), so
     the decode kernels may launch with programmatic dependent launch (``qerl/kernels/pdl.py``).
 
     Why: q/k/v and gate/up as separate launches cost the 7B decode step 27-42% more FP4-kernel time
@@ -104,9 +105,9 @@ def nvfp4_group_decode(
     if ops.use_triton(x2):
         from qerl.kernels import fp4_gemm
 
-        flat = fp4_gemm.matmul(x2, weight, epilogue=epilogue, x_permuted=x_permuted, pdl=pdl)
-    elif x_permuted:
-        raise ValueError("x_permuted: the Gluon K order is for the CUDA decode kernels only")
+        flat = fp4_gemm.matmul(x2, weight, epilogue=epilogue, gluon_k=gluon_k, pdl=pdl)
+    elif gluon_k:
+        raise ValueError("gluon_k: the Gluon K order is for the CUDA decode kernels only")
     else:
         flat = reference.mm(x2, weight, epilogue)
     outs, start = [], 0
@@ -116,12 +117,13 @@ def nvfp4_group_decode(
     return outs
 
 
-def gluon_order(rows: int, n: int, k: int, x: torch.Tensor) -> bool:
-    """Whether a decode GEMM over ``rows`` x ``k`` inputs of ``x``'s dtype and device to ``n`` outputs runs a Gluon kernel,
-    which reads x in their K order (``fp4_base.nibble_major``; ``fp4_gemm.gluon_takes``): the rollout engine
-    then has the op producing x write it so (``fused_step``, ``permute=True``) instead of permuting it per call."""
-    if not ops.use_triton(x):
+def reads_gluon_k(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an [M, K] x [K, N] decode GEMM of ``dtype`` activations on ``device`` runs a Gluon kernel, which reads
+    x in the Gluon K order (``gluon_layout``; ``fp4_gemm.gluon_kernel`` says which): a question about the GEMM's
+    shape, for the rollout's step plan, which then has the op producing x write it so (``fused_step``,
+    ``gluon_k=True``) instead of permuting it per call. False where the Triton kernels do not serve ``device``."""
+    if not backend.serves(device):
         return False
     from qerl.kernels import fp4_gemm
 
-    return fp4_gemm.gluon_takes(rows, n, k, x.dtype, x.device)
+    return fp4_gemm.gluon_kernel(M, N, K, dtype, device) is not None

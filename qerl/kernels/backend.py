@@ -30,9 +30,14 @@ def enabled() -> bool:
     return HAS_TRITON and os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def serves(device: torch.device) -> bool:
+    """Whether the Triton kernels serve tensors on ``device`` (dtype rules are each op's own)."""
+    return device.type == "cuda" and enabled()
+
+
 def available(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve tensors on ``x``'s device (dtype rules are each op's own)."""
-    return x.is_cuda and enabled()
+    """Whether the Triton kernels serve tensors on ``x``'s device (``serves``)."""
+    return serves(x.device)
 
 
 def tickets(device: torch.device, needed: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """What every NVFP4 kernel of ``qerl.kernels`` shares: the checkpoint's packed layout and its nibble decode, the
-segmented and Gluon-K-order offsets, and the operand checks of the launchers.
+segmented and Gluon-K-order offsets (``gluon_layout`` is that order's host side), and the operand checks of the
+launchers.
 
 The layout (no repack): ``weight_packed`` u8 ``[N, K/2]`` holds two e2m1 codes a byte (the low nibble first),
 ``weight_scale`` fp8 e4m3 ``[N, K/16]`` one block scale per 16 codes, ``weight_global_scale`` one fp32, and
@@ -34,12 +35,11 @@ def segmented(col, row, rows, S1, S2, TOTAL):
 
 
 @triton.jit
-def nibble_major(offs):
-    """Where element ``offs`` of a row-major activation goes in the Gluon decode kernel's x order
-    (``reference.nibble_major``): within each 256-element K step, element 4j + i moves to i * 64 + j, so
-    the x slice that meets nibble i of the packed weight is contiguous. Rows must be whole K steps
-    (the row length a multiple of 256), so a flat offset maps as a column does. The producers of a
-    decode GEMM's input write it in this order directly (the decode-step kernels, ``permute=True``)."""
+def gluon_k_offsets(offs):
+    """Where element ``offs`` of a row-major activation goes in the Gluon K order (``gluon_layout``, whose
+    ``to_gluon_k`` is the same map on tensors): within each 256-element K step, element 4j + i moves to i * 64 + j.
+    Rows must be whole K steps, so a flat offset maps as a column does. The producers of a decode GEMM's input
+    write it in this order directly (the decode-step kernels, ``gluon_k=True``)."""
     return offs - (offs & 255) + ((offs & 3) << 6) + ((offs >> 2) & 63)
 
 

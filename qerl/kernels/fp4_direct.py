@@ -13,7 +13,7 @@ warpgroup to issue it (docs/kernels.md#direct-kernel). Here:
   as int32 words (``word_layout``; int16 elements cost PRMTs a step) and decoded on the word by
   ``fp4_base.nibble_asm`` (``word_nibble``), times the fp8 block scale converted once per (row, group)
   (``gluon_base.scale_layout``): exact, as in the other kernels;
-* x comes in the Gluon K order (``fp4_base.nibble_major``), so nibble ``i``'s x for a K step is 64 contiguous
+* x comes in the Gluon K order (``gluon_layout``), so nibble ``i``'s x for a K step is 64 contiguous
   elements, cp.async'd into a ring of up to ``MAX_STEPS`` K steps (4 KB each) and read with 16-byte LDS (read from
   global memory inside the loop it missed L1 every step);
 * with programmatic dependent launch (``pdl.py``) a slice's first weights are loaded before the wait for the kernel
@@ -258,7 +258,7 @@ SPLIT_CHUNK = 8
 
 def refills(N: int, K: int, device: torch.device) -> bool:
     """Whether this GEMM is split into K slices (``decode_split``'s choice, as ``matmul`` launches it) longer than
-    the x ring, so each slice refills it (the ``RING`` build); ``fp4_gemm.gluon_takes`` gives those GEMMs (the 32B
+    the x ring, so each slice refills it (the ``RING`` build); ``fp4_gemm.gluon_kernel`` gives those GEMMs (the 32B
     down; no 7B GEMM) to the TMA/wgmma kernel instead, faster on them. A GEMM whose single slice per tile refills the
     ring (32B gate_up) stays here, faster here (docs/kernels.md#direct-ring)."""
     tiles, k_steps, slots = launch_shape(N, K, device)
@@ -293,7 +293,7 @@ def matmul(
     pdl: bool = False,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (the ``epilogue``; operands checked there when it dispatches here) for
-    an x already in the Gluon K order (``reference.nibble_major``); see ``supports`` for what it takes. ``split``: K
+    an x already in the Gluon K order (``gluon_layout``); see ``supports`` for what it takes. ``split``: K
     slices (0: ``decode_split``'s choice). ``pdl``: a programmatic dependent launch (``pdl.py``; the caller vouches
     that no kernel in flight writes the weights)."""
     check_act(x)

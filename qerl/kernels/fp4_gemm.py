@@ -4,10 +4,10 @@ Callers (``ops``, ``nvfp4_group_decode``, the benchmarks) reach every FP4 kernel
 with the rollout engine's bias, LoRA-expand and segmented-layout epilogue) and ``matmul_t`` (grad_x); the kernels
 sit one family a module below it:
 
-* decode-sized M (<= ``schedule.DECODE_MAX_M``): on Hopper, for x in the Gluon K order (``fp4_base.nibble_major``),
+* decode-sized M (<= ``schedule.DECODE_MAX_M``): on Hopper, for x in the Gluon K order (``gluon_layout``),
   ``fp4_direct`` (mma.sync, up to ``schedule.DIRECT_MAX_M`` rows) or ``fp4_gluon`` (TMA/wgmma, above
   ``schedule.GLUON_MIN_M`` rows, above ``DIRECT_MAX_M`` for GEMMs of at least ``schedule.GLUON_MIN_WEIGHTS`` weights,
-  at any row count for those ``fp4_direct.refills``): ``gluon_takes``; everything else ``fp4_decode`` (Triton);
+  at any row count for those ``fp4_direct.refills``): ``gluon_kernel``; everything else ``fp4_decode`` (Triton);
 * larger M: ``fp4_dequant.dequantize`` once into a transient bf16/fp16 copy, then cuBLAS;
 * grad_x: ``fp4_backward`` up to ``schedule.FUSED_BWD_MAX_M`` rows, dequantize + cuBLAS above.
 
@@ -43,8 +43,8 @@ class Request(NamedTuple):
 
     m: int  #: x's rows
     config: DecodeConfig | None  #: an explicit Triton decode schedule (tests, tuning), else None
-    x_permuted: bool  #: x is in the Gluon kernels' K order (``nibble_major``)
-    gluon: str | None  #: the Gluon kernel ``gluon_takes`` gives the GEMM: "tma", "direct" or None
+    gluon_k: bool  #: x is in the Gluon K order (``gluon_layout``)
+    gluon: str | None  #: the Gluon kernel ``gluon_kernel`` gives the GEMM: "tma", "direct" or None
     pdl: bool  #: the caller allows programmatic dependent launch (``pdl.gemm_launch``)
 
 
@@ -58,7 +58,7 @@ def _dequantized(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torc
 
 
 def _tma(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Tensor | None, req: Request):
-    return fp4_gluon.matmul(x, weight, epilogue=epi, out=out, permuted=req.x_permuted, pdl=req.pdl)
+    return fp4_gluon.matmul(x, weight, epilogue=epi, out=out, gluon_k=req.gluon_k, pdl=req.pdl)
 
 
 def _direct(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Tensor | None, req: Request):
@@ -73,8 +73,8 @@ def _triton(x: torch.Tensor, weight: NVFP4Tensors, epi: Epilogue, out: torch.Ten
 ROUTES: tuple[tuple[Launcher, Callable[[Request], bool]], ...] = (
     (_dequantized, lambda r: r.m > DECODE_MAX_M),
     (_tma, lambda r: r.gluon == "tma"),
-    (_direct, lambda r: r.gluon == "direct" and r.x_permuted),
-    (_triton, lambda r: not r.x_permuted),
+    (_direct, lambda r: r.gluon == "direct" and r.gluon_k),
+    (_triton, lambda r: not r.gluon_k),
 )
 
 
@@ -85,15 +85,15 @@ def matmul(
     epilogue: Epilogue = PLAIN,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
-    x_permuted: bool = False,
+    gluon_k: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
     """y = x @ W_hat^T and the ``epilogue`` (bias, LoRA expand, segmented y / u) for 2-D bf16/fp16 x on CUDA, on the
     first kernel of ``ROUTES`` whose condition holds.
 
     An explicit ``DecodeConfig`` sets the Triton decode kernel's schedule (M <= DECODE_MAX_M only). ``out`` (a
-    contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer. ``x_permuted``: x is in the Gluon
-    kernels' K order (``nibble_major``); only for GEMMs ``gluon_takes``. ``pdl``: the Gluon kernels launch with
+    contiguous [M, N] tensor of x's dtype) lets tests hand in a poisoned buffer. ``gluon_k``: x is in the Gluon K
+    order (``gluon_layout``); only for GEMMs a Gluon kernel takes (``gluon_kernel``). ``pdl``: the Gluon kernels launch with
     programmatic dependent launch where ``pdl.gemm_launch`` allows it (``qerl/kernels/pdl.py``); the caller vouches
     that no kernel still in flight writes the weight (a model's frozen base weights).
     """
@@ -106,18 +106,18 @@ def matmul(
     if M > DECODE_MAX_M and config is not None:
         raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M}, got {M}")
     decode = M <= DECODE_MAX_M and config is None
-    req = Request(M, config, x_permuted, _gluon_kernel(M, N, K, x.dtype, x.device) if decode else None, pdl)
+    req = Request(M, config, gluon_k, gluon_kernel(M, N, K, x.dtype, x.device) if decode else None, pdl)
     for launch, applies in ROUTES:
         if applies(req):
             return launch(x.contiguous(), weight, epilogue, out, req)
     raise ValueError(
-        f"x in the Gluon kernels' K order (x_permuted) needs a GEMM gluon_takes, got M={M}, K={K}, "
-        f"{x.dtype}, config={config}"
+        f"x in the Gluon K order (gluon_k) needs a GEMM a Gluon kernel takes, got M={M}, K={K}, {x.dtype}, "
+        f"config={config}"
     )
 
 
 def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:
-    """Whether the TMA/wgmma kernel is the Gluon kernel for this many rows of this GEMM (``gluon_takes``)."""
+    """Whether the TMA/wgmma kernel is the Gluon kernel for this many rows of this GEMM (``gluon_kernel``)."""
     if not schedule.SWITCHES.gluon_decode:
         return False
     if M > schedule.GLUON_MIN_M or (M > schedule.DIRECT_MAX_M and N * K >= schedule.GLUON_MIN_WEIGHTS):
@@ -127,26 +127,21 @@ def _tma_rows(M: int, N: int, K: int, device: torch.device) -> bool:
     return fp4_direct.refills(N, K, device)
 
 
-def gluon_takes(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``matmul`` runs an [M, K] x [K, N] decode GEMM on a Gluon kernel that reads x in its K order
-    (``nibble_major``), so the op producing x should write it so (the rollout engine asks this):
+def gluon_kernel(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The Gluon kernel ``matmul`` runs an [M, K] x [K, N] decode GEMM on, which reads x in the Gluon K order
+    (``gluon_layout``), so the op producing x should write it so (the rollout engine asks ``kernels.reads_gluon_k``):
 
-    * above ``GLUON_MIN_M`` rows, from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least ``GLUON_MIN_WEIGHTS``
+    * "tma" above ``GLUON_MIN_M`` rows, from ``DIRECT_MAX_M + 1`` rows for GEMMs of at least ``GLUON_MIN_WEIGHTS``
       weights, and at fewer rows for GEMMs whose split-K slices the mma.sync kernel would stream through its
       x ring (``fp4_direct.refills``: the 32B down), the TMA/wgmma kernel (``fp4_gluon``,
       ``schedule.SWITCHES.gluon_decode``: sm_90, bf16, M <= 128, whole 256-code K steps); ``matmul`` permutes an x that is
       not in that order itself;
-    * at most ``DIRECT_MAX_M`` rows the register-only ``mma.sync`` kernel (``fp4_direct``,
-      ``schedule.SWITCHES.direct_decode``), for an x already in that order (``x_permuted``); an x in natural order
+    * "direct" at most ``DIRECT_MAX_M`` rows: the register-only ``mma.sync`` kernel (``fp4_direct``,
+      ``schedule.SWITCHES.direct_decode``), for an x already in that order (``gluon_k``); an x in natural order
       takes ``fp4_decode`` (a direct kernel reading natural order was 2% faster at M=1 but ~48% slower at
       M=8: docs/kernels.md#direct-max-m).
 
-    False without a Triton that has Gluon."""
-    return _gluon_kernel(M, N, K, dtype, device) is not None
-
-
-def _gluon_kernel(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """``gluon_takes``'s kernel: "tma" (``fp4_gluon``), "direct" (``fp4_direct``) or None (neither)."""
+    None for every other GEMM, and without a Triton that has Gluon."""
     if not HAS_GLUON:
         return None
     if _tma_rows(M, N, K, device):

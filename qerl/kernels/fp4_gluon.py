@@ -13,7 +13,7 @@ express the fix for a register A operand, Gluon can (docs/kernels.md#gluon-kerne
   registers, decodes nibble ``i`` (``fp4_base.nibble``), multiplies by the block scale (converted once per row and
   group, broadcast by a layout checked trivial at compile time) and issues ``wgmma`` asynchronously, so the decode of
   nibble ``i + 1`` overlaps the MMA of nibble ``i``;
-* x comes in the Gluon K order (``reference.nibble_major``), so each nibble's x slice is a contiguous block of the
+* x comes in the Gluon K order (``gluon_layout``), so each nibble's x slice is a contiguous block of the
   TMA tile and the wgmma B operand is read from shared memory as loaded.
 
 ``fp4_gemm.matmul``'s decode contract (the ``Epilogue``), M <= 128 padded to BM = 16..128 tokens (the wgmma N
@@ -39,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from qerl.nvfp4 import NVFP4Tensors
 
-from . import reference
+from . import gluon_layout
 from .epilogue import PLAIN, Epilogue
 from .fp4_base import check_act, check_weight, segmented
 from .gluon_base import launch_tail, split_k_sum, store_tile, tile_offsets
@@ -49,7 +49,7 @@ from .wgmma_loop import acc_layout, consumer, producer
 
 #: K codes per step (a TMA box row of scales must hold 16 bytes: BK / 16 >= 16) and weight rows per CTA
 #: (one consumer warpgroup: wgmma M = 64).
-BK = reference.GLUON_K_STEP
+BK = gluon_layout.K_STEP
 BN = 64
 #: Per padded token count BM: (ring stages, register cap, CTAs an SM holds, a program's fixed cost in K steps
 #: for ``decode_split``). Stages and caps that fit the most CTAs an SM without spills (offline sm_90; BM=32 plans for 2
@@ -239,12 +239,12 @@ def matmul(
     epilogue: Epilogue = PLAIN,
     out: torch.Tensor | None = None,
     split: int = 0,
-    permuted: bool = False,
+    gluon_k: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
     """``fp4_gemm.matmul``'s decode contract (the ``epilogue``; operands checked there when it dispatches here)
-    through the Gluon kernel; see ``supports`` for what it takes. ``permuted``: x is already in
-    ``reference.nibble_major`` order (as the rollout engine's producers write it). ``split``: K slices for every tile
+    through the Gluon kernel; see ``supports`` for what it takes. ``gluon_k``: x is already in
+    the Gluon K order (``gluon_layout``; as the rollout engine's producers write it). ``split``: K slices for every tile
     (0: ``decode_split``'s choice, balanced over the resident slots up to ``BALANCE_MAX_BM``). ``pdl``: a
     programmatic dependent launch (``pdl.py``; the caller vouches that no kernel in flight writes the weights)."""
     check_act(x)
@@ -266,7 +266,7 @@ def matmul(
         base, extra = balanced_split(tiles, base, sms * resident, k_steps, sms)
     out, tail = launch_tail(x, weight, epilogue, out, tiles=tiles, tile_size=BN * bm, slices=base + (extra > 0))
     _decode_gluon_kernel[(tiles * base + extra,)](
-        *_descriptors(x if permuted else reference.nibble_major(x), weight, bm),
+        *_descriptors(x if gluon_k else gluon_layout.to_gluon_k(x), weight, bm),
         base=base,
         extra=extra,
         BM=bm,

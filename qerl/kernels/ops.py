@@ -37,7 +37,7 @@ def nvfp4_mm(
     lora_scale: float = 1.0,
 ) -> torch.Tensor:
     """The op's schema takes tensors only, so the weight and epilogue objects are taken apart here, and only here
-    (``qerl.kernels.nvfp4_decode`` does it), and put back together for the kernels."""
+    (``qerl.kernels.nvfp4_forward`` does it), and put back together for the kernels."""
     weight = NVFP4Tensors(packed, scale, gscale)
     epilogue = Epilogue(bias, lora_u, lora_b, lora_scale)
     if use_triton(x):

@@ -1,6 +1,6 @@
 """Plain-torch versions of every kernel in ``qerl.kernels``: what runs where Triton does not (CPU,
 fp32, ``QERL_TRITON=0``), and what each kernel is tested against. Same signatures as the kernels,
-less their fused LoRA shrinks (``qerl.rollout.decoder`` computes those inputs separately here).
+less their fused LoRA shrinks (the rollout's step plan computes those inputs with ``decoder.lora_inputs`` here).
 
 Rounding follows transformers' modules (fp32 norm math cast back to the activation dtype, softmax in
 fp32), so the native engine on this path matches a transformers forward.
@@ -42,7 +42,7 @@ def _segments(bounds: Bounds, total: int) -> list[tuple[int, int]]:
 
 
 def unsegment(flat: torch.Tensor, rows: int, bounds: Bounds, total: int) -> torch.Tensor:
-    """The ``[rows, total]`` matrix held in ``flat`` in the segmented layout (``fp4_gemm.segmented``)."""
+    """The ``[rows, total]`` matrix held in ``flat`` in the segmented layout (``fp4_base.segmented``)."""
     return torch.cat([flat[lo * rows : hi * rows].view(rows, hi - lo) for lo, hi in _segments(bounds, total)], dim=1)
 
 
@@ -54,18 +54,6 @@ def segment(mat: torch.Tensor, bounds: Bounds) -> torch.Tensor:
 def mm_t(grad_y: torch.Tensor, weight: nvfp4.NVFP4Tensors) -> torch.Tensor:
     """``grad_y @ W_hat`` (``fp4_gemm.matmul_t``'s reference)."""
     return grad_y @ weight.dequantize(grad_y.dtype)
-
-
-#: Codes per K step of the Gluon decode kernel (``fp4_gluon.BK``): its x order permutes within such steps,
-#: so a row takes that order only when its length is a multiple of this.
-GLUON_K_STEP = 256
-
-
-def nibble_major(x: torch.Tensor) -> torch.Tensor:
-    """x ``[..., K]`` (K a multiple of ``GLUON_K_STEP``) in the Gluon decode kernel's K order: within each
-    256-element step, element 4j + i moves to i * 64 + j (``fp4_base.nibble_major`` is the same map on offsets)."""
-    *lead, k = x.shape
-    return x.reshape(*lead, k // GLUON_K_STEP, GLUON_K_STEP // 4, 4).transpose(-1, -2).reshape(*lead, k).contiguous()
 
 
 def rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -83,10 +83,12 @@ def _flag(name: str, default: bool) -> bool:
 
 @dataclass(frozen=True)
 class Switches:
-    """Every ``QERL_*`` switch of the kernels, read once at import (table: docs/kernels.md#switches). Frozen, so
-    a test or an A/B swaps the whole object (``switched``); a captured CUDA graph keeps what it was built with."""
+    """The kernels' ``QERL_*`` switches, read once at import (table: docs/kernels.md#switches). Frozen, so a test or
+    an A/B swaps the whole object (``switched``); a captured CUDA graph keeps what it was built with. One switch is
+    not here: ``QERL_TRITON=0`` runs the plain-torch references everywhere; it says whether the kernels run at all,
+    not which of them, and ``backend.enabled`` reads it once, at first use."""
 
-    #: The Gluon TMA/wgmma decode GEMM (``fp4_gemm.gluon_takes``; docs/kernels.md#gluon-min-m).
+    #: The Gluon TMA/wgmma decode GEMM (``fp4_gemm.gluon_kernel``; docs/kernels.md#gluon-min-m).
     gluon_decode: bool = True
     #: The register-only mma.sync decode GEMM up to ``DIRECT_MAX_M`` rows (docs/kernels.md#direct-max-m).
     direct_decode: bool = True
@@ -125,7 +127,7 @@ SWITCHES = Switches.from_env()
 @contextlib.contextmanager
 def switched(**changes: object) -> Iterator[Switches]:
     """``SWITCHES`` with ``changes`` (field=value) inside the block, restored after it: how tests and A/B runs
-    flip a switch without touching the environment. Engines built inside keep the plans they built."""
+    flip a switch without touching the environment. Engines built inside keep the step plans they built."""
     global SWITCHES
     saved = SWITCHES
     SWITCHES = replace(saved, **changes)
@@ -227,8 +229,8 @@ def balanced_split(tiles: int, split: int, slots: int, k_steps: int, sms: int) -
     docs/kernels.md#balanced-split). With 40 tiles in 5 slices the grid is 264 programs and
     the kernel launches the longer slices' programs first (``fp4_gluon._slice_of``), so each SM holds at most one
     of them. Where there are more long programs than SMs, some SM still runs two and the extra slices only add
-    partials (32B down at M=32: 56 long programs x 3 > 132 SMs): the plan is kept only when the round-robin load
-    model (``_max_sm_steps``) says the busiest SM gets lighter.
+    partials (32B down at M=32: 56 long programs x 3 > 132 SMs): the balanced split is kept only when the round-robin
+    load model (``_max_sm_steps``) says the busiest SM gets lighter.
     ``extra`` stays below ``tiles`` (all of them would be a uniform split the wave model did not pick)."""
     if split + 1 > k_steps or tiles * split >= slots:
         return split, 0

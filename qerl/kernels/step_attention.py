@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from . import backend, pdl
-from .fp4_base import nibble_major
-from .step_base import TARGET_PROGRAMS, check_permute, finish_shrink, load_a, part_tile, rank_dot, rank_pad, trigger
+from .fp4_base import gluon_k_offsets
+from .step_base import TARGET_PROGRAMS, check_gluon_k, finish_shrink, load_a, part_tile, rank_dot, rank_pad, trigger
 from .step_rope import QKNorm, head_norm, rope, rotate_half
 
 
@@ -144,7 +144,7 @@ def _attn_combine_kernel(
     D: tl.constexpr,
     HAS_LORA: tl.constexpr,
     RP: tl.constexpr,
-    PERMUTE: tl.constexpr,
+    GLUON_K: tl.constexpr,
     PART_TILE: tl.constexpr,
     TRIGGER: tl.constexpr,
 ):
@@ -162,7 +162,7 @@ def _attn_combine_kernel(
     w = tl.where(smask & (m > float("-inf")), tl.exp(m - tl.max(m, axis=0)), 0.0)
     acc = tl.load(acc_ptr + (bh * nsplit + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
     out = (tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)).to(out_ptr.dtype.element_ty)
-    dest = nibble_major(bh * D + offs_d) if PERMUTE else bh * D + offs_d
+    dest = gluon_k_offsets(bh * D + offs_d) if GLUON_K else bh * D + offs_d
     tl.store(out_ptr + dest, out)
     if HAS_LORA:
         finish_shrink(rank_dot(out, a), bh // H, bh % H, H, B, R, R, R, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
@@ -231,13 +231,13 @@ def decode_attention(
     pos: torch.Tensor,
     scale: float,
     lora_a: torch.Tensor | None = None,
-    permute: bool = False,
+    gluon_k: bool = False,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q ``[B, H, D]`` against cache rows ``[B, Hkv, S, D]`` (valid slots ``<= pos``) -> ``[B, H*D]``;
     with ``lora_a`` ``[R, H*D]`` also ``u = out @ lora_a.T`` (flat ``[B * R]``), else None.
-    ``permute`` as in ``rms_norm`` (out only; u is the same). ``rope = (k, v, cos, sin)``: q is not rotated
+    ``gluon_k`` as in ``rms_norm`` (out only; u is the same). ``rope = (k, v, cos, sin)``: q is not rotated
     yet and this step's k / v (``[B, Hkv*D]``) are not in the cache: ``step_rope.rope_and_cache``'s work is done
     here, ``qk_norm`` (with ``rope`` only) included."""
     if qk_norm is not None and rope is None:
@@ -269,7 +269,7 @@ def decode_attention(
         D=d,
         HAS_LORA=lora_a is not None,
         RP=rp,
-        PERMUTE=check_permute(permute, h * d),
+        GLUON_K=check_gluon_k(gluon_k, h * d),
         PART_TILE=part_tile(h, rp),
         TRIGGER=pdl.enabled(q.device),
         num_warps=4,

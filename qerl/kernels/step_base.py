@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from . import reference
+from . import gluon_layout
 from .fp4_base import segmented
 
 #: Programs split-K attention and shrinks aim at: about two an SM; four times that was slower (docs/kernels.md#design).
@@ -116,10 +116,10 @@ def rank_dot(y, a):
     return tl.sum(y.to(tl.float32)[None, :] * a.to(tl.float32), axis=1)
 
 
-def check_permute(permute: bool, row: int) -> bool:
-    """``permute`` checked: the Gluon K order moves elements within 256-element steps of a row."""
-    if permute and row % reference.GLUON_K_STEP:
+def check_gluon_k(gluon_k: bool, row: int) -> bool:
+    """``gluon_k`` checked: the Gluon K order moves elements within 256-element steps of a row."""
+    if gluon_k and not gluon_layout.fits(row):
         raise ValueError(
             f"an output in the Gluon decode kernel's K order needs rows of whole 256-element steps, got {row}"
         )
-    return permute
+    return gluon_k

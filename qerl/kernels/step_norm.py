@@ -1,6 +1,6 @@
 """The decode step's residual-add + RMSNorm kernels, with the LoRA shrink of the projections that read their output
 fused in (``step_base``), writing that output in the Gluon decode kernel's K order when the GEMM after it reads that
-order (``permute``). The SiLU gating's kernels, built the same way, are ``step_silu``'s.
+order (``gluon_k``). The SiLU gating's kernels, built the same way, are ``step_silu``'s.
 
 Why: at batch 1 a 7B decode step streams ~4.8 GB of weights in ~1.1-1.5 ms, and an unfused RMSNorm costs several
 tiny launches, times the layer count; each kernel here is one launch and reproduces transformers' rounding (fp32
@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from . import backend, pdl, schedule
-from .fp4_base import nibble_major
+from .fp4_base import gluon_k_offsets
 from .step_base import (
-    check_permute,
+    check_gluon_k,
     finish_shrink,
     load_a,
     part_tile,
@@ -67,11 +67,11 @@ def _rms_norm_kernel(
     eps,
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
-    PERMUTE: tl.constexpr,
+    GLUON_K: tl.constexpr,
     TRIGGER: tl.constexpr,
 ):
-    """One program per row; the residual sum is written back in place; PERMUTE: the output in the
-    Gluon decode kernel's K order (``fp4_base.nibble_major``)."""
+    """One program per row; the residual sum is written back in place; GLUON_K: the output in the
+    Gluon decode kernel's K order (``fp4_base.gluon_k_offsets``)."""
     trigger(TRIGGER)
     base = tl.program_id(0).to(tl.int64) * n_cols
     offs = tl.arange(0, BLOCK)
@@ -80,7 +80,7 @@ def _rms_norm_kernel(
     if HAS_DELTA:
         tl.store(h_ptr + base + offs, h, mask=mask)
     rstd = _rstd(h, n_cols, eps)
-    dest = nibble_major(offs) if PERMUTE else offs
+    dest = gluon_k_offsets(offs) if GLUON_K else offs
     tl.store(out_ptr + base + dest, _normalise(h, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -107,11 +107,11 @@ def _rms_norm_shrink_kernel(
     BK: tl.constexpr,
     RP: tl.constexpr,
     PART_TILE: tl.constexpr,
-    PERMUTE: tl.constexpr,
+    GLUON_K: tl.constexpr,
     TRIGGER: tl.constexpr,
 ):
     """Program (row, split): rstd from the whole row (an L2 read), then its ``chunk`` columns:
-    residual sum -> hout, normalised row -> out (PERMUTE: in the Gluon K order), and their share of
+    residual sum -> hout, normalised row -> out (GLUON_K: in the Gluon K order), and their share of
     ``u = out @ A.T`` (in natural order: the shrink never reads out back).
 
     hout is a separate buffer: other programs of the row may still be reading h.
@@ -135,7 +135,7 @@ def _rms_norm_shrink_kernel(
         if HAS_DELTA:
             tl.store(hout_ptr + base + cols, h, mask=mask)
         y = _normalise(h, rstd, w_ptr, cols, mask, dt)
-        tl.store(out_ptr + base + (nibble_major(cols) if PERMUTE else cols), y, mask=mask)
+        tl.store(out_ptr + base + (gluon_k_offsets(cols) if GLUON_K else cols), y, mask=mask)
         acc += rank_dot(y, a)
         a = a_next
     finish_shrink(acc, row, split, tl.num_programs(1), M, R, S1, S2, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
@@ -160,7 +160,7 @@ def _rms_norm_rank_kernel(
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
     RB: tl.constexpr,
-    PERMUTE: tl.constexpr,
+    GLUON_K: tl.constexpr,
     TRIGGER: tl.constexpr,
 ):
     """Program (row, rank block): the whole row's residual sum and RMSNorm, then ``RB`` ranks of u from it over
@@ -178,7 +178,7 @@ def _rms_norm_rank_kernel(
     mine = mask & (offs >= blk * share) & (offs < blk * share + share)
     if HAS_DELTA:
         tl.store(hout_ptr + base + offs, h, mask=mine)
-    tl.store(out_ptr + base + (nibble_major(offs) if PERMUTE else offs), y, mask=mine)
+    tl.store(out_ptr + base + (gluon_k_offsets(offs) if GLUON_K else offs), y, mask=mine)
     store_u(u_ptr, rank_dot(y, a), row, blk * RB + tl.arange(0, RB), M, R, S1, S2)
 
 
@@ -187,9 +187,9 @@ def _norm_warps(block: int) -> int:
 
 
 def rms_norm(
-    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, permute: bool = False
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, gluon_k: bool = False
 ) -> torch.Tensor:
-    """``h += delta`` (in place, when given), then ``weight * rmsnorm(h)`` in h's dtype; ``permute``:
+    """``h += delta`` (in place, when given), then ``weight * rmsnorm(h)`` in h's dtype; ``gluon_k``:
     written in the Gluon decode kernel's K order (rows a multiple of 256), for the GEMM that reads it."""
     n_cols = h.shape[-1]
     out = torch.empty_like(h)
@@ -203,7 +203,7 @@ def rms_norm(
         eps,
         HAS_DELTA=delta is not None,
         BLOCK=block,
-        PERMUTE=check_permute(permute, n_cols),
+        GLUON_K=check_gluon_k(gluon_k, n_cols),
         TRIGGER=pdl.enabled(h.device),
         num_warps=_norm_warps(block),
     )
@@ -247,7 +247,7 @@ class _Shrink:
     eps: float
     lora_a: torch.Tensor
     bounds: tuple[int, int]
-    permute: bool
+    gluon_k: bool
     h_out: torch.Tensor
     out: torch.Tensor
     u: torch.Tensor
@@ -260,12 +260,12 @@ def rms_norm_shrink(
     eps: float,
     lora_a: torch.Tensor,
     bounds: tuple[int, int],
-    permute: bool = False,
+    gluon_k: bool = False,
     rb: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h + delta, weight * rmsnorm(h + delta), u) with ``u = rmsnorm(..) @ lora_a.T`` segmented at
     ``bounds`` (see module doc). h is not modified; without delta the first result is h itself.
-    ``permute`` as in ``rms_norm`` (the second result only; u is the same). ``rb``: ranks per program of the
+    ``gluon_k`` as in ``rms_norm`` (the second result only; u is the same). ``rb``: ranks per program of the
     by-rank split, 0 for the column split (None: ``rank_block``'s choice)."""
     k = h.shape[-1]
     m = h.numel() // k
@@ -275,7 +275,7 @@ def rms_norm_shrink(
     u = torch.empty(m * rank, dtype=h.dtype, device=h.device)
     if rb is None:
         rb = rank_block(m, rank, k)
-    call = _Shrink(h, delta, weight, eps, lora_a, bounds, permute, h_out, out, u)
+    call = _Shrink(h, delta, weight, eps, lora_a, bounds, gluon_k, h_out, out, u)
     if rb:
         _rank_split(call, rb)
     else:
@@ -306,7 +306,7 @@ def _rank_split(c: _Shrink, rb: int) -> None:
         HAS_DELTA=c.delta is not None,
         BLOCK=triton.next_power_of_2(k),
         RB=rb,
-        PERMUTE=check_permute(c.permute, k),
+        GLUON_K=check_gluon_k(c.gluon_k, k),
         TRIGGER=pdl.enabled(c.h.device),
         num_warps=RANK_WARPS,
     )
@@ -345,7 +345,7 @@ def _column_split(c: _Shrink) -> None:
         BK=bk,
         RP=rp,
         PART_TILE=part_tile(nsplit, rp),
-        PERMUTE=check_permute(c.permute, k),
+        GLUON_K=check_gluon_k(c.gluon_k, k),
         TRIGGER=pdl.enabled(c.h.device),
         num_warps=warps,
     )

@@ -1,6 +1,6 @@
 """The decode step's SiLU gating (transformers' ``act_fn(gate) * up``) before down_proj, with down_proj's LoRA shrink
 fused in (``step_base``: a column split whose partials each row's last program sums), writing its output in the Gluon
-decode kernel's K order when the GEMM after it reads that order (``permute``). One launch each, transformers'
+decode kernel's K order when the GEMM after it reads that order (``gluon_k``). One launch each, transformers'
 rounding (the SiLU rounded to the activation dtype before the product).
 """
 
@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from . import backend, pdl
-from .fp4_base import nibble_major
-from .step_base import check_permute, finish_shrink, load_a, part_tile, rank_dot, rank_pad, shrink_split, trigger
+from .fp4_base import gluon_k_offsets
+from .step_base import check_gluon_k, finish_shrink, load_a, part_tile, rank_dot, rank_pad, shrink_split, trigger
 
 
 @triton.jit
@@ -25,11 +25,11 @@ def _silu_gate(g_ptr, u_ptr, offs, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PERMUTE: tl.constexpr, TRIGGER: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, GLUON_K: tl.constexpr, TRIGGER: tl.constexpr):
     trigger(TRIGGER)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    dest = nibble_major(offs) if PERMUTE else offs
+    dest = gluon_k_offsets(offs) if GLUON_K else offs
     tl.store(out_ptr + dest, _silu_gate(g_ptr, u_ptr, offs, mask, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -49,11 +49,11 @@ def _silu_mul_shrink_kernel(
     BK: tl.constexpr,
     RP: tl.constexpr,
     PART_TILE: tl.constexpr,
-    PERMUTE: tl.constexpr,
+    GLUON_K: tl.constexpr,
     TRIGGER: tl.constexpr,
 ):
     """Program (row, split): SiLU-gate ``chunk`` columns of the row (stored in the Gluon K order with
-    PERMUTE) and reduce their share of u."""
+    GLUON_K) and reduce their share of u."""
     trigger(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -63,13 +63,13 @@ def _silu_mul_shrink_kernel(
         mask = cols < K
         a = load_a(a_ptr, K, cols, mask, R, RP)
         act = _silu_gate(g_ptr, up_ptr, row * K + cols, mask, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * K + (nibble_major(cols) if PERMUTE else cols), act, mask=mask)
+        tl.store(out_ptr + row * K + (gluon_k_offsets(cols) if GLUON_K else cols), act, mask=mask)
         acc += rank_dot(act, a)
     finish_shrink(acc, row, split, tl.num_programs(1), M, R, R, R, u_ptr, part_ptr, ticket_ptr, RP, PART_TILE)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> torch.Tensor:
-    """``silu(gate) * up``; ``permute`` as in ``rms_norm``."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, gluon_k: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``; ``gluon_k`` as in ``rms_norm``."""
     out = torch.empty_like(gate)
     n = gate.numel()
     _silu_mul_kernel[(triton.cdiv(n, 1024),)](
@@ -78,7 +78,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> tor
         out,
         n,
         BLOCK=1024,
-        PERMUTE=check_permute(permute, gate.shape[-1]),
+        GLUON_K=check_gluon_k(gluon_k, gate.shape[-1]),
         TRIGGER=pdl.enabled(gate.device),
         num_warps=4,
     )
@@ -86,9 +86,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, permute: bool = False) -> tor
 
 
 def silu_mul_shrink(
-    gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, permute: bool = False
+    gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, gluon_k: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer); ``permute`` as in ``rms_norm``
+    """(silu(gate) * up, u = that @ lora_a.T as a flat ``[M * R]`` buffer); ``gluon_k`` as in ``rms_norm``
     (the first result only). Always the column split: a by-rank program would gate the whole row (18,944 columns
     at 7B) and measured 2x slower (docs/kernels.md#rank-split)."""
     k = gate.shape[-1]
@@ -115,7 +115,7 @@ def silu_mul_shrink(
         BK=bk,
         RP=rp,
         PART_TILE=part_tile(nsplit, rp),
-        PERMUTE=check_permute(permute, k),
+        GLUON_K=check_gluon_k(gluon_k, k),
         TRIGGER=pdl.enabled(gate.device),
         num_warps=4,
     )

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from qerl.rollout.base import SamplingParams
-from qerl.rollout.layers import ModelPlan
+from qerl.rollout.layers import ModelView
 
 #: Stop-id buffer slots baked into a graph; more stop ids grow it (and recapture).
 STOP_SLOTS = 16
@@ -90,15 +90,15 @@ class Slots:
 class State:
     """The static KV cache, RoPE tables, output buffers and sampling knobs, sized (rows, seq)."""
 
-    def __init__(self, plan: ModelPlan, rows: int, seq: int) -> None:
-        dev, dt = plan.device, plan.dtype
-        n_layers = len(plan.layers)
+    def __init__(self, view: ModelView, rows: int, seq: int) -> None:
+        dev, dt = view.device, view.dtype
+        n_layers = len(view.layers)
         self.rows, self.seq = rows, seq
-        self.k = torch.zeros(n_layers, rows, plan.num_kv_heads, seq, plan.head_dim, dtype=dt, device=dev)
+        self.k = torch.zeros(n_layers, rows, view.num_kv_heads, seq, view.head_dim, dtype=dt, device=dev)
         self.v = torch.zeros_like(self.k)
         with torch.no_grad():
             probe = torch.empty(1, dtype=dt, device=dev)
-            cos, sin = plan.rotary(probe, torch.arange(seq, device=dev)[None])
+            cos, sin = view.rotary(probe, torch.arange(seq, device=dev)[None])
         self.cos, self.sin = cos[0], sin[0]  # [seq, D], the model's own rope (theta, scaling)
         self.trash = rows  # output row that padding slots write to
         self.out_tok = torch.zeros(rows + 1, seq, dtype=torch.long, device=dev)
@@ -113,7 +113,7 @@ class State:
         self.min_tokens = torch.zeros((), dtype=torch.long, device=dev)
         self.stop = torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev)
         # The filtered path's token history and stop tokens (repetition penalty, min_tokens), per output row.
-        vocab = plan.lm_head.out_features
+        vocab = view.lm_head.out_features
         self.seen = torch.zeros(rows + 1, vocab, dtype=torch.bool, device=dev)
         self.stop_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
         self.slots: dict[int, Slots] = {}

@@ -1,17 +1,18 @@
 """A flat, read-only view of a causal LM of a :data:`qerl.arch.FAMILIES` family for the native engine.
 
-``ModelPlan.from_model`` walks the trainer's model once per ``generate`` and records *references*
+``ModelView.from_model`` walks the trainer's model once per ``generate`` and records *references*
 to its tensors: the packed NVFP4 buffers (or bf16 weights), the RMSNorm weights actually used in
 forward (a peft ``ModulesToSaveWrapper``'s active copy when norms are trained), and the LoRA
-factors of peft-wrapped projections. Nothing heavy is copied: a CUDA graph captured over the plan
-reads the very tensors the optimizer and AQN update in place.
+factors of peft-wrapped projections. Nothing heavy is copied: a CUDA graph captured over the view
+reads the very tensors the optimizer and AQN update in place. (Which ops run over it is the step plan's
+choice, ``qerl.rollout.step_plan``.)
 
 The one exception is LoRA. Projections that share an input (q/k/v; gate/up) get their ``A`` factors
 concatenated into one ``[sum r, K]`` buffer so that the shrink ``u = x @ A.T`` is one reduction per
 group (fused into the kernel that produces x, see ``qerl.kernels.fused_step``), and each ``B`` is stored
 pre-multiplied by its peft scaling, in the compute dtype. These buffers are tiny (r=16 on a 7B
-model: 40M values, under 1% of the weight bytes). They outlive a plan: ``from_model(model,
-previous)`` hands the previous plan's buffers to the new one when their shapes still match, and
+model: 40M values, under 1% of the weight bytes). They outlive a view: ``from_model(model,
+previous)`` hands the previous view's buffers to the new one when their shapes still match, and
 ``refresh_lora`` copies the current factors into them in place at the start of every ``generate``,
 so CUDA graphs captured earlier (which read the buffers by address) see a trainer step without
 being recaptured.
@@ -27,7 +28,7 @@ from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from qerl import arch, nvfp4
-from qerl.kernels import reference
+from qerl.kernels import gluon_layout
 from qerl.load.linear import NVFP4Linear
 
 
@@ -148,9 +149,10 @@ class Group:
     lora_a: torch.Tensor | None = None  # [sum r, K], compute dtype
     stacked: Stacked | None = None
     lora_b: torch.Tensor | None = None  # [sum N, sum r] block-diagonal, with ``stacked`` only
-    #: ``lora_a`` with its K columns in the Gluon decode kernel's order (``reference.nibble_major``), for
-    #: the shrink of an x written in that order (CUDA, K a multiple of 256; else None).
-    lora_a_gluon: torch.Tensor | None = None
+    #: ``lora_a`` with its K columns in the Gluon K order (``gluon_layout``), for the shrink of an x written in that
+    #: order: wherever that order can be (CUDA, whole K steps; else None), made with the other LoRA buffers since
+    #: captured graphs read it by address. Whether a step's shrink reads it is the step plan's choice.
+    lora_a_gluon_k: torch.Tensor | None = None
 
     def fp4_launch(self) -> tuple[Stacked, torch.Tensor | None] | None:
         """The group as one FP4 launch: ``(operands, block-diagonal lora_b)`` from ``stacked``, or a lone
@@ -163,6 +165,11 @@ class Group:
         return None
 
     @property
+    def in_features(self) -> int:
+        """K of the group's input (every projection reads it)."""
+        return self.projs[0].base.in_features
+
+    @property
     def lora_bounds(self) -> tuple[int, int]:
         """Ends of the first two rank segments (padded with ``sum r``): the kernels' u layout key."""
         ends = [p.lora_slice.stop for p in self.projs if p.lora_slice is not None]
@@ -171,7 +178,9 @@ class Group:
 
 
 @dataclass
-class LayerPlan:
+class LayerView:
+    """One decoder layer's norms and projection groups."""
+
     attn_norm: Norm
     qkv: Group
     o: Group
@@ -220,9 +229,9 @@ def _group(modules: list[nn.Module], dtype: torch.dtype, previous: Group | None)
     in_features = first.lora_sources[0][0].shape[1]
     old_a = previous.lora_a if previous is not None else None
     group = Group(projs, _buffer((sum(ranks), in_features), dtype, device, old_a), stacked)
-    if device.type == "cuda" and in_features % reference.GLUON_K_STEP == 0:
-        old = previous.lora_a_gluon if previous is not None else None
-        group.lora_a_gluon = _buffer((sum(ranks), in_features), dtype, device, old)
+    if device.type == "cuda" and gluon_layout.fits(in_features):
+        old = previous.lora_a_gluon_k if previous is not None else None
+        group.lora_a_gluon_k = _buffer((sum(ranks), in_features), dtype, device, old)
     if stacked is not None:
         old = previous.lora_b if previous is not None else None
         group.lora_b = _buffer((sum(stacked.splits), sum(ranks)), dtype, device, old)
@@ -255,17 +264,17 @@ def refresh_lora(group: Group) -> None:
         b = torch.cat([b * s for _, b, s in proj.lora_sources], dim=1)
         group.lora_a[proj.lora_slice].copy_(a)
         proj.lora_b.copy_(b)
-    if group.lora_a_gluon is not None:
-        group.lora_a_gluon.copy_(reference.nibble_major(group.lora_a))
+    if group.lora_a_gluon_k is not None:
+        group.lora_a_gluon_k.copy_(gluon_layout.to_gluon_k(group.lora_a))
 
 
 @dataclass
-class ModelPlan:
+class ModelView:
     """Everything the native forward needs, as references into the live model."""
 
     lm: nn.Module
     embed: nn.Module
-    layers: list[LayerPlan]
+    layers: list[LayerView]
     final_norm: Norm
     lm_head: nn.Module
     rotary: nn.Module
@@ -277,8 +286,8 @@ class ModelPlan:
     device: torch.device
 
     @classmethod
-    def from_model(cls, model: nn.Module, previous: ModelPlan | None = None) -> ModelPlan:
-        """A plan over ``model``'s current modules; LoRA buffers come from ``previous`` where they fit."""
+    def from_model(cls, model: nn.Module, previous: ModelView | None = None) -> ModelView:
+        """A view of ``model``'s current modules; LoRA buffers come from ``previous`` where they fit."""
         lm = unwrap_causal_lm(model)
         cfg = lm.config
         backbone = lm.model
@@ -290,7 +299,7 @@ class ModelPlan:
             attn, mlp = layer.self_attn, layer.mlp
             prev = old[i] if old is not None else None
             layers.append(
-                LayerPlan(
+                LayerView(
                     attn_norm=Norm.of(layer.input_layernorm),
                     qkv=_group([getattr(attn, n) for n in arch.QKV], dtype, None if prev is None else prev.qkv),
                     o=_group([attn.o_proj], dtype, None if prev is None else prev.o),
@@ -339,7 +348,9 @@ class ModelPlan:
             ptrs += [ptr(layer.attn_norm.weight), ptr(layer.mlp_norm.weight)]
             ptrs += [ptr(n.weight) for n in layer.qk_norms or ()]
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                ptrs.append((ptr(group.lora_a), ptr(group.lora_b), ptr(group.lora_a_gluon), group.stacked is not None))
+                ptrs.append(
+                    (ptr(group.lora_a), ptr(group.lora_b), ptr(group.lora_a_gluon_k), group.stacked is not None)
+                )
                 ptrs += [
                     (
                         p.weight_ptr,

@@ -2,7 +2,7 @@
 
 How a ``generate`` call runs:
 
-1. ``ModelPlan.from_model`` collects references to the live modules (NVFP4 buffers or bf16
+1. ``ModelView.from_model`` collects references to the live modules (NVFP4 buffers or bf16
    weights, the norm weights forward really uses, peft LoRA factors) and refreshes the small LoRA
    buffers. Nothing heavy is copied, so an optimizer step or an in-place AQN write to a norm weight
    is seen by the next generation without recapturing anything.
@@ -33,15 +33,13 @@ from collections.abc import Callable
 
 import torch
 
-from qerl import kernels
-from qerl.kernels import plan as step_ops
 from qerl.kernels import reference
-from qerl.kernels.plan import LoraInputs
 from qerl.kernels.reference import AttentionArgs, StepBooks
-from qerl.rollout import decoder
+from qerl.rollout import step_plan
 from qerl.rollout.base import RolloutOutput, SamplingParams, check_prompts, resolve_pad_id, trim_completion
 from qerl.rollout.buffers import Slots, State, StepKey, bucket, round_up, side_stream
-from qerl.rollout.layers import ModelPlan
+from qerl.rollout.decoder import LoraInputs
+from qerl.rollout.layers import ModelView
 from qerl.rollout.prefill import prefill
 from qerl.rollout.sampling import adjust_logits, is_filtered, make_generator, sample
 
@@ -83,8 +81,8 @@ class NativeEngine:
         self._signature: tuple | None = None
         self._gen: torch.Generator | None = None
         self._forced: object = None  # teacher_forced_logits: the completions, then (tokens, logits) buffers
-        self._plan: ModelPlan | None = None  # kept so that its LoRA buffers (read by graphs) are reused
-        self._step_plans: dict[int, step_ops.StepPlan] = {}  # batch bucket -> its decode ops, for ``_plan``
+        self._view: ModelView | None = None  # kept so that its LoRA buffers (read by graphs) are reused
+        self._step_plans: dict[int, step_plan.StepPlan] = {}  # batch bucket -> its decode ops, for ``_view``
         self.last_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public API
@@ -105,7 +103,7 @@ class NativeEngine:
         """Free the KV cache and the captured graphs (e.g. before a memory-hungry training phase)."""
         self._drop_graphs()
         self._state = None
-        self._plan = None
+        self._view = None
         self._step_plans = {}
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1) -> RolloutOutput:
@@ -130,50 +128,50 @@ class NativeEngine:
             self._forced = None
         return [logits[i, : len(c)].clone() for i, c in enumerate(completion_ids)]
 
-    def _forced_buffers(self, plan: ModelPlan, state: State, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forced_buffers(self, view: ModelView, state: State, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per output row (trash row included): the tokens to feed and room for the logits."""
         tokens = torch.full((state.rows + 1, steps), self.pad_id, dtype=torch.long)
         for i, c in enumerate(self._forced):
             tokens[i, : len(c)] = torch.tensor(c)
-        logits = torch.zeros(state.rows + 1, steps, plan.lm_head.out_features, device=plan.device)
-        return tokens.to(plan.device), logits
+        logits = torch.zeros(state.rows + 1, steps, view.lm_head.out_features, device=view.device)
+        return tokens.to(view.device), logits
 
     @torch.no_grad()
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, n: int, force: bool) -> RolloutOutput:
         check_prompts(prompt_ids, n)
-        plan = self._plan = ModelPlan.from_model(self.model, previous=self._plan)
+        view = self._view = ModelView.from_model(self.model, previous=self._view)
         self._step_plans = {}
-        plan.refresh_lora()
+        view.refresh_lora()
         rows = len(prompt_ids) * n
         max_len = max(len(p) for p in prompt_ids)
-        window = plan.sliding_window
+        window = view.sliding_window
         if window is not None and max_len + params.max_new_tokens > window:
             raise ValueError(
                 f"native rollout engine: prompt ({max_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
                 f"exceeds the model's sliding_window ({window}); the engine attends to the whole "
                 "sequence, so shorten them or use kind='hf'"
             )
-        state = self._prepare(plan, rows, max_len + params.max_new_tokens, params)
+        state = self._prepare(view, rows, max_len + params.max_new_tokens, params)
         if force:
-            self._forced = self._forced_buffers(plan, state, params.max_new_tokens)
+            self._forced = self._forced_buffers(view, state, params.max_new_tokens)
         if self._hook is not None:
             self._hook()
 
-        row_prompt = torch.arange(rows, device=plan.device) // n
-        lens = torch.tensor([len(p) for p in prompt_ids], device=plan.device)
-        logits = prefill(plan, state, prompt_ids, n, self.pad_id, self.prefill_tokens)
+        row_prompt = torch.arange(rows, device=view.device) // n
+        lens = torch.tensor([len(p) for p in prompt_ids], device=view.device)
+        logits = prefill(view, state, prompt_ids, n, self.pad_id, self.prefill_tokens)
         greedy, filtered = params.temperature == 0, is_filtered(params)
         state.step.zero_()
+        b = bucket(rows)
+        every = torch.arange(rows, device=view.device)
         if force:
-            tok, lp = self._forced_tokens(logits, torch.arange(rows, device=plan.device), 0)
+            tok, lp = self._forced_tokens(logits, every, 0)
         else:
             if filtered:
                 state.mark_prompts(prompt_ids, n)
-            tok, lp = self._sample(logits[row_prompt], state, greedy, filtered, torch.arange(rows, device=plan.device))
+            tok, lp = self._sample(self._step_plan(view, b), logits[row_prompt], state, greedy, filtered, every)
 
-        b = bucket(rows)
         slots = state.slots_for(b)
-        every = torch.arange(rows, device=plan.device)
         slots.load(self.pad_id, state.trash, tok, lens[row_prompt], reference.is_stop(tok, state.stop), every)
         state.out_tok[:rows, 0] = tok
         state.out_lp[:rows, 0] = lp
@@ -182,7 +180,7 @@ class NativeEngine:
         steps = 1
         for t in range(1, params.max_new_tokens):
             kv_len = min(state.seq, round_up(max_len + t, self.kv_block))
-            self._run_step(plan, state, StepKey(b, kv_len, greedy, filtered, force))
+            self._run_step(view, state, StepKey(b, kv_len, greedy, filtered, force))
             steps = t + 1
             if t % self.check_every == 0 and t + 1 < params.max_new_tokens:
                 live = (~slots.done).nonzero().flatten()
@@ -199,9 +197,9 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _prepare(self, plan: ModelPlan, rows: int, seq: int, params: SamplingParams) -> State:
+    def _prepare(self, view: ModelView, rows: int, seq: int, params: SamplingParams) -> State:
         """(Re)allocate state when it is too small or the model's tensors moved; set the knobs."""
-        signature = plan.signature()
+        signature = view.signature()
         if signature != self._signature:
             self._drop_graphs()
             self._signature = signature
@@ -210,59 +208,65 @@ class NativeEngine:
         if state is None or state.rows < need_rows or state.seq < need_seq:
             self._drop_graphs()
             self._state = None  # free the old cache before allocating the new one
-            state = self._state = State(plan, need_rows, need_seq)
+            state = self._state = State(view, need_rows, need_seq)
         if len(params.stop_token_ids) > state.stop.numel():
             self._drop_graphs()  # they read the stop table that set_sampling replaces
         state.set_sampling(params)
-        if self._gen is None or self._gen.device != plan.device:
-            self._gen = make_generator(plan.device, params.seed)
+        if self._gen is None or self._gen.device != view.device:
+            self._gen = make_generator(view.device, params.seed)
             self._drop_graphs()
         elif params.seed is None:
             self._gen.seed()
         else:
             self._gen.manual_seed(int(params.seed))
-        if step_ops.fused_sampler(state.seed):
+        if self._step_plan(view, bucket(rows)).sample is not None:  # the fused sampler draws from this seed
             state.seed.random_(generator=self._gen)
         return state
 
     # ------------------------------------------------------------------ decode
 
-    def _decode_step(self, plan: ModelPlan, state: State, key: StepKey) -> None:
+    def _decode_step(self, view: ModelView, state: State, key: StepKey) -> None:
         """One token for every slot of bucket ``key.batch``: static shapes, no host syncs (graph-capturable)."""
         if self._hook is not None:
             self._hook()
         slots = state.slots[key.batch]
-        ops = self._step_plan(plan, key.batch)
-        kv, scale = key.kv_len, plan.head_dim**-0.5
+        ops = self._step_plan(view, key.batch)
+        kv, scale = key.kv_len, view.head_dim**-0.5
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, LoraInputs]:
             k_cache, v_cache = state.k[i, : key.batch, :, :kv], state.v[i, : key.batch, :, :kv]
             args = AttentionArgs(state.cos, state.sin, slots.pos, k_cache, v_cache, scale)
             return ops.layers[i].attention(q, k, v, args)
 
-        logits = plan.lm_head(decoder.run_layers(ops, plan.embed(slots.tokens), attend))
+        logits = view.lm_head(step_plan.run_layers(ops, view.embed(slots.tokens), attend))
         if key.forced:
             tok, lp = self._forced_tokens(logits, slots.row_id, state.step)
         else:
-            tok, lp = self._sample(logits, state, key.greedy, key.filtered, slots.row_id)
-        self._finish_step(state, slots, tok, lp)
+            tok, lp = self._sample(ops, logits, state, key.greedy, key.filtered, slots.row_id)
+        self._finish_step(ops, state, slots, tok, lp)
 
-    def _step_plan(self, plan: ModelPlan, batch: int) -> step_ops.StepPlan:
-        """The decode ops of bucket ``batch`` for this generation's model plan, built at its first step."""
+    def _step_plan(self, view: ModelView, batch: int) -> step_plan.StepPlan:
+        """The decode ops of bucket ``batch`` for this generation's model view, built at their first use."""
         ops = self._step_plans.get(batch)
         if ops is None:
-            ops = self._step_plans[batch] = decoder.step_plan(plan, batch, decode=True)
+            ops = self._step_plans[batch] = step_plan.build(view, batch, decode=True)
         return ops
 
     def _sample(
-        self, logits: torch.Tensor, state: State, greedy: bool, filtered: bool, row_id: torch.Tensor
+        self,
+        ops: step_plan.StepPlan,
+        logits: torch.Tensor,
+        state: State,
+        greedy: bool,
+        filtered: bool,
+        row_id: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sampling.sample`` with the state's knobs: one fused kernel where the Triton kernels run and
-        nothing beyond temperature shapes the distribution (its draws come from ``state.seed``, which
-        ``_prepare`` takes from the engine's generator, so a seed still fixes the tokens), else the torch
-        ops, after ``adjust_logits`` with the rows' token history (``row_id``: their output rows)."""
-        if not filtered and step_ops.fused_sampler(logits):
-            return kernels.step_kernels().sample(logits, state.temperature, state.seed, state.step, greedy)
+        """``sampling.sample`` with the state's knobs: the plan's sampling kernel (``ops.sample``) where nothing
+        beyond temperature shapes the distribution (its draws come from ``state.seed``, which ``_prepare`` takes
+        from the engine's generator, so a seed still fixes the tokens), else the torch ops, after ``adjust_logits``
+        with the rows' token history (``row_id``: their output rows)."""
+        if not filtered and ops.sample is not None:
+            return ops.sample(logits, state.temperature, state.seed, state.step, greedy)
         if not filtered:
             return sample(logits, state.temperature, generator=self._gen, greedy=greedy, filtered=False)
         banned = state.stop_mask & (state.step < state.min_tokens)
@@ -289,7 +293,9 @@ class NativeEngine:
         forced_logits[row_id, step] = logits.float()
         return forced_tok[row_id, step], torch.zeros(row_id.shape[0], device=logits.device)
 
-    def _finish_step(self, state: State, slots: Slots, tok: torch.Tensor, lp: torch.Tensor) -> None:
+    def _finish_step(
+        self, ops: step_plan.StepPlan, state: State, slots: Slots, tok: torch.Tensor, lp: torch.Tensor
+    ) -> None:
         """Record the step (pad / 0 for finished rows), mark stop tokens, feed tokens back, advance."""
         books = StepBooks(
             slots.done,
@@ -302,22 +308,22 @@ class NativeEngine:
             state.out_lp,
             self.pad_id,
         )
-        step_ops.finish_step_op(tok)(tok, lp, books)
+        ops.finish(tok, lp, books)
 
-    def _graphed(self, plan: ModelPlan) -> bool:
+    def _graphed(self, view: ModelView) -> bool:
         """Whether decode steps are captured and replayed (else run eagerly)."""
-        return self.cuda_graphs and plan.device.type == "cuda"
+        return self.cuda_graphs and view.device.type == "cuda"
 
-    def _run_step(self, plan: ModelPlan, state: State, key: StepKey) -> None:
-        if not self._graphed(plan):
-            self._decode_step(plan, state, key)
+    def _run_step(self, view: ModelView, state: State, key: StepKey) -> None:
+        if not self._graphed(view):
+            self._decode_step(view, state, key)
             return
         replay = self._graphs.get(key)
         if replay is None:
-            replay = self._graphs[key] = self._capture(plan, state, key)
+            replay = self._graphs[key] = self._capture(view, state, key)
         replay()
 
-    def _capture(self, plan: ModelPlan, state: State, key: StepKey) -> Callable[[], None]:
+    def _capture(self, view: ModelView, state: State, key: StepKey) -> Callable[[], None]:
         """Warm the step up (its side effects undone), then record it; returns the replay."""
         slots = state.slots[key.batch]
         # Everything a step changes that a later step reads: the token history too (the repetition penalty's),
@@ -327,16 +333,16 @@ class NativeEngine:
         # Warm up on a scratch generator: set_state() on the real one would swap the state object
         # that earlier graphs were registered with, and they would stop following manual_seed();
         # drawing from it would shift this generation's random stream.
-        real_gen, self._gen = self._gen, torch.Generator(device=plan.device)
+        real_gen, self._gen = self._gen, torch.Generator(device=view.device)
         try:
-            with side_stream(plan.device):
+            with side_stream(view.device):
                 for _ in range(2):  # compiles/autotunes Triton kernels, creates cuBLAS handles
-                    self._decode_step(plan, state, key)
+                    self._decode_step(view, state, key)
         finally:
             self._gen = real_gen
         for buf, value in zip(touched, saved, strict=True):
             buf.copy_(value)
-        return self._record(lambda: self._decode_step(plan, state, key))
+        return self._record(lambda: self._decode_step(view, state, key))
 
     def _record(self, step: Callable[[], None]) -> Callable[[], None]:
         """Capture ``step`` as a CUDA graph (reading every tensor by address) and return its replay."""

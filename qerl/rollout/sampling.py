@@ -148,11 +148,3 @@ def sample(
     chosen = logp.gather(-1, pick[:, None]).squeeze(-1)
     token = pick if order is None else order.gather(-1, pick[:, None]).squeeze(-1)
     return token, chosen
-
-
-def sample_params(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sample`` with the knobs read from a ``SamplingParams`` (those of ``adjust_logits`` need the
-    token history and are the engine's to apply)."""
-    return sample(logits, params.temperature, params.top_k, params.top_p, generator, min_p=params.min_p)
