@@ -45,7 +45,7 @@ def lock_path(output: str | os.PathLike[str]) -> Path:
 def _open_lock_file(path: Path, flag: str, output: Path) -> int:
     """``path`` opened for reading and writing (created when missing), never through a link."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise

@@ -57,7 +57,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from qerl import arch
-from qerl.fsutil import atomic_write_text
+from qerl.fsutil import atomic_write_text, umask_modes
 from qerl.load.integrity import check_tensor
 from qerl.train.aqn import NormNoise
 from qerl.train.config import QeRLConfig, trl_differences, with_model_defaults
@@ -235,6 +235,7 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, GRPOTrainer):
             return
         run_dir = self._get_output_dir(trial=trial)
         ckpt = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        umask_modes(ckpt)  # safetensors writes the adapter 0600: readable by the umask's users, as the rest
         marker = {
             "global_step": self.state.global_step,
             "max_steps": self.state.max_steps,
