@@ -38,13 +38,13 @@ def test_report_of_a_finished_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(QUICKSTART, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
-    (run_dir / "summary.json").write_text(json.dumps({**summary, "peak_rss_gb": 5.27}))
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "peak_rss_gib": 5.27}))
     assert progress.report(run_dir).splitlines() == [
         "trained 8 steps of GRPO on qmodel/smollm2-135m-NVFP4A16 (arithmetic)",
         "reward: 0.358 at step 1 -> 0.316 at step 8 (mean 0.352)",
         "held-out accuracy (greedy, 8 questions): 0/8 -> 0/8",
         "step time: 27.5 s a step, rollout 10.0 s of it; whole run 3 min 41 s of training",
-        "peak memory: 5.27 GB resident (the training process)",
+        "peak memory: 5.27 GiB resident (the training process)",
     ]
 
 
@@ -106,5 +106,5 @@ def test_a_run_prints_step_lines_and_names_its_base(
     assert "lr_scheduler_type='cosine' (trl: 'linear')" in caplog.text and "SchedulerType" not in caplog.text
     card = (out / "README.md").read_text()
     assert "[None]" not in card and f"fine-tuned version of `{tiny_dense_dir}` (a local model directory" in card
-    assert 0 < summary["peak_rss_gb"] < 64
+    assert 0 < summary["peak_rss_gib"] < 64
     assert "held-out accuracy (greedy, 2 questions)" in progress.report(out)

@@ -3,7 +3,7 @@
 # NVFP4, run a short QeRL training (LoRA + trained norms + AQN) on synthetic arithmetic that scores the
 # held-out questions before and after, and print what happened, what to expect and where the files are.
 # Environment: QERL_OUT (run dir, default runs/quickstart), QMODEL (quantized model dir), PYTHON (default: the
-# project's .venv made by setup_env.sh; see training/_python.sh), OMP_NUM_THREADS (torch's threads, default 1).
+# project's .venv made by setup_env.sh; see training/_python.sh).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -12,10 +12,6 @@ qerl_python "$root"
 QMODEL=${QMODEL:-qmodel/smollm2-135m-NVFP4A16}
 OUT=${QERL_OUT:-runs/quickstart}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-# One torch thread: a 135M model gains little from a second core, and with any other busy process on a 2-core
-# machine torch's second thread waits on the first (measured here: 73-409 s a step with two threads beside other
-# jobs, 42-50 s with one). OMP_NUM_THREADS set by the caller wins.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if [[ ! -f $QMODEL/config.json ]]; then
     echo "== quantizing smollm2-135m to NVFP4 -> $QMODEL"

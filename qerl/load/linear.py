@@ -21,7 +21,7 @@ from qerl import kernels, nvfp4
 #: CPU only: a dense copy of each frozen NVFP4 weight, ``module -> (the packed tensor it came from, dense)``, made by
 #: the rollout engine (``qerl.rollout.decoder``: re-dequantizing every layer at every decode step dominated CPU
 #: rollouts) and read by the module's own forward. Training's forward used to dequantize a fresh copy per layer,
-#: which autograd kept until the backward: a second dense model (0.4 GB of SmolLM2-135M's 2.8 GB of saved tensors).
+#: which autograd kept until the backward: a second dense model (0.4 GiB of SmolLM2-135M's 2.8 GiB of saved tensors).
 _CPU_DENSE: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 

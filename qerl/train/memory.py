@@ -1,14 +1,14 @@
 """Host memory of a training run: freed tensors handed back to the system, and the peak it reached.
 
-Where the quickstart's 7.0 GB went (SmolLM2-135M, 8 completions of up to 96 tokens, one CPU step, measured with
-the resident-set peak before and after each phase): 1.4 GB the model, its LoRA and the rollout engine's dense copy of
-the weights; 2.8 GB the tensors autograd keeps from the loss forward for the backward (activations, of which 0.4 GB
-was a second dense copy of the weights, now shared with the engine: ``NVFP4Linear.cpu_dense``); about 1.7 GB
+Where the quickstart's 6.9 GiB peak went (SmolLM2-135M, 8 completions of up to 96 tokens, one CPU step, measured with
+the resident-set peak before and after each phase): 1.4 GiB the model, its LoRA and the rollout engine's dense copy of
+the weights; 2.8 GiB the tensors autograd keeps from the loss forward for the backward (activations, of which 0.4 GiB
+was a second dense copy of the weights, now shared with the engine: ``NVFP4Linear.cpu_dense``); about 1.7 GiB
 transient in the backward, most of it trl's chunked log-probabilities (fp32 ``[tokens, 32768]`` tiles on a CPU);
-and about 1.5 GB that nothing used: freed
+and about 1.5 GiB that nothing used: freed
 activations that glibc's allocator kept. glibc serves a block below its mmap threshold from its heap and raises the
 threshold (up to 32 MB) each time it frees a larger mapped block, so after the first step every activation came
-from the heap, which fragments and is not handed back: the process also kept its 5.3 GB peak through every
+from the heap, which fragments and is not handed back: the process also kept its 5.3 GiB peak through every
 rollout. :func:`hand_back_large_blocks` fixes the threshold instead.
 """
 
@@ -40,6 +40,6 @@ def hand_back_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     return done
 
 
-def peak_rss_gb() -> float:
-    """The most resident memory this process has held so far, in GB (``ru_maxrss`` is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+def peak_rss_gib() -> float:
+    """The most resident memory this process has held so far, in GiB (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -93,8 +93,8 @@ def report(run_dir: Path) -> str:
         rollout = [r["rollout/seconds"] for r in steps if "rollout/seconds" in r]
         of_it = f", rollout {statistics.mean(rollout):.1f} s of it" if rollout else ""
         lines.append(f"step time: {statistics.mean(times):.1f} s a step{of_it}; whole run {_minutes(summary)}")
-    if summary.get("peak_rss_gb") is not None:
-        lines.append(f"peak memory: {summary['peak_rss_gb']:.2f} GB resident (the training process)")
+    if summary.get("peak_rss_gib") is not None:
+        lines.append(f"peak memory: {summary['peak_rss_gib']:.2f} GiB resident (the training process)")
     return "\n".join(lines)
 
 
