@@ -32,6 +32,8 @@ def test_step_line_holds_the_numbers_a_user_watches() -> None:
         "sigma 0 | loss 0.0494 | 33.8 s (rollout 10.5 s)"
     )
     assert progress.step_line(8, 8, {"train_runtime": 221.0, "train_loss": 0.1}).startswith("trained 8 steps in 221 s")
+    none = {"reward": 1.0, "reward_std": None, "rewards/none_reward/mean": None}  # a reward function's None
+    assert progress.step_line(2, 8, none) == "step 2/8 | reward 1.000 ± n/a | none_reward n/a"
 
 
 def test_report_of_a_finished_run(tmp_path: Path) -> None:

@@ -34,18 +34,23 @@ STEP_FIELDS = (
 
 def step_line(step: int, max_steps: int, logs: dict[str, Any]) -> str:
     """``step 3/8 | reward 0.401 ± 0.330 | last_number_accuracy 0.000 | ... | 33.8 s (rollout 10.5 s)`` for a
-    training step's log record; the end-of-training record reads ``trained N steps in T s``."""
+    training step's log record; the end-of-training record reads ``trained N steps in T s``. A value that is no number
+    (a reward function that returned None for every completion) reads ``n/a``."""
     if "train_runtime" in logs:
-        return f"trained {step} steps in {logs['train_runtime']:.0f} s; every metric of every step: metrics.jsonl"
+        return f"trained {step} steps in {_number(logs['train_runtime'], '{:.0f}')} s; every metric: metrics.jsonl"
     parts = [f"step {step}/{max_steps}"]
     if "reward" in logs:
-        parts.append(f"reward {logs['reward']:.3f} ± {logs.get('reward_std', 0.0):.3f}")
-    parts += [f"{m.group(1)} {v:.3f}" for k, v in logs.items() if (m := re.fullmatch(r"rewards/(.+)/mean", k))]
-    parts += [f"{label} {fmt.format(logs[key])}" for key, label, fmt in STEP_FIELDS if key in logs]
+        parts.append(f"reward {_number(logs['reward'], '{:.3f}')} ± {_number(logs.get('reward_std'), '{:.3f}')}")
+    parts += [f"{m[1]} {_number(v, '{:.3f}')}" for k, v in logs.items() if (m := re.fullmatch(r"rewards/(.+)/mean", k))]
+    parts += [f"{label} {_number(logs[key], fmt)}" for key, label, fmt in STEP_FIELDS if key in logs]
     if "step_time" in logs:
-        rollout = f" (rollout {logs['rollout/seconds']:.1f} s)" if "rollout/seconds" in logs else ""
-        parts.append(f"{logs['step_time']:.1f} s{rollout}")
+        rollout = f" (rollout {_number(logs['rollout/seconds'], '{:.1f}')} s)" if "rollout/seconds" in logs else ""
+        parts.append(f"{_number(logs['step_time'], '{:.1f}')} s{rollout}")
     return " | ".join(parts)
+
+
+def _number(value: Any, fmt: str) -> str:
+    return fmt.format(value) if isinstance(value, int | float) and not isinstance(value, bool) else "n/a"
 
 
 class _StepLines:
