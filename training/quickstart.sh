@@ -31,7 +31,10 @@ what to expect: 8 steps of a 135M model on a CPU check that every part runs (qua
   AQN) on this model went from 0.28 to 0.62 held-out accuracy, its mean reward from 0.52 (first 10 steps) to
   1.19 (last 10), in 333-344 s a run (benchmarks/results/learning.json, 3 seeds); run it with
   python -m benchmarks.learning --out runs/learning --seeds 0
-files: $OUT/summary.json (the numbers above), $OUT/metrics.jsonl (every metric of every step; tensorboard --logdir $OUT),
-  $OUT/plots/ (curves, PNG + CSV; redraw: python -m qerl.plot $OUT), $OUT/adapter/ (the peft adapter; score it
-  again: python -m eval.gsm8k --model $QMODEL --lora $OUT/adapter --data $OUT/heldout.jsonl --max-new-tokens 96 --temperature 0)
+files:
+  $OUT/summary.json    the numbers above
+  $OUT/metrics.jsonl   every metric of every step (tensorboard --logdir $OUT)
+  $OUT/plots/          curves, PNG + CSV (redraw: python -m qerl.plot $OUT)
+  $OUT/adapter/        the peft adapter; score it again with
+    python -m eval.gsm8k --model $QMODEL --lora $OUT/adapter --data $OUT/heldout.jsonl --max-new-tokens 96 --temperature 0
 MSG
