@@ -125,7 +125,7 @@ def test_the_results_folder_and_the_docs_stay_small() -> None:
     assert len(files) <= 60, f"benchmarks/results holds {len(files)} files (at most 60: one current file per benchmark)"
     lines = sum(len(p.read_text().splitlines()) for p in DOCS)
     assert lines < 1500, f"docs/*.md: {lines} lines"
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 350
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 365
     assert {p.stem for p in DOCS} >= {
         "kernels",
         "rollout",
