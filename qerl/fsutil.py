@@ -46,6 +46,41 @@ def naming(path: Path, temporary: Path | None = None) -> Iterator[None]:
         raise
 
 
+def current_umask() -> int:
+    """The process's umask, from ``/proc/self/status`` where Linux gives it: the portable way, setting it and
+    setting it back, would for a moment change it under every other thread of the process."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_modes(path: Path) -> None:
+    """Give ``path``, and everything under it when it is a directory, the permissions ``open()`` and ``mkdir()``
+    give under the user's umask: files 0o666 and directories 0o777, less the umask. Links are left alone.
+
+    Why: a temporary name from ``tempfile`` (a 0600 file, a 0700 directory) and every file safetensors writes
+    (0600, from safetensors 0.8) would otherwise reach its final name readable by its owner alone, so that a
+    server or a colleague running as another user could not read a model, an adapter or a result. Every writer
+    of qerl ends here: the atomic writes below, and the trainer's checkpoints, which transformers writes in place.
+    """
+    mask = current_umask()
+    if path.is_symlink():
+        return
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+    for parent, dirs, files in os.walk(path):  # links to directories are not followed
+        for name in dirs + files:
+            entry = os.path.join(parent, name)
+            if not os.path.islink(entry):
+                os.chmod(entry, (0o777 if name in dirs else 0o666) & ~mask)
+
+
 @contextmanager
 def atomic_directory(target: Path, *, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling of ``target`` to write into; rename it onto ``target`` on success.
@@ -59,7 +94,7 @@ def atomic_directory(target: Path, *, replace: bool = True) -> Iterator[Path]:
         with naming(target, tmp):
             yield tmp
         (tmp / SCRATCH_MARK).unlink()
-        os.chmod(tmp, 0o755)
+        umask_modes(tmp)
         if target.exists():
             if not replace:
                 shutil.rmtree(tmp)
@@ -119,7 +154,7 @@ def atomic_file(target: Path) -> Iterator[Path]:
     try:
         with naming(target, tmp):
             yield tmp
-        os.chmod(tmp, 0o644)
+        umask_modes(tmp)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -236,7 +271,7 @@ def append_whole(path: Path, text: str) -> None:
     """Append ``text`` (whole lines) to ``path`` and push it to disk; if any of it fails (a full disk
     half-way), cut the file back to its old length, so that readers never see part of a line."""
     with naming(path):
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # less the umask, as open() does
         try:
             size = os.fstat(fd).st_size
             try:

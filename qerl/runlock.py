@@ -47,7 +47,7 @@ def _open_lock_file(path: Path, flag: str, output: Path) -> int:
     regular file of one name: the PID written into a hard-linked one would replace the content of the file it
     shares (and a directory there was a traceback)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as e:
         if e.errno == errno.EISDIR:
             raise UsageError(f"{flag} {output}: its lock {path} is a directory, not a lock file; remove it") from None

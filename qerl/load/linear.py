@@ -3,17 +3,26 @@
 It hides the format behind a small API: build it from a dense weight (``from_linear``) or from
 checkpoint tensors (``from_tensors``), call it like ``nn.Linear``, ask for ``dequantized_weight()``
 when a dense copy is really needed. The forward goes through ``qerl.kernels.nvfp4_linear``, which
-picks the Triton kernels on CUDA and the dequantize-then-matmul reference elsewhere.
+picks the Triton kernels on CUDA and the dequantize-then-matmul reference elsewhere; on CPU it reads the dense copy
+the rollout engine keeps (``cpu_dense``) when there is one.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qerl import kernels, nvfp4
+
+#: CPU only: a dense copy of each frozen NVFP4 weight, ``module -> (the packed tensor it came from, dense)``, made by
+#: the rollout engine (``qerl.rollout.decoder``: re-dequantizing every layer at every decode step dominated CPU
+#: rollouts) and read by the module's own forward. Training's forward used to dequantize a fresh copy per layer,
+#: which autograd kept until the backward: a second dense model (0.4 GiB of SmolLM2-135M's 2.8 GiB of saved tensors).
+_CPU_DENSE: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 class NVFP4Linear(nn.Module):
@@ -97,8 +106,23 @@ class NVFP4Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return self.packed_weight.dequantize(dtype)
 
+    def cpu_dense(self, dtype: torch.dtype, make: bool = True) -> torch.Tensor | None:
+        """The dense weight in ``dtype`` kept for this module on CPU (:data:`_CPU_DENSE`), made now when ``make``;
+        None when there is none and ``make`` is False. Valid while the module holds the packed tensor it came from."""
+        kept = _CPU_DENSE.get(self)
+        if kept is not None and kept[0] is self.weight_packed and kept[1].dtype == dtype:
+            return kept[1]
+        if not make:
+            return None
+        dense = self.dequantized_weight(dtype)
+        _CPU_DENSE[self] = (self.weight_packed, dense)
+        return dense
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        dense = self.cpu_dense(x.dtype, make=False) if x.device.type == "cpu" else None
+        if dense is not None:  # the values the reference path would dequantize, and autograd keeps no copy of them
+            return F.linear(x, dense, bias)
         return kernels.nvfp4_linear(x, self.packed_weight, bias)
 
     def extra_repr(self) -> str:

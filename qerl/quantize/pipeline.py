@@ -124,8 +124,7 @@ class _ShardWriter:
         weight_map = {}
         for i, names in enumerate(self.shards):
             final = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.out_dir / f"shard-{i:05d}.tmp", self.out_dir / final)
-            os.chmod(self.out_dir / final, 0o644)
+            os.replace(self.out_dir / f"shard-{i:05d}.tmp", self.out_dir / final)  # modes: atomic_directory's
             weight_map.update({n: final for n in names})
         if count > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,23 +76,17 @@ def group_op(group: Group, device: torch.device, *, stacked: bool, gluon_k: bool
     return functools.partial(group_forward, group=group, projs=[projection_op(p, device) for p in group.projs])
 
 
-#: CPU only: dense copies of frozen NVFP4 weights, keyed by module (dropped with it).
-_CPU_DENSE: weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
-
-
 def base_forward(x: torch.Tensor, proj: Proj) -> torch.Tensor:
     """The base layer on x (GPU, or a dense base on CPU): the kernels read an NVFP4 weight, nothing is copied."""
     return proj.base(x)
 
 
 def dense_forward(x: torch.Tensor, proj: Proj) -> torch.Tensor:
-    """An NVFP4 base on CPU, dequantized once and the dense copy kept: the packed weight is frozen, and the reference
-    path re-dequantizing every layer at every decode step dominated CPU rollouts."""
+    """An NVFP4 base on CPU, dequantized once and the dense copy kept (``NVFP4Linear.cpu_dense``, which training's
+    forward reads too): the packed weight is frozen, and the reference path re-dequantizing every layer at every
+    decode step dominated CPU rollouts."""
     base = proj.base
-    dense = _CPU_DENSE.get(base)
-    if dense is None or dense.dtype != x.dtype:
-        dense = _CPU_DENSE[base] = base.dequantized_weight(x.dtype)
-    return F.linear(x, dense, None if base.bias is None else base.bias.to(x.dtype))
+    return F.linear(x, base.cpu_dense(x.dtype), None if base.bias is None else base.bias.to(x.dtype))
 
 
 def fp4_lora_forward(x: torch.Tensor, u: torch.Tensor, proj: Proj) -> torch.Tensor:

@@ -62,6 +62,7 @@ from qerl.train import resume as run_record
 from qerl.train.answers import judge
 from qerl.train.args import IGNORED_REFERENCE_FLAGS, ScriptArguments, parse_args
 from qerl.train.checkpoint_check import sound_checkpoint
+from qerl.train.host_memory import hand_back_large_blocks, peak_rss_gib
 from qerl.train.memory import check_fits
 from qerl.train.prompts import encode_chat
 from qerl.train.rewards import get_rewards
@@ -134,6 +135,7 @@ def end_process_group() -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    hand_back_large_blocks()  # a step's freed activations go back to the system (qerl.train.host_memory)
     script, config = parse_args(argv)
     for name in IGNORED_REFERENCE_FLAGS:
         if getattr(script, name) is not None:
@@ -361,6 +363,7 @@ def finish(script: ScriptArguments, run: Prepared, out: Path) -> dict[str, Any]:
         from qerl.train.plot import write_plots
 
         run.summary["plots"] = [str(p) for p in write_plots([out], out / "plots")]
+    run.summary["peak_rss_gib"] = round(peak_rss_gib(), 2)
     summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in run.summary.items()}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     logger.info("run summary: %s", json.dumps(summary))

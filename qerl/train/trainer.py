@@ -49,6 +49,7 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,13 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from qerl import arch
-from qerl.fsutil import atomic_write_text
+from qerl.fsutil import atomic_write_text, umask_modes
 from qerl.load.integrity import check_tensor
 from qerl.train.aqn import NormNoise
 from qerl.train.chunked_pass import ChunkedPass
 from qerl.train.config import QeRLConfig, trl_differences, with_model_defaults
 from qerl.train.is_ratio import LossPassRatio
+from qerl.train.progress import use_step_lines
 from qerl.train.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
 from qerl.train.rollout_hooks import RolloutHooks
 
@@ -87,6 +89,11 @@ def _check_trl_version() -> None:
         logger.warning(
             "QeRLTrainer was tested with trl %s; found trl %s (private hooks may differ)", " ".join(TRL_RANGE), v
         )
+
+
+def _shown(value: Any) -> Any:
+    """A setting as the user writes it: an enum (``SchedulerType.COSINE``) by its value (``'cosine'``)."""
+    return value.value if isinstance(value, Enum) else value
 
 
 def _output_in_input_dtype(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -202,12 +209,13 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, ChunkedPass, GRPOTrainer):
         self.recompute_passes, self.chunk_passes = {"none": 0, "full": 0}, {}
         self.check_pass_chunks()
         self.add_callback(MetricsFile())
+        use_step_lines(self)  # one line per step on the console; every metric in metrics.jsonl
         if self.rollout_func is not None:
             self.rollout_func = self._in_rollout_mode(self.rollout_func)
         if self.accelerator.is_main_process:
             logger.info(
                 "settings that differ from trl's GRPOConfig defaults: %s",
-                ", ".join(f"{k}={v!r} (trl: {d!r})" for k, (v, d) in differences.items()) or "none",
+                ", ".join(f"{k}={_shown(v)!r} (trl: {_shown(d)!r})" for k, (v, d) in differences.items()) or "none",
             )
 
     # ------------------------------------------------------------------ training step
@@ -241,6 +249,7 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, ChunkedPass, GRPOTrainer):
             return
         run_dir = self._get_output_dir(trial=trial)
         ckpt = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        umask_modes(ckpt)  # safetensors writes the adapter 0600: readable by the umask's users, as the rest
         marker = {
             "global_step": self.state.global_step,
             "max_steps": self.state.max_steps,
@@ -264,6 +273,15 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, ChunkedPass, GRPOTrainer):
             best_model_checkpoint=self.state.best_model_checkpoint,
             use_mtime=True,
         )
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """trl's card, naming a base model that is a local directory: trl names only hub ids, and its template then
+        reads "a fine-tuned version of [None](https://huggingface.co/None)"."""
+        super().create_model_card(*args, **kwargs)
+        base, card = get_config_model_id(self.model.config), Path(self.args.output_dir) / "README.md"
+        if self.is_world_process_zero() and base and Path(base).is_dir() and card.is_file():
+            named = f"`{base}` (a local model directory; run_config.json records its content digest)"
+            atomic_write_text(card, card.read_text().replace("[None](https://huggingface.co/None)", named))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """``resume_from_checkpoint=True`` resumes from the newest complete checkpoint of output_dir."""
