@@ -50,7 +50,7 @@ import torch
 from benchmarks.common import Layer, command, copy_bandwidth, graph_time, utc_now, write_json
 from qerl import nvfp4
 from qerl.kernels import fp4_gemm as fg
-from qerl.kernels import schedule as sch
+from qerl.kernels import schedule
 
 SHAPES = {"down": (3584, 18944), "gate_up": (37888, 3584)}
 #: (N, K) of every decode GEMM of a Qwen2.5 layer, q/k/v and gate/up fused as the rollout engine runs them.
@@ -65,8 +65,8 @@ MODEL_SHAPES = {
     "32b_down": (5120, 27648),
 }
 MS = {"down": (1, 16, 64), "gate_up": (1, 16)}
-D = sch.DecodeConfig
-#: Schedules around the default (BN=64 BK=256 w4 s3; split from ``sch.decode_split``). Shared memory per stage is
+D = schedule.DecodeConfig
+#: Schedules around the default (BN=64 BK=256 w4 s3; split from ``schedule.decode_split``). Shared memory per stage is
 #: ~BN*BK*9/16 B of weight + scales and 16*BK*2 B of x (BM*BK*2 at larger M), so fewer/smaller stages
 #: fit more programs per SM. A sweep of them found a fixed cost per K step that 3-4 programs per SM
 #: do not hide; the candidates below test more programs per SM and two warpgroups sharing one x tile.
@@ -157,7 +157,7 @@ def decode_rows(layer: Layer, shape: str, ms: tuple[int, ...], candidates: dict 
             )
             print(f"{shape:8s} M={m:3d} dequantize+cuBLAS {t:8.1f} us  x{base / t:.2f}", flush=True)
         for name, cfg in candidates.items():
-            resolved = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
+            resolved = schedule.decode_config(m, layer.n, layer.k, x.device, cfg)
             row = {"shape": shape, "M": m, "cand": name, "config": resolved.__dict__, "bf16_us": base}
             try:
                 y = torch.full((m, layer.n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -268,12 +268,12 @@ def split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 64)) -> list[
     splits = distinct_splits(k_steps)
     rows = []
     for m in ms:
-        asked = sch.decode_config(m, layer.n, layer.k, torch.device("cuda")).split
+        asked = schedule.decode_config(m, layer.n, layer.k, torch.device("cuda")).split
         default = launched_split(k_steps, asked)
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w64.t()
         for split in splits:
-            cfg = sch.DecodeConfig(split=split)
+            cfg = schedule.DecodeConfig(split=split)
             y = fg.matmul(x, q0, config=cfg)
             fns = [lambda q=q, x=x, cfg=cfg: fg.matmul(x, q, config=cfg) for q in layer.q]
             t = graph_time(fns) * 1e6
@@ -310,7 +310,7 @@ def direct_split_rows(layer: Layer, shape: str, ms: tuple[int, ...] = (1, 8)) ->
     q0 = layer.q[0]
     w64 = nvfp4.dequantize(q0.weight_packed, q0.weight_scale, q0.weight_global_scale, torch.float64)
     tiles, k_steps, slots = fd.launch_shape(layer.n, layer.k, w64.device)
-    default = launched_split(k_steps, sch.decode_split(tiles, k_steps, slots, fd.PROGRAM_STEPS))
+    default = launched_split(k_steps, schedule.decode_split(tiles, k_steps, slots, fd.PROGRAM_STEPS))
     rank = DIRECT_RANKS[shape.split("_", 1)[1]]
     rows = []
     for m in ms:

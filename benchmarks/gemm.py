@@ -41,8 +41,7 @@ from benchmarks.common import (
     versions,
     write_json,
 )
-from qerl.kernels import backend
-from qerl.kernels import schedule as sch
+from qerl.kernels import backend, schedule
 
 #: (out_features N, in_features K) per layer: Qwen2.5-7B (hidden 3584, inter 18944, 28 q / 4 kv heads of 128)
 #: and Qwen2.5-32B (hidden 5120, inter 27648, 40 q / 8 kv heads).
@@ -144,8 +143,8 @@ def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) 
             "bf16_TFLOPs": flops / tb / 1e12,
             "speedup_vs_bf16": tb / t,
         }
-    if row["x_in_gluon_order"] and sch.SWITCHES.decode_pdl:  # the same calls launched without PDL, for the record
-        with sch.switched(decode_pdl=False):
+    if row["x_in_gluon_order"] and schedule.SWITCHES.decode_pdl:  # the same calls launched without PDL, for the record
+        with schedule.switched(decode_pdl=False):
             row["fwd"]["time_us_no_pdl"] = graph_time(layer.fwd_fns(x)) * 1e6
     if marlin is not None:
         tm, fwd = graph_time(marlin.fns(x)), row["fwd"]
@@ -161,14 +160,14 @@ def measure(layer: Layer, m: int, copy_bw: float, marlin: Marlin | None = None) 
     return row
 
 
-D = sch.DecodeConfig
+D = schedule.DecodeConfig
 SWEEP = {  # configs tried on the summary shape, to pick the heuristics (docs/kernels.md)
     1: [D(), D(128, 256, 4, 3), D(128, 128, 4, 4), D(64, 256, 4, 4, x_split=False)],
     16: [D(), D(128, 128, 4, 4)],
     64: [D(), D(128, 128, 4, 4)],
 }
 #: The fused grad_x kernel at a prefill-sized M, against dequantize + cuBLAS (what ``matmul_t`` runs there).
-BWD_SWEEP = [sch.Config(128, 64, 128, 8, 3)]
+BWD_SWEEP = [schedule.Config(128, 64, 128, 8, 3)]
 DEQUANT_BLOCKS = ((8, 128, 4), (16, 64, 4))
 
 
@@ -177,7 +176,7 @@ def sweep(layer: Layer) -> list[dict]:
     for m, cfgs in SWEEP.items():
         x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         for cfg in cfgs:
-            cfg = sch.decode_config(m, layer.n, layer.k, x.device, cfg)
+            cfg = schedule.decode_config(m, layer.n, layer.k, x.device, cfg)
             out.append(
                 {
                     "M": m,

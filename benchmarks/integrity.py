@@ -43,7 +43,6 @@ from qerl import checkpoint
 from qerl.fsutil import atomic_directory
 from qerl.load.headers import expected_tensors
 from qerl.load.integrity import Verdicts
-from qerl.quantize import pipeline
 
 #: The share of the load the check may take.
 TARGET_SHARE = 0.02
@@ -122,7 +121,7 @@ def synthetic_checkpoint(root: Path, tiny: bool) -> Path:
     with atomic_directory(out) as tmp:  # complete or absent
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         expected, _ = expected_tensors(tmp, set(layers))
-        writer = pipeline._ShardWriter(tmp)
+        writer = checkpoint.ShardWriter(tmp)
         for name, (shape_, dtypes) in expected.items():
             writer.add(name, _random(name, shape_, dtypes, gen, device).cpu())
         writer.finish()

@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/profile_decode.py: needs a CUDA device")
     from qerl.kernels import fp4_gemm as fg  # Triton: GPU machines only
-    from qerl.kernels import schedule as sch
+    from qerl.kernels import schedule
 
-    if not 1 <= args.m <= sch.DECODE_MAX_M:
-        sys.exit(f"benchmarks/profile_decode.py: --m: expected 1..{sch.DECODE_MAX_M}, got {args.m}")
+    if not 1 <= args.m <= schedule.DECODE_MAX_M:
+        sys.exit(f"benchmarks/profile_decode.py: --m: expected 1..{schedule.DECODE_MAX_M}, got {args.m}")
     n, k = SHAPES[args.shape]
     q = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> None:
         launch = lambda: fp4_direct.matmul(xp, q, pdl=args.pdl)  # noqa: E731
     else:
         launch = lambda: fg.matmul(  # noqa: E731
-            x, q, config=sch.default_decode(args.m)
+            x, q, config=schedule.default_decode(args.m)
         )
     for _ in range(args.launches):
         y = launch()
     torch.cuda.synchronize()
     err = ((y.double() - ref).norm() / ref.norm()).item()
-    what = f"the {args.kernel} kernel" if args.kernel != "triton" else sch.decode_config(args.m, n, k, x.device)
+    what = f"the {args.kernel} kernel" if args.kernel != "triton" else schedule.decode_config(args.m, n, k, x.device)
     print(f"{args.shape} N={n} K={k} M={args.m}: {args.launches} launches of {what}, rel err {err:.1e}")
     if not err < 1e-2:
         sys.exit("benchmarks/profile_decode.py: the kernel's result is off (rel err >= 1e-2)")

@@ -26,6 +26,7 @@ COLOURS = {
     "kernels": "#4C72B0",
     "rollout": "#55A868",
     "train": "#937860",
+    "tasks": "#DA8BC3",
     "": "#8172B2",
 }
 
@@ -183,7 +184,10 @@ def draw(graph: dict[str, set[str]], out: Path) -> None:
     ax.set_ylim(-0.6, max(rows) + 0.6)
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
-    title = "qerl imports (arrows point to the imported module; red quantize, orange load, blue kernels, green rollout, brown train)"
+    title = (
+        "qerl imports (arrows point to the imported module; red quantize, orange load, blue kernels, green rollout, "
+        "brown train, pink tasks)"
+    )
     ax.set_title(title + (f"; {len(circles(graph))} circle(s) in red" if red else "; no circles"), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=130, metadata={"Description": digest(graph)})

@@ -2,6 +2,6 @@
 
 Modules: ``data`` (benchmark files / hub ids), ``prompting`` (prompts tokenized and held to the model's
 context before any model work), ``loading`` (base model + LoRA adapter), ``results`` (resumable per-sample JSONL), ``stats`` (pass@k),
-``runner`` (the shared loop and flags). Answer extraction and equivalence live in ``qerl.train.answers``,
+``runner`` (the shared loop and flags). Answer extraction and equivalence live in ``qerl.tasks.answers``,
 shared with the training rewards.
 """

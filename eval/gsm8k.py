@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from eval.runner import Benchmark, evaluate, make_parser
 from eval.stats import Accuracy
 from qerl.cli import run
-from qerl.train.answers import gsm8k_gold
+from qerl.tasks.answers import gsm8k_gold
 
 GSM8K = Benchmark(
     name="gsm8k",

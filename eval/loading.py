@@ -19,8 +19,8 @@ from peft import LoraConfig, PeftModel
 from peft.utils import get_peft_model_state_dict
 
 from qerl.cli import UsageError
+from qerl.fingerprint import check_adapter_base
 from qerl.load.adapter import read_adapter_config
-from qerl.load.fingerprint import check_adapter_base
 from qerl.load.integrity import DamagedTensor, check_tensors
 from qerl.load.lora import load_adapter
 

@@ -11,7 +11,7 @@ that many characters before tokenizing, without reading the rest. That bound gro
 context (a 128K-context model let 8 MB through: 22 s and 2.7 GB for one prompt, Ctrl-C heard after
 13.7 s), so it is also capped at :data:`MAX_QUESTION_CHARS`, whatever the context: every call stays
 well under a second, and Ctrl-C stops the loop between questions. The chat template is held to its
-bounds (``qerl.train.prompts``: file size, time and output per prompt), and a template past them is named
+bounds (``qerl.tasks.prompts``: file size, time and output per prompt), and a template past them is named
 as the culprit, not the question.
 """
 
@@ -25,7 +25,7 @@ from jinja2 import TemplateError
 
 from eval.data import Problem
 from qerl.cli import UsageError
-from qerl.train.prompts import ChatTemplateError, chat_messages, read_template, render, render_text
+from qerl.tasks.prompts import ChatTemplateError, chat_messages, read_template, render, render_text
 
 logger = logging.getLogger(__name__)
 

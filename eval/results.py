@@ -4,7 +4,7 @@ One line per (question, sample), appended and flushed after each batch, so an in
 loses at most the batch in flight; a crash mid-line leaves a truncated last line, which the next
 run drops before appending. A sidecar ``<output>.meta.json`` (written atomically) records what
 determines the samples: the generation settings and content digests of the model and adapter weights
-(``qerl.load.fingerprint``). A run resumes only when all of them match; otherwise (an adapter retrained into
+(``qerl.fingerprint``). A run resumes only when all of them match; otherwise (an adapter retrained into
 the same directory, another temperature) it starts afresh and says so, after moving the old results
 and their meta aside (``<name>.stale-<time>.jsonl``), so one file never mixes two models and no
 result is lost.

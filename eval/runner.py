@@ -25,10 +25,10 @@ from eval.prompting import LONG_PROMPT_MODES, bounded_prompts, prompt_budget, us
 from eval.results import ResultFile
 from eval.stats import Accuracy, accuracy
 from qerl.cli import ArgumentParser, UsageError
-from qerl.load.fingerprint import adapter_sha256, model_sha256, tree_sha256
+from qerl.fingerprint import adapter_sha256, model_sha256, tree_sha256
 from qerl.runlock import run_lock
-from qerl.train.answers import score
-from qerl.train.prompts import PROMPT_STYLES
+from qerl.tasks.answers import score
+from qerl.tasks.prompts import PROMPT_STYLES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

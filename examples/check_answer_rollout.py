@@ -19,7 +19,7 @@ from typing import Any
 
 from qerl.load.loader import load_model, load_tokenizer
 from qerl.load.lora import lora_config
-from qerl.train.prompts import encode_chat
+from qerl.tasks.prompts import encode_chat
 from qerl.train.rewards import last_number_accuracy
 from qerl.trainer import QeRLConfig, QeRLTrainer
 

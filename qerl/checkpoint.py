@@ -1,11 +1,14 @@
-"""The compressed-tensors NVFP4A16 checkpoint: its config block, and reading its tensors safely.
+"""The compressed-tensors NVFP4A16 checkpoint: its config block, reading its tensors safely (:class:`TensorIndex`)
+and writing them in bounded shards (:class:`ShardWriter`).
 
-Both the quantizer (which writes checkpoints) and the loader (which reads them) go through here,
-so the format lives in one place.
+The quantizer and export (which write checkpoints) and the loader (which reads them) go through here, so the
+format lives in one place.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -14,12 +17,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from qerl.fsutil import check_regular, read_json
+from qerl.fsutil import check_regular, read_json, save_safetensors
 
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 #: compressed-tensors' names for a quantized Linear's tensors (after ``{layer}.``): the packed E2M1
 #: codes, the FP8 block scales, the FP32 global scale. ``NVFP4Linear``'s buffers carry the same names.
 PACKED, SCALE, GLOBAL_SCALE = QUANTIZED_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+#: A written checkpoint's shard size, unless the writer is told otherwise (the quantize and export CLIs'
+#: ``--max-shard-gb``): a streaming writer's peak memory is about one shard plus one tensor.
+SHARD_BYTES = 4 << 30
 
 
 def packed_layers(names: Iterable[str]) -> set[str]:
@@ -73,7 +79,7 @@ def is_nvfp4_config(config: dict) -> bool:
 def shard_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a model directory (through the index when there is one), each a regular file.
     The index may name files of the directory only: one outside it (``../x``, an absolute path) would load weights
-    that the model's digest (``qerl.load.fingerprint``) does not cover."""
+    that the model's digest (``qerl.fingerprint``) does not cover."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         record = read_json(index)
@@ -182,3 +188,47 @@ class TensorIndex:
     def close(self) -> None:
         """Drop the file kept open by ``keep_open`` (its mapping goes with it)."""
         self._open = None
+
+
+class ShardWriter:
+    """Writes a checkpoint's tensors, in the order given, to numbered safetensors shards of at most ``max_bytes``
+    (:data:`SHARD_BYTES` by default) each: a shard is flushed once the next tensor would not fit, so a streaming
+    writer holds one shard in memory. :meth:`finish` gives the shards their final names (``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` with the index transformers and vLLM read). The quantizer and export write
+    through it."""
+
+    def __init__(self, out_dir: Path, max_bytes: int | None = None) -> None:
+        self.out_dir, self.max_bytes = out_dir, max_bytes or SHARD_BYTES
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        index = len(self.shards)
+        save_safetensors(self.pending, self.out_dir / f"shard-{index:05d}.tmp", metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        """Give shards their final names; write the index when there is more than one."""
+        self.flush()
+        count = len(self.shards)
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.out_dir / f"shard-{i:05d}.tmp", self.out_dir / final)  # modes: atomic_directory's
+            weight_map.update({n: final for n in names})
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -44,15 +44,14 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from qerl import checkpoint, hub, nvfp4
+from qerl import checkpoint, hub, model_files, nvfp4
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
+from qerl.fingerprint import check_adapter_base
 from qerl.fsutil import atomic_directory, is_within, refuse_link, remove_leftovers, scratch_directory, write_text
-from qerl.load import model_files
 from qerl.load.adapter import read_adapter_config
-from qerl.load.fingerprint import check_adapter_base
 from qerl.load.headers import check_headers
 from qerl.load.integrity import check_tensor, check_tensors
-from qerl.quantize import pipeline as quantize
+from qerl.quantize import pipeline
 from qerl.runlock import run_lock
 
 if TYPE_CHECKING:
@@ -187,7 +186,7 @@ def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_b
                 f"--lora {adapter.path}: replaces {name!r}, which {model_dir} does not have; wrong base model?"
             )
     stats = MergeStats()
-    writer = quantize._ShardWriter(out_dir, max_shard_bytes)
+    writer = checkpoint.ShardWriter(out_dir, max_shard_bytes)
     for name in tensors.names():
         layer, _, suffix = name.rpartition(".")
         if layer in packed:
@@ -214,7 +213,7 @@ def merge_to_dense(model_dir: Path, adapter: Adapter, out_dir: Path, max_shard_b
             if key in config:
                 config[key] = "bfloat16"
     write_text(out_dir / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-    quantize._copy_side_files(model_dir, out_dir)
+    model_files.copy_side_files(model_dir, out_dir)
     return stats
 
 
@@ -232,7 +231,7 @@ def requantize(dense_dir: Path, out_dir: Path, ignore: tuple[str, ...], method: 
     ``method`` is the quantize CLI's ``--method``, one of its data-free ones (``QUANT_METHODS``)."""
     if method not in QUANT_METHODS:
         raise ValueError(f"--method: expected one of {QUANT_METHODS}, got {method!r}")
-    quantize.quantize_streaming(quantize.Source.open(dense_dir, ignore, quantize_lm_head=False), out_dir, method)
+    pipeline.quantize_streaming(pipeline.Source.open(dense_dir, ignore, quantize_lm_head=False), out_dir, method)
 
 
 def retained_share(model_dir: Path, dense_dir: Path, out_dir: Path, layers: list[str]) -> float | None:
@@ -335,7 +334,8 @@ def _write(
         if fmt == "bf16":
             stats = merge_to_dense(model_dir, adapter, tmp, max_shard_bytes)
         else:
-            ignore = tuple((source_config.get("quantization_config") or {}).get("ignore") or quantize.DEFAULT_IGNORE)
+            # the source's kept modules; a dense source has none beyond lm_head, which the quantizer keeps anyway
+            ignore = tuple((source_config.get("quantization_config") or {}).get("ignore") or ())
             with scratch_directory(out, "bf16") as dense:
                 stats = merge_to_dense(model_dir, adapter, dense, max_shard_bytes)
                 requantize(dense, tmp, ignore, method)
@@ -367,10 +367,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI: 0, or 2 with ``error: <one line>`` for bad input or a full / read-only disk (``qerl.cli``)."""
-    return run(_export, argv)
+    return run(command, argv)
 
 
-def _export(argv: Sequence[str] | None) -> None:
+def command(argv: Sequence[str] | None) -> None:
+    """The command itself: bad input raises ``UsageError`` (a full or read-only disk its ``OSError``), which
+    :func:`main` turns into its one line and exit status (``qerl.cli.run``)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:

@@ -155,8 +155,17 @@ SIDE_FILES = (
 
 
 def local_model_dir(name_or_path: str | os.PathLike[str], what: str = "model path") -> Path:
-    """A local directory for ``name_or_path``, downloading only :data:`HUB_PATTERNS` for a hub id."""
-    resolved = resolve_model(name_or_path)
+    """A local directory for ``name_or_path``, downloading only :data:`HUB_PATTERNS` for a hub id. A ``Path`` naming a
+    directory is that directory, not resolved again: a command resolves its model's name once
+    (:func:`resolve_model`, then :func:`local_dir`) and hands the directory on."""
+    if isinstance(name_or_path, Path) and name_or_path.is_dir():
+        return name_or_path
+    return local_dir(resolve_model(name_or_path), what)
+
+
+def local_dir(resolved: Path | str, what: str = "model path") -> Path:
+    """The local directory of a model :func:`resolve_model` resolved: a hub id downloaded (:data:`HUB_PATTERNS`
+    only), a local path checked to be a directory."""
     if isinstance(resolved, str):
         from huggingface_hub import snapshot_download
 

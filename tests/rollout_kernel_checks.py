@@ -437,7 +437,7 @@ def check_finish_step(device: str) -> None:
 def _plans_run_the_kernels(engine: object) -> bool:
     """Whether every step plan the engine built binds the kernels (the fused sampler and bookkeeping), not the torch
     references: the engine checks below would pass on the references too."""
-    plans = engine._step_plans.values()
+    plans = engine.step_plans.values()
     return bool(plans) and all(p.sample is not None and p.finish is not reference.finish_step for p in plans)
 
 

@@ -10,16 +10,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-import safety_fixtures as sf
 import torch
-from safety_fixtures import own_caches, qtiny  # noqa: F401 (fixtures)
-from test_export import make_adapter
+from helpers import EVAL_FLAGS, GOOD, data_file, one_error, run_module
+from tiny_models import make_adapter
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("own_caches")
 
 
 @pytest.fixture(scope="module")
-def adapter(qtiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+def adapter(qtiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_adapter(qtiny, tmp_path_factory.mktemp("adapter") / "adapter")
 
 
@@ -32,13 +31,13 @@ def _changed(adapter: Path, out: Path, **changes: object) -> Path:
 
 def _commands(model: Path, lora: Path, tmp_path: Path) -> dict[str, list[str]]:
     """The export and eval command lines (as ``python -m`` arguments) that read ``lora`` over ``model``."""
-    data = sf.data_file(tmp_path, [sf.GOOD])
+    data = data_file(tmp_path, [GOOD])
     return {
         "export": ["qerl.export", "--model", str(model), "--lora", str(lora), "--output", str(tmp_path / "x")],
         "eval": [
             "eval.gsm8k",
             *("--model", str(model), "--lora", str(lora), "--data", str(data)),
-            *("--output", str(tmp_path / "r.jsonl"), *sf.EVAL_FLAGS),
+            *("--output", str(tmp_path / "r.jsonl"), *EVAL_FLAGS),
         ],
     }
 
@@ -55,19 +54,19 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_adapter_config_is_one_line_in_export_and_eval(qtiny, adapter, tmp_path: Path, case: str) -> None:  # noqa: F811
+def test_bad_adapter_config_is_one_line_in_export_and_eval(qtiny, adapter, tmp_path: Path, case: str) -> None:
     """lora_alpha NaN or 1e40 made export write NaN/Inf weights with rc 0 and eval record garbage; a catastrophic
     pattern hung both. Now both refuse the field in one line, in seconds, and write nothing."""
     changes, field = CASES[case]
     bad = _changed(adapter, tmp_path / "bad", **changes)
     for command, argv in _commands(qtiny, bad, tmp_path).items():
-        code, err = sf.run_module(argv, tmp_path)
-        line = sf.one_error(code, err)
+        code, err = run_module(argv, tmp_path)
+        line = one_error(code, err)
         assert "adapter_config.json" in line and field in line, (command, line)
     assert not (tmp_path / "x").exists() and not (tmp_path / "r.jsonl").exists()
 
 
-def test_plain_patterns_still_merge(qtiny, adapter, tmp_path: Path) -> None:  # noqa: F811
+def test_plain_patterns_still_merge(qtiny, adapter, tmp_path: Path) -> None:
     """A rank / alpha pattern keyed by a module name or a dotted suffix (peft's rule) is taken, as before."""
     from qerl.export import read_adapter
 
@@ -77,7 +76,7 @@ def test_plain_patterns_still_merge(qtiny, adapter, tmp_path: Path) -> None:  # 
     assert merged.deltas["model.layers.1.self_attn.q_proj"][2] == 2.0
 
 
-def test_eval_of_a_bin_adapter_is_one_line(qtiny, adapter, tmp_path: Path, capsys) -> None:  # noqa: F811
+def test_eval_of_a_bin_adapter_is_one_line(qtiny, adapter, tmp_path: Path, capsys) -> None:
     """An adapter holding only adapter_model.bin was a traceback in eval; now one line naming the file, as export."""
     from safetensors.torch import load_file
 
@@ -90,5 +89,5 @@ def test_eval_of_a_bin_adapter_is_one_line(qtiny, adapter, tmp_path: Path, capsy
     (legacy / "adapter_model.safetensors").unlink()
     commands = _commands(qtiny, legacy, tmp_path)
     for command in (lambda: run(gsm8k.main, commands["eval"][1:]), lambda: export.main(commands["export"][1:])):
-        line = sf.one_error(command(), capsys.readouterr().err)
+        line = one_error(command(), capsys.readouterr().err)
         assert str(legacy / "adapter_model.bin") in line and "only safetensors adapters are read" in line, line

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eval.stats import accuracy, pass_at_k
-from qerl.train.answers import extract_answer, format_number, gsm8k_gold, is_correct, score, to_number, unbox
+from qerl.tasks.answers import extract_answer, format_number, gsm8k_gold, is_correct, score, to_number, unbox
 
 # (completion, gold, expected extracted text or None, expected method, correct?)
 GSM8K_CASES = [

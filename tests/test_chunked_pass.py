@@ -186,13 +186,13 @@ def auto_trainer(trainer: Any, batch: dict[str, Any]) -> Iterator[tuple[Any, Any
     tokens = PROMPT + COMPLETION
 
     def need(rows: int) -> int:
-        return trainer._pass_bytes(rows, tokens, True) + trainer._unallocated_state_bytes()
+        return trainer.pass_bytes(rows, tokens, True) + trainer.unallocated_state_bytes()
 
-    trainer.args.gradient_checkpointing, trainer._recompute, trainer._chunk = None, None, None
+    trainer.args.gradient_checkpointing, trainer.planned_recompute, trainer.planned_chunk = None, None, None
     trainer.recompute_passes, trainer.chunk_passes = {"none": 0, "full": 0}, {}
     trainer.model.zero_grad(set_to_none=True)
     yield trainer, need
-    trainer.args.gradient_checkpointing, trainer._recompute, trainer._chunk = False, None, None
+    trainer.args.gradient_checkpointing, trainer.planned_recompute, trainer.planned_chunk = False, None, None
     trainer.model.gradient_checkpointing_disable()
 
 
@@ -266,16 +266,16 @@ def test_passes_that_cannot_be_chunked(trainer: Any, batch: dict[str, Any], monk
     images = {**batch, "pixel_values": torch.zeros(ROWS, 3)}
     assert "pixel_values" in chunked_pass.refusal(trainer, images)
     with pytest.raises(ValueError, match=r"^--pass_chunk_rows 2: .*carries pixel_values"):
-        trainer._plan_pass(images)
+        trainer.plan_pass(images)
     monkeypatch.setattr(trainer.args, "pass_chunk_rows", None)
     monkeypatch.setattr(trainer.args, "gradient_checkpointing", None)
-    monkeypatch.setattr(trainer, "_recompute", None)
+    monkeypatch.setattr(trainer, "planned_recompute", None)
     monkeypatch.setattr(recompute, "device_memory", lambda device: (CARD, CARD))  # room for all but one piece
-    monkeypatch.setattr(trainer, "_pass_bytes", lambda rows, tokens, masked: CARD if rows > 1 else 0)
+    monkeypatch.setattr(trainer, "pass_bytes", lambda rows, tokens, masked: CARD if rows > 1 else 0)
     monkeypatch.setattr(recompute, "enable_recompute", lambda model, kwargs: None)
-    assert trainer._plan_pass(images) == ROWS and trainer._recompute == "full"
-    monkeypatch.setattr(trainer, "_recompute", None)
-    assert trainer._plan_pass(batch) == 1  # the same memory, a micro-batch it can chunk
+    assert trainer.plan_pass(images) == ROWS and trainer.planned_recompute == "full"
+    monkeypatch.setattr(trainer, "planned_recompute", None)
+    assert trainer.plan_pass(batch) == 1  # the same memory, a micro-batch it can chunk
 
 
 def test_the_flag_defaults_and_values(tmp_path: Path) -> None:
@@ -299,7 +299,7 @@ def test_cpu_default_runs_the_pass_in_one_piece(trainer: Any, batch: dict[str, A
     """Without CUDA the config's checkpointing is on: with ``pass_chunk_rows`` unset every pass is one piece."""
     monkeypatch.setattr(trainer.args, "gradient_checkpointing", True)
     monkeypatch.setattr(trainer.args, "pass_chunk_rows", None)
-    assert trainer._plan_pass(batch) == ROWS
+    assert trainer.plan_pass(batch) == ROWS
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

@@ -6,9 +6,11 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import one_error
 
 from qerl.cli import ArgumentParser, UsageError, run
 
@@ -165,3 +167,21 @@ def test_an_ignored_sigint_stays_ignored() -> None:
     with sigint(signal.SIG_IGN):
         assert run(lambda argv: signal.raise_signal(signal.SIGINT)) == 0
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+# --- numbers of the commands' flags ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["inf", "nan", "-1", "0", "1e9"])
+def test_shard_size_out_of_range_is_one_line(size: str, tmp_path: Path, capsys) -> None:
+    """--max-shard-gb inf: a traceback; -1: one shard per tensor; 0: silently 4 GB. Both commands refuse them."""
+    from qerl import export
+    from qerl.quantize import run as quantize_cli
+
+    for main, argv in (
+        (export.main, ["--model", "m", "--lora", "a", "--output", str(tmp_path / "o")]),
+        (quantize_cli.main, ["--model", "m", "--output", str(tmp_path / "q")]),
+    ):
+        line = one_error(main([*argv, "--max-shard-gb", size]), capsys.readouterr().err)
+        assert "--max-shard-gb" in line and "expected a size in GB" in line, line
+    assert not any(tmp_path.iterdir())

@@ -14,12 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import safety_fixtures as sf
-import torch
-from safety_fixtures import merge, own_caches  # noqa: F401 (fixtures)
+from helpers import eval_argv, one_error, with_config
 from tiny_models import make_tiny_llama
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("own_caches")
 
 
 @pytest.fixture(scope="module")
@@ -64,41 +62,40 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_config_field_is_named_before_any_work(dense, merge, tmp_path: Path, capsys, case: str) -> None:  # noqa: F811
+def test_bad_config_field_is_named_before_any_work(dense, merge, tmp_path: Path, capsys, case: str) -> None:
     """load (dense and NVFP4), quantize and export each refuse the field in one line naming config.json."""
-    import quantize_nvfp4  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
-
     from qerl import export
     from qerl.load.loader import load_model
+    from qerl.quantize.run import main as quantize_main
 
     changes, field = CASES[case]
     for model in (dense, merge["model"]):
-        bad = sf.with_config(model, tmp_path / f"bad-{model.name}", **changes)
+        bad = with_config(model, tmp_path / f"bad-{model.name}", **changes)
         with _within(30), pytest.raises(ValueError) as raised:
             load_model(bad, device="cpu")
         message = str(raised.value)
         assert str(bad / "config.json") in message and field in message and "\n" not in message, message
     bad_dense, bad_nvfp4 = tmp_path / f"bad-{dense.name}", tmp_path / f"bad-{merge['model'].name}"
     with _within(30):
-        code = quantize_nvfp4.main(["--model", str(bad_dense), "--output", str(tmp_path / "q"), "--skip_generation"])
-    assert field in sf.one_error(code, capsys.readouterr().err)
+        code = quantize_main(["--model", str(bad_dense), "--output", str(tmp_path / "q"), "--skip_generation"])
+    assert field in one_error(code, capsys.readouterr().err)
     argv = ["--model", str(bad_nvfp4), "--lora", str(merge["adapter"]), "--output", str(tmp_path / "x")]
     with _within(30):
         code = export.main([*argv, "--allow-base-mismatch"])
-    assert field in sf.one_error(code, capsys.readouterr().err)
+    assert field in one_error(code, capsys.readouterr().err)
     assert not (tmp_path / "q").exists() and not (tmp_path / "x").exists()
 
 
 def test_quantize_refuses_a_hundred_thousand_claimed_layers_at_once(dense, tmp_path: Path, capsys) -> None:
     """quantize took 177 s and 5 GB building a skeleton of 100,000 layers before refusing the config; now the layer
     count is compared with the weights' headers first."""
-    import quantize_nvfp4
+    from qerl.quantize.run import main as quantize_main
 
-    bad = sf.with_config(dense, tmp_path / "bad", num_hidden_layers=100_000)
+    bad = with_config(dense, tmp_path / "bad", num_hidden_layers=100_000)
     start = time.monotonic()
     with _within(60):
-        code = quantize_nvfp4.main(["--model", str(bad), "--output", str(tmp_path / "q"), "--skip_generation"])
-    assert "num_hidden_layers" in sf.one_error(code, capsys.readouterr().err)
+        code = quantize_main(["--model", str(bad), "--output", str(tmp_path / "q"), "--skip_generation"])
+    assert "num_hidden_layers" in one_error(code, capsys.readouterr().err)
     assert time.monotonic() - start < 10
 
 
@@ -114,3 +111,39 @@ def test_a_sound_config_still_loads(dense, tmp_path: Path) -> None:
     config.update(rope_scaling=None, rope_theta=theta)
     (model / "config.json").write_text(json.dumps(config))
     assert check_supported(model).model_type == "llama"
+
+
+# --- a config.json that does not describe the weights ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [1, 3, -1, "2", 10**9])
+def test_config_that_does_not_describe_the_weights_is_refused(
+    qtiny, tiny_dense_dir, tmp_path: Path, capsys, layers: object
+) -> None:
+    """A config.json with fewer layers than the weights ran a truncated model with rc 0 (more: random layers, or
+    gigabytes allocated first); -1 or a string: a traceback. Refused by load, eval and train before any allocation."""
+    from eval import gsm8k
+    from qerl.cli import run
+    from qerl.load.loader import load_model
+    from qerl.train import run as train
+
+    for model in (qtiny, tiny_dense_dir):
+        lying = with_config(model, tmp_path / f"lying-{model.name}", num_hidden_layers=layers)
+        with pytest.raises(ValueError, match="num_hidden_layers"):
+            load_model(lying, device="cpu")
+    argv = eval_argv(lying, tmp_path)
+    assert "num_hidden_layers" in one_error(run(gsm8k.main, argv), capsys.readouterr().err)
+    argv = [
+        "--model-name",
+        str(lying),
+        "--dataset",
+        "arithmetic",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--report-to",
+        "none",
+        "--max_steps",
+        "1",
+    ]
+    assert "num_hidden_layers" in one_error(run(train.main, argv), capsys.readouterr().err)
+    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "run").exists()

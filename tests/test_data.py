@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
+from qerl.tasks.data_sets import spec
+from qerl.tasks.prompts import DAPO_SYSTEM_PROMPT, TAG_SYSTEM_PROMPT
 from qerl.train.data import (
     ARITHMETIC_LEVELS,
     arithmetic,
     filter_prompt_length,
     load_dataset,
-    spec,
     to_rows,
     train_heldout_split,
 )
-from qerl.train.prompts import DAPO_SYSTEM_PROMPT, TAG_SYSTEM_PROMPT
 from qerl.train.rewards import gsm8k_accuracy
 
 SAMPLE = Path(__file__).parent / "data" / "gsm8k_train30.jsonl"
@@ -181,3 +181,26 @@ def test_a_ctrl_c_cannot_land_where_datasets_swallows_it(smollm2_dir: Path, monk
     monkeypatch.setattr(Hasher, "hash", classmethod(interrupted))
     kept = filter_prompt_length(to_rows(raw, spec("gsm8k"), "tags"), tok, 10_000)
     assert hashed == [] and kept["answer"] == ["5", "2"]
+
+
+# --- bounded prompts -------------------------------------------------------------------------------------------------
+
+
+def test_training_prompt_filter_never_tokenizes_a_huge_question(smollm2_dir: Path, monkeypatch) -> None:
+    """With --max_prompt_length 512, one 64 MB question was tokenized whole and ran out of memory in the filter."""
+    from datasets import Dataset
+
+    from qerl.load.loader import load_tokenizer
+    from qerl.tasks.prompts import chat_messages, encode_chat
+    from qerl.train import data
+
+    def bounded(tokenizer, messages):
+        assert sum(len(m["content"]) for m in messages) < 1_000_000, "a huge question reached the tokenizer"
+        return encode_chat(tokenizer, messages)
+
+    monkeypatch.setattr(data, "encode_chat", bounded)
+    rows = Dataset.from_list(
+        [{"prompt": chat_messages(q, "plain"), "answer": "5"} for q in ("What is 2 + 3?", "1 + 1 = ? " * 400_000)]
+    )
+    kept = data.filter_prompt_length(rows, load_tokenizer(smollm2_dir), 512)
+    assert [p[-1]["content"] for p in kept["prompt"]] == ["What is 2 + 3?"]

@@ -15,7 +15,7 @@ import torch
 
 from eval import gsm8k
 from eval.results import meta_path
-from qerl.train.answers import gsm8k_gold
+from qerl.tasks.answers import gsm8k_gold
 
 torch.set_num_threads(1)
 
@@ -91,7 +91,7 @@ def test_complete_jsonl_and_accuracy_is_its_recount(first_run) -> None:
     assert f"accuracy {recount}/30 = " in printed
     # The extraction is really exercised: a 48-token budget cuts most answers, so most come from the
     # last-number fallback, and every record with an extraction agrees with re-scoring its completion.
-    from qerl.train.answers import score
+    from qerl.tasks.answers import score
 
     for r in rows:
         extraction, correct = score(r["completion"], r["gold"])

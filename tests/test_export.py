@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from safetensors.torch import load_file
-from tiny_models import make_tiny_llama
+from tiny_models import make_adapter, make_tiny_llama
 
 from qerl import nvfp4
 from qerl.export import MARKER, export, main
 from qerl.load.loader import load_model
-from qerl.load.lora import load_adapter, lora_config, register_nvfp4
+from qerl.load.lora import load_adapter
 from qerl.quantize.pipeline import quantize_checkpoint
 
 VOCAB = 256
@@ -39,24 +39,6 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export")
     src = make_tiny_llama(root / "bf16", vocab=VOCAB)
     return {"root": root, "src": src, "nvfp4": quantize_checkpoint(src, root / "nvfp4", backend="qerl")}
-
-
-def make_adapter(model_dir: Path, out: Path, lora_scale: float = 0.05, config: LoraConfig | None = None) -> Path:
-    """A peft adapter over ``model_dir`` with random B (x ``lora_scale``) and norms perturbed by 10%."""
-    torch.manual_seed(0)
-    model = get_peft_model(
-        load_model(model_dir, device="cpu", dtype=torch.float32),
-        register_nvfp4(config) if config else lora_config(r=4, alpha=8, train_norms=True),
-    )
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * lora_scale)
-            elif "modules_to_save" in name:
-                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +171,16 @@ def test_dense_base_merges_too(dirs, tmp_path: Path) -> None:
     export(dirs["src"], ad, tmp_path / "out")
     got = logits(load_model(tmp_path / "out", device="cpu", dtype=torch.float32))
     assert (got - ref).abs().mean().item() <= BF16_MEAN_REL * ref.abs().max().item()
+
+
+def test_dense_base_exports_to_nvfp4(dirs, tmp_path: Path) -> None:
+    """A dense base has no quantization_config to take the kept modules from: the re-quantization keeps lm_head in
+    bf16, as the quantize CLI does by default (it named a constant the quantizer no longer had: AttributeError)."""
+    ad = make_adapter(dirs["src"], tmp_path / "ad")
+    record = export(dirs["src"], ad, tmp_path / "out", fmt="nvfp4")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert record["quantized_source"] is False and config["quantization_config"]["ignore"] == ["lm_head"]
+    assert load_model(tmp_path / "out", load="nvfp4", device="cpu") is not None
 
 
 # ---------------------------------------------------------------------------------------------- bad input

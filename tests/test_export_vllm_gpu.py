@@ -59,14 +59,15 @@ def served(model_dir: Path, seq: list[int], tmp_path: Path) -> torch.Tensor:
 
 def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> None:
     pytest.importorskip("vllm")
+    from helpers import vllm_checkpoint
     from peft import get_peft_model
-    from test_vllm_gpu import EFFECT_REL, MAX_TOL, MAX_TOL_REL, MEAN_TOL, NORM_EFFECT, _checkpoint, calibrate, ours
+    from test_vllm_gpu import EFFECT_REL, MAX_TOL, MAX_TOL_REL, MEAN_TOL, NORM_EFFECT, calibrate, ours
 
     import qerl
     from qerl.export import export
     from qerl.load.lora import lora_config
 
-    ckpt = _checkpoint(tmp_path_factory)
+    ckpt = vllm_checkpoint(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("export")
     model = get_peft_model(
         qerl.load_model(ckpt, load="nvfp4", device="cuda", dtype=torch.bfloat16),

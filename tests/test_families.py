@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_export import BF16_MAX_REL, BF16_MEAN_REL, adapter_model, logits, make_adapter
+from test_export import BF16_MAX_REL, BF16_MEAN_REL, adapter_model, logits
 from test_trainer import make_config, varied_reward
-from tiny_models import FAMILY_CONFIGS, make_tiny_family_chat_model
+from tiny_models import FAMILY_CONFIGS, make_adapter, make_tiny_family_chat_model
 
 from eval import gsm8k
 from qerl.export import export

@@ -67,10 +67,10 @@ def test_qwen3_plan_reads_the_per_head_norms_in_place() -> None:
         model.model.layers[1].self_attn.k_norm.weight.mul_(-1.5)
     worst, _ = full_forward_error(model, engine, PROMPTS[:2], COMPLETIONS[:2])
     assert max(before, worst) < 1e-4
-    assert all(layer.qk_norms is not None for layer in engine._view.layers)
+    assert all(layer.qk_norms is not None for layer in engine.view.layers)
     llama = NativeEngine(tiny_family("llama3"), 0)
     llama.generate([[1, 2]], SamplingParams(temperature=0.0, max_new_tokens=2))
-    assert all(layer.qk_norms is None for layer in llama._view.layers)
+    assert all(layer.qk_norms is None for layer in llama.view.layers)
 
 
 def test_mistral_longer_than_its_sliding_window_is_refused() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import builtins
 import errno
-import importlib.util
 import io
 import json
 import os
@@ -41,6 +40,7 @@ import safetensors.torch
 import torch
 
 from qerl.cli import run
+from qerl.quantize.run import command as quantize_command
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,20 +223,13 @@ def check_every_write(
     return len(chosen)
 
 
-def _quantize_main() -> Callable[[Sequence[str] | None], object]:
-    spec = importlib.util.spec_from_file_location("quantize_nvfp4_cli", ROOT / "llm-compressor" / "quantize_nvfp4.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._quantize
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Path]:
     """A tiny chat Llama, its NVFP4 checkpoint, an adapter on it and a 3-question data file."""
     from peft import get_peft_model
     from tiny_models import make_tiny_chat_model
 
-    from qerl.load.fingerprint import model_sha256, write_base_record
+    from qerl.fingerprint import model_sha256, write_base_record
     from qerl.load.loader import load_model
     from qerl.load.lora import lora_config
     from qerl.quantize.pipeline import quantize_checkpoint
@@ -267,18 +260,18 @@ def _own_digest_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyt
 def test_quantize_every_write_fails_cleanly(models: dict[str, Path], tmp_path: Path, capsys) -> None:
     command = Command(
         "quantize",
-        _quantize_main(),
+        quantize_command,
         lambda out: ["--model", str(models["dense"]), "--output", str(out), "--skip_generation"],
     )
     assert check_every_write(command, tmp_path, capsys) >= 5
 
 
 def test_export_every_write_fails_cleanly(models: dict[str, Path], tmp_path: Path, capsys) -> None:
-    from qerl.export import _export
+    from qerl.export import command as export_command
 
     command = Command(
         "export",
-        _export,
+        export_command,
         lambda out: ["--model", str(models["nvfp4"]), "--lora", str(models["adapter"]), "--output", str(out)],
     )
     assert check_every_write(command, tmp_path, capsys) >= 5
@@ -436,17 +429,17 @@ def test_sigkill_at_random_points_then_rerun(models: dict[str, Path], tmp_path: 
     """quantize, export and eval killed with SIGKILL at seeded random times within their undisturbed
     run time: nothing partial under a final name, and the re-run (which takes over the dead run's lock)
     gives the undisturbed output."""
-    from qerl.export import _export
+    from qerl.export import command as export_command
 
     commands = [
         Command(
             "quantize",
-            _quantize_main(),
+            quantize_command,
             lambda out: ["--model", str(models["dense"]), "--output", str(out), "--skip_generation"],
         ),
         Command(
             "export",
-            _export,
+            export_command,
             lambda out: ["--model", str(models["nvfp4"]), "--lora", str(models["adapter"]), "--output", str(out)],
         ),
         _eval_command(models),

@@ -21,10 +21,11 @@ from tiny_models import make_tiny_chat_model
 
 from qerl.load.loader import is_nvfp4_model, load_model, load_tokenizer
 from qerl.load.lora import lora_config
+from qerl.tasks.data_sets import DEFAULT_COMPLETION_LENGTH
+from qerl.tasks.prompts import TAG_SYSTEM_PROMPT
 from qerl.train.aqn import AQNSchedule
 from qerl.train.config import TRL_COMPLETION_LENGTH, QeRLConfig, with_model_defaults
-from qerl.train.data import DEFAULT_COMPLETION_LENGTH, load_dataset
-from qerl.train.prompts import TAG_SYSTEM_PROMPT
+from qerl.train.data import load_dataset
 from qerl.train.run import heldout_accuracy, parse_args
 from qerl.train.trainer import QeRLTrainer
 
@@ -216,3 +217,33 @@ def test_heldout_accuracy_is_judged_by_the_evaluation_scorer(smollm2_dir: Path) 
     assert all(r > 0 for r in last_number_closeness(texts, answer=rows["answer"]))
     assert heldout_accuracy(trainer, rows, "numeric", max_new_tokens=8) == 0.5
     assert modes == ["eval", "train"]  # the greedy pass ran under the trainer's toggle
+
+
+# --- the held-out measure --------------------------------------------------------------------------------------------
+
+
+def test_heldout_evaluation_uses_the_trainers_inference_toggle(monkeypatch) -> None:
+    """heldout_accuracy re-implemented the trainer's eval-mode toggle; it now runs under ``trainer.inference_mode``
+    (eval mode and no autograd, restored after), without the rollouts' AQN noise."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from qerl.train.run import heldout_accuracy
+
+    entered: list[bool] = []
+
+    @contextmanager
+    def inference_mode():
+        entered.append(True)
+        yield False
+
+    engine = SimpleNamespace(generate=lambda ids, params, n: SimpleNamespace(completion_ids=[[5]] * len(ids)))
+    tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["#### 5"] * len(ids))
+    trainer = SimpleNamespace(
+        processing_class=tokenizer, rollout_engine=lambda: engine, eos_token_ids=[2], inference_mode=inference_mode
+    )
+    monkeypatch.setattr("qerl.train.run.encode_chat", lambda tok, messages: [1, 2, 3])
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}] * 3)
+    assert heldout_accuracy(trainer, rows, "numeric", 8) == 1.0 and entered == [True]

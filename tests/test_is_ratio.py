@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_trl_compat import _logs, _ours, fixed_rollout, spread_reward
+from helpers import fixed_rollout, loss_logs, qerl_trainer, spread_reward
 
 from qerl.train.is_ratio import rollout_ratio
 
@@ -31,7 +31,7 @@ def _rollout(prompts: list[Any], trainer: Any) -> dict[str, list[list[Any]]]:
 def _train(model_dir: Path, out: Path, from_loss: bool, **options: Any) -> tuple[Any, int]:
     """(trained trainer, forward passes made without grad)."""
     torch.manual_seed(0)
-    trainer = _ours(
+    trainer = qerl_trainer(
         model_dir, out, rewards=(spread_reward,), rollout_func=_rollout, is_ratio_from_loss_pass=from_loss, **options
     )
     calls = []
@@ -64,7 +64,7 @@ def test_ratio_from_the_loss_pass_trains_as_trls_pass(name: str, tiny_dense_dir:
     ours, extra = _train(tiny_dense_dir, tmp_path / "loss", True, **MODES[name])
     trl, passes = _train(tiny_dense_dir, tmp_path / "pass", False, **MODES[name])
     assert extra == 0 and passes > 0, (extra, passes)
-    a, b = _logs(trl), _logs(ours)
+    a, b = loss_logs(trl), loss_logs(ours)
     assert [r["step"] for r in b] == [1, 2]
     for t, o in zip(a, b, strict=True):
         assert math.isfinite(o["loss"]) and o["grad_norm"] > 0

@@ -18,6 +18,7 @@ import torch
 from qerl.cli import UsageError
 from qerl.cli import run as run_cli
 from qerl.train import run as train_run
+from qerl.train.data import prompt_budget
 from qerl.train.memory import GB, NATIVE_KV_BLOCK, ModelShape, RunShape, check_fits, estimate, planned_run
 from qerl.train.recompute import HEAD_ACTIVATIONS, no_recompute_bytes
 
@@ -205,7 +206,7 @@ def test_a_run_that_will_not_fit_is_refused_before_anything_loads(
     """SmolLM2-135M, 16 completions of 256 + 4096 tokens in passes of 16 on an 8 GB card with 7.5 GB free: ~8.2 GB,
     refused in one line naming the estimate, the free memory and the micro-batch that fits, before the data, the
     model's digest or the model; nothing is left in or beside the output dir."""
-    for owner, name in ((train_run.qdata, "load_dataset"), (train_run, "model_sha256")):
+    for owner, name in ((train_run.data, "load_dataset"), (train_run, "resolved_sha256")):
         monkeypatch.setattr(owner, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} ran before the memory check"))
     assert run_cli(train_run.main, _argv(smollm2_dir, tmp_path / "run")) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -230,9 +231,11 @@ def test_force_runs_anyway_and_a_run_that_fits_goes_on(
     """The refused run with ``--force`` gets past the check (the refusal logged as a warning; ``--force`` is not part
     of the run's settings record, so a resume with or without it is the same run), and so does the run with the
     suggested micro-batch, without one."""
-    plan, recorded = train_run.run_record.plan, []
+    continuation, recorded = train_run.resume.continuation, []
     monkeypatch.setattr(
-        train_run.run_record, "plan", lambda out, wanted, *a: recorded.append(wanted) or plan(out, wanted, *a)
+        train_run.resume,
+        "continuation",
+        lambda out, wanted, *a: recorded.append(wanted) or continuation(out, wanted, *a),
     )
     with caplog.at_level(logging.INFO, logger="qerl.train.memory"), pytest.raises(Proceeded):
         train_run.main(_argv(smollm2_dir, tmp_path / "forced", "--force"))
@@ -294,7 +297,8 @@ def test_the_refusal_names_the_flag_that_makes_it_fit(
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(name="Mock GPU"))
     monkeypatch.setenv("LOCAL_RANK", "1")  # under accelerate launch: this process's card
     with pytest.raises(UsageError) as refused:
-        check_fits(script, config, train_run.prompt_budget(script, config))
+        budget = prompt_budget(script.max_prompt_length, config.max_completion_length, smollm2_dir)
+        check_fits(script, config, budget, smollm2_dir)
     line = str(refused.value)
     assert "\n" not in line and line.startswith("will not fit on Mock GPU (cuda:1): the run's peak is estimated at ")
     assert f"the card has {free_gb:.1f} GB free of {free_gb:.1f} GB" in line and fix in line, line
@@ -303,7 +307,7 @@ def test_the_refusal_names_the_flag_that_makes_it_fit(
 def test_without_cuda_there_is_no_check(smollm2_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     script, config = train_run.parse_args(_argv(smollm2_dir, tmp_path / "run", "--max-completion-length", "100000"))
     with caplog.at_level(logging.INFO, logger="qerl.train.memory"):
-        assert check_fits(script, config, 4096) is None
+        assert check_fits(script, config, 4096, smollm2_dir) is None
     assert [r.getMessage() for r in caplog.records] == [
         "memory check skipped: no CUDA device (the run trains on the CPU)"
     ]

@@ -12,14 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import safety_fixtures as sf
-import torch
-from safety_fixtures import merge, own_caches, qtiny  # noqa: F401 (fixtures)
+from helpers import eval_argv, one_error, run_module
 from tiny_models import make_tiny_llama
 
 from qerl.cli import run
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("own_caches")
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +26,14 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _quantize(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
-    import quantize_nvfp4  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
+    from qerl.quantize.run import main
 
     capsys.readouterr()
-    code = quantize_nvfp4.main([*argv, "--skip_generation"])
+    code = main([*argv, "--skip_generation"])
     return code, capsys.readouterr().err
 
 
-def _export(merge: dict[str, Path], model: Path, out: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:  # noqa: F811
+def _export(merge: dict[str, Path], model: Path, out: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
     from qerl import export
 
     capsys.readouterr()
@@ -71,7 +69,7 @@ def _with_code(model: Path, out: Path, where: str) -> Path:
     return out
 
 
-def test_eval_and_train_run_no_model_code_unasked(qtiny, tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: F811
+def test_eval_and_train_run_no_model_code_unasked(qtiny, tmp_path: Path, capsys, monkeypatch) -> None:
     """A tokenizer auto_map made transformers ask "[y/N]" on stdin, and `echo y |` ran the directory's code in eval and
     train; now both refuse in one line naming the file and --trust-remote-code, whatever stdin says."""
     import io
@@ -81,24 +79,24 @@ def test_eval_and_train_run_no_model_code_unasked(qtiny, tmp_path: Path, capsys,
 
     model = _with_code(qtiny, tmp_path / "coded", "tokenizer_config.json")
     monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))
-    line = sf.one_error(run(gsm8k.main, sf.eval_argv(model, tmp_path)), capsys.readouterr().err)
+    line = one_error(run(gsm8k.main, eval_argv(model, tmp_path)), capsys.readouterr().err)
     assert "tokenizer_config.json" in line and "auto_map" in line and "--trust-remote-code" in line, line
     argv = ["--model-name", str(model), "--dataset", "arithmetic", "--output-dir", str(tmp_path / "run")]
-    line = sf.one_error(run(train.main, [*argv, "--report-to", "none", "--max_steps", "1"]), capsys.readouterr().err)
+    line = one_error(run(train.main, [*argv, "--report-to", "none", "--max_steps", "1"]), capsys.readouterr().err)
     assert "auto_map" in line and "--trust-remote-code" in line, line
     assert not (model / "RAN").exists() and not (tmp_path / "r.jsonl").exists() and not (tmp_path / "run").exists()
 
 
-def test_trust_remote_code_is_what_runs_it(qtiny, tmp_path: Path, capsys) -> None:  # noqa: F811
+def test_trust_remote_code_is_what_runs_it(qtiny, tmp_path: Path, capsys) -> None:
     """--trust-remote-code is passed on to transformers: the directory's tokenizer class is used, and eval finishes."""
     from eval import gsm8k
 
     model = _with_code(qtiny, tmp_path / "coded", "tokenizer_config.json")
-    assert run(gsm8k.main, sf.eval_argv(model, tmp_path, "--trust-remote-code")) == 0, capsys.readouterr().err
+    assert run(gsm8k.main, eval_argv(model, tmp_path, "--trust-remote-code")) == 0, capsys.readouterr().err
     assert (model / "RAN").exists() and (tmp_path / "r.jsonl").exists()
 
 
-def test_quantize_and_export_copy_no_model_code(dense, merge, tmp_path: Path, capsys) -> None:  # noqa: F811
+def test_quantize_and_export_copy_no_model_code(dense, merge, tmp_path: Path, capsys) -> None:
     """quantize and export copied an auto_map config into their outputs (rc 0); now they refuse such a model in one
     line: they never run a directory's code, so they do not hand it on either."""
     source = shutil.copytree(dense, tmp_path / "source")
@@ -106,10 +104,10 @@ def test_quantize_and_export_copy_no_model_code(dense, merge, tmp_path: Path, ca
     for where in ("config.json", "tokenizer_config.json"):
         coded = _with_code(source, tmp_path / f"coded-{where}", where)
         code, err = _quantize(["--model", str(coded), "--output", str(tmp_path / "q")], capsys)
-        assert where in sf.one_error(code, err) and "auto_map" in err, err
+        assert where in one_error(code, err) and "auto_map" in err, err
     coded = _with_code(merge["model"], tmp_path / "coded-nvfp4", "config.json")
     code, err = _export(merge, coded, tmp_path / "x", capsys)
-    assert "config.json" in sf.one_error(code, err) and "auto_map" in err, err
+    assert "config.json" in one_error(code, err) and "auto_map" in err, err
     assert not (tmp_path / "q").exists() and not (tmp_path / "x").exists()
 
 
@@ -122,16 +120,16 @@ def _with_link(model: Path, out: Path, target: Path, name: str = "special_tokens
     return out
 
 
-def test_side_file_linked_out_of_the_model_is_not_copied(dense, merge, tmp_path: Path, capsys) -> None:  # noqa: F811
+def test_side_file_linked_out_of_the_model_is_not_copied(dense, merge, tmp_path: Path, capsys) -> None:
     """A side file linked to a secret outside the model directory was copied into quantize and export outputs as a
     regular file holding the secret; now both refuse it in one line naming the link, and write nothing."""
     secret = tmp_path / "secret.json"
     secret.write_text('{"token": "hunter2"}')
     linked = _with_link(dense, tmp_path / "linked", secret)
     code, err = _quantize(["--model", str(linked), "--output", str(tmp_path / "q")], capsys)
-    assert "special_tokens_map.json" in sf.one_error(code, err) and "outside" in err, err
+    assert "special_tokens_map.json" in one_error(code, err) and "outside" in err, err
     code, err = _export(merge, _with_link(merge["model"], tmp_path / "linked-nvfp4", secret), tmp_path / "x", capsys)
-    assert "special_tokens_map.json" in sf.one_error(code, err) and "outside" in err, err
+    assert "special_tokens_map.json" in one_error(code, err) and "outside" in err, err
     assert not (tmp_path / "q").exists() and not (tmp_path / "x").exists()
 
 
@@ -156,7 +154,7 @@ def test_hub_snapshot_links_are_followed(dense, tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize("spelling", ["relative", "absolute"])
-def test_index_naming_weights_outside_the_model_is_refused(merge, tmp_path: Path, capsys, spelling: str) -> None:  # noqa: F811
+def test_index_naming_weights_outside_the_model_is_refused(merge, tmp_path: Path, capsys, spelling: str) -> None:
     """model.safetensors.index.json whose weight_map names ../elsewhere/model.safetensors (or an absolute path) loaded
     weights the model's digest does not cover, and export called them verified; now refused in one line."""
     from safetensors import safe_open
@@ -173,7 +171,7 @@ def test_index_naming_weights_outside_the_model_is_refused(merge, tmp_path: Path
     with pytest.raises(ValueError, match="model.safetensors.index.json.*outside the model directory"):
         load_model(model, device="cpu")
     code, err = _export(merge, model, tmp_path / "x", capsys)
-    assert "outside the model directory" in sf.one_error(code, err)
+    assert "outside the model directory" in one_error(code, err)
     assert not (tmp_path / "x").exists()
 
 
@@ -192,17 +190,17 @@ def _special(model: Path, name: str, kind: str) -> None:
     "name, kind",
     [("config.json", "device"), ("model.safetensors", "fifo"), ("tokenizer_config.json", "fifo")],
 )
-def test_special_files_in_a_model_are_one_line(qtiny, tmp_path: Path, name: str, kind: str) -> None:  # noqa: F811
+def test_special_files_in_a_model_are_one_line(qtiny, tmp_path: Path, name: str, kind: str) -> None:
     """config.json -> /dev/zero was read whole (killed at 6 GiB); a FIFO as the weights or the tokenizer config hung
     eval. Now each is refused in one line naming the file, in seconds."""
     model = shutil.copytree(qtiny, tmp_path / "model")
     _special(model, name, kind)
-    code, err = sf.run_module(["eval.gsm8k", *sf.eval_argv(model, tmp_path)], tmp_path, timeout=120)
-    line = sf.one_error(code, err)
+    code, err = run_module(["eval.gsm8k", *eval_argv(model, tmp_path)], tmp_path, timeout=120)
+    line = one_error(code, err)
     assert str(model / name) in line and "not a regular file" in line, line
 
 
-def test_small_files_are_read_within_a_bound(qtiny, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+def test_small_files_are_read_within_a_bound(qtiny, tmp_path: Path, monkeypatch) -> None:
     """Every small file of a model (its config here, padded past the bound) is refused by one helper's bound."""
     from qerl import fsutil
     from qerl.load.loader import check_supported
@@ -233,5 +231,5 @@ def test_crafted_gguf_header_is_one_line(tmp_path: Path, capsys, case: str) -> N
     code, err = _quantize(
         ["--model", str(tmp_path), "--gguf-file", "model.gguf", "--output", str(tmp_path / "q")], capsys
     )
-    assert str(gguf) in sf.one_error(code, err), err
+    assert str(gguf) in one_error(code, err), err
     assert not (tmp_path / "q").exists()

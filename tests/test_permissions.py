@@ -72,7 +72,7 @@ def _train_argv(model: Path, out: Path) -> list[str]:
 
 def test_every_command_writes_with_the_umask_modes(umask: int, tiny_dense_dir: Path, tmp_path: Path) -> None:
     from eval import gsm8k
-    from qerl.export import _export
+    from qerl.export import command as export
     from qerl.quantize.pipeline import quantize_checkpoint
     from qerl.train.run import main as train
 
@@ -83,7 +83,7 @@ def test_every_command_writes_with_the_umask_modes(umask: int, tiny_dense_dir: P
     train(_train_argv(nvfp4, run))
     assert {"adapter", "checkpoint-1", "checkpoint-2"} <= {p.name for p in run.iterdir()}
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
-    _export(["--model", str(nvfp4), "--lora", str(run / "adapter"), "--output", str(work / "export")])
+    export(["--model", str(nvfp4), "--lora", str(run / "adapter"), "--output", str(work / "export")])
     gsm8k.main(
         [
             *("--model", str(nvfp4), "--lora", str(run / "adapter"), "--data", str(run / "heldout.jsonl")),

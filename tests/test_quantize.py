@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
 import torch
 from safetensors.torch import load_file, save_file
 
+from qerl.quantize import run as cli
 from qerl.quantize.pipeline import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,9 +49,9 @@ def test_bit_exact_with_llmcompressor(smollm2_nvfp4_dir: Path, llmcompressor_dir
 
 
 def test_streaming_output_is_sharded_and_loadable(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
-    import qerl.quantize.pipeline as q
+    from qerl import checkpoint
 
-    monkeypatch.setattr(q, "_SHARD_BYTES", 20_000)  # force several shards on a tiny model
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 20_000)  # force several shards on a tiny model
     out = quantize_checkpoint(tiny_llama_dir, tmp_path / "out")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
@@ -135,15 +136,30 @@ def test_existing_output_needs_overwrite(tiny_llama_dir: Path, tmp_path: Path, c
 
 
 def test_crash_mid_write_leaves_nothing(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
-    import qerl.quantize.pipeline as q
+    from qerl.checkpoint import ShardWriter
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(q._ShardWriter, "finish", boom)
+    monkeypatch.setattr(ShardWriter, "finish", boom)
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(tiny_llama_dir, tmp_path / "o")
     assert not (tmp_path / "o").exists() and not _leftovers(tmp_path)
+
+
+def test_the_script_and_the_module_run_one_command(tmp_path: Path) -> None:
+    """``python llm-compressor/quantize_nvfp4.py`` (the command users run) is a thin front of ``python -m
+    qerl.quantize``: the same flags and the same one-line refusal, without reaching the package through sys.path."""
+    assert "sys.path" not in (ROOT / "llm-compressor" / "quantize_nvfp4.py").read_text()
+    argv = ["--model", str(tmp_path / "nothing"), "--output", str(tmp_path / "q"), "--skip_generation"]
+    runs = [
+        subprocess.run([sys.executable, *command, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        for command in (["-m", "qerl.quantize"], [str(ROOT / "llm-compressor" / "quantize_nvfp4.py")])
+    ]
+    for done in runs:
+        assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: "), done.stderr
+    assert runs[0].stderr.strip().splitlines()[-1] == runs[1].stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "q").exists()
 
 
 def test_default_output_name():

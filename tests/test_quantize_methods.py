@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
 import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_llama
@@ -15,6 +14,7 @@ from tiny_models import make_tiny_llama
 from qerl import nvfp4
 from qerl.hub import SIDE_FILES
 from qerl.quantize import mse
+from qerl.quantize import run as cli
 from qerl.quantize.calibration import Calibration
 from qerl.quantize.pipeline import quantize_checkpoint
 

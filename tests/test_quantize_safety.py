@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import quantize_nvfp4 as cli  # llm-compressor/quantize_nvfp4.py (pytest's pythonpath)
 import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_llama
+
+from qerl.quantize import run as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -242,9 +243,11 @@ def test_both_backends_read_ignore_the_same(untied_dir: Path, tmp_path: Path, ca
 _KILLED_RUN = """
 import os, signal, sys
 import qerl.quantize.pipeline as q
+from qerl.quantize import run as cli
+from qerl.checkpoint import ShardWriter
 def die(self):
     os.kill(os.getpid(), signal.SIGKILL)
-q._ShardWriter.finish = die
+ShardWriter.finish = die
 q.quantize_checkpoint(sys.argv[1], sys.argv[2])
 """
 

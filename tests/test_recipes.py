@@ -1,4 +1,5 @@
-"""The shipped recipes parse into QeRLConfig and only name logging integrations that are installed.
+"""The shipped recipes parse into QeRLConfig and only name logging integrations that are installed, and a recipe's
+values are held to their fields' types and ranges before trl reads it (``qerl.train.recipe``).
 
 Why: the quickstart recipe reports to tensorboard; when tensorboard was missing from the
 dependencies, `bash setup_env.sh && bash training/quickstart.sh` (the README's main job) died at
@@ -12,11 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import one_error
 from transformers.integrations import get_available_reporting_integrations
 
+from qerl.cli import run
 from qerl.train.trainer import QeRLConfig
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "training" / "recipes").glob("*.yaml"))
+RECIPE = Path(__file__).resolve().parents[1] / "training" / "recipes" / "quickstart.yaml"
 
 
 def test_there_are_recipes() -> None:
@@ -112,3 +116,57 @@ def test_the_reference_recipes_spell_out_the_dapo_settings(recipe: str) -> None:
         "num_train_epochs": 1,
         "beta": 0.0,
     }
+
+
+# --- values a recipe may not hold -------------------------------------------------------------------------------------
+
+
+BOMB = (
+    "a: &a [x, x, x, x, x, x, x, x, x]\n"
+    + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+        for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+    )
+    + "rewards: *i\n"
+)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("max_steps: 2.5\n", "max_steps"),
+        ("num_generations: 0\n", "num_generations"),
+        ("per_device_train_batch_size: 0\n", "per_device_train_batch_size"),
+        ("temperature: 0\n", "temperature"),
+        ("temperature: -1\n", "temperature"),
+        ("rewards: 5\n", "rewards"),
+        ("lora_rank: [1, 2]\n", "lora_rank"),
+        ("lora_rank: 4\nlora_rank: 8\n", "lora_rank"),
+        (BOMB, "aliases"),
+    ],
+)
+def test_recipe_values_that_would_fail_later_are_refused_in_one_line(
+    tmp_path: Path, capsys, text: str, key: str
+) -> None:
+    """An alias bomb was OOM-killed; these values passed the parser and crashed later with a traceback (or, for
+    per-device batch 0 and temperature 0 / -1, were accepted); a duplicate key silently won. Each is one line
+    naming the file (or the flag) and the key, before anything is loaded."""
+    from qerl.train.run import parse_args
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    capsys.readouterr()
+    line = one_error(
+        run(parse_args, ["--config", str(recipe), "--output_dir", str(tmp_path / "out")]), capsys.readouterr().err
+    )
+    assert key in line and (str(recipe) in line or f"--{key}" in line), line
+
+
+def test_a_recipe_in_use_still_parses(tmp_path: Path) -> None:
+    """The checks refuse nothing the committed recipes say (strings for numbers included: the parser converts)."""
+    from qerl.train.run import parse_args
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.read_text() + "warmup_ratio: '0.1'\n")
+    script, config = parse_args(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
+    assert (script.lora_rank, config.max_steps, config.warmup_ratio) == (8, 8, 0.1)

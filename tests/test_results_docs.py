@@ -5,6 +5,7 @@ docs and the results folder readable at a glance, and no history words in them (
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -166,3 +167,60 @@ def test_no_history_words(doc: Path) -> None:
         and "start_new_session" not in line
     ]
     assert not hits, f"{doc.name}: {hits[:3]}"
+
+
+#: A code file the README and docs/ name by its path (one cited at a commit, ``git show C:path``, is the commit's).
+CODE_PATH = re.compile(
+    r"(?<![\w/.:-])((?:qerl|eval|tests|benchmarks|training|examples|llm-compressor)/[\w/.-]*\w\.(?:py|sh|yaml))"
+)
+#: A test file named without its folder (``test_faults.py``): one of tests/.
+TEST_FILE = re.compile(r"(?<![\w/.:-])(test_\w+\.py)")
+#: A module (or a name in one) the README and docs/ name by its dotted path: ``qerl.train.config.TRL_DEFAULT_OVERRIDES``.
+DOTTED = re.compile(r"(?<![\w/.-])((?:qerl|eval)(?:\.\w+)+)")
+#: Public-looking names that moved, -> where they went: a document may name one only beside its new place.
+MOVED = {"qerl.config": "qerl.train.config"}
+
+
+def _module_file(name: str) -> Path | None:
+    path = ROOT / name.replace(".", "/")
+    return next((f for f in (path / "__init__.py", path.with_suffix(".py")) if f.is_file()), None)
+
+
+def _defined(module: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, imports, ``__all__``)."""
+    names: set[str] = set()
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                names |= {e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant)}
+    return names
+
+
+def _names_something(dotted: str) -> bool:
+    """Whether ``dotted`` is a module of the tree, or a module and a name it defines (or a module of its package)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        module = _module_file(".".join(parts[:i]))
+        if module is not None:
+            return i == len(parts) or parts[i] in _defined(module)
+    return False
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *DOCS], ids=lambda p: p.name)
+def test_every_module_and_code_file_named_exists(doc: Path) -> None:
+    """A module, function or file the docs name is in the tree: a move renames it in the docs too, and a public-looking
+    name that moved (:data:`MOVED`) is named only beside where it went."""
+    text = doc.read_text()
+    missing = [path for path in CODE_PATH.findall(text) if not (ROOT / path).is_file()]
+    missing += [name for name in TEST_FILE.findall(text) if not (ROOT / "tests" / name).is_file()]
+    for dotted in DOTTED.findall(text):
+        moved = MOVED.get(dotted)
+        if not _names_something(dotted) and (moved is None or moved not in text):
+            missing.append(dotted)
+    assert not missing, f"{doc.name}: {sorted(set(missing))}"

@@ -1,6 +1,6 @@
 """Rewards: format, GSM8K numeric, math-verify, DAPO ``Answer:``; a parser failure scores 0 and is counted,
 a malformed call raises. The
-correctness rewards read answers exactly as evaluation does (``qerl.train.answers``), and the BigMath and DAPO
+correctness rewards read answers exactly as evaluation does (``qerl.tasks.answers``), and the BigMath and DAPO
 rewards as the reference's reward code did, on fixed inputs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from qerl.train.answers import normalize_final_answer, score
+from qerl.tasks.answers import normalize_final_answer, score
 from qerl.train.rewards import (
     dapo_score,
     get_rewards,

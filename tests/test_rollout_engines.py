@@ -156,13 +156,13 @@ def test_capture_bookkeeping_replays_like_eager() -> None:
     eager = NativeEngine(model, 0, check_every=2)
     graphed = graph_free_capture(NativeEngine(model, 0, check_every=2))
     a = graphed.generate(prompts, sampled)
-    replays = dict(graphed._graphs)
+    replays = dict(graphed.graphs)
     assert replays
     b = graphed.generate(prompts, sampled)
     ref = eager.generate(prompts, sampled)
     assert a.completion_ids == b.completion_ids == ref.completion_ids
     assert a.logprobs == b.logprobs == ref.logprobs
-    assert all(graphed._graphs[k] is r for k, r in replays.items())  # replayed, not recaptured
+    assert all(graphed.graphs[k] is r for k, r in replays.items())  # replayed, not recaptured
 
     free = get_engine(model, 0, kind="hf").generate(prompts, greedy(24))
     stop = sorted({c[4] for c in free.completion_ids[:6]})
@@ -170,17 +170,17 @@ def test_capture_bookkeeping_replays_like_eager() -> None:
     assert graphed.generate(prompts, greedy(24, stop)).completion_ids == hf.completion_ids
     assert graphed.last_stats["final_bucket"] < 16  # compacted into smaller (freshly captured) buckets
 
-    signature = graphed._signature
+    signature = graphed.signature
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-2.0)  # an optimizer-like in-place update
-    replays = dict(graphed._graphs)
+    replays = dict(graphed.graphs)
     out = graphed.generate(prompts, greedy(24, stop))
     assert out.completion_ids == get_engine(model, 0, kind="hf").generate(prompts, greedy(24, stop)).completion_ids
     assert out.completion_ids != hf.completion_ids
-    assert graphed._signature == signature  # LoRA buffers were refreshed in place, not reallocated
-    assert all(graphed._graphs[k] is r for k, r in replays.items() if k in graphed._graphs)
+    assert graphed.signature == signature  # LoRA buffers were refreshed in place, not reallocated
+    assert all(graphed.graphs[k] is r for k, r in replays.items() if k in graphed.graphs)
 
 
 def test_bad_inputs_have_clear_errors() -> None:
@@ -297,10 +297,10 @@ def test_gpu_graph_sampling_is_seeded_and_sees_lora_updates() -> None:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-2.0)
-    graphs = dict(engine._graphs)
+    graphs = dict(engine.graphs)
     out = engine.generate(PROMPTS, greedy(32))
     assert out.completion_ids == get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(32)).completion_ids
-    assert all(engine._graphs[k] is g for k, g in graphs.items() if k in engine._graphs)  # no recapture
+    assert all(engine.graphs[k] is g for k, g in graphs.items() if k in engine.graphs)  # no recapture
 
 
 @pytest.mark.parametrize("setting", list(SAMPLING_SETTINGS))
@@ -313,7 +313,7 @@ def test_capture_warm_up_leaves_no_trace(setting: str, monkeypatch: pytest.Monke
     monkeypatch.setattr(engine, "_record", lambda step: step)
     params = SamplingParams(max_new_tokens=16, seed=7, **SAMPLING_SETTINGS[setting])
     first = engine.generate(PROMPTS, params, n=2).completion_ids
-    assert engine._graphs
+    assert engine.graphs
     assert engine.generate(PROMPTS, params, n=2).completion_ids == first
     assert NativeEngine(tiny_llama(10), 0).generate(PROMPTS, params, n=2).completion_ids == first
 
@@ -403,7 +403,7 @@ def test_gpu_teacher_forced_logits_bf16(nvfp4: bool, fp32_norms: bool, stacked: 
     got = engine.teacher_forced_logits(prompts, completions)
     assert engine.last_stats["graphs"] >= 1
     if stacked:
-        assert all(g.stacked is not None for layer in engine._view.layers for g in (layer.qkv, layer.gate_up))
+        assert all(g.stacked is not None for layer in engine.view.layers for g in (layer.qkv, layer.gate_up))
     worst, scale = 0.0, 0.0
     for prompt, comp, logits in zip(prompts, completions, got, strict=True):
         with torch.no_grad():

@@ -55,7 +55,7 @@ def _meta_linear(k: int, n: int, bias: bool) -> NVFP4Linear:
 
 
 def _group(shapes: list[tuple[int, int]], bias: bool, lora: bool, stacked: bool, device: torch.device) -> Group:
-    """A group of NVFP4 projections ``(K, N)`` as ``layers._group`` makes it on ``device`` (meta tensors)."""
+    """A group of NVFP4 projections ``(K, N)`` as ``ModelView.from_model`` makes it on ``device`` (meta tensors)."""
     projs = [Proj(_meta_linear(k, n, bias)) for k, n in shapes]
     k = shapes[0][0]
     st = None
@@ -119,15 +119,15 @@ def _gemm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gluo
 
 #: The producer ops' functions in the table's words.
 PRODUCERS: dict[Callable, str] = {
-    step_plan._norm_reference: "ref",
-    step_plan._norm_kernel: "k",
-    step_plan._norm_shrink: "k+s",
-    step_plan._silu_reference: "ref",
-    step_plan._silu_kernel: "k",
-    step_plan._silu_shrink: "k+s",
-    step_plan._attention_reference: "ref",
-    step_plan._attention_kernel: "rope,k",
-    step_plan._attention_rope_kernel: "k(rope)",
+    step_plan.norm_reference: "ref",
+    step_plan.norm_kernel: "k",
+    step_plan.norm_shrink: "k+s",
+    step_plan.silu_reference: "ref",
+    step_plan.silu_kernel: "k",
+    step_plan.silu_shrink: "k+s",
+    step_plan.attention_reference: "ref",
+    step_plan.attention_kernel: "rope,k",
+    step_plan.attention_rope_kernel: "k(rope)",
 }
 
 
@@ -223,7 +223,7 @@ def table() -> list[str]:
     lines = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-        mp.setitem(schedule._SM_COUNT, CUDA, 132)
+        mp.setitem(schedule.SM_COUNTS, CUDA, 132)
         for variant, model, mode, rows in _cases():
             v = VARIANTS[variant]
             with pytest.MonkeyPatch.context() as inner:

@@ -9,25 +9,18 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from test_reliability4 import (  # noqa: F401 (fixtures: a digest cache per test, a finished 2-step run)
-    _argv,
-    _copy,
-    _one_error,
-    _own_digest_cache,
-    trained,
-)
+from helpers import copy_run, one_error, train_argv
 
 from qerl.cli import run
 from qerl.train.run import main
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("own_digest_cache")
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """The one error line of a training run that must stop (exit status 2) before any work."""
     capsys.readouterr()
-    return _one_error(run(main, argv), capsys.readouterr().err)
+    return one_error(run(main, argv), capsys.readouterr().err)
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
@@ -49,10 +42,10 @@ def test_output_dir_holding_other_files_is_refused(
     for name in ("README.md", "heldout.jsonl", "plots/reward.png"):
         (mine / name).write_text(f"my {name}\n")
     before = _tree(mine)
-    line = _refused(_argv(tiny_dense_dir, mine, "--heldout", "2", steps=1), capsys)
+    line = _refused(train_argv(tiny_dense_dir, mine, "--heldout", "2", steps=1), capsys)
     assert line.startswith(f"error: --output_dir {mine}: ") and "holds no qerl run" in line, line
     monkeypatch.chdir(mine)
-    line = _refused(_argv(tiny_dense_dir, Path("."), steps=1), capsys)
+    line = _refused(train_argv(tiny_dense_dir, Path("."), steps=1), capsys)
     assert line.startswith("error: --output_dir .: ") and "holds no qerl run" in line, line
     assert _tree(mine) == before
 
@@ -64,12 +57,12 @@ def test_output_dir_that_is_a_link_or_a_loop_is_refused(tiny_dense_dir: Path, tm
     target.mkdir()
     link = tmp_path / "run"
     link.symlink_to(target)
-    line = _refused(_argv(tiny_dense_dir, link, steps=1), capsys)
+    line = _refused(train_argv(tiny_dense_dir, link, steps=1), capsys)
     assert line == f"error: --output_dir {link}: is a symbolic link; name the directory itself", line
     assert not any(target.iterdir())
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
-    line = _refused(_argv(tiny_dense_dir, tmp_path / "a" / "run", steps=1), capsys)
+    line = _refused(train_argv(tiny_dense_dir, tmp_path / "a" / "run", steps=1), capsys)
     assert line.startswith(f"error: --output_dir {tmp_path / 'a' / 'run'}: cannot be resolved"), line
 
 
@@ -85,7 +78,7 @@ def test_lock_path_holding_a_hard_link_or_a_directory_is_refused(
         lock.hardlink_to(tmp_path / "precious")
     else:
         lock.mkdir()
-    line = _refused(_argv(tiny_dense_dir, tmp_path / "run", steps=1), capsys)
+    line = _refused(train_argv(tiny_dense_dir, tmp_path / "run", steps=1), capsys)
     assert line.startswith(f"error: --output_dir {tmp_path / 'run'}: its lock {lock} "), line
     assert lock.is_dir() if planted == "directory" else (tmp_path / "precious").read_text() == "keep me\n"
     assert not (tmp_path / "run").exists()
@@ -114,7 +107,7 @@ def _state(out: Path, **change: object) -> Path:
     ],
 )
 def test_crafted_trainer_state_is_refused_before_resuming(
-    trained: Path,  # noqa: F811 (the fixture)
+    trained: Path,
     tiny_dense_dir: Path,
     tmp_path: Path,
     capsys,
@@ -124,16 +117,16 @@ def test_crafted_trainer_state_is_refused_before_resuming(
     """trainer_state.json was restored as found: global_step -5 created checkpoint--2 and deleted the metrics of
     the steps after it, a best_model_checkpoint outside the run had --save_total_limit 1 delete every checkpoint of
     the run, and values of the wrong type were tracebacks. Now one line naming the file; the run is left as it was."""
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     file = _state(out, **change)
     before = _tree(out)
-    line = _refused(_argv(tiny_dense_dir, out, "--save_total_limit", "1", steps=4), capsys)
+    line = _refused(train_argv(tiny_dense_dir, out, "--save_total_limit", "1", steps=4), capsys)
     assert line.startswith(f"error: {file}: {expected}"), line
     assert _tree(out) == before
 
 
 def test_refused_forced_resume_writes_nothing_first(
-    trained: Path,  # noqa: F811 (the fixture)
+    trained: Path,
     tiny_dense_dir: Path,
     tmp_path: Path,
     capsys,
@@ -141,11 +134,11 @@ def test_refused_forced_resume_writes_nothing_first(
 ) -> None:
     """--resume force into a run whose checkpoint is then refused rewrote heldout.jsonl and ran the held-out
     evaluation before the refusal; now every check comes before the first write, and the run is as it was."""
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     _state(out, global_step=1)
     before = _tree(out)
     monkeypatch.setattr("qerl.train.run.heldout_accuracy", lambda *a, **k: pytest.fail("evaluated before the checks"))
-    argv = _argv(tiny_dense_dir, out, "--heldout", "3", "--resume", "force", steps=3)
+    argv = train_argv(tiny_dense_dir, out, "--heldout", "3", "--resume", "force", steps=3)
     line = _refused(argv, capsys)
     assert line.startswith(f"error: {out / 'checkpoint-2' / 'trainer_state.json'}: global_step is 1"), line
     assert _tree(out) == before
@@ -178,7 +171,7 @@ def test_number_flags_out_of_range_are_refused(
     Now every number flag is held to its range in one place (``qerl.train.bounds``): one line naming the flag,
     before anything is written."""
     out = tmp_path / "run"
-    line = _refused(_argv(tiny_dense_dir, out, f"--{flag}", value, steps=1), capsys)
+    line = _refused(train_argv(tiny_dense_dir, out, f"--{flag}", value, steps=1), capsys)
     got = int(value) if value.isdigit() else float(value)
     assert line.startswith(f"error: --{flag}: expected ") and line.endswith(f", got {got!r}"), line
     assert not out.exists()
@@ -200,7 +193,7 @@ def _rows(questions: list) -> list[dict]:
 
 
 def _gsm8k_argv(model: Path, out: Path, data: Path, *extra: str) -> list[str]:
-    argv = _argv(model, out, "--dataset_path", str(data), *extra, steps=1)
+    argv = train_argv(model, out, "--dataset_path", str(data), *extra, steps=1)
     argv[argv.index("arithmetic")] = "gsm8k"
     i = argv.index("--num-samples")
     return argv[:i] + argv[i + 2 :]
@@ -223,7 +216,7 @@ def test_training_data_line_past_the_record_bound_is_refused(
 def test_fewer_rows_than_one_generation_are_refused(tiny_dense_dir: Path, tmp_path: Path, capsys) -> None:
     """One row, and a generation of 2 prompts (4 completions per device, 2 per prompt): 0 steps trained, rc 0.
     Now one line naming the flags."""
-    argv = _argv(tiny_dense_dir, tmp_path / "run", "--per-device-train-batch-size", "4", steps=1)
+    argv = train_argv(tiny_dense_dir, tmp_path / "run", "--per-device-train-batch-size", "4", steps=1)
     argv[argv.index("--num-samples") + 1] = "1"
     line = _refused(argv, capsys)
     assert "1 training row(s), fewer than the 2 prompts one generation takes" in line, line
@@ -271,7 +264,7 @@ def test_local_data_leaves_no_copy_in_the_datasets_cache(tmp_path: Path, monkeyp
 
 def test_empty_qerl_cache_means_the_default(tiny_dense_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """``QERL_CACHE=`` (set, empty) put the digest cache into the current directory; now empty means unset."""
-    from qerl.load.fingerprint import model_sha256
+    from qerl.fingerprint import model_sha256
 
     monkeypatch.setenv("QERL_CACHE", "")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -324,7 +317,7 @@ def test_deeply_nested_settings_are_one_line(tmp_path: Path, capsys, form: str) 
     argv = ["--config", str(recipe), "--output_dir", str(tmp_path / "out")]
     argv += ["--rollout_engine_kwargs", '{"a": ' + deep + "}"] if form == "flag" else []
     capsys.readouterr()
-    line = _one_error(run(parse_args, argv), capsys.readouterr().err)
+    line = one_error(run(parse_args, argv), capsys.readouterr().err)
     where = "--rollout_engine_kwargs" if form == "flag" else f"--config {recipe}"
     assert line.startswith(f"error: {where}: ") and "nested" in line, line
 
@@ -334,12 +327,12 @@ def test_deeply_nested_run_record_is_one_line(tiny_dense_dir: Path, tmp_path: Pa
     out = tmp_path / "run"
     out.mkdir()
     (out / "run_config.json").write_text("[" * 100_000 + "]" * 100_000)
-    line = _refused(_argv(tiny_dense_dir, out, steps=1), capsys)
+    line = _refused(train_argv(tiny_dense_dir, out, steps=1), capsys)
     assert line.startswith(f"error: --output_dir {out}: run_config.json is not a settings record"), line
 
 
 def test_rerun_removes_what_a_killed_adapter_save_left(
-    trained: Path,  # noqa: F811 (the fixture)
+    trained: Path,
     tiny_dense_dir: Path,
     tmp_path: Path,
 ) -> None:
@@ -347,7 +340,7 @@ def test_rerun_removes_what_a_killed_adapter_save_left(
     successful rerun kept; now the rerun removes it, and only it: a look-alike without the mark stays."""
     from qerl.fsutil import SCRATCH_MARK
 
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     shutil.rmtree(out / "adapter")
     (out / "summary.json").unlink()  # killed before these: the run is not finished
     killed = out / ".adapter.tmp-killed"
@@ -357,7 +350,7 @@ def test_rerun_removes_what_a_killed_adapter_save_left(
     lookalike = out / ".adapter.tmp-notours"
     lookalike.mkdir()
     (lookalike / "keep").write_text("mine")
-    assert main(_argv(tiny_dense_dir, out, steps=2))["global_step"] == 2
+    assert main(train_argv(tiny_dense_dir, out, steps=2))["global_step"] == 2
     assert sorted(p.name for p in out.glob(".adapter.*")) == [".adapter.tmp-notours"]
     assert (lookalike / "keep").read_text() == "mine" and (out / "adapter" / "adapter_model.safetensors").is_file()
 
@@ -370,6 +363,65 @@ def test_vespo_with_a_sequence_level_correction_is_refused(tmp_path: Path, capsy
 
     argv = ["--loss_type", "vespo", "--vllm_importance_sampling_mode", mode, "--output_dir", str(tmp_path / "out")]
     capsys.readouterr()
-    line = _one_error(run(parse_args, argv), capsys.readouterr().err)
+    line = one_error(run(parse_args, argv), capsys.readouterr().err)
     assert line.startswith("error: --loss_type vespo: needs --vllm_importance_sampling_mode token_truncate or "), line
     parse_args([*argv, "--vllm_importance_sampling_correction", "False"])  # no correction: nothing to refuse
+
+
+# --- prompts, chat template and data text -----------------------------------------------------------------------------
+
+
+QUESTIONS = [f"What is {a} + {b}?" for a in range(1, 4) for b in range(1, 5)]
+
+
+def _questions_file(tmp_path: Path, questions: list[str]) -> Path:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": "#### 5"}) + "\n" for q in questions))
+    return path
+
+
+def _gsm8k_argv(model: Path, out: Path, data: Path, *extra: str) -> list[str]:
+    argv = train_argv(model, out, "--dataset_path", str(data), *extra, steps=1)
+    argv[argv.index("arithmetic")] = "gsm8k"
+    i = argv.index("--num-samples")
+    return argv[:i] + argv[i + 2 :]
+
+
+def test_training_prompts_are_bounded_without_max_prompt_length(tiny_dense_dir: Path, tmp_path: Path) -> None:
+    """Without --max_prompt_length nothing bounded a prompt (four 64 KB questions ran to an OOM kill): by default a
+    prompt must fit the model's context (2048 positions here) less the completion budget, and longer ones are
+    dropped, as --max_prompt_length drops them."""
+    huge = "1 + 1 = ? " * 600  # about 3,600 tokens: past the tiny model's 2,048 positions
+    data = _questions_file(tmp_path, QUESTIONS + [huge])
+    summary = main(_gsm8k_argv(tiny_dense_dir, tmp_path / "run", data))
+    assert summary["train_rows"] == len(QUESTIONS)
+    from qerl.train.data import DEFAULT_MAX_PROMPT_TOKENS, prompt_budget
+
+    assert prompt_budget(None, 4, tiny_dense_dir) == 2044 < DEFAULT_MAX_PROMPT_TOKENS
+
+
+def test_model_without_a_chat_template_is_one_line_and_leaves_nothing(
+    tiny_dense_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A 32-line traceback, and files left in the output directory; now one line naming the model, no output."""
+    model = tmp_path / "plain"
+    shutil.copytree(tiny_dense_dir, model)
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    capsys.readouterr()
+    line = one_error(run(main, train_argv(model, out)), capsys.readouterr().err)
+    assert f"--model_name {model}" in line and "chat template" in line, line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_training_data_that_is_not_utf8_is_one_line_naming_the_file(
+    tiny_dense_dir: Path, tmp_path: Path, capsys
+) -> None:
+    data = _questions_file(tmp_path, QUESTIONS)
+    data.write_bytes(data.read_bytes() + b'{"question": "What is \xff?", "answer": "#### 1"}\n')
+    capsys.readouterr()
+    line = one_error(run(main, _gsm8k_argv(tiny_dense_dir, tmp_path / "run", data)), capsys.readouterr().err)
+    assert f"--dataset_path {data}" in line and "UTF-8" in line, line

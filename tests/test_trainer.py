@@ -20,7 +20,7 @@ from qerl.load.loader import load_model, load_tokenizer
 from qerl.load.lora import load_adapter, lora_config
 from qerl.train.aqn import AQNSchedule, norm_weights
 from qerl.train.data import load_dataset
-from qerl.train.rollout_hooks import _group_repeats
+from qerl.train.rollout_hooks import group_repeats
 from qerl.train.trainer import (
     CHECKPOINT_MARKER,
     METRICS_FILE,
@@ -280,9 +280,9 @@ def test_token_resampling_needs_an_engine_step_hook(tiny_dense_dir: Path, tmp_pa
 
 
 def test_group_repeats() -> None:
-    assert _group_repeats([[1, 2], [1, 2], [3], [3]]) == ([[1, 2], [3]], 2)
-    assert _group_repeats([[1], [1], [2]]) == ([[1], [1], [2]], 1)
-    assert _group_repeats([[1], [2]]) == ([[1], [2]], 1)
+    assert group_repeats([[1, 2], [1, 2], [3], [3]]) == ([[1, 2], [3]], 2)
+    assert group_repeats([[1], [1], [2]]) == ([[1], [1], [2]], 1)
+    assert group_repeats([[1], [2]]) == ([[1], [2]], 1)
 
 
 def test_config_defaults_and_errors(tmp_path: Path) -> None:
@@ -476,3 +476,37 @@ def test_training_steps_run_without_cudnn_attention(
     trainer.train()
     assert seen == [False]
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+# --- the settings that differ from trl's -----------------------------------------------------------------------------
+
+
+def test_trl_differences_accepts_every_batch_shape_trl_accepts(tmp_path: Path) -> None:
+    """18 completions per step in generations of 12 (4 prompts x 3): trl accepts it, and listing the settings that
+    differ from trl's must not refuse it (it built its reference config without the generation batch)."""
+    from qerl.train.config import QeRLConfig, trl_differences
+
+    cfg = QeRLConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=6,
+        num_generations=4,
+        generation_batch_size=12,
+    )
+    differences = trl_differences(cfg)
+    assert "generation_batch_size" not in differences and "steps_per_generation" not in differences
+
+
+def test_trl_differences_never_stops_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A reference config trl refuses (a trl release with a new rule) costs the report only."""
+    from qerl.train import config
+
+    cfg = config.QeRLConfig(output_dir=str(tmp_path), report_to=[])
+
+    def refuse(**kwargs: object) -> None:
+        raise ValueError("a rule of a newer trl")
+
+    monkeypatch.setattr(config, "GRPOConfig", refuse)
+    assert config.trl_differences(cfg) == {}
+    assert "a rule of a newer trl" in caplog.text

@@ -19,19 +19,19 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in trl 1.16: said once, here
 from datasets import Dataset
+from helpers import (
+    arithmetic_rows,
+    fixed_rollout,
+    loss_logs,
+    qerl_trainer,
+    spread_reward,
+    trl_settings,
+)
 from trl import GRPOConfig, GRPOTrainer
 
 from qerl.load.loader import load_model, load_tokenizer
 from qerl.load.lora import lora_config
-from qerl.train.data import load_dataset
 from qerl.train.trainer import QeRLConfig, QeRLTrainer
-
-GROUP = 2
-
-
-def spread_reward(completions: list[Any], completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
-    """Deterministic, with spread inside each group, so that advantages (and gradients) are non-zero."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
 
 
 def alternating_reward(completions: list[Any], **kwargs: Any) -> list[float]:
@@ -40,72 +40,12 @@ def alternating_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [float(i % 2) for i in range(len(completions))]
 
 
-def fixed_rollout(prompts: list[Any], trainer: Any) -> dict[str, list[list[Any]]]:
-    """The same tokens for trl's trainer and ours: prompt i gets completion i (some end in EOS id 2)."""
-    prompt_ids = [[1, 9690, 314, 216, 28 + i % 4, 2, 198] for i in range(len(prompts))]
-    completion_ids = [
-        [30 + (7 * i) % 11, 40 + i, 50 + (3 * i) % 5, 60, 2 if i % 3 else 61] for i in range(len(prompts))
-    ]
-    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": [[-1.0] * 5 for _ in prompts]}
-
-
-def _common(out: Path, **overrides: Any) -> dict[str, Any]:
-    return {
-        **dict(
-            output_dir=str(out),
-            max_steps=2,
-            per_device_train_batch_size=4,
-            num_generations=GROUP,
-            max_completion_length=8,
-            report_to=[],
-            save_strategy="no",
-            disable_tqdm=True,
-            logging_steps=1,
-            gradient_checkpointing=False,
-            learning_rate=1e-2,
-            bf16=False,
-            use_cpu=True,
-            seed=0,
-        ),
-        **overrides,
-    }
-
-
-def _data() -> Dataset:
-    return load_dataset("arithmetic", num_samples=8)
-
-
-def _logs(trainer: Any) -> list[dict[str, Any]]:
-    return [r for r in trainer.state.log_history if "loss" in r]
-
-
 def _params(trainer: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
 def _moved(trainer: Any, before: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
-
-
-def _ours(
-    model_dir: Path,
-    out: Path,
-    rewards: Any = (spread_reward,),
-    dtype: torch.dtype = torch.float32,
-    dataset: Any = None,
-    **config: Any,
-) -> QeRLTrainer:
-    kwargs = {k: config.pop(k) for k in ("rollout_func", "reward_processing_classes") if k in config}
-    model = load_model(model_dir, device="cpu", dtype=dtype)
-    return QeRLTrainer(
-        model,
-        list(rewards),
-        QeRLConfig(**_common(out, **config)),
-        train_dataset=_data() if dataset is None else dataset,
-        processing_class=load_tokenizer(model_dir),
-        peft_config=lora_config(r=2),
-        **kwargs,
-    )
 
 
 # ---------------------------------------------------------------------------------------- trl's own numbers
@@ -135,15 +75,15 @@ def test_two_steps_match_trls_own_trainer(name: str, tiny_dense_dir: Path, tmp_p
     theirs = GRPOTrainer(
         load_model(tiny_dense_dir, device="cpu", dtype=torch.bfloat16),
         [spread_reward],
-        GRPOConfig(**_common(tmp_path / "trl", **options)),
-        train_dataset=_data(),
+        GRPOConfig(**trl_settings(tmp_path / "trl", **options)),
+        train_dataset=arithmetic_rows(),
         processing_class=load_tokenizer(tiny_dense_dir),
         peft_config=lora_config(r=2),
         rollout_func=fixed_rollout,
     )
     theirs.train()
     torch.manual_seed(0)
-    ours = _ours(
+    ours = qerl_trainer(
         tiny_dense_dir,
         tmp_path / "qerl",
         dtype=torch.bfloat16,
@@ -152,7 +92,7 @@ def test_two_steps_match_trls_own_trainer(name: str, tiny_dense_dir: Path, tmp_p
         **options,
     )
     ours.train()
-    a, b = _logs(theirs), _logs(ours)
+    a, b = loss_logs(theirs), loss_logs(ours)
     assert [r["step"] for r in b] == [1, 2]
     for t, o in zip(a, b, strict=True):
         assert o["loss"] == pytest.approx(t["loss"], rel=1e-5, abs=1e-7)
@@ -189,10 +129,10 @@ KEYS = {
 def test_option_trains_with_our_engine(name: str, tiny_dense_dir: Path, tmp_path: Path) -> None:
     """With the native engine sampling: the step trains, trl's keys are logged under trl's names."""
     steps = 2 if name in ("num_iterations", "steps_per_generation") else 1  # options that act across steps
-    trainer = _ours(tiny_dense_dir, tmp_path, rewards=(alternating_reward,), max_steps=steps, **TRAINS[name])
+    trainer = qerl_trainer(tiny_dense_dir, tmp_path, rewards=(alternating_reward,), max_steps=steps, **TRAINS[name])
     before = _params(trainer)
     trainer.train()
-    logs = _logs(trainer)
+    logs = loss_logs(trainer)
     assert [r["step"] for r in logs] == list(range(1, steps + 1))
     assert all(math.isfinite(r["loss"]) for r in logs)
     assert _moved(trainer, before)
@@ -210,24 +150,24 @@ def test_option_trains_with_our_engine(name: str, tiny_dense_dir: Path, tmp_path
 
 def test_generation_kwargs_are_honoured(tiny_dense_dir: Path, tmp_path: Path) -> None:
     """min_tokens keeps EOS out of the first tokens, ignore_eos drops it as a stop token."""
-    trainer = _ours(tiny_dense_dir, tmp_path, generation_kwargs={"min_tokens": 3, "ignore_eos": True}, min_p=0.1)
+    trainer = qerl_trainer(tiny_dense_dir, tmp_path, generation_kwargs={"min_tokens": 3, "ignore_eos": True}, min_p=0.1)
     params = trainer.sampling_params()
     assert (params.min_tokens, params.stop_token_ids, params.min_p) == (3, [], 0.1)
     assert trainer.sampling_params(max_new_tokens=5).max_new_tokens == 5
-    plain = _ours(tiny_dense_dir, tmp_path / "plain").sampling_params()
+    plain = qerl_trainer(tiny_dense_dir, tmp_path / "plain").sampling_params()
     assert plain.stop_token_ids == list(trainer.eos_token_ids) and plain.min_tokens == 0
 
 
 def test_unsupported_generation_kwargs_and_tools_are_refused_in_one_line(tiny_dense_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--generation_kwargs key 'typical_p' is not supported"):
-        _ours(tiny_dense_dir, tmp_path, generation_kwargs={"typical_p": 0.9})
+        qerl_trainer(tiny_dense_dir, tmp_path, generation_kwargs={"typical_p": 0.9})
     with pytest.raises(ValueError, match="tools is not supported"):
         model = load_model(tiny_dense_dir, device="cpu", dtype=torch.float32)
         QeRLTrainer(
             model,
             [spread_reward],
-            QeRLConfig(**_common(tmp_path)),
-            train_dataset=_data(),
+            QeRLConfig(**trl_settings(tmp_path)),
+            train_dataset=arithmetic_rows(),
             processing_class=load_tokenizer(tiny_dense_dir),
             tools=[len],
         )
@@ -235,12 +175,12 @@ def test_unsupported_generation_kwargs_and_tools_are_refused_in_one_line(tiny_de
 
 def test_iterable_and_plain_text_datasets(tiny_dense_dir: Path, tmp_path: Path) -> None:
     for i, dataset in enumerate(
-        (_data().to_iterable_dataset(), Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "7-2="]}))
+        (arithmetic_rows().to_iterable_dataset(), Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "7-2="]}))
     ):
-        trainer = _ours(tiny_dense_dir, tmp_path / str(i), dataset=dataset)
+        trainer = qerl_trainer(tiny_dense_dir, tmp_path / str(i), dataset=dataset)
         before = _params(trainer)
         trainer.train()
-        assert [r["step"] for r in _logs(trainer)] == [1, 2] and _moved(trainer, before)
+        assert [r["step"] for r in loss_logs(trainer)] == [1, 2] and _moved(trainer, before)
 
 
 # ---------------------------------------------------------------------------------------- rewards
@@ -257,11 +197,11 @@ def none_reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
 
 def test_rewards_as_trl_calls_them(tiny_dense_dir: Path, tmp_path: Path) -> None:
     """async reward (with a dataset column as a keyword), a None reward and reward weights, all at once."""
-    trainer = _ours(
+    trainer = qerl_trainer(
         tiny_dense_dir, tmp_path, rewards=(async_reward, none_reward, spread_reward), reward_weights=[1.0, 1.0, 0.5]
     )
     trainer.train()
-    first = _logs(trainer)[0]
+    first = loss_logs(trainer)[0]
     assert math.isfinite(first["rewards/async_reward/mean"]) and first["rewards/none_reward/mean"] is None
     assert "reward" in first and math.isfinite(first["reward"])
 
@@ -275,7 +215,7 @@ def test_a_reward_model_scores_as_in_trl(tiny_dense_dir: Path, tmp_path: Path) -
     torch.manual_seed(0)
     scorer = AutoModelForSequenceClassification.from_config(config)
     scorer.config._name_or_path = "tiny-scorer"
-    trainer = _ours(
+    trainer = qerl_trainer(
         tiny_dense_dir,
         tmp_path,
         rewards=(scorer, spread_reward),
@@ -283,7 +223,7 @@ def test_a_reward_model_scores_as_in_trl(tiny_dense_dir: Path, tmp_path: Path) -
     )
     before = _params(trainer)
     trainer.train()
-    first = _logs(trainer)[0]
+    first = loss_logs(trainer)[0]
     assert math.isfinite(first["rewards/tiny-scorer/mean"]) and first["rewards/tiny-scorer/std"] > 0
     assert math.isfinite(first["rewards/spread_reward/mean"]) and _moved(trainer, before)
 
@@ -292,7 +232,7 @@ def test_a_users_raising_reward_fails_the_step(tiny_dense_dir: Path, tmp_path: P
     def broken(completions: list[Any], **kwargs: Any) -> list[float]:
         raise KeyError("missing column")
 
-    trainer = _ours(tiny_dense_dir, tmp_path, rewards=(broken,))
+    trainer = qerl_trainer(tiny_dense_dir, tmp_path, rewards=(broken,))
     with pytest.raises(KeyError, match="missing column"):
         trainer.train()
 
@@ -300,9 +240,9 @@ def test_a_users_raising_reward_fails_the_step(tiny_dense_dir: Path, tmp_path: P
 def test_builtin_rewards_log_their_parser_errors(tiny_dense_dir: Path, tmp_path: Path) -> None:
     from qerl.train.rewards import get_rewards
 
-    trainer = _ours(tiny_dense_dir, tmp_path, rewards=get_rewards(["gsm8k", "soft_format"]), max_steps=1)
+    trainer = qerl_trainer(tiny_dense_dir, tmp_path, rewards=get_rewards(["gsm8k", "soft_format"]), max_steps=1)
     trainer.train()
-    first = _logs(trainer)[0]
+    first = loss_logs(trainer)[0]
     assert first["rewards/gsm8k_accuracy/errors"] == 0.0 and first["rewards/soft_format_reward/errors"] == 0.0
 
 
@@ -315,7 +255,7 @@ def test_args_none_builds_trls_default_config(
     monkeypatch.chdir(tmp_path)
     model = load_model(tiny_dense_dir, device="cpu", dtype=torch.float32)
     trainer = QeRLTrainer(
-        model, [spread_reward], None, train_dataset=_data(), processing_class=load_tokenizer(tiny_dense_dir)
+        model, [spread_reward], None, train_dataset=arithmetic_rows(), processing_class=load_tokenizer(tiny_dense_dir)
     )
     assert isinstance(trainer.args, QeRLConfig) and trainer.args.output_dir.endswith(f"{tiny_dense_dir.name}-GRPO")
     assert (trainer.args.loss_type, trainer.args.num_train_epochs, trainer.max_completion_length) == ("dapo", 3, 512)
@@ -325,7 +265,7 @@ def test_startup_logs_every_field_that_differs_from_trl(
     tiny_dense_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="qerl.train.trainer"):
-        _ours(tiny_dense_dir, tmp_path, loss_type="bnpo")
+        qerl_trainer(tiny_dense_dir, tmp_path, loss_type="bnpo")
     lines = [r.getMessage() for r in caplog.records if "differ from trl's GRPOConfig defaults" in r.getMessage()]
     assert len(lines) == 1
     for part in (

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import gc
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import vllm_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,22 +52,6 @@ MAX_TOL_REL = 0.03
 LORA_EFFECT = 1.0  # nats, mean |change| of next-token log-probs the random adapter must cause
 NORM_EFFECT = 0.5
 PROMPT_LEN, SEQ_LEN = 16, 64
-
-
-def _checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("QERL_VLLM_TEST_CKPT")
-    if env:
-        path = Path(env)
-        if not (path / "config.json").exists():
-            pytest.fail(f"QERL_VLLM_TEST_CKPT={env}: no config.json there; expected an NVFP4A16 checkpoint dir")
-        return path
-    from tiny_models import make_tiny_llama
-
-    from qerl.quantize.pipeline import quantize_checkpoint
-
-    # head_dim 64 (hidden 256 / 4 heads): a FlashAttention size; Marlin pads the small GEMMs.
-    src = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "bf16", hidden=256, intermediate=512, vocab=1024)
-    return quantize_checkpoint(src, tmp_path_factory.mktemp("tiny") / "nvfp4", backend="qerl")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +66,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     from qerl.load.lora import lora_config
     from qerl.rollout.vllm_engine import VLLMEngine
 
-    ckpt = _checkpoint(tmp_path_factory)
+    ckpt = vllm_checkpoint(tmp_path_factory)
     base = qerl.load_model(ckpt, load="nvfp4", device="cuda", dtype=torch.bfloat16)
     model = get_peft_model(base, lora_config(r=16, alpha=32, train_norms=True)).eval()
     vocab = base.config.vocab_size

@@ -3,7 +3,8 @@
 Every builder seeds torch's global generator first, so a test that names a seed gets the same
 weights on every run and machine. ``tiny_model`` is the one constructor; the others add what a
 group of tests needs: the rollout-engine variants (``tiny_llama``, ``tiny_qwen2``, ``FAMILY_MODELS``, ``nvfp4_lora``)
-and checkpoints on disk (``make_tiny_llama``, ``make_tiny_chat_model``).
+and checkpoints on disk (``make_tiny_llama``, ``make_tiny_chat_model``) with an adapter trained on one
+(``make_adapter``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import get_peft_model
+from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import (
     LlamaConfig,
@@ -29,7 +30,8 @@ from transformers import (
 
 from qerl import arch, nvfp4
 from qerl.load.linear import NVFP4Linear, replace_linears
-from qerl.load.lora import lora_config
+from qerl.load.loader import load_model
+from qerl.load.lora import lora_config, register_nvfp4
 
 #: The tiny decoder: 2 layers, hidden 64, intermediate 128, 4 heads over 2 KV heads, 256 tokens.
 TINY = dict(
@@ -172,7 +174,8 @@ def _save_bf16(model: PreTrainedModel, out_dir: Path) -> Path:
     return out_dir
 
 
-def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> Path:
+def copy_tokenizer(tokenizer_dir: Path, out: Path) -> Path:
+    """``tokenizer_dir``'s tokenizer and chat template copied into the model directory ``out``."""
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tokenizer_dir / name, out / name)
     return out
@@ -181,7 +184,7 @@ def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> Path:
 def make_tiny_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A random tiny Llama that speaks SmolLM2's vocabulary (its tokenizer and chat template copied in):
     a model the trainer and the evaluation CLIs load and run end to end in about a second."""
-    return _copy_tokenizer(
+    return copy_tokenizer(
         tokenizer_dir, make_tiny_llama(out_dir, vocab=49152, bos_token_id=1, eos_token_id=2, seed=seed)
     )
 
@@ -190,4 +193,26 @@ def make_tiny_family_chat_model(out_dir: Path, family: str, tokenizer_dir: Path,
     """``make_tiny_chat_model`` for a ``FAMILY_CONFIGS`` family: the trainer, eval and export run on it."""
     model_type, family_config = FAMILY_CONFIGS[family]
     model = tiny_model(model_type, seed, vocab_size=49152, bos_token_id=1, eos_token_id=2, **family_config)
-    return _copy_tokenizer(tokenizer_dir, _save_bf16(model, out_dir))
+    return copy_tokenizer(tokenizer_dir, _save_bf16(model, out_dir))
+
+
+#: A vocabulary small enough for an export's merge of a tiny model to take a second.
+SMALL_VOCAB = 256
+
+
+def make_adapter(model_dir: Path, out: Path, lora_scale: float = 0.05, config: LoraConfig | None = None) -> Path:
+    """A peft adapter over ``model_dir`` with random B (x ``lora_scale``) and norms perturbed by 10%."""
+    torch.manual_seed(0)
+    model = get_peft_model(
+        load_model(model_dir, device="cpu", dtype=torch.float32),
+        register_nvfp4(config) if config else lora_config(r=4, alpha=8, train_norms=True),
+    )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * lora_scale)
+            elif "modules_to_save" in name:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    return out

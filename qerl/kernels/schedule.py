@@ -164,17 +164,18 @@ def default_decode(M: int) -> DecodeConfig:
 DECODE_MAX_M = 128
 #: M at or below which grad_x takes the fused ``_bwd_kernel``, dequantize + cuBLAS above (docs/kernels.md#design).
 FUSED_BWD_MAX_M = 64
-#: SMs of the device (filled lazily): the slots split-K fills.
-_SM_COUNT: dict[torch.device, int] = {}
+#: SMs of each device (filled lazily by :func:`sm_count`): the slots split-K fills. An entry made ahead describes a
+#: device the host does not have (tests/test_step_plan_choices.py's H100 on a CPU host).
+SM_COUNTS: dict[torch.device, int] = {}
 
 
 def sm_count(device: torch.device) -> int:
     """SMs of a CUDA device (4 stands in for a CPU device, whose launches only the interpreter runs)."""
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = (
+    if device not in SM_COUNTS:
+        SM_COUNTS[device] = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         )
-    return _SM_COUNT[device]
+    return SM_COUNTS[device]
 
 
 #: A decode program's fixed cost in K steps, ``decode_split``'s one parameter, fitted (docs/kernels.md#wave-model).

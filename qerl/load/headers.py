@@ -3,6 +3,13 @@
 A safetensors header is only a claim. Export (and anything else that copies tensors whole) compares every header
 with the model's skeleton before reading a byte, so a damaged one declaring a 16 GiB tensor, or a tensor the model
 has not, is refused in one line instead of copied.
+
+Why in ``load`` while export is its one caller: it answers a question about reading a checkpoint (which tensors, of
+which shapes and dtypes, a checkpoint of this model may hold) from the skeleton the loader builds for the model. The
+loader needs no separate pass (it compares each tensor with the skeleton's as it fills it in: ``loader``, or
+transformers for a dense model); export does, because it copies tensors without building the model, and
+``benchmarks/integrity.py`` writes its load-test checkpoint from :func:`expected_tensors`. Export, a later stage,
+imports it from here.
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from qerl import arch, checkpoint, hub
-from qerl.load import model_files
+from qerl import arch, checkpoint, hub, model_files
 from qerl.load.integrity import Verdicts
 from qerl.load.linear import NVFP4Linear, replace_linears, stack_fused_groups
 
@@ -37,7 +36,7 @@ def is_nvfp4_model(model: nn.Module) -> bool:
 
 def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = False):
     """The checkpoint's tokenizer, with a pad token (eos when the checkpoint has none). Code the directory names
-    (``auto_map``) is refused in one line unless ``trust_remote_code`` (``qerl.load.model_files``)."""
+    (``auto_map``) is refused in one line unless ``trust_remote_code`` (``qerl.model_files``)."""
     model_dir = hub.local_model_dir(path)
     model_files.check_files(model_dir, trust_remote_code=trust_remote_code)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -48,7 +47,7 @@ def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = Fa
 
 def check_supported(path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> arch.Family:
     """The family of the model at ``path`` (directory, hub id or ``smollm2-135m``) once its directory, config.json
-    and weights' headers passed ``qerl.load.model_files.checked_config``, else its one-line error: for commands that
+    and weights' headers passed ``qerl.model_files.checked_config``, else its one-line error: for commands that
     do other work (hashing, data) before loading."""
     return model_files.checked_config(hub.local_model_dir(path), trust_remote_code=trust_remote_code)[1]
 

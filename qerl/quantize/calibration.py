@@ -4,7 +4,7 @@ The default is the bundled ``gsm8k_calibration.jsonl``: the last 256 rows of the
 split (openai/gsm8k "main"; Copyright (c) 2021 OpenAI, MIT License). They are disjoint from the
 first rows that ``benchmarks/quality.py`` scores and that ``tests/data`` holds, so a quality number
 is never measured on the text the weights were fitted to. Each row is rendered the way training
-prompts are (``qerl.train.prompts.chat_messages``: the system instruction and the question) followed by
+prompts are (``qerl.tasks.prompts.chat_messages``: the system instruction and the question) followed by
 the reference answer as the assistant turn, so the activations GPTQ sees are those of an RL prompt
 and its completion.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from qerl.train.prompts import chat_messages
+from qerl.tasks.prompts import chat_messages
 
 BUNDLED = Path(__file__).with_name("gsm8k_calibration.jsonl")
 DEFAULT_SAMPLES = 128

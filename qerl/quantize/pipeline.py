@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,9 +32,8 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from qerl import arch, checkpoint, hub, nvfp4
-from qerl.fsutil import atomic_directory, remove_leftovers, save_safetensors, scratch_directory
-from qerl.load import model_files
+from qerl import arch, checkpoint, hub, model_files, nvfp4
+from qerl.fsutil import atomic_directory, remove_leftovers, scratch_directory
 from qerl.quantize import importance, mse, target
 from qerl.quantize.calibration import Calibration
 from qerl.quantize.source import SourceModel, check_finite
@@ -49,8 +47,6 @@ METHOD_BACKENDS: dict[str, tuple[str, ...]] = {
     "mse": ("qerl",),
     "gptq": ("llmcompressor",),
 }
-#: Output shard size: the streaming backend's peak memory is about one shard plus one tensor.
-_SHARD_BYTES = 4 << 30
 
 
 def default_output(model: str, root: str | os.PathLike[str] = "qmodel") -> Path:
@@ -91,53 +87,6 @@ def global_scales(tensors: checkpoint.TensorIndex, names: list[str]) -> dict[str
     return shared
 
 
-class _ShardWriter:
-    """Collects tensors and flushes them to numbered safetensors shards of bounded size."""
-
-    def __init__(self, out_dir: Path, max_bytes: int | None = None) -> None:
-        self.out_dir, self.max_bytes = out_dir, max_bytes or _SHARD_BYTES
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[dict[str, torch.Tensor] | list[str]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
-            self.flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        index = len(self.shards)
-        save_safetensors(self.pending, self.out_dir / f"shard-{index:05d}.tmp", metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> None:
-        """Give shards their final names; write the index when there is more than one."""
-        self.flush()
-        count = len(self.shards)
-        weight_map = {}
-        for i, names in enumerate(self.shards):
-            final = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.out_dir / f"shard-{i:05d}.tmp", self.out_dir / final)  # modes: atomic_directory's
-            weight_map.update({n: final for n in names})
-        if count > 1:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def _copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer, generation config, chat template (:data:`qerl.hub.SIDE_FILES`); never other weights, never a link
-    out of the model (``qerl.load.model_files.side_files``)."""
-    for f in model_files.side_files(src):
-        shutil.copy2(f, dst / f.name)
-
-
 @dataclass
 class Source:
     """A checked source checkpoint and the Linear modules the run quantizes / keeps."""
@@ -175,7 +124,7 @@ def quantize_streaming(
     scales = global_scales(tensors, names)
     moments = importance.input_moments(tensors, source.model.config, names) if method == "mse" else {}
     quantized = {f"{n}.weight": n for n in names}
-    writer = _ShardWriter(out_dir, max_shard_bytes)
+    writer = checkpoint.ShardWriter(out_dir, max_shard_bytes)
     for name in tqdm(tensors.names(), desc="quantize", unit="tensor"):
         tensor = tensors.get(name)
         if name in quantized:
@@ -193,7 +142,7 @@ def quantize_streaming(
     config = dict(source.model.config)
     config["quantization_config"] = checkpoint.quantization_config(source.ignored)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _copy_side_files(src, out_dir)
+    model_files.copy_side_files(src, out_dir)
 
 
 def quantize_llmcompressor(
@@ -229,7 +178,7 @@ def quantize_llmcompressor(
         check_finite(name, tensor, source.path)
     oneshot(model=model, recipe=modifier(targets="Linear", scheme="NVFP4A16", ignore=source.ignored), **kwargs)
     model.save_pretrained(out_dir, save_compressed=True)
-    _copy_side_files(source.path, out_dir)
+    model_files.copy_side_files(source.path, out_dir)
 
 
 def quantize_checkpoint(

@@ -17,8 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from qerl import checkpoint, nvfp4
-from qerl.load import model_files
+from qerl import checkpoint, model_files, nvfp4
 
 LM_HEAD = "lm_head"
 #: Checked in slices of this many elements, so the boolean mask never costs a tensor's worth of RAM.

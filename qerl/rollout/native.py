@@ -87,6 +87,26 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def view(self) -> ModelView | None:
+        """The model view of the latest generation (its layers' groups and LoRA buffers); None before the first."""
+        return self._view
+
+    @property
+    def step_plans(self) -> dict[int, step_plan.StepPlan]:
+        """The latest generation's decode ops, by batch bucket (a copy)."""
+        return dict(self._step_plans)
+
+    @property
+    def graphs(self) -> dict[StepKey, Callable[[], None]]:
+        """The captured decode steps, by step key: the replays later steps of that key reuse (a copy)."""
+        return dict(self._graphs)
+
+    @property
+    def signature(self) -> tuple | None:
+        """Which model tensors the state and graphs read (``ModelView.signature``): reallocated ones change it."""
+        return self._signature
+
     def set_step_hook(self, fn: Callable[[], None] | None) -> None:
         """Run ``fn()`` at the start of every decode step (captured into the graph on CUDA)."""
         self._hook = fn

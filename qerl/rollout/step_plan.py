@@ -14,9 +14,10 @@ attention before o, the SiLU gating before down) has three ways to run, and a ``
 
 The group then runs as one FP4 launch or one projection at a time (``decoder.group_op``), and the step samples with
 one kernel or the torch ops (``sampler``) and records its tokens with one kernel or torch (``finish_op``). ``build``
-binds every op once; the engine then calls them with tensors only, with no branch. At batch 1 a decode step is ~1.2
-ms of weight streaming, and an unfused RMSNorm (6 launches) or RoPE (10) costs more than the matmuls around it once
-multiplied by the layer count. Rounding follows transformers: RMSNorm normalises in fp32, casts to the activation
+binds every op once (the candidates are this module's ``norm_*``, ``silu_*`` and ``attention_*`` functions, so what
+a plan chose reads off it); the engine then calls them with tensors only, with no branch. At batch 1 a decode step
+is ~1.2 ms of weight streaming, and an unfused RMSNorm (6 launches) or RoPE (10) costs more than the matmuls around
+it once multiplied by the layer count. Rounding follows transformers: RMSNorm normalises in fp32, casts to the activation
 dtype, then multiplies by the weight; residual adds and SiLU-gating round to the activation dtype.
 """
 
@@ -105,19 +106,19 @@ def route(
 NormOp = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor, LoraInputs]]
 
 
-def _norm_reference(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Norm, group: Group | None) -> tuple:
+def norm_reference(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Norm, group: Group | None) -> tuple:
     x = reference.rms_norm(h, delta, norm.weight, norm.eps)
     return h, x, lora_inputs(x, group)
 
 
-def _norm_kernel(
+def norm_kernel(
     h: torch.Tensor, delta: torch.Tensor | None, *, norm: Norm, group: Group | None, gluon_k: bool
 ) -> tuple:
     x = kernels.step_kernels().rms_norm(h, delta, norm.weight, norm.eps, gluon_k=gluon_k)
     return h, x, lora_inputs(x, group, gluon_k)
 
 
-def _norm_shrink(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Norm, group: Group, gluon_k: bool) -> tuple:
+def norm_shrink(h: torch.Tensor, delta: torch.Tensor | None, *, norm: Norm, group: Group, gluon_k: bool) -> tuple:
     h, x, flat = kernels.step_kernels().rms_norm_shrink(
         h, delta, norm.weight, norm.eps, group.lora_a, group.lora_bounds, gluon_k
     )
@@ -128,8 +129,8 @@ def norm_op(r: Route, norm: Norm, group: Group | None) -> NormOp:
     """``(h, delta) -> (h + delta, rmsnorm(h + delta), lora inputs of group)``. The first result is the residual
     stream to carry on with: ``h`` updated in place, or a new tensor when a fused shrink needs ``h`` unchanged."""
     if not r.kernel:
-        return functools.partial(_norm_reference, norm=norm, group=group)
-    return functools.partial(_norm_shrink if r.fuse else _norm_kernel, norm=norm, group=group, gluon_k=r.gluon_k)
+        return functools.partial(norm_reference, norm=norm, group=group)
+    return functools.partial(norm_shrink if r.fuse else norm_kernel, norm=norm, group=group, gluon_k=r.gluon_k)
 
 
 # ----------------------------------------------------------------- SiLU gating
@@ -137,17 +138,17 @@ def norm_op(r: Route, norm: Norm, group: Group | None) -> NormOp:
 SiluOp = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, LoraInputs]]
 
 
-def _silu_reference(gate: torch.Tensor, up: torch.Tensor, *, group: Group) -> tuple:
+def silu_reference(gate: torch.Tensor, up: torch.Tensor, *, group: Group) -> tuple:
     act = reference.silu_mul(gate, up)
     return act, lora_inputs(act, group)
 
 
-def _silu_kernel(gate: torch.Tensor, up: torch.Tensor, *, group: Group, gluon_k: bool) -> tuple:
+def silu_kernel(gate: torch.Tensor, up: torch.Tensor, *, group: Group, gluon_k: bool) -> tuple:
     act = kernels.step_kernels().silu_mul(gate, up, gluon_k=gluon_k)
     return act, lora_inputs(act, group, gluon_k)
 
 
-def _silu_shrink(gate: torch.Tensor, up: torch.Tensor, *, group: Group, gluon_k: bool) -> tuple:
+def silu_shrink(gate: torch.Tensor, up: torch.Tensor, *, group: Group, gluon_k: bool) -> tuple:
     act, flat = kernels.step_kernels().silu_mul_shrink(gate, up, group.lora_a, gluon_k)
     return act, LoraU.from_kernel(flat, act, group)
 
@@ -155,8 +156,8 @@ def _silu_shrink(gate: torch.Tensor, up: torch.Tensor, *, group: Group, gluon_k:
 def silu_op(r: Route, group: Group) -> SiluOp:
     """``(gate, up) -> (silu(gate) * up, lora inputs of group)``."""
     if not r.kernel:
-        return functools.partial(_silu_reference, group=group)
-    return functools.partial(_silu_shrink if r.fuse else _silu_kernel, group=group, gluon_k=r.gluon_k)
+        return functools.partial(silu_reference, group=group)
+    return functools.partial(silu_shrink if r.fuse else silu_kernel, group=group, gluon_k=r.gluon_k)
 
 
 # ----------------------------------------------------------------- decode attention
@@ -164,7 +165,7 @@ def silu_op(r: Route, group: Group) -> SiluOp:
 AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionArgs], tuple[torch.Tensor, LoraInputs]]
 
 
-def _attention_reference(
+def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -180,7 +181,7 @@ def _attention_reference(
     return out, lora_inputs(out, group)
 
 
-def _attention_kernel(
+def attention_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionArgs, *, group: Group, norms: HeadNorms, r: Route
 ) -> tuple:
     """RoPE and the cache write in their own kernel (Qwen3's head norms in it), then the attention kernels."""
@@ -192,7 +193,7 @@ def _attention_kernel(
     return out, (LoraU.from_kernel(flat, out, group) if r.fuse else lora_inputs(out, group, r.gluon_k))
 
 
-def _attention_rope_kernel(
+def attention_rope_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionArgs, *, group: Group, norms: HeadNorms, r: Route
 ) -> tuple:
     """The attention's partial kernel ropes q and this step's k and writes k / v into the cache itself."""
@@ -216,9 +217,9 @@ def attention_op(r: Route, group: Group, qk_norms: tuple[Norm, Norm] | None) -> 
     slots ``<= pos``. The kernels do the norms inside the RoPE kernel, and with ``SWITCHES.rope_in_attention``
     (read here, when the plan is built) that kernel is the attention kernel itself: one launch a layer fewer."""
     if not r.kernel:
-        return functools.partial(_attention_reference, group=group, qk_norms=qk_norms)
+        return functools.partial(attention_reference, group=group, qk_norms=qk_norms)
     norms = None if qk_norms is None else (qk_norms[0].weight, qk_norms[1].weight, qk_norms[0].eps, qk_norms[1].eps)
-    fn = _attention_rope_kernel if schedule.SWITCHES.rope_in_attention else _attention_kernel
+    fn = attention_rope_kernel if schedule.SWITCHES.rope_in_attention else attention_kernel
     return functools.partial(fn, group=group, norms=norms, r=r)
 
 

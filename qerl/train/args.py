@@ -1,5 +1,5 @@
 """The command line of ``python -m qerl.train``: ``ScriptArguments`` (model, data, LoRA) and ``parse_args``, which
-reads a ``--config`` recipe (``qerl.train.config.load_recipe``) and the flags with trl's parser, every mistake one line.
+reads a ``--config`` recipe (``qerl.train.recipe``) and the flags with trl's parser, every mistake one line.
 
 Kept apart from the run itself (``qerl.train.run``) so that what a user may say and what is refused reads on its own.
 """
@@ -15,9 +15,11 @@ from trl import TrlParser
 
 from qerl.cli import StrictParsing, UsageError, one_line, usage_errors
 from qerl.load.lora import DEFAULT_TARGETS
-from qerl.train import data as qdata
+from qerl.tasks import data_sets
+from qerl.train import data
 from qerl.train.bounds import check_numbers
-from qerl.train.config import QeRLConfig, load_recipe
+from qerl.train.config import QeRLConfig
+from qerl.train.recipe import load_recipe
 
 #: Reference flags kept only so that its scripts parse; they change nothing here.
 IGNORED_REFERENCE_FLAGS = (
@@ -45,7 +47,7 @@ class ScriptArguments:
     )
     load: str = field(default="auto", metadata={"help": "auto | nvfp4 | bf16: what the checkpoint must be."})
     dataset: str = field(
-        default="gsm8k", metadata={"help": f"One of {sorted(qdata.DATASETS)} (or the reference's dapomath)."}
+        default="gsm8k", metadata={"help": f"One of {sorted(data_sets.DATASETS)} (or the reference's dapomath)."}
     )
     dataset_path: str | None = field(
         default=None, metadata={"help": "Local .jsonl/.parquet/dir or hub id (default: the set's hub id)."}
@@ -53,14 +55,14 @@ class ScriptArguments:
     num_samples: int | None = field(default=None, metadata={"help": "Use N rows (seeded shuffle)."})
     arithmetic_level: str | None = field(
         default=None,
-        metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(qdata.ARITHMETIC_LEVELS)} (default hard)."},
+        metadata={"help": f"Difficulty of --dataset arithmetic: {sorted(data.ARITHMETIC_LEVELS)} (default hard)."},
     )
     prompt_style: str | None = field(
         default=None,
         metadata={
             "help": "plain | tags | dapo | source (a row's own "
             "conversation); unset: the reference's for the data set (gsm8k plain, bigmath "
-            "tags, dapo-math source, arithmetic tags). See qerl/train/prompts.py."
+            "tags, dapo-math source, arithmetic tags). See qerl/tasks/prompts.py."
         },
     )
     heldout: int = field(
@@ -152,7 +154,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, QeRL
     _check_values(script)
     if config.max_completion_length is None:  # the reference scripts' budget for this data set (None: 8192)
         with usage_errors(ValueError):
-            config.max_completion_length = qdata.spec(script.dataset).completion_length
+            config.max_completion_length = data_sets.spec(script.dataset).completion_length
     return script, config
 
 

@@ -145,14 +145,14 @@ class ChunkedPass(AutoRecompute):
         if not (self.model.training and torch.is_grad_enabled()):  # evaluation: trl's, in one piece
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         rows = inputs["prompt_ids"].shape[0]
-        chunk = self._plan_pass(inputs)
+        chunk = self.plan_pass(inputs)
         self.recompute_passes["full" if self.model.is_gradient_checkpointing else "none"] += 1
         if chunk >= rows:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         self.chunk_passes[chunk] = self.chunk_passes.get(chunk, 0) + 1
         return self._chunked_loss(model, inputs, chunk)
 
-    def _plan_pass(self, inputs: dict[str, Any]) -> int:
+    def plan_pass(self, inputs: dict[str, Any]) -> int:
         """Rows per forward + backward of this pass: ``--pass_chunk_rows`` N if set, the automatic choice where
         ``gradient_checkpointing`` is unset (chunks unless ``--pass_chunk_rows 0``), else the whole micro-batch."""
         asked, rows = self.args.pass_chunk_rows, inputs["prompt_ids"].shape[0]
@@ -161,7 +161,7 @@ class ChunkedPass(AutoRecompute):
             if reason:
                 raise ValueError(f"--pass_chunk_rows {asked}: cannot chunk the training pass: {reason}")
             return min(asked, rows)
-        if self.args.gradient_checkpointing is None and self._recompute != "full":
+        if self.args.gradient_checkpointing is None and self.planned_recompute != "full":
             return self._choose_recompute(inputs, chunks=asked is None and refusal(self, inputs) is None)
         return rows
 

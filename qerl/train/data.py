@@ -1,10 +1,11 @@
 """Training data: every data set becomes rows of ``prompt`` (chat messages) and ``answer`` (gold).
 
 ``prompt`` is built as the reference built it for that data set unless ``--prompt-style`` says
-otherwise (``qerl.train.prompts``): GSM8K the bare question, BigMath the tag instruction, DAPO-Math the
+otherwise (``qerl.tasks.prompts``): GSM8K the bare question, BigMath the tag instruction, DAPO-Math the
 row's own ``source_prompt``; trl applies the tokenizer's chat template itself. ``answer`` is what the
 rewards in ``qerl.train.rewards`` and the held-out accuracy compare against, through the data set's answer
-reading (``qerl.train.answers``). Each set also carries the completion budget of the reference's scripts.
+reading (``qerl.tasks.answers``). What each named set is (its source, prompt style, rewards, reading and completion
+budget) is ``qerl.tasks.data_sets``' table; this module reads the rows.
 
 Sources: a local file (``.jsonl``/``.json``/``.parquet``, or a directory holding ``train.*``) or a
 hub id, for GSM8K, BigMath, DAPO-Math; plus ``arithmetic``, a synthetic set generated from a seed
@@ -28,50 +29,15 @@ from typing import Any
 from datasets import Dataset
 from datasets.fingerprint import generate_random_fingerprint
 
+from qerl.checkpoint import read_config
 from qerl.hub import path_shaped
-from qerl.train.answers import gsm8k_gold
-from qerl.train.prompts import PROMPT_STYLES, SOURCE_STYLE, chat_messages, encode_chat
+from qerl.tasks.answers import gsm8k_gold
+from qerl.tasks.data_sets import DatasetSpec, canonical, prompt_style, spec
+from qerl.tasks.prompts import SOURCE_STYLE, chat_messages, encode_chat
 
 logger = logging.getLogger(__name__)
 
-#: The reference scripts' completion budget for a data set without a preset of its own.
-DEFAULT_COMPLETION_LENGTH = 8192
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """Where a named data set lives and how it is prompted and rewarded."""
-
-    hub_id: str | None
-    config: str | None
-    style: str  # the prompt style the reference used for it (qerl.train.prompts)
-    rewards: tuple[str, ...]
-    reading: str  # how its answers are read and judged: one of qerl.train.answers.READINGS
-    completion_length: int = DEFAULT_COMPLETION_LENGTH  # the reference scripts' budget for this set
-    question_fields: tuple[str, ...] = ("question", "problem", "prompt")
-    answer_fields: tuple[str, ...] = ("answer", "solution", "final_answer")
-
-
-_BIGMATH = "open-r1/Big-Math-RL-Verified-Processed"
-#: Prompt styles and completion budgets are the reference's (its run scripts and its prompt code); ``arithmetic`` is
-#: ours, with the tag prompt its recipes were calibrated on.
-DATASETS: dict[str, DatasetSpec] = {
-    "gsm8k": DatasetSpec("openai/gsm8k", "main", "plain", ("soft_format", "gsm8k"), "numeric", 2048),
-    "bigmath": DatasetSpec(_BIGMATH, "level_3_4_5", "tags", ("soft_format", "math"), "math", 4096),
-    "bigmath_hard": DatasetSpec(_BIGMATH, "level_4_5", "tags", ("soft_format", "math"), "math", 4096),
-    "dapo-math": DatasetSpec("open-r1/DAPO-Math-17k-Processed", "en", SOURCE_STYLE, ("dapo",), "dapo"),
-    "arithmetic": DatasetSpec(None, None, "tags", ("soft_format", "gsm8k"), "numeric"),
-}
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-#: The reference's spellings.
-ALIASES = {"dapomath": "dapo-math", "dapo_math": "dapo-math", "bigmath-hard": "bigmath_hard"}
-
-
-def spec(name: str) -> DatasetSpec:
-    key = ALIASES.get(name, name)
-    if key not in DATASETS:
-        raise ValueError(f"--dataset: unknown {name!r}; expected one of {sorted(DATASETS)}")
-    return DATASETS[key]
 
 
 def _read_local(path: Path) -> Dataset:
@@ -164,15 +130,6 @@ def _pick(row: dict[str, Any], fields: tuple[str, ...], what: str, columns: list
         if row.get(f) is not None:
             return row[f]
     raise ValueError(f"data set row has no {what} column; expected one of {fields}, found {columns}")
-
-
-def prompt_style(name: str, style: str | None) -> str:
-    """The prompt style a run uses: ``style`` when given (checked), else the data set's own."""
-    if style is None:
-        return spec(name).style
-    if style not in (*PROMPT_STYLES, SOURCE_STYLE):
-        raise ValueError(f"--prompt-style: unknown {style!r}; expected one of {sorted((*PROMPT_STYLES, SOURCE_STYLE))}")
-    return style
 
 
 def _is_conversation(messages: Any) -> bool:
@@ -307,8 +264,7 @@ def load_dataset(
     """
     s = spec(name)
     style = prompt_style(name, style)
-    key = ALIASES.get(name, name)
-    generated = key == "arithmetic" and source is None
+    generated = canonical(name) == "arithmetic" and source is None
     if arithmetic_level is not None and not generated:
         raise ValueError(f"--arithmetic-level: applies only to the generated --dataset arithmetic, not {name!r}")
     if generated:
@@ -323,6 +279,32 @@ def load_dataset(
 def data_name(name: str, source: str | None) -> str:
     """How messages name the data: ``--dataset_path FILE`` when one was given, else ``--dataset NAME``."""
     return f"--dataset_path {source}" if source is not None else f"--dataset {name}"
+
+
+#: The default prompt budget in tokens, where the model's context leaves that much: the reference data sets' prompts
+#: are far shorter (GSM8K's under 300 tokens), and unbounded ones (four 64 KB questions) ran a run out of memory.
+DEFAULT_MAX_PROMPT_TOKENS = 4096
+
+
+def prompt_budget(max_prompt_length: int | None, max_completion_length: int | None, model_dir: Path) -> int:
+    """The longest prompt a run takes, in tokens (:func:`filter_prompt_length` drops longer ones): ``max_prompt_length``
+    (``--max_prompt_length``), else the smaller of :data:`DEFAULT_MAX_PROMPT_TOKENS` and what the model's context
+    (``max_position_embeddings`` of ``model_dir``'s config) leaves after ``max_completion_length``."""
+    if max_prompt_length:
+        return max_prompt_length
+    context = read_config(model_dir).get("max_position_embeddings")
+    if not isinstance(context, int) or isinstance(context, bool):
+        return DEFAULT_MAX_PROMPT_TOKENS
+    room = context - (max_completion_length or 0)
+    if room < 1:  # the data set's default budget can exceed a small model's context: the context alone bounds
+        logger.warning(
+            "--max_completion_length %s is not less than the model's context (%d positions): prompts are "
+            "bounded by the context alone",
+            max_completion_length,
+            context,
+        )
+        room = context
+    return min(DEFAULT_MAX_PROMPT_TOKENS, room)
 
 
 def filter_prompt_length(ds: Dataset, tokenizer: Any, max_tokens: int) -> Dataset:

@@ -41,11 +41,11 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from qerl import hub
 from qerl.arch import LINEAR_TARGETS
 from qerl.checkpoint import is_nvfp4_config, read_config
 from qerl.cli import UsageError
@@ -280,11 +280,12 @@ def planned_run(script: Any, config: Any, prompt_tokens: int) -> RunShape:
     )
 
 
-def check_fits(script: Any, config: Any, prompt_tokens: int) -> MemoryEstimate | None:
+def check_fits(script: Any, config: Any, prompt_tokens: int, model_dir: Path) -> MemoryEstimate | None:
     """Refuse (a one-line :class:`UsageError`) a run whose estimated peak exceeds the free memory of this process's
     card less ``HEADROOM`` of it, naming the estimate, the free memory and the flag that would make it fit; with
     ``--force`` log the same line and go on. Logs the estimate of a run that fits; without CUDA, no check (one line).
-    Reads only config.json: call it before the model, the data or anything else heavy."""
+    Reads only config.json (in ``model_dir``, ``--model_name``'s directory): call it before the model, the data or
+    anything else heavy."""
     if config.use_cpu or not torch.cuda.is_available():
         logger.info("memory check skipped: no CUDA device (the run trains on the CPU)")
         return None
@@ -292,7 +293,7 @@ def check_fits(script: Any, config: Any, prompt_tokens: int) -> MemoryEstimate |
     free, total = torch.cuda.mem_get_info(device)
     room = free - HEADROOM * total
     try:
-        model = ModelShape.from_config(read_config(hub.local_model_dir(script.model_name)))
+        model = ModelShape.from_config(read_config(model_dir))
     except ValueError as e:
         raise UsageError(f"--model_name {script.model_name}: {e}") from None
     run = planned_run(script, config, prompt_tokens)

@@ -122,10 +122,11 @@ def chunk_rows(rows: int, fits: Callable[[int], bool]) -> int:
 class AutoRecompute:
     """Mixin over trl's ``GRPOTrainer``: with ``gradient_checkpointing`` unset, the plan of each training pass (see the
     module docstring), logged in one line when it is made and when it changes; ``qerl.train.chunked_pass`` asks for it
-    before each pass and runs it."""
+    before each pass and runs it. ``planned_recompute`` and ``planned_chunk`` are the plan of the passes so far (None:
+    the next pass plans afresh); :meth:`pass_bytes` and :meth:`unallocated_state_bytes` the estimate it weighs."""
 
-    _recompute: str | None = None  # the mode of the passes so far: None before the first, then "none" or "full"
-    _chunk: int | None = None  # rows per chunk of the passes so far; a later pass's chunk is at most this
+    planned_recompute: str | None = None  # the mode of the passes so far: None before the first, then "none" or "full"
+    planned_chunk: int | None = None  # rows per chunk of the passes so far; a later pass's chunk is at most this
 
     def _choose_recompute(self, inputs: dict[str, Any], chunks: bool) -> int:
         """Rows per forward + backward of this pass (all its rows: one piece, with full recompute if it came to that);
@@ -133,19 +134,19 @@ class AutoRecompute:
         rows, prompt = inputs["prompt_ids"].shape
         tokens = prompt + inputs["completion_ids"].shape[1]
         masked = not (bool(inputs["prompt_mask"].all()) and bool(inputs["completion_mask"].all()))
-        state = self._unallocated_state_bytes()
+        state = self.unallocated_state_bytes()
         memory = device_memory(inputs["prompt_ids"].device)
         room = None if memory is None else memory[0] - HEADROOM * memory[1]
 
         def need(c: int) -> int:
-            return self._pass_bytes(c, tokens, masked) + state
+            return self.pass_bytes(c, tokens, masked) + state
 
         def fits(c: int) -> bool:
-            return room is not None and c <= (self._chunk or rows) and need(c) <= room
+            return room is not None and c <= (self.planned_chunk or rows) and need(c) <= room
 
         chunk = self._agreed(chunk_rows(rows, fits) if chunks else (rows if fits(rows) else 0))
         mode = "none" if chunk else "full"
-        if (mode, chunk) != (self._recompute, self._chunk):
+        if (mode, chunk) != (self.planned_recompute, self.planned_chunk):
             free = "no CUDA memory to measure" if room is None else f"{room / 1e9:.1f} GB free besides the headroom"
             piece = f" in chunks of {chunk} rows" if 0 < chunk < rows else ""
             each = f", a chunk of {chunk} rows ~{need(chunk) / 1e9:.1f} GB" if piece else ""
@@ -162,7 +163,7 @@ class AutoRecompute:
             )
             if mode == "full":
                 enable_recompute(self.model, self.args.gradient_checkpointing_kwargs)
-        self._recompute, self._chunk = mode, chunk
+        self.planned_recompute, self.planned_chunk = mode, chunk
         return chunk or rows
 
     def _agreed(self, chunk: int) -> int:
@@ -172,7 +173,9 @@ class AutoRecompute:
             return chunk
         return int(self.accelerator.gather(torch.tensor([chunk], device=self.accelerator.device)).min())
 
-    def _pass_bytes(self, rows: int, tokens: int, masked: bool) -> int:
+    def pass_bytes(self, rows: int, tokens: int, masked: bool) -> int:
+        """What a training pass of ``rows`` x ``tokens`` keeps for its backward without recompute (``masked``: a pass
+        with padding), for this trainer's model and adapter (:func:`no_recompute_bytes`)."""
         from qerl.load.loader import is_nvfp4_model
 
         model = self.model
@@ -190,7 +193,7 @@ class AutoRecompute:
             masked=masked,
         )
 
-    def _unallocated_state_bytes(self) -> int:
+    def unallocated_state_bytes(self) -> int:
         """What the pass's backward and the step's optimizer are still to allocate: an fp32 gradient for each trainable
         parameter without one, and AdamW's two fp32 moments while the optimizer holds no state yet."""
         moments = 8 if self.optimizer is None or not self.optimizer.state else 0

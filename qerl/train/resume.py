@@ -39,7 +39,6 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from qerl import hub
 from qerl.cli import UsageError, usage_errors
 from qerl.fsutil import append_whole, atomic_write_text, is_within, real_output
 
@@ -134,15 +133,16 @@ def run_config(*settings: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What a run into ``output_dir`` does: ``finished`` (the summary to report, nothing to train) or
-    continue; ``changed`` lists settings that differ from the recorded ones (only with ``force``)."""
+class Continuation:
+    """How a run into ``output_dir`` continues the run recorded there: ``finished`` (that run's summary, to report:
+    nothing to train) or train on; ``changed`` lists settings that differ from the recorded ones (only with
+    ``force``)."""
 
     changed: list[str]
     finished: dict[str, Any] | None
 
 
-def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
+def continuation(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Continuation:
     """Compare ``wanted`` with the run recorded in ``out``; raise UsageError when it may not continue."""
     if mode not in RESUME_MODES:
         raise UsageError(f"--resume: expected one of {', '.join(RESUME_MODES)}, got {mode!r}")
@@ -171,7 +171,7 @@ def plan(out: Path, wanted: dict[str, Any], mode: str, max_steps: int) -> Plan:
         raise UsageError(f"--output_dir {out}: holds a run with different {', '.join(changed)}; {force}")
     summary = _read_summary(out / SUMMARY_FILE)
     done = summary is not None and (max_steps <= 0 or int(summary.get("global_step") or 0) >= max_steps)
-    return Plan(changed=changed, finished=summary if done and not changed else None)
+    return Continuation(changed=changed, finished=summary if done and not changed else None)
 
 
 def holds_run(out: Path) -> bool:
@@ -184,14 +184,15 @@ def holds_run(out: Path) -> bool:
     )
 
 
-def check_output_dir(out: Path, model: str) -> None:
+def check_output_dir(out: Path, model: str, resolved: Path | str) -> None:
     """Refuse an ``--output_dir`` that a run may not write: a symbolic link (``qerl.fsutil.real_output``), the
     model's directory or one inside it (the run's checkpoints, metrics and adapter would be mixed into the model's
     files), or a directory holding files but no run (``--output_dir .`` replaced a checkout's README: a run
-    resumes into a run directory of its own only, as eval, export and quantize refuse a non-empty target)."""
+    resumes into a run directory of its own only, as eval, export and quantize refuse a non-empty target).
+    ``model`` is ``--model_name`` as given, ``resolved`` what ``qerl.hub.resolve_model`` made of it."""
     with usage_errors(ValueError):
         resolved_out = real_output(out, "--output_dir")
-    _not_the_model(out, model)
+    _not_the_model(out, model, resolved)
     if resolved_out.exists() and not resolved_out.is_dir():
         raise UsageError(f"--output_dir {out}: is not a directory")
     if resolved_out.is_dir() and any(resolved_out.iterdir()) and not holds_run(resolved_out):
@@ -201,13 +202,9 @@ def check_output_dir(out: Path, model: str) -> None:
         )
 
 
-def _not_the_model(out: Path, model: str) -> None:
+def _not_the_model(out: Path, model: str, resolved: Path | str) -> None:
     """Refuse an output that is a local model's directory or lies inside it (quantize and export refuse the same)."""
-    try:
-        resolved = hub.resolve_model(model)
-    except (FileNotFoundError, ValueError):
-        return
-    if isinstance(resolved, str):
+    if isinstance(resolved, str):  # a hub id: its download is no directory of the user's
         return
     if is_within(out, Path(resolved)):
         same = out.expanduser().resolve() == Path(resolved).resolve()
@@ -326,8 +323,8 @@ __all__ = [
     "RUN_CONFIG_FILE",
     "RESUMABLE_KEYS",
     "RESUME_MODES",
-    "Plan",
-    "plan",
+    "Continuation",
+    "continuation",
     "holds_run",
     "rows_sha256",
     "run_config",

@@ -17,11 +17,11 @@ completion that is neither text nor a chat turn) raises.
 Reward scales follow the reference: format rewards 0.2, GSM8K correctness 2.0, math-verify
 accuracy and the DAPO ``Answer:`` score 1.0.
 
-Answers are read by ``qerl.train.answers`` only, the same reading evaluation and the held-out accuracy use:
+Answers are read by ``qerl.tasks.answers`` only, the same reading evaluation and the held-out accuracy use:
 a correctness reward is positive exactly when ``answers.judge`` (and so ``eval``) counts the answer
 correct. Where this departs from the reference it is on purpose: its GSM8K reward compared the
 ``<answer>`` text (or the whole response) with the gold as *strings* ("$1,000" != "1000"), and its
-BigMath reward ignored the ``<answer>`` tags its own prompt asked for (see ``qerl.train.answers``).
+BigMath reward ignored the ``<answer>`` tags its own prompt asked for (see ``qerl.tasks.answers``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from qerl.train.answers import gsm8k_gold, judge, math_gold_parses, to_number
+from qerl.tasks.answers import gsm8k_gold, judge, math_gold_parses, to_number
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def math_accuracy(completions: Sequence[Any], answer: Sequence[Any] | None = Non
     """1.0 when math-verify finds the response's answer equivalent to the gold; None if the gold is unparseable.
 
     As the reference's BigMath reward, the whole response is read with ``\\boxed`` first (the
-    ``math`` reading of ``qerl.train.answers``), and a row whose gold math-verify cannot read is left out
+    ``math`` reading of ``qerl.tasks.answers``), and a row whose gold math-verify cannot read is left out
     (None) rather than scored 0; unlike it, a bare ``<answer>`` block counts when nothing else is found.
     """
     golds = _need_answer("math_accuracy", answer, len(completions))

@@ -24,7 +24,7 @@ from qerl.train.aqn import NormNoise, draw_seed, norm_weights
 logger = logging.getLogger(__name__)
 
 
-def _group_repeats(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
+def group_repeats(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
     """(unique prompts, n) when the batch is runs of equal length n of identical prompts, as trl's
     RepeatSampler produces; else (all prompts, 1). Lets the engine share each prompt's prefill."""
     runs: list[tuple[list[int], int]] = []
@@ -184,7 +184,7 @@ class RolloutHooks:
         if images is not None or multimodal_fields:
             raise ValueError("QeRLTrainer: text-only rollouts; got images/multimodal inputs")
         engine = self.rollout_engine()
-        prompts, n = _group_repeats(prompt_ids)
+        prompts, n = group_repeats(prompt_ids)
         params = self.sampling_params()
         with self.rollout_mode() as stats:
             out = engine.generate(prompts, params, n=n)

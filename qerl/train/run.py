@@ -49,32 +49,31 @@ from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
 
 from qerl import hub
-from qerl.checkpoint import read_config
 from qerl.cli import UsageError, one_line, run, usage_errors
+from qerl.fingerprint import resolved_sha256, write_base_record
 from qerl.fsutil import atomic_directory, atomic_write_text, remove_leftovers
-from qerl.load.fingerprint import model_sha256, write_base_record
 from qerl.load.loader import check_supported, is_nvfp4_model, load_model, load_tokenizer
 from qerl.load.lora import lora_config
 from qerl.rollout import SamplingParams
 from qerl.runlock import run_lock
-from qerl.train import data as qdata
-from qerl.train import resume as run_record
-from qerl.train.answers import judge
+from qerl.tasks import data_sets
+from qerl.tasks.answers import judge
+from qerl.tasks.prompts import encode_chat
+from qerl.train import data, resume
 from qerl.train.args import IGNORED_REFERENCE_FLAGS, ScriptArguments, parse_args
 from qerl.train.checkpoint_check import sound_checkpoint
 from qerl.train.host_memory import hand_back_large_blocks, peak_rss_gib
 from qerl.train.memory import check_fits
-from qerl.train.prompts import encode_chat
 from qerl.train.rewards import get_rewards
 from qerl.train.trainer import QeRLConfig, QeRLTrainer, last_complete_checkpoint
 
 logger = logging.getLogger("qerl.train")
-__all__ = ["IGNORED_REFERENCE_FLAGS", "ScriptArguments", "main", "parse_args", "heldout_accuracy", "prompt_budget"]
+__all__ = ["IGNORED_REFERENCE_FLAGS", "ScriptArguments", "main", "parse_args", "heldout_accuracy"]
 
 
 def heldout_accuracy(trainer: QeRLTrainer, rows: Any, reading: str, max_new_tokens: int, batch: int = 64) -> float:
     """Greedy accuracy on held-out rows through the rollout engine, judged as evaluation judges
-    (``qerl.train.answers.judge`` with the data set's reading), whatever rewards the run trains with."""
+    (``qerl.tasks.answers.judge`` with the data set's reading), whatever rewards the run trains with."""
     if len(rows) == 0:
         return float("nan")
     tok = trainer.processing_class
@@ -142,23 +141,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             logger.warning("--%s is a reference leftover and is ignored", name.replace("_", "-"))
 
     out = Path(config.output_dir)
-    run_record.check_output_dir(out, script.model_name)
+    model = _resolved(script.model_name)
+    resume.check_output_dir(out, script.model_name, model)
     if not is_main_launch_process():
-        summary = _train(script, config, out)
+        summary = _train(script, config, out, model)
     else:
         with run_lock(out, "--output_dir"):
-            summary = _train(script, config, out)
+            summary = _train(script, config, out, model)
     end_process_group()
     return summary
 
 
-def _tokenizer(model: str, trust_remote_code: bool) -> Any:
-    """The model's tokenizer, once the model is known to be supported and to have a chat template (every prompt is
-    rendered through it: without one, trl failed in the first step with a traceback); code the model directory names
-    runs only with ``--trust_remote_code`` (trl's flag, ``qerl.load.model_files``)."""
+def _resolved(model: str) -> Path | str:
+    """``--model_name`` resolved once for the run (a local directory or a hub id: ``qerl.hub.resolve_model``)."""
     try:
-        check_supported(model, trust_remote_code=trust_remote_code)  # before the tokenizer, hashing and the data
-        tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
+        return hub.resolve_model(model)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model_name {model}: {one_line(e)}") from None
+
+
+def _tokenizer(model: str, resolved: Path | str, trust_remote_code: bool) -> tuple[Path, Any]:
+    """(the model's directory, its tokenizer), once the model is known to be supported and to have a chat template
+    (every prompt is rendered through it: without one, trl failed in the first step with a traceback); code the model
+    directory names runs only with ``--trust_remote_code`` (trl's flag, ``qerl.model_files``)."""
+    try:
+        model_dir = hub.local_dir(resolved)
+        check_supported(model_dir, trust_remote_code=trust_remote_code)  # before the tokenizer, hashing and the data
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UsageError(f"--model_name {model}: {one_line(e)}") from None
     if not tokenizer.chat_template:
@@ -166,13 +175,13 @@ def _tokenizer(model: str, trust_remote_code: bool) -> Any:
             f"--model_name {model}: has no chat template (chat_template.jinja or tokenizer_config.json's "
             "chat_template); training renders every prompt through it"
         )
-    return tokenizer
+    return model_dir, tokenizer
 
 
 def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any, budget: int) -> tuple[Any, Any]:
-    """(training rows, held-out rows), every prompt within ``budget`` tokens (:func:`prompt_budget`; longer ones
+    """(training rows, held-out rows), every prompt within ``budget`` tokens (``data.prompt_budget``; longer ones
     dropped, by characters first: a huge question is never tokenized whole)."""
-    rows = qdata.load_dataset(
+    rows = data.load_dataset(
         script.dataset,
         script.dataset_path,
         num_samples=script.num_samples,
@@ -180,7 +189,7 @@ def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any, budget: i
         arithmetic_level=script.arithmetic_level,
         style=script.prompt_style,
     )
-    kept = qdata.filter_prompt_length(rows, tokenizer, budget)
+    kept = data.filter_prompt_length(rows, tokenizer, budget)
     if len(kept) < len(rows):
         flag = "--max_prompt_length" if script.max_prompt_length else "the default --max_prompt_length"
         logger.warning(
@@ -192,8 +201,8 @@ def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any, budget: i
         )
     if not len(kept):
         raise ValueError(f"--max_prompt_length {budget}: no prompt of the data set is that short")
-    where = qdata.data_name(script.dataset, script.dataset_path)
-    train, heldout = qdata.train_heldout_split(kept, script.heldout, seed=config.seed, where=where)
+    where = data.data_name(script.dataset, script.dataset_path)
+    train, heldout = data.train_heldout_split(kept, script.heldout, seed=config.seed, where=where)
     prompts = config.generation_batch_size // config.num_generations  # trl's sampler drops a generation short of it
     if len(train) < prompts:
         raise ValueError(
@@ -202,31 +211,6 @@ def _rows(script: ScriptArguments, config: QeRLConfig, tokenizer: Any, budget: i
             "no step would train"
         )
     return train, heldout
-
-
-#: The default prompt budget in tokens, where the model's context leaves that much: the reference data sets' prompts
-#: are far shorter (GSM8K's under 300 tokens), and unbounded ones (four 64 KB questions) ran a run out of memory.
-DEFAULT_MAX_PROMPT_TOKENS = 4096
-
-
-def prompt_budget(script: ScriptArguments, config: QeRLConfig) -> int:
-    """``--max_prompt_length``, else the smaller of :data:`DEFAULT_MAX_PROMPT_TOKENS` and what the model's context
-    (``max_position_embeddings``) leaves after the completion budget."""
-    if script.max_prompt_length:
-        return script.max_prompt_length
-    context = read_config(hub.local_model_dir(script.model_name)).get("max_position_embeddings")
-    if not isinstance(context, int) or isinstance(context, bool):
-        return DEFAULT_MAX_PROMPT_TOKENS
-    room = context - (config.max_completion_length or 0)
-    if room < 1:  # the data set's default budget can exceed a small model's context: the context alone bounds
-        logger.warning(
-            "--max_completion_length %s is not less than the model's context (%d positions): prompts are "
-            "bounded by the context alone",
-            config.max_completion_length,
-            context,
-        )
-        room = context
-    return min(DEFAULT_MAX_PROMPT_TOKENS, room)
 
 
 @dataclass
@@ -242,42 +226,43 @@ class Prepared:
     summary: dict[str, Any]
 
 
-def _train(script: ScriptArguments, config: QeRLConfig, out: Path) -> dict[str, Any]:
+def _train(script: ScriptArguments, config: QeRLConfig, out: Path, model: Path | str) -> dict[str, Any]:
     """The run itself, once ``out`` is this process's to write: a finished run's summary, or prepare, fit, finish."""
-    prepared = prepare(script, config, out)
+    prepared = prepare(script, config, out, model)
     if isinstance(prepared, dict):
         return prepared
     fit(script, prepared, out)
     return finish(script, prepared, out)
 
 
-def prepare(script: ScriptArguments, config: QeRLConfig, out: Path) -> Prepared | dict[str, Any]:
-    """Inputs, settings record and trainer, or the summary of a run that already finished. Everything that fails
-    here is the user's input (paths, names, values), reported in one line; nothing is written yet."""
-    tokenizer = _tokenizer(script.model_name, config.trust_remote_code)
+def prepare(script: ScriptArguments, config: QeRLConfig, out: Path, model: Path | str) -> Prepared | dict[str, Any]:
+    """Inputs, settings record and trainer, or the summary of a run that already finished (``model``: ``--model_name``
+    resolved). Everything that fails here is the user's input (paths, names, values), reported in one line; nothing
+    is written yet."""
+    model_dir, tokenizer = _tokenizer(script.model_name, model, config.trust_remote_code)
     with usage_errors(ValueError, OSError):
-        budget = prompt_budget(script, config)
-        check_fits(script, config, budget)  # refused before the data, the model's digest and the model
+        budget = data.prompt_budget(script.max_prompt_length, config.max_completion_length, model_dir)
+        check_fits(script, config, budget, model_dir)  # refused before the data, the model's digest and the model
         train_rows, heldout_rows = _rows(script, config, tokenizer, budget)
-        reward_names = script.rewards or list(qdata.spec(script.dataset).rewards)
+        reward_names = script.rewards or list(data_sets.spec(script.dataset).rewards)
         rewards = get_rewards(reward_names)
         unrecorded = (*IGNORED_REFERENCE_FLAGS, "force")  # --force: how to start, not what the run is
         used = {k: v for k, v in dataclasses.asdict(script).items() if k not in unrecorded}
-        base_digest = model_sha256(script.model_name)
-        wanted = run_record.run_config(
+        base_digest = resolved_sha256(model)
+        wanted = resume.run_config(
             used,
             config.to_dict(),
             rewards=reward_names,
             model_sha256=base_digest,
-            data_sha256=run_record.rows_sha256(train_rows, heldout_rows),
+            data_sha256=resume.rows_sha256(train_rows, heldout_rows),
         )
-        todo = run_record.plan(out, wanted, script.resume, config.max_steps)
+        todo = resume.continuation(out, wanted, script.resume, config.max_steps)
         if todo.finished is not None:
             logger.info(
                 "%s: this run finished at step %s; nothing to do (summary.json)", out, todo.finished.get("global_step")
             )
             return todo.finished
-        trainer = build_trainer(script, config, rewards, train_rows, tokenizer)
+        trainer = build_trainer(script, config, rewards, train_rows, tokenizer, model_dir)
     summary: dict[str, Any] = {
         "model": script.model_name,
         "nvfp4": is_nvfp4_model(trainer.model),
@@ -292,17 +277,16 @@ def prepare(script: ScriptArguments, config: QeRLConfig, out: Path) -> Prepared 
 
 
 def build_trainer(
-    script: ScriptArguments, config: QeRLConfig, rewards: list[Any], train_rows: Any, tokenizer: Any
+    script: ScriptArguments, config: QeRLConfig, rewards: list[Any], train_rows: Any, tokenizer: Any, model_dir: Path
 ) -> QeRLTrainer:
-    """The model on this process's device and the trainer around it, with LoRA as the flags ask."""
+    """The model (``model_dir``: ``--model_name``'s directory) on this process's device and the trainer around it,
+    with LoRA as the flags ask."""
     peft = lora_config(
         script.lora_rank, script.lora_alpha, script.lora_dropout, script.target_modules, train_norms=script.ln
     )
     # This process's device: cuda:LOCAL_RANK under `accelerate launch` (one process per GPU), cuda
     # alone, else CPU. Loading straight there keeps N processes from all filling the first GPU.
-    model = load_model(
-        script.model_name, device=config.device, load=script.load, trust_remote_code=config.trust_remote_code
-    )
+    model = load_model(model_dir, device=config.device, load=script.load, trust_remote_code=config.trust_remote_code)
     logger.info("model %s: %s", script.model_name, "NVFP4 base" if is_nvfp4_model(model) else "dense base")
     if config.rollout_engine == "vllm":  # vLLM serves the same checkpoint the trainer loaded
         engine_kwargs = dict(config.rollout_engine_kwargs or {})
@@ -326,7 +310,7 @@ def fit(script: ScriptArguments, run: Prepared, out: Path) -> None:
         checkpoint = sound_checkpoint(out, shapes, take_previous=script.damaged_checkpoint == "previous")
     out.mkdir(parents=True, exist_ok=True)
     if trainer.is_world_process_zero():
-        run_record.save(out, run.wanted)
+        resume.save(out, run.wanted)
     if len(run.heldout_rows) and trainer.accelerator.is_main_process:  # rows `python -m eval.gsm8k` / eval.math score
         write_jsonl(
             out / "heldout.jsonl",
@@ -374,7 +358,7 @@ def _measure_heldout(script: ScriptArguments, run: Prepared, when: str) -> None:
     """``heldout_accuracy_{when}`` in the summary (and the log), when rows are held out."""
     if not len(run.heldout_rows):
         return
-    reading = qdata.spec(script.dataset).reading
+    reading = data_sets.spec(script.dataset).reading
     accuracy = heldout_accuracy(run.trainer, run.heldout_rows, reading, script.heldout_max_tokens)
     run.summary[f"heldout_accuracy_{when}"] = accuracy
     logger.info("held-out accuracy %s training: %.4f", when, accuracy)

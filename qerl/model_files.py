@@ -13,17 +13,17 @@ train, eval and export all come through :func:`checked_config` (the tokenizer al
   to a file outside the model directory is refused: a link to a secret was copied as a regular file holding it. A
   Hugging Face cache snapshot (``models--ORG--NAME/snapshots/REV``) is all links into its repository's ``blobs``;
   those stay within the model.
-* **Fields.** config.json's sizes, heads, RoPE type and shapes: ``qerl.load.config_fields``.
+* **Fields.** config.json's sizes, heads, RoPE type and shapes: ``qerl.config_fields``.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import shutil
 from pathlib import Path
 
-from qerl import arch, checkpoint, hub
+from qerl import arch, checkpoint, config_fields, hub
 from qerl.fsutil import check_regular, check_small, is_within, read_json
-from qerl.load import config_fields
 
 #: The files that may name the directory's code.
 CODE_CONFIGS = ("config.json", "tokenizer_config.json")
@@ -90,11 +90,18 @@ def side_files(model_dir: Path) -> list[Path]:
     return found
 
 
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copy ``src``'s side files (:func:`side_files`: tokenizer, generation config, chat template; never other weights,
+    never a link out of the model) into ``dst``, beside the weights quantize or export wrote there."""
+    for f in side_files(src):
+        shutil.copy2(f, dst / f.name)
+
+
 def checked_config(
     model_dir: Path, *, trust_remote_code: bool = False, copying: bool = False
 ) -> tuple[dict, arch.Family]:
     """``model_dir``'s config.json and family once the directory passed :func:`check_files` and the config describes
-    a supported model whose fields (``qerl.load.config_fields``), layer count and tensor shapes are the weights':
+    a supported model whose fields (``qerl.config_fields``), layer count and tensor shapes are the weights':
     everything from headers, before any skeleton or tensor is allocated."""
     check_files(model_dir, trust_remote_code=trust_remote_code, copying=copying)
     where = str(model_dir / "config.json")

@@ -9,7 +9,7 @@ with ``Answer: X``. Training also knows ``source``: a row's own conversation (DA
 
 The reference's GSM8K prompt asked for no tags while 2.2 of its reward depended on them
 (the reference's prompt and reward code). Ours keeps that prompt by default but reads the answer wherever it is stated
-(``qerl.train.answers``), so only the 0.2 format reward still needs the tags; ``--prompt-style tags`` asks
+(``qerl.tasks.answers``), so only the 0.2 format reward still needs the tags; ``--prompt-style tags`` asks
 for them.
 
 A chat template is a program (Jinja), so it is held to bounds like any other input: a template file

@@ -13,6 +13,9 @@ An adapter is bound to its base the same way: training writes ``qerl_base.json``
 into the adapter it saves (its checkpoints have the run's ``run_config.json`` beside them, which holds
 the same digest), and export and evaluation refuse another base in one line
 (:func:`check_adapter_base`), whatever the two directories are called.
+
+Shared by three stages (train writes the record and keys its resume on the digests, eval keys its resume on them,
+export and eval check the record), so it sits at the top of ``qerl/``, below all of them.
 """
 
 from __future__ import annotations
@@ -104,6 +107,12 @@ def model_sha256(name_or_path: str | os.PathLike[str]) -> str | None:
         resolved = resolve_model(name_or_path)
     except FileNotFoundError:
         return None
+    return resolved_sha256(resolved)
+
+
+def resolved_sha256(resolved: Path | str) -> str | None:
+    """:func:`model_sha256` of a model already resolved (``qerl.hub.resolve_model``: a local path, or a hub id, whose
+    digest is None), for a command that resolves its model once."""
     if isinstance(resolved, str) or (resolved.is_dir() and not (resolved / "config.json").is_file()):
         return None
     return tree_sha256(resolved, MODEL_FILES)
@@ -208,6 +217,7 @@ __all__ = [
     "adapter_sha256",
     "check_adapter_base",
     "model_sha256",
+    "resolved_sha256",
     "tree_sha256",
     "write_base_record",
 ]
