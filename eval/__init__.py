@@ -5,3 +5,10 @@ context before any model work), ``loading`` (base model + LoRA adapter), ``resul
 ``runner`` (the shared loop and flags). Answer extraction and equivalence live in ``qerl.tasks.answers``,
 shared with the training rewards.
 """
+
+import sys
+
+if sys.argv[:1] == ["-m"]:  # ``python -m eval.<command>`` is importing its command: a Ctrl-C now is one line too
+    from qerl.cli import ctrl_c_ends_the_imports
+
+    ctrl_c_ends_the_imports(__name__)

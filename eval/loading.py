@@ -20,7 +20,7 @@ from peft.utils import get_peft_model_state_dict
 
 from qerl.cli import UsageError
 from qerl.fingerprint import check_adapter_base
-from qerl.load.adapter import read_adapter_config
+from qerl.load.adapter import CONFIG_FILE, check_patterns, read_adapter_config
 from qerl.load.integrity import DamagedTensor, check_tensors
 from qerl.load.lora import load_adapter
 
@@ -72,6 +72,10 @@ def apply_adapter(model: Any, adapter_dir: str, model_arg: str, allow_base_misma
     config, saved = _read_adapter(adapter_dir)
     recorded = config.base_model_name_or_path
     check_adapter_base(path, model_arg, allow_base_mismatch)
+    try:
+        check_patterns(config, (name for name, _ in model.named_modules()), f"--lora {path / CONFIG_FILE}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     try:
         wrapped = load_adapter(model, str(path), config=config)
     except (RuntimeError, ValueError, KeyError) as e:

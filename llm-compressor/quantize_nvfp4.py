@@ -10,7 +10,10 @@ and the command's docs there; ``python -m qerl.quantize`` runs the same). It imp
 
 import sys
 
-from qerl.quantize.run import main
-
 if __name__ == "__main__":
+    from qerl.cli import ctrl_c_ends_the_imports
+
+    ctrl_c_ends_the_imports("")  # before the seconds of imports below: a Ctrl-C there is one line too
+    from qerl.quantize.run import main
+
     sys.exit(main())

@@ -6,16 +6,22 @@ keeps what several steps share (``nvfp4`` the format, ``checkpoint`` its files, 
 ``fsutil``, ``runlock``, ``hub``, ``cli``), ``export``, and the public names ``qerl.trainer`` and ``qerl.plot``.
 """
 
+import sys
 from typing import Any
 
 __all__ = ["NVFP4Linear", "load_model", "load_tokenizer"]
 __version__ = "0.1.0"
 
+if sys.argv[:1] == ["-m"]:  # ``python -m qerl.<command>`` is importing its command: a Ctrl-C now is one line too
+    from qerl.cli import ctrl_c_ends_the_imports
+
+    ctrl_c_ends_the_imports(__name__)
+
 
 def __getattr__(name: str) -> Any:
     """The public names, imported on first use. ``python -m qerl.train`` (any ``qerl.X`` command) imports this package
-    before the command's own code runs: imported here, torch and transformers (seconds) loaded before a command could
-    turn a Ctrl-C into its one line (``qerl.train.__main__``), and a Ctrl-C then printed a long traceback."""
+    before the command's own code runs: imported here, torch and transformers (seconds) would load before the
+    command starts, on every command, even ``--help``."""
     if name == "NVFP4Linear":
         from qerl.load.linear import NVFP4Linear
 

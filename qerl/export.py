@@ -48,7 +48,7 @@ from qerl import checkpoint, hub, model_files, nvfp4
 from qerl.cli import ArgumentParser, UsageError, run, shard_gb
 from qerl.fingerprint import check_adapter_base
 from qerl.fsutil import atomic_directory, is_within, refuse_link, remove_leftovers, scratch_directory, write_text
-from qerl.load.adapter import read_adapter_config
+from qerl.load.adapter import CONFIG_FILE, check_patterns, read_adapter_config
 from qerl.load.headers import check_headers
 from qerl.load.integrity import check_tensor, check_tensors
 from qerl.quantize import pipeline
@@ -125,6 +125,10 @@ def read_adapter(path: Path) -> Adapter:
         adapter.deltas[layer] = (a, b, alpha / math.sqrt(r) if config.use_rslora else alpha / r)
     if not adapter.deltas and not adapter.overrides:
         raise ValueError(f"{weights}: holds no LoRA or modules_to_save tensors")
+    # Not needed for the merge (it goes by tensor names), but what evaluation refuses export refuses too.
+    check_patterns(
+        config, [*adapter.deltas, *(n.removesuffix(".weight") for n in adapter.overrides)], str(path / CONFIG_FILE)
+    )
     return adapter
 
 

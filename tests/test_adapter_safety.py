@@ -50,6 +50,9 @@ CASES = {
     "rank 0": ({"r": 0}, "r is 0"),
     "catastrophic alpha_pattern": ({"alpha_pattern": {"(([a-z_.0-9]+)+)+X": 4}}, "alpha_pattern"),
     "catastrophic rank_pattern": ({"rank_pattern": {"((.*)*)*X": 4}}, "rank_pattern"),
+    "catastrophic target_modules": ({"target_modules": "((.*)*)*X"}, "target_modules"),
+    "catastrophic exclude_modules": ({"exclude_modules": "(([a-z_.0-9]+)+)+X"}, "exclude_modules"),
+    "target_modules not an expression": ({"target_modules": "q_proj("}, "target_modules"),
 }
 
 
@@ -74,6 +77,21 @@ def test_plain_patterns_still_merge(qtiny, adapter, tmp_path: Path) -> None:
     merged = read_adapter(patterned)
     assert merged.deltas["model.layers.0.self_attn.q_proj"][2] == 0.5
     assert merged.deltas["model.layers.1.self_attn.q_proj"][2] == 2.0
+
+
+def test_module_name_expressions_still_evaluate(qtiny, adapter, tmp_path: Path) -> None:
+    """A string ``target_modules`` that peft matches as a regular expression (the usual kind) is taken: the check
+    that stops a backtracking one lets it through, in eval and export."""
+    argvs = _commands(
+        qtiny,
+        _changed(
+            adapter, tmp_path / "expr", target_modules=r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+        ),
+        tmp_path,
+    )
+    for command, argv in argvs.items():
+        code, err = run_module(argv, tmp_path)
+        assert code == 0, (command, err[-2000:])
 
 
 def test_eval_of_a_bin_adapter_is_one_line(qtiny, adapter, tmp_path: Path, capsys) -> None:

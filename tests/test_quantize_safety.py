@@ -72,6 +72,15 @@ def test_output_containing_the_source_is_refused(tmp_path: Path, capsys):
     assert _snapshot(parent) == before
 
 
+def test_output_inside_the_source_is_refused(tiny_llama_dir: Path, capsys):
+    """An output inside the source model's directory was written there (the source then held a second model under
+    its digest); now one line, and the source is as it was. Export refuses an output inside its model the same way."""
+    before = _snapshot(tiny_llama_dir)
+    code, err = _run(["--model", str(tiny_llama_dir), "--output", str(tiny_llama_dir / "nvfp4")], capsys)
+    assert code == 2 and err.count("\n") == 0 and "inside the source model directory" in err, err
+    assert _snapshot(tiny_llama_dir) == before
+
+
 def test_overwrite_replaces_only_an_earlier_nvfp4_output(tiny_llama_dir: Path, tmp_path: Path, capsys):
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -275,17 +275,32 @@ def test_empty_qerl_cache_means_the_default(tiny_dense_dir: Path, tmp_path: Path
     assert any((tmp_path / "home" / ".cache" / "qerl").iterdir())
 
 
-def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path) -> None:
-    """Ctrl-C while ``python -m qerl.train`` was still importing torch, transformers and trl (seconds) printed a
-    40-60 line traceback; now ``interrupted`` and status 130, as once the command runs. ``-X importtime`` reports
-    each import as it finishes: the signal comes once torch has begun to import."""
+COMMANDS_THAT_IMPORT = {
+    "train": ["-m", "qerl.train", "--output_dir", "{tmp}/run"],
+    "export": ["-m", "qerl.export", "--model", "{tmp}/m", "--lora", "{tmp}/a", "--output", "{tmp}/out"],
+    "quantize -m": ["-m", "qerl.quantize", "--model", "{tmp}/m", "--output", "{tmp}/out"],
+    "quantize script": ["llm-compressor/quantize_nvfp4.py", "--model", "{tmp}/m", "--output", "{tmp}/out"],
+    "eval.gsm8k": ["-m", "eval.gsm8k", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--output", "{tmp}/o.jsonl"],
+    "eval.math": ["-m", "eval.math", "--benchmark", "math500", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS_THAT_IMPORT)
+def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path, command: str) -> None:
+    """Ctrl-C while a command was still importing torch, transformers and trl (seconds) printed a 40-60 line
+    traceback (``qerl.train`` was fixed first; export and quantize, by either name, still did; the evals import
+    torch within ``qerl.cli.run`` and are held to it here); now ``interrupted`` and status 130, as once the command
+    runs, and nothing written. ``-X importtime`` reports each import as it finishes:
+    the signal comes once torch has begun to import, before the command looks at its model."""
     import signal
     import subprocess
     import sys
     import threading
 
+    (tmp_path / "d.jsonl").write_text('{"question": "1+1?", "problem": "1+1?", "answer": "#### 2"}\n')
+    argv = [a.format(tmp=tmp_path) for a in COMMANDS_THAT_IMPORT[command]]
     proc = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", "qerl.train", "--output_dir", str(tmp_path / "run")],
+        [sys.executable, "-X", "importtime", *argv],
         cwd=Path(__file__).resolve().parents[1],
         stderr=subprocess.PIPE,
         text=True,
@@ -303,6 +318,7 @@ def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path) -> None:
     guard.cancel()
     assert proc.wait() == 130, "".join(lines)
     assert [line for line in lines if not line.startswith("import time:")] == ["interrupted\n"], "".join(lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
 
 
 @pytest.mark.parametrize("form", ["yaml", "json", "flag"])

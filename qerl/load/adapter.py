@@ -10,6 +10,11 @@ adapter one of them refuses the other refuses too.
   quantifiers backtracks for ever and hung both commands. A key must therefore be a plain module name or dotted
   suffix (letters, digits, ``_`` and ``.``, at most :data:`MAX_PATTERN_KEY` characters), which is what peft's suffix
   rule matches and what peft and qerl write; without quantifiers or groups such a key cannot backtrack.
+* Module-name expressions: peft also builds regular expressions from a string ``target_modules`` or
+  ``exclude_modules`` and from each ``modules_to_save`` and ``layers_pattern`` item, and matches them against every
+  module name of the model when it wraps it (``((.*)*)*X`` as ``target_modules`` hung evaluation). These are used as
+  given, but first matched here over the model's module names within :data:`PATTERN_BUDGET_S`
+  (:func:`check_patterns`; the regex engine lets a signal interrupt it): real expressions take milliseconds.
 * Weights: ``adapter_model.safetensors``, a regular file. A pickled ``adapter_model.bin`` is not read.
 """
 
@@ -17,6 +22,9 @@ from __future__ import annotations
 
 import math
 import re
+import signal
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +42,8 @@ MAX_ALPHA = float(1 << 16)
 #: The longest pattern key (a full module name of a 100-layer model is under 60 characters).
 MAX_PATTERN_KEY = 256
 _PLAIN_KEY = re.compile(rf"[A-Za-z0-9_.]{{1,{MAX_PATTERN_KEY}}}")
+#: How long matching an adapter's module-name expressions over all of a model's module names may take.
+PATTERN_BUDGET_S = 2.0
 
 
 def adapter_files(path: Path, flag: str = "--lora") -> tuple[Path, Path]:
@@ -97,3 +107,54 @@ def _check_number(value: object, field: str, where: str, *, rank: bool) -> None:
         expected = f"a finite number in (0, {MAX_ALPHA:g}]"  # NaN compares false: refused too
     if not good or (isinstance(value, float) and not math.isfinite(value)):
         raise ValueError(f"{where}: {field} is {value!r}; expected {expected}")
+
+
+def peft_expressions(config: PeftConfig) -> list[tuple[str, str]]:
+    """(field, regular expression) for each expression peft builds from ``config`` and matches against every module
+    name when it wraps a model (peft's ``check_target_module_exists``), in peft's own templates."""
+    found = []
+    for field in ("target_modules", "exclude_modules"):
+        value = getattr(config, field, None)
+        if isinstance(value, str):
+            found.append((field, rf"(?:{value})\Z"))
+    for item in getattr(config, "modules_to_save", None) or []:
+        found.append(("modules_to_save", rf"(^|.*\.){item}($|\..*)"))
+    layers = getattr(config, "layers_pattern", None)
+    for item in [layers] if isinstance(layers, str) else layers or []:
+        found.append(("layers_pattern", rf"(?:^|.*?\.){item}\.(?P<idx>\d+)\."))
+    return found
+
+
+def check_patterns(config: PeftConfig, names: Iterable[str], where: str) -> None:
+    """Raise a one-line ``ValueError`` naming ``where`` and the field when one of ``config``'s module-name expressions
+    is not a regular expression, or does not get through ``names`` within :data:`PATTERN_BUDGET_S` (it backtracks:
+    peft would never return). Outside the main thread no alarm can be set, and only the syntax is checked."""
+    checks: list[tuple[str, Callable[[str], object]]] = []
+    for field, expression in peft_expressions(config):
+        try:
+            checks.append((field, re.compile(expression).match))
+        except (re.error, RecursionError, OverflowError) as e:
+            raise ValueError(f"{where}: {field} is not a regular expression ({e})") from None
+    if not checks or threading.current_thread() is not threading.main_thread():
+        return
+    names = list(names)
+
+    def late(signum: int, frame: object) -> None:
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, late)
+    signal.setitimer(signal.ITIMER_REAL, PATTERN_BUDGET_S)
+    try:
+        while checks:
+            for name in names:
+                checks[0][1](name)
+            checks.pop(0)
+    except TimeoutError:
+        raise ValueError(
+            f"{where}: {checks[0][0]} does not match the model's {len(names)} module names within {PATTERN_BUDGET_S:g} s "
+            "(a regular expression that backtracks, such as nested repeats); expected module names or a simple "
+            "expression"
+        ) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -21,9 +21,16 @@ def check_target(out_dir: Path, sources: Sequence[Path], overwrite: bool) -> Non
 
     ``sources`` are the paths the source model comes from (its directory, a GGUF file); an
     existing ``out_dir`` may be replaced only with ``overwrite`` and only when it is an NVFP4
-    checkpoint that neither is nor contains any of them or the current directory.
+    checkpoint that neither is nor contains any of them or the current directory. An output inside the source
+    model's directory is refused, as export refuses one inside its model: the source would change under its
+    digest and hold a second model.
     """
     refuse_link(out_dir, "--output")
+    for source in sources:
+        if source.is_dir() and out_dir.resolve() != source.resolve() and is_within(out_dir, source):
+            raise ValueError(
+                f"--output {out_dir} is inside the source model directory ({source}); choose one outside it"
+            )
     if not out_dir.exists():
         return
     if not overwrite:
