@@ -31,10 +31,13 @@ from torch import nn
 from qerl import nvfp4
 from qerl.fsutil import atomic_file, atomic_write_text
 
-#: Decoder shapes of Qwen2.5-7B (hidden 3584, intermediate 18944, 28 q / 4 kv heads of 128) and -32B.
+#: Decoder shapes of Qwen2.5-7B (hidden 3584, intermediate 18944, 28 q / 4 kv heads of 128), -14B and -32B.
 SHAPES = {
     "7b": dict(
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
+    ),
+    "14b": dict(
+        hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8
     ),
     "32b": dict(
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8
