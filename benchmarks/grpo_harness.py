@@ -152,6 +152,7 @@ def make_trainer(
         mask_truncated_completions=False,
         is_ratio_from_loss_pass=not getattr(args, "trl_logprob_pass", False),
         pass_chunk_rows=getattr(args, "pass_chunk_rows", None),
+        fused_layers=not getattr(args, "no_fused_layers", False),
     )
     peft = lora_config(r=args.lora_r, train_norms=True)
     trainer = QeRLTrainer(
@@ -262,7 +263,10 @@ class PhaseClock:
 class Probe:
     """Instance-level wrappers on the trainer's own methods that mark the phase boundaries."""
 
-    def __init__(self, trainer: Any, switch: Callable[[str], None]) -> None:
+    def __init__(self, trainer: Any, switch: Callable[[str], None], ragged: bool = False) -> None:
+        """``ragged``: each rollout's completions are cut to lengths spread evenly from the full length down to half
+        of it (no EOS: the engine still generates them all), so that the training passes see the padded rows of a
+        real run instead of equal ones."""
         self.completion_lengths: list[int] = []
         self.decode_steps: float | None = None
         self.rollouts = 0  # calls of the engine per step
@@ -281,6 +285,8 @@ class Probe:
                 ids, lps = generate(*a, **k)
             finally:
                 switch("other")
+            if ragged:
+                ids, lps = ragged_rows(ids, lps)
             self.rollouts += 1
             self.completion_lengths = [len(c) for c in ids]
             # The native engine counts its decode steps; trl's own trainer and the vLLM engine do not.
@@ -317,6 +323,16 @@ class Probe:
         """Forget the previous step's counts; the watched LoRA weight's value becomes the reference."""
         self.rollouts, self.micro_rows, self.weights_moved_in_accumulation = 0, [], False
         self.start_value = self.watched.detach().clone()
+
+
+def ragged_rows(ids: list[list[int]], logprobs: list[list[float]] | None) -> tuple[list, list | None]:
+    """Completion ``i`` of ``n`` cut to ``L - floor(i * L / (2 (n - 1)))`` tokens (``L`` the full length): from ``L``
+    down to ``L / 2``, the longest row still full, so the pass keeps its width and gains padding."""
+    full, last = max(len(c) for c in ids), max(len(ids) - 1, 1)
+    keep = [full - (i * full) // (2 * last) for i in range(len(ids))]
+    return [c[:k] for c, k in zip(ids, keep, strict=True)], (
+        None if logprobs is None else [lp[:k] for lp, k in zip(logprobs, keep, strict=True)]
+    )
 
 
 def run_step(trainer: Any, prompts: list[dict[str, str]], switch: Callable[[str], None]) -> tuple[float, float]:

@@ -53,6 +53,9 @@ optimizer = 40 B per fp32 trainable parameter / 4.24 TB/s. docs/performance.md h
     python -m benchmarks.grpo_step --out $OUT/grpo_step.json        # the H200 run (~5-7 min, predicted)
     python -m benchmarks.grpo_step --tiny --out /tmp/grpo_tiny.json  # 2-layer Llama, 16 tokens, CPU ok
     python -m benchmarks.grpo_step --floors                          # analytic floors only
+    python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 --ragged [--masked-pass] --out $OUT/ragged.json
+    python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 [--no-fused-layers] --out $OUT/fused.json
+        # completions of unequal lengths, as in a real run: the aligned training pass, or trl's masked one
     python -m benchmarks.grpo_step --shapes 7b --profile --out $OUT/grpo_step_profile.json
         # the timed fwd_bwd under torch.profiler: device-busy share, top kernels, host cost of the qerl ops
     python -m benchmarks.grpo_step --shapes 72b --bases nvfp4 --steps 1 --out $OUT/grpo_step_72b.json
@@ -107,6 +110,7 @@ from benchmarks.grpo_harness import (
     run_step,
     sig,
 )
+from qerl.train.fused_layers import FusedSwiGLU
 
 SHAPES: dict[str, dict[str, int]] = {**QWEN2_5_SHAPES, "72b": QWEN2_5_72B}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -135,7 +139,8 @@ def measure(
     """Warm up, then time one step; fills ``row``. Every tensor reference it takes dies on return, so
     the configuration's memory is freed with the trainer."""
     cuda = clock.cuda
-    probe = Probe(trainer, clock.switch)
+    probe = Probe(trainer, clock.switch, ragged=args.ragged)
+    trainer.align_rows = not args.masked_pass
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
     row["trainable_params"] = sum(p.numel() for p in trainable)
     row["trainable_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in trainable})
@@ -192,6 +197,11 @@ def measure(
     row["optimizer_steps_total"] = int(optimizer.state[probe.watched]["step"])  # warm-up + timed steps
     row["completion_lengths"] = sorted(set(probe.completion_lengths))
     row["forced_length"] = probe.completion_lengths == [args.tokens] * args.local_n
+    row["ragged"], row["aligned_rows"] = args.ragged, trainer.align_rows
+    row["fused_layers"] = {  # asked (QeRLConfig.fused_layers), and swapped (where the kernels serve: CUDA)
+        "asked": trainer.args.fused_layers,
+        "swapped": any(isinstance(m, FusedSwiGLU) for m in trainer.model.modules()),
+    }
     row["decode_steps"] = probe.decode_steps
     row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)
     row["recompute"] = recompute_ran(trainer)
@@ -416,6 +426,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="time trl's separate old-log-prob pass (is_ratio_from_loss_pass False) instead of taking "
         "the IS ratio from the loss forward",
+    )
+    parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help="cut the completions to lengths from the full length down to half of it after the rollout, so that the "
+        "training passes get the padded rows of a real run (the rollout still generates every token)",
+    )
+    parser.add_argument(
+        "--masked-pass",
+        action="store_true",
+        help="run the training passes as trl does, with the padding mask (qerl shifts padded rows and drops it: "
+        "qerl.train.aligned_rows); with --ragged, the A/B of that change",
+    )
+    parser.add_argument(
+        "--no-fused-layers",
+        action="store_true",
+        help="transformers' RMSNorm and MLP in the training passes instead of qerl's fused kernels "
+        "(QeRLConfig.fused_layers; qerl.train.fused_layers): the A/B of that change",
     )
     parser.add_argument("--tiny", action="store_true", help="2-layer tiny Llama, 16 new tokens, prompt 32 (CPU or GPU)")
     parser.add_argument("--floors", action="store_true", help="print the analytic floors and exit (no device)")

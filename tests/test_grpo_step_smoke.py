@@ -269,3 +269,30 @@ def test_kernel_kinds_sort_the_kernels_a_training_pass_launches() -> None:
         "ncclKernel_AllReduce": "other",
     }
     assert {n: kernel_kind(n) for n in names} == names
+
+
+def test_ragged_rows_take_the_aligned_pass_and_give_the_masked_loss(grpo_step: ModuleType, tmp_path: Path) -> None:
+    """``--ragged`` cuts the 8 completions to 16 down to 8 tokens (the training pass then gets trl's padded rows);
+    the aligned pass (qerl's) and ``--masked-pass`` (trl's) give the same loss and gradient norm, and the row says
+    which ran."""
+    rows = {}
+    for name, flags in (("aligned", []), ("masked", ["--masked-pass"])):
+        out = tmp_path / f"{name}.json"
+        grpo_step.main(["--tiny", "--bases", "nvfp4", "--steps", "1", "--ragged", *flags, "--out", str(out)])
+        (rows[name],) = json.loads(out.read_text())["results"]
+    for name, r in rows.items():
+        assert r["status"] == "ok", r.get("error")
+        assert r["ragged"] and r["aligned_rows"] is (name == "aligned")
+        assert r["completion_lengths"] == [8, 10, 11, 12, 13, 14, 15, 16] and not r["forced_length"]
+    for key in ("loss", "grad_norm"):
+        assert rows["aligned"][key] == pytest.approx(rows["masked"][key], rel=1e-3), key
+
+
+def test_no_fused_layers_is_recorded(grpo_step: ModuleType, tmp_path: Path) -> None:
+    """``--no-fused-layers`` reaches QeRLConfig.fused_layers, and the row says what was asked and what ran (on a CPU
+    nothing is swapped: the kernels serve CUDA)."""
+    for flags, asked in (([], True), (["--no-fused-layers"], False)):
+        out = tmp_path / f"{asked}.json"
+        grpo_step.main(["--tiny", "--bases", "nvfp4", "--steps", "1", *flags, "--out", str(out)])
+        (row,) = json.loads(out.read_text())["results"]
+        assert row["status"] == "ok" and row["fused_layers"] == {"asked": asked, "swapped": False}

@@ -11,7 +11,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_kernels_interp import MLP, check_backward, check_compile, check_lora_grads, dequantize_ulps, max_err
+from test_kernels_interp import (
+    MLP,
+    check_backward,
+    check_compile,
+    check_fused_model,
+    check_lora_grads,
+    check_train_fused,
+    dequantize_ulps,
+    max_err,
+)
 
 from qerl import nvfp4
 from qerl.kernels.epilogue import Epilogue
@@ -417,3 +426,17 @@ def test_cuda_graph_decode_step() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert max_err(static_y, model.reference(static_x)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_train_fused_norm_and_swiglu(dtype: torch.dtype) -> None:
+    """The training pass's fused RMSNorm and SwiGLU, forward and backward, against float64 (interpreted twin:
+    test_kernels_interp.check_train_fused), within two of the dtype's eps."""
+    check_train_fused("cuda", dtype, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_layers_give_the_model_transformers_gives(dtype: torch.dtype) -> None:
+    """A tiny Qwen2 + LoRA + trained norms with its norms and MLPs on the fused kernels against transformers' ops:
+    logits and gradients within 4 eps of the dtype (bound to calibrate; the interpreter's fp16 run is bitwise)."""
+    check_fused_model("cuda", dtype, 2 * TOL[dtype])

@@ -162,6 +162,82 @@ def check_compile(
         assert max_err(y, y64) < tol and max_err(gx, gx64) < tol, (m, max_err(y, y64), max_err(gx, gx64))
 
 
+def check_train_fused(device: str, dtype: torch.dtype, tol: float) -> None:
+    """The training pass's fused RMSNorm (``train_fused.rms_norm``: output, input and weight gradients; a trained
+    fp32 weight and a frozen one in ``dtype``; rows below, at and past the weight-gradient programs, columns off a
+    power of two) and SwiGLU (output, both gradients; sizes off the block) against float64."""
+    from qerl.kernels import train_fused
+
+    gen = torch.Generator().manual_seed(7)
+    for rows, cols in ((1, 64), (5, 100), (train_fused.NORM_GRAD_PROGRAMS + 44, 64)):
+        x = (torch.randn(rows, cols, generator=gen) * 3).to(device, dtype)
+        for w_dtype in (torch.float32, dtype):
+            w = (
+                (1 + 0.3 * torch.randn(cols, generator=gen))
+                .to(device, w_dtype)
+                .requires_grad_(w_dtype == torch.float32)
+            )
+            dy = torch.randn(rows, cols, generator=gen).to(device, dtype)
+            xg = x.clone().requires_grad_(True)
+            y = train_fused.rms_norm(xg, w, 1e-6)
+            assert y.dtype == dtype
+            y.backward(dy)
+            x64, w64 = x.double().requires_grad_(True), w.detach().double().requires_grad_(True)
+            y64 = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+            y64.backward(dy.double())
+            errs = [max_err(y, y64), max_err(xg.grad, x64.grad)] + (
+                [max_err(w.grad, w64.grad)] if w.requires_grad else []
+            )
+            assert max(errs) < tol, f"rms_norm [{rows}, {cols}] weight {w_dtype}: errors {errs}"
+    for n in (1, 1000, 3 * train_fused.SWIGLU_BLOCK + 5):
+        g, u = (torch.randn(n, generator=gen) * 3).to(device, dtype), torch.randn(n, generator=gen).to(device, dtype)
+        dout = torch.randn(n, generator=gen).to(device, dtype)
+        gg, ug = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+        out = train_fused.swiglu(gg, ug)
+        out.backward(dout)
+        g64, u64 = g.double().requires_grad_(True), u.double().requires_grad_(True)
+        out64 = torch.nn.functional.silu(g64) * u64
+        out64.backward(dout.double())
+        errs = [max_err(out, out64), max_err(gg.grad, g64.grad), max_err(ug.grad, u64.grad)]
+        assert max(errs) < tol, f"swiglu [{n}]: errors {errs}"
+
+
+def check_fused_model(device: str, dtype: torch.dtype, tol: float) -> float:
+    """A tiny Qwen2 with LoRA and trained fp32 norms, its norms and MLPs swapped (``qerl.train.fused_layers``: the
+    kernels) against the same model unswapped (transformers' ops): logits and every trainable gradient within
+    ``tol`` (``max_err``) in ``dtype``; returns the largest error."""
+    from peft import get_peft_model
+    from tiny_models import tiny_model
+
+    from qerl.load.lora import lora_config
+    from qerl.train.fused_layers import fuse_layers
+    from qerl.train.trainer import keep_trainable_fp32
+
+    def build() -> torch.nn.Module:
+        model = tiny_model("qwen2", 0, vocab_size=64, max_position_embeddings=64).to(device, dtype)
+        model = get_peft_model(model, lora_config(r=4, train_norms=True))
+        keep_trainable_fp32(model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+        return model
+
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    results = []
+    for swap in (False, True):
+        model = build()
+        if swap:
+            assert fuse_layers(model)["mlps"] == 2
+        logits = model(input_ids=ids).logits
+        logits.float().log_softmax(-1)[..., :8].sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    errs = [max_err(got, want)] + [max_err(got_grads[n], g) for n, g in want_grads.items()]
+    assert max(errs) < tol, f"fused model {dtype}: errors {errs}"
+    return max(errs)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (interpreter)")
 def test_kernels_interpreted() -> None:
     """The checks above through Triton's interpreter on CPU (the GPU runs them compiled: test_kernels_gpu.py)."""
@@ -186,4 +262,6 @@ if __name__ == "__main__":
         assert ulps == 0.0, f"dequantize fp16 [{n}, {k}]: {ulps} eps from nvfp4.dequantize"
     check_lora_grads("cpu", f16, num_hidden_layers=1)
     check_compile("cpu", f16, (1, 5, 130), 4e-3, backend="aot_eager")
+    check_train_fused("cpu", f16, 2e-3)
+    check_fused_model("cpu", f16, 2e-3)  # observed: bitwise equal
     print("interpreted kernel checks passed")

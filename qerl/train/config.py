@@ -99,6 +99,13 @@ class QeRLConfig(GRPOConfig):
             "checkpointing is auto and a whole pass does not fit the card but a chunk does; 0: never; N: chunks of N."
         },
     )
+    fused_layers: bool = field(
+        default=True,
+        metadata={
+            "help": "On CUDA, run the decoder's RMSNorms and SiLU MLPs through one Triton kernel each way, keeping "
+            "less for the backward (qerl.train.fused_layers); False: transformers' modules."
+        },
+    )
     vllm_importance_sampling_mode: str = field(
         default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.train.trainer docstring)."}
     )

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl.train.fused_layers import FusedSwiGLU
+
 logger = logging.getLogger(__name__)
 
 #: Hidden-sized bf16 tensors per token that a training pass holds beyond the decoder layers' saved activations: the
@@ -44,7 +46,14 @@ SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atte
 
 
 def saved_activation_bytes(
-    shape: Mapping[str, int], rows: int, tokens: int, lora_r: int, *, trained_norms: bool = True, masked: bool = False
+    shape: Mapping[str, int],
+    rows: int,
+    tokens: int,
+    lora_r: int,
+    *,
+    trained_norms: bool = True,
+    masked: bool = False,
+    fused: bool = False,
 ) -> int:
     """Bytes that autograd holds for the backward of every decoder layer (Llama / Qwen2 layout, LoRA on the seven
     projections, bf16 activations under autocast) when nothing is recomputed, at ``rows`` x ``tokens``.
@@ -61,6 +70,9 @@ def saved_activation_bytes(
     * MLP: the gate output (``silu``), ``silu(gate)`` and the up output (``mul``): 3 x 2i;
     * LoRA: each of the seven shrinks' outputs (2r), saved by its expand.
 
+    With ``fused`` layers (``qerl.train.fused_layers``) a norm keeps its bf16 input and the row's scale (2h + 4) and
+    the MLP only the gate and up outputs (2 x 2i).
+
     Not counted: the frozen weights (NVFP4's packed ones, bf16 ones) that the GEMMs' backward reads where they are,
     and what is shared by all layers (RoPE tables, the mask built once per forward).
     """
@@ -68,9 +80,10 @@ def saved_activation_bytes(
     head_dim = shape.get("head_dim") or h // heads
     q, k = heads * head_dim, shape["num_key_value_heads"] * head_dim
     kv = q if masked else k
-    norm = 4 * h + 4 + (2 * h if trained_norms else 0)
+    norm = 2 * h + 4 if fused else 4 * h + 4 + (2 * h if trained_norms else 0)
     attention = 2 * q + 2 * 2 * kv + 2 * q + 4 * heads + (2 * tokens if masked else 0)
-    per_token = 2 * norm + 2 * h + 2 * h + 2 * i + attention + 3 * 2 * i + 7 * 2 * lora_r
+    mlp = (2 if fused else 3) * 2 * i
+    per_token = 2 * norm + 2 * h + 2 * h + 2 * i + attention + mlp + 7 * 2 * lora_r
     return shape["num_hidden_layers"] * rows * tokens * per_token
 
 
@@ -83,12 +96,13 @@ def no_recompute_bytes(
     nvfp4: bool,
     trained_norms: bool = True,
     masked: bool = False,
+    fused: bool = False,
 ) -> int:
     """What a training pass without recompute adds, at its peak, to the memory it starts with: every layer's saved
     activations (:func:`saved_activation_bytes`), ``HEAD_ACTIVATIONS`` hidden-sized bf16 tensors per token, and for
     NVFP4 two bf16 copies of the largest weight (dequantized for the GEMMs of the forward and of the backward)."""
     h, i = shape["hidden_size"], shape["intermediate_size"]
-    saved = saved_activation_bytes(shape, rows, tokens, lora_r, trained_norms=trained_norms, masked=masked)
+    saved = saved_activation_bytes(shape, rows, tokens, lora_r, trained_norms=trained_norms, masked=masked, fused=fused)
     return saved + HEAD_ACTIVATIONS * rows * tokens * h * 2 + (2 * h * i * 2 if nvfp4 else 0)
 
 
@@ -133,7 +147,7 @@ class AutoRecompute:
         ``chunks``: whether the pass may run in row chunks."""
         rows, prompt = inputs["prompt_ids"].shape
         tokens = prompt + inputs["completion_ids"].shape[1]
-        masked = not (bool(inputs["prompt_mask"].all()) and bool(inputs["completion_mask"].all()))
+        masked = self.pass_masked(inputs)
         state = self.unallocated_state_bytes()
         memory = device_memory(inputs["prompt_ids"].device)
         room = None if memory is None else memory[0] - HEADROOM * memory[1]
@@ -173,6 +187,11 @@ class AutoRecompute:
             return chunk
         return int(self.accelerator.gather(torch.tensor([chunk], device=self.accelerator.device)).min())
 
+    def pass_masked(self, inputs: dict[str, Any]) -> bool:
+        """Whether this pass's attention takes a padding mask: any pad in its rows (``qerl.train.aligned_rows``
+        removes the mask where it can)."""
+        return not (bool(inputs["prompt_mask"].all()) and bool(inputs["completion_mask"].all()))
+
     def pass_bytes(self, rows: int, tokens: int, masked: bool) -> int:
         """What a training pass of ``rows`` x ``tokens`` keeps for its backward without recompute (``masked``: a pass
         with padding), for this trainer's model and adapter (:func:`no_recompute_bytes`)."""
@@ -183,6 +202,7 @@ class AutoRecompute:
         shape["head_dim"] = getattr(model.config, "head_dim", None)
         lora_r = max((getattr(c, "r", 0) for c in getattr(model, "peft_config", {}).values()), default=0)
         trained_norms = any(p.requires_grad for n, p in model.named_parameters() if "norm" in n)
+        fused = any(isinstance(m, FusedSwiGLU) for m in model.modules())
         return no_recompute_bytes(
             shape,
             rows,
@@ -191,6 +211,7 @@ class AutoRecompute:
             nvfp4=is_nvfp4_model(model),
             trained_norms=trained_norms,
             masked=masked,
+            fused=fused,
         )
 
     def unallocated_state_bytes(self) -> int:

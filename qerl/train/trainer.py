@@ -62,10 +62,13 @@ from trl.trainer.utils import get_config_model_id
 
 from qerl import arch
 from qerl.fsutil import atomic_write_text, umask_modes
+from qerl.kernels import backend
 from qerl.load.integrity import check_tensor
+from qerl.train.aligned_rows import AlignedRows
 from qerl.train.aqn import NormNoise
 from qerl.train.chunked_pass import ChunkedPass
 from qerl.train.config import QeRLConfig, trl_differences, with_model_defaults
+from qerl.train.fused_layers import fuse_layers
 from qerl.train.is_ratio import LossPassRatio
 from qerl.train.progress import use_step_lines
 from qerl.train.resume import CHECKPOINT_MARKER, METRICS_FILE, MetricsFile, last_complete_checkpoint
@@ -158,7 +161,7 @@ def keep_trainable_fp32(model: nn.Module) -> list[str]:
     return upcast
 
 
-class QeRLTrainer(RolloutHooks, LossPassRatio, ChunkedPass, GRPOTrainer):
+class QeRLTrainer(RolloutHooks, LossPassRatio, AlignedRows, ChunkedPass, GRPOTrainer):
     """GRPO/DAPO on NVFP4 (or bf16) models with LoRA, qerl rollouts and AQN."""
 
     _tag_names = ["trl", "grpo", "qerl"]
@@ -192,6 +195,9 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, ChunkedPass, GRPOTrainer):
         upcast = keep_trainable_fp32(self.model)  # before the optimizer, the engine and AQN see them
         if upcast:
             logger.info("%d trainable bf16/fp16 parameters (e.g. %s) are kept in fp32", len(upcast), upcast[0])
+        if args.fused_layers and backend.serves(self.accelerator.device):
+            fused = fuse_layers(self.model)
+            logger.info("fused training layers: %d RMSNorms, %d SiLU MLPs", fused["norms"], fused["mlps"])
 
         # trl applies its rollout-mismatch IS correction only `if self.use_vllm`: switch that gate on
         # for our engines, which return the sampling log-probs (see the module docstring). trl's
