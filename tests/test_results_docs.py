@@ -145,12 +145,28 @@ def test_the_results_folder_and_the_docs_stay_small() -> None:
     }
 
 
-#: The project's own text: code, tests, docs, scripts and recipes (result JSONs record commands, not prose).
+def _checkout_files() -> list[Path]:
+    """The files git tracks or would track (not what .gitignore covers: runs, caches, the venv); every file below
+    the root where there is no git."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        return list(ROOT.rglob("*"))
+    return [ROOT / name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+
+
+#: The project's own text: code, tests, docs, scripts and recipes (result JSONs record commands, not prose), the
+#: same in a fresh clone as after the quickstart wrote runs/.
 TEXT_FILES = sorted(
     p
-    for pattern in ("*.py", "*.md", "*.sh", "*.yaml", "*.toml")
-    for p in ROOT.rglob(pattern)
-    if not {".venv", ".git", ".dev", "results", "build"} & set(p.relative_to(ROOT).parts[:-1])
+    for p in _checkout_files()
+    if p.suffix in (".py", ".md", ".sh", ".yaml", ".toml")
+    and not {".venv", ".git", ".dev", "results", "build"} & set(p.relative_to(ROOT).parts[:-1])
     and ".egg-info" not in str(p)
 )
 
