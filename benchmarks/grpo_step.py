@@ -110,7 +110,6 @@ from benchmarks.grpo_harness import (
     run_step,
     sig,
 )
-from qerl.train.fused_layers import FusedSwiGLU
 
 SHAPES: dict[str, dict[str, int]] = {**QWEN2_5_SHAPES, "72b": QWEN2_5_72B}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -200,7 +199,7 @@ def measure(
     row["ragged"], row["aligned_rows"] = args.ragged, trainer.align_rows
     row["fused_layers"] = {  # asked (QeRLConfig.fused_layers), and swapped (where the kernels serve: CUDA)
         "asked": trainer.args.fused_layers,
-        "swapped": any(isinstance(m, FusedSwiGLU) for m in trainer.model.modules()),
+        "swapped": trainer.layers_fused,
     }
     row["decode_steps"] = probe.decode_steps
     row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)

@@ -12,7 +12,7 @@ SwiGLU only its two inputs (``act(gate)`` is recomputed in the backward). The ma
 dtype are transformers' (fp32 inside, rounded where its ops round: the normalised rows before the weight, the
 weight's product, the gradient of the normalised rows; ``silu(gate)`` and the product), so results differ from its
 only where a sum runs in another order (the row's mean of squares, the weight's gradient over rows).
-:func:`rms_norm_reference` and :func:`swiglu_reference` are the same math in torch, for tests and other devices.
+``qerl.kernels.reference``'s ``rms_norm`` and ``silu_mul`` are the same math in torch, for other devices.
 """
 
 from __future__ import annotations
@@ -182,15 +182,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The fused ``silu(gate) * up`` (differentiable in both)."""
     return SwiGLUFunction.apply(gate, up)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm with its output in ``x``'s dtype (a trained fp32 weight's product rounded once)."""
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight * normed).to(x.dtype)
-
-
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """transformers' ``act_fn(gate_proj(x)) * up_proj(x)`` with SiLU."""
-    return torch.nn.functional.silu(gate) * up

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qerl.kernels import backend
+from qerl.kernels import backend, reference
 
 #: transformers' classes of the supported families that the swap replaces.
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
@@ -30,11 +30,11 @@ class FusedRMSNorm(nn.Module):
         self.variance_epsilon = float(norm.variance_epsilon)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from qerl.kernels import train_fused
-
         if backend.available(x):
+            from qerl.kernels import train_fused  # Triton: only where it serves
+
             return train_fused.rms_norm(x, self.weight, self.variance_epsilon)
-        return train_fused.rms_norm_reference(x, self.weight, self.variance_epsilon)
+        return reference.rms_norm(x, None, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -48,12 +48,12 @@ class FusedSwiGLU(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from qerl.kernels import train_fused
-
         gate, up = self.gate_proj(x), self.up_proj(x)
         if backend.available(gate) and gate.dtype == up.dtype:
+            from qerl.kernels import train_fused  # Triton: only where it serves
+
             return self.down_proj(train_fused.swiglu(gate, up))
-        return self.down_proj(train_fused.swiglu_reference(gate, up))
+        return self.down_proj(reference.silu_mul(gate, up))
 
 
 #: The SiLU activations transformers builds for ``hidden_act`` ``silu`` / ``swish``.

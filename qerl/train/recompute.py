@@ -30,8 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from qerl.train.fused_layers import FusedSwiGLU
-
 logger = logging.getLogger(__name__)
 
 #: Hidden-sized bf16 tensors per token that a training pass holds beyond the decoder layers' saved activations: the
@@ -141,6 +139,7 @@ class AutoRecompute:
 
     planned_recompute: str | None = None  # the mode of the passes so far: None before the first, then "none" or "full"
     planned_chunk: int | None = None  # rows per chunk of the passes so far; a later pass's chunk is at most this
+    layers_fused: bool = False  # the norms and MLPs run qerl.train.fused_layers (the trainer sets it when it swaps)
 
     def _choose_recompute(self, inputs: dict[str, Any], chunks: bool) -> int:
         """Rows per forward + backward of this pass (all its rows: one piece, with full recompute if it came to that);
@@ -202,7 +201,6 @@ class AutoRecompute:
         shape["head_dim"] = getattr(model.config, "head_dim", None)
         lora_r = max((getattr(c, "r", 0) for c in getattr(model, "peft_config", {}).values()), default=0)
         trained_norms = any(p.requires_grad for n, p in model.named_parameters() if "norm" in n)
-        fused = any(isinstance(m, FusedSwiGLU) for m in model.modules())
         return no_recompute_bytes(
             shape,
             rows,
@@ -211,7 +209,7 @@ class AutoRecompute:
             nvfp4=is_nvfp4_model(model),
             trained_norms=trained_norms,
             masked=masked,
-            fused=fused,
+            fused=self.layers_fused,
         )
 
     def unallocated_state_bytes(self) -> int:

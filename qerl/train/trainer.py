@@ -197,6 +197,7 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, AlignedRows, ChunkedPass, GRPOTra
             logger.info("%d trainable bf16/fp16 parameters (e.g. %s) are kept in fp32", len(upcast), upcast[0])
         if args.fused_layers and backend.serves(self.accelerator.device):
             fused = fuse_layers(self.model)
+            self.layers_fused = any(fused.values())
             logger.info("fused training layers: %d RMSNorms, %d SiLU MLPs", fused["norms"], fused["mlps"])
 
         # trl applies its rollout-mismatch IS correction only `if self.use_vllm`: switch that gate on
