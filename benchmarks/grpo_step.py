@@ -54,8 +54,9 @@ optimizer = 40 B per fp32 trainable parameter / 4.24 TB/s. docs/performance.md h
     python -m benchmarks.grpo_step --tiny --out /tmp/grpo_tiny.json  # 2-layer Llama, 16 tokens, CPU ok
     python -m benchmarks.grpo_step --floors                          # analytic floors only
     python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 --ragged [--masked-pass] --out $OUT/ragged.json
-    python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 [--no-fused-layers] --out $OUT/fused.json
         # completions of unequal lengths, as in a real run: the aligned training pass, or trl's masked one
+    python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 [--no-fused-layers] --out $OUT/fused.json
+        # the fused RMSNorm and SwiGLU kernels in the training pass, or transformers' modules
     python -m benchmarks.grpo_step --shapes 7b --profile --out $OUT/grpo_step_profile.json
         # the timed fwd_bwd under torch.profiler: device-busy share, top kernels, host cost of the qerl ops
     python -m benchmarks.grpo_step --shapes 72b --bases nvfp4 --steps 1 --out $OUT/grpo_step_72b.json
