@@ -310,8 +310,11 @@ def test_cpu_default_runs_the_pass_in_one_piece(trainer: Any, batch: dict[str, A
 def test_chunks_give_the_micro_batch_pass_on_cuda(tmp_path: Path, loss_type: str) -> None:
     """The comparison on CUDA: bf16 weights under accelerate's bf16 autocast, NVFP4 Linears on the Triton kernels,
     chunks of 1 and a ragged 3 with the KL term. Where each chunk's rows come out of the forward bitwise as in the
-    whole micro-batch (the kernels do not depend on the row count), the CPU bounds hold; where they do not (a GEMM
-    picked by the row count sums in another order), the bf16 rounding bounds of docs/performance.md's plan."""
+    whole micro-batch (the kernels do not depend on the row count), the loss and metrics hold the CPU bounds; where
+    they do not (a GEMM picked by the row count sums in another order), the bf16 rounding bounds of
+    docs/performance.md's plan. The gradients always get the rounding bound: under bf16 autocast each chunk's LoRA
+    weight gradient is a bf16 GEMM over its own tokens, rounded before ``.grad`` adds it (an H100 showed 1.4e-2 of
+    the largest magnitude at chunks of one row, with the forward bitwise)."""
     trainer = build_trainer(str(tmp_path), "cuda", torch.bfloat16)
     batch = micro_batch(trainer, seed=5)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -320,7 +323,7 @@ def test_chunks_give_the_micro_batch_pass_on_cuda(tmp_path: Path, loss_type: str
         whole = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION)[0]
         split = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION, batch_size=3)[0]
     same_rows = torch.equal(whole, split)
-    bounds = (LOSS_BOUND, GRAD_BOUND, METRIC_BOUND) if same_rows else (1e-3, 2e-2, 1e-3)
+    bounds = (LOSS_BOUND, 2e-2, METRIC_BOUND) if same_rows else (1e-3, 2e-2, 1e-3)
     for chunk in (1, 3):
         ref = run_step(trainer, [batch], loss_type, 0, beta=0.04)
         got = run_step(trainer, [batch], loss_type, chunk, beta=0.04)
