@@ -17,6 +17,7 @@ import torch
 
 from qerl.cli import UsageError
 from qerl.cli import run as run_cli
+from qerl.kernels import backend
 from qerl.train import run as train_run
 from qerl.train.data import prompt_budget
 from qerl.train.memory import GB, NATIVE_KV_BLOCK, ModelShape, RunShape, check_fits, estimate, planned_run
@@ -50,6 +51,21 @@ def recorded_rows() -> list[tuple[str, dict[str, Any], RunShape, float]]:
         assert row["status"] == "ok" and "recompute" not in row and row["engine"] == "native"
         sizes = (row["sequences"], row["micro_batch"], row["prompt_tokens"], row["new_tokens"], row["lora_r"])
         out.append(("e2e.json", row, RunShape(*sizes, trained_norms=False), row["peak_allocated_gb"] * GB))
+    ab = json.loads((RESULTS / "grpo_step_pass_ab.json").read_text())
+    for row in ab["results"]:
+        # No recompute, each micro-batch of 8 in two chunks of 4 rows: the pass holds one chunk's activations.
+        assert row["recompute"]["mode"] == "none" and row["chunking"]["rows_per_chunk"] == {"4": 4}
+        run = RunShape(
+            row["n"],
+            4,
+            row["prompt_tokens"],
+            row["new_tokens"],
+            row["lora_r"],
+            recompute=False,
+            masked=not row["aligned_rows"],  # aligned rows run without a mask, at the longest row's length
+            fused=row["fused_layers"]["swapped"],
+        )
+        out.append(("grpo_step_pass_ab.json", row, run, row["peak_gb_step"] * GB))
     return out
 
 
@@ -66,16 +82,18 @@ def test_the_estimate_is_within_10_percent_of_every_recorded_peak() -> None:
     """The peak of each row, and where the row records it (grpo_step's), what the step held at its start: the
     resident terms apart from the training pass."""
     rows = recorded_rows()
-    assert len(rows) == 6  # 7B NVFP4 / bf16 and 32B NVFP4, 72B NVFP4, e2e's two qerl arms
+    # 7B NVFP4 / bf16 and 32B NVFP4, 72B NVFP4, e2e's two qerl arms; the pass A/B's four 7B arms (fused layers on
+    # and off, aligned and masked rows)
+    assert len(rows) == 10
     ratios = {}
     for name, row, run, measured in rows:
         est = estimate(row_model(row), run)
-        key = f"{name} {row.get('shape', '7b')} {row['base']} micro {run.micro_batch}"
+        key = f"{name} {row.get('arm', row.get('shape', '7b'))} {row['base']} micro {run.micro_batch}"
         ratios[key] = est.peak / measured
         if "allocated_at_step_start_gb" in row:
             start = (row["allocated_at_step_start_gb"] - row["allocated_before_build_gb"]) * GB
             ratios[f"{key} start"] = est.resident / start
-    assert len(ratios) == 10 and all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+    assert len(ratios) == 17 and all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
 
 
 TINY = {
@@ -108,6 +126,9 @@ def test_the_terms_against_hand_counts() -> None:
     none = estimate(dense, dataclasses.replace(run, recompute=False))
     assert none.training_pass == none.no_recompute_pass == no_recompute_bytes(dense.dims(), 2, 300, 4, nvfp4=False)
     assert none.resident == e.resident
+    fused = estimate(dense, dataclasses.replace(run, recompute=False, fused=True))
+    assert fused.no_recompute_pass == no_recompute_bytes(dense.dims(), 2, 300, 4, nvfp4=False, fused=True)
+    assert fused.no_recompute_pass < none.no_recompute_pass
     hf = estimate(dense, dataclasses.replace(run, engine="hf"))
     assert hf.kv_cache == 2 * (2 * 2 * 16 * 2) * 5 * 300 and hf.engine_lora == 0  # as many rows and positions
     vllm = estimate(dense, dataclasses.replace(run, engine="vllm", engine_share=0.25), card_total=8 * GB)
@@ -323,3 +344,6 @@ def test_the_run_shape_of_the_flags(smollm2_dir: Path, tmp_path: Path) -> None:
     assert (shape.rollout_rows, shape.micro_batch, shape.prompt_tokens, shape.completion_tokens) == (32, 16, 256, 4096)
     assert (shape.lora_r, shape.trained_norms, shape.recompute, shape.kv_block) == (8, False, False, NATIVE_KV_BLOCK)
     assert shape.engine == "native" and not shape.eight_bit
+    assert shape.fused == backend.enabled()  # fused layers are the default where the Triton kernels serve
+    script, config = train_run.parse_args(_argv(smollm2_dir, tmp_path / "run", "--fused-layers", "False"))
+    assert not planned_run(script, config, 256).fused

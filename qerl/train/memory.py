@@ -25,7 +25,8 @@ one micro-batch):
   the LM head and the activation gradients (``head_and_grads``: trl's chunked log-prob head, whose logit tiles of
   4096 tokens x 32768 vocabulary entries are the bulk of it at these lengths, and the gradients flowing back);
   without recompute (``--gradient_checkpointing False``) ``no_recompute_pass``, the estimate the trainer's auto mode
-  weighs (``qerl.train.recompute.no_recompute_bytes``, with the attention mask a padded batch has).
+  weighs (``qerl.train.recompute.no_recompute_bytes``, with the attention mask a padded batch has, and the smaller
+  saved tensors of the fused layers where the trainer will swap them in).
 
 Not counted: the rollout's own transients (a prefill chunk's activations, the sampling logits), smaller than the
 training pass in every recorded run. ``benchmarks/grpo_floors.py`` reports the same terms for its benchmarks, and
@@ -49,6 +50,7 @@ import torch
 from qerl.arch import LINEAR_TARGETS
 from qerl.checkpoint import is_nvfp4_config, read_config
 from qerl.cli import UsageError
+from qerl.kernels import backend
 from qerl.train.recompute import HEAD_ACTIVATIONS, HEADROOM, no_recompute_bytes
 
 logger = logging.getLogger(__name__)
@@ -177,6 +179,7 @@ class RunShape:
     eight_bit: bool = False  # 8-bit optimizer moments
     recompute: bool = True  # gradient checkpointing (on, or the fallback of auto)
     masked: bool = True  # the pass has padding (its attention mask is saved per layer without recompute)
+    fused: bool = False  # the trainer's fused RMSNorm / SwiGLU layers (qerl.train.fused_layers) keep less
     engine: str = "native"
     engine_share: float = 0.0  # vLLM's gpu_memory_utilization
     kv_block: int = NATIVE_KV_BLOCK
@@ -245,7 +248,7 @@ def estimate(model: ModelShape, run: RunShape, card_total: int = 0) -> MemoryEst
         "layer_recompute": rows_tokens * (3 * i + 4 * h) * 2 + dequantized,
         "head_and_grads": HEAD_ACTIVATIONS * rows_tokens * h * 2,
     }
-    flags = {"nvfp4": model.nvfp4, "trained_norms": run.trained_norms, "masked": run.masked}
+    flags = {"nvfp4": model.nvfp4, "trained_norms": run.trained_norms, "masked": run.masked, "fused": run.fused}
     no_recompute = no_recompute_bytes(model.dims(), run.micro_batch, run.tokens, run.lora_r, **flags)
     return MemoryEstimate(
         weights=int(weights),
@@ -274,6 +277,7 @@ def planned_run(script: Any, config: Any, prompt_tokens: int) -> RunShape:
         trained_norms=script.ln,
         eight_bit="8bit" in optim,
         recompute=config.gradient_checkpointing is not False,
+        fused=bool(config.fused_layers) and backend.enabled(),  # the trainer swaps them where Triton serves CUDA
         engine=config.rollout_engine,
         engine_share=float(kwargs.get("gpu_memory_utilization", config.vllm_gpu_memory_utilization)) if vllm else 0.0,
         kv_block=max(1, int(kwargs.get("kv_block") or NATIVE_KV_BLOCK)),
