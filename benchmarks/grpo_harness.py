@@ -191,9 +191,14 @@ def recompute_ran(trainer: Any) -> dict[str, Any]:
 def chunking_ran(trainer: Any) -> dict[str, Any]:
     """How the trainer's training passes were split (beside ``recompute_ran``): ``chunked_passes`` the passes run in row
     chunks (qerl.train.chunked_pass; none recomputed unless checkpointing was on) and ``rows_per_chunk`` those passes
-    by rows per chunk; the other passes ran whole. trl's own trainer runs every pass whole and counts nothing."""
+    by rows per chunk; the other passes ran whole; ``rollout_memory_freed`` the passes before which the engine's KV
+    cache and graphs were freed (qerl.train.recompute). trl's own trainer runs every pass whole and counts nothing."""
     chunks = getattr(trainer, "chunk_passes", None) or {}
-    return {"chunked_passes": sum(chunks.values()), "rows_per_chunk": {str(k): v for k, v in sorted(chunks.items())}}
+    return {
+        "chunked_passes": sum(chunks.values()),
+        "rows_per_chunk": {str(k): v for k, v in sorted(chunks.items())},
+        "rollout_memory_freed": getattr(trainer, "rollout_memory_freed", 0),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- timing

@@ -168,6 +168,7 @@ def measure(
     # unless it is the only one.
     row["timed_steps"] = []
     trainer.recompute_passes, trainer.chunk_passes = {"none": 0, "full": 0}, {}  # the timed steps' passes only
+    trainer.rollout_memory_freed = 0
     for _ in range(args.steps):
         probe.start_step()
         if cuda:

@@ -2,8 +2,9 @@
 over chunks of its rows gives the micro-batch's loss, gradients and logged metrics, for each loss type it normalises
 (bnpo, dapo, grpo, dr_grpo) with and without the KL term, in chunks of 1, 2 and a ragged 3 of 8 rows; the rollout
 importance-sampling metrics still come once per generation; the automatic choice takes the fewest chunks that fit the
-(mocked) free memory, one way, and full recompute where not even one row fits; and a pass that cannot be chunked is
-refused in one line where asked, kept in one piece where automatic.
+(mocked) free memory, one way, and full recompute where not even one row fits; the rollout engine's memory is freed
+before a pass only where the smallest pass would not fit beside it (or always / never, as asked); and a pass that
+cannot be chunked is refused in one line where asked, kept in one piece where automatic.
 
 Driven through a real QeRLTrainer's ``training_step`` (transformers' step: ``compute_loss``, then
 ``accelerator.backward`` of what it returns) on a seeded tiny Qwen2 with NVFP4 Linears and LoRA r4 (random non-zero A
@@ -246,6 +247,95 @@ def test_auto_takes_the_fewest_chunks_the_free_memory_holds(
     ]
     assert len(lines) == len(logged) and all(line.startswith(start) for line, start in zip(lines, logged, strict=True))
     assert all(("a chunk of" in line) is ("in chunks" in line) for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------- the engine's memory
+
+
+class HeldEngine:
+    """A rollout engine that holds its cache (a model ``view``, as NativeEngine after a generation) until ``release``
+    (what ``free_rollout_memory`` reads and calls)."""
+
+    def __init__(self) -> None:
+        self.view: object | None = object()
+        self.releases = 0
+
+    def release(self) -> None:
+        self.view, self.releases = None, self.releases + 1
+
+
+def test_the_smallest_pass_by_checkpointing(auto_trainer: tuple[Any, Any], batch: dict[str, Any]) -> None:
+    """Auto: full recompute or one row without it, whichever is less (full where chunks are off); on: full
+    recompute; off: the whole micro-batch, or ``--pass_chunk_rows`` rows, without recompute."""
+    trainer, _ = auto_trainer
+    tokens, state, masked = PROMPT + COMPLETION, trainer.unallocated_state_bytes(), trainer.pass_masked(batch)
+    full = sum(recompute.recompute_terms(SHAPE, ROWS, tokens, nvfp4=True).values()) + state
+
+    def need(rows: int) -> int:
+        return trainer.pass_bytes(rows, tokens, masked) + state
+
+    assert trainer.smallest_pass_bytes(batch) == min(full, need(1))
+    trainer.args.pass_chunk_rows = 0
+    assert trainer.smallest_pass_bytes(batch) == full
+    trainer.args.gradient_checkpointing = True
+    assert trainer.smallest_pass_bytes(batch) == full
+    trainer.args.gradient_checkpointing, trainer.args.pass_chunk_rows = False, 3
+    assert trainer.smallest_pass_bytes(batch) == need(3)
+    trainer.args.pass_chunk_rows = None
+    assert trainer.smallest_pass_bytes(batch) == need(ROWS)
+
+
+@pytest.mark.parametrize(
+    ("asked", "short", "releases", "logged"),
+    [
+        (None, 1, 1, "the pass needs ~"),
+        (None, -1, 0, None),
+        (True, -1, 1, "as asked"),
+        (False, 1, 0, None),
+    ],
+    ids=["auto-short", "auto-room", "always", "never"],
+)
+def test_the_engine_memory_is_freed_where_the_pass_needs_it(
+    auto_trainer: tuple[Any, Any],
+    batch: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    asked: bool | None,
+    short: int,
+    releases: int,
+    logged: str | None,
+) -> None:
+    """With the (mocked) free memory ``short`` bytes below the smallest pass (or above it), two passes: auto frees
+    the engine's cache before the first where the pass needs it, True always, False never; the engine, once freed,
+    is not asked again; the first release is logged in one line."""
+    trainer, _ = auto_trainer
+    engine = HeldEngine()
+    monkeypatch.setattr(trainer, "_engine", engine, raising=False)
+    monkeypatch.setattr(trainer.args, "release_rollout_memory", asked)
+    monkeypatch.setattr(trainer, "rollout_memory_freed", 0)
+    need = trainer.smallest_pass_bytes(batch)
+    monkeypatch.setattr(recompute, "device_memory", lambda device: (need - short + int(HEADROOM * CARD), CARD))
+    with caplog.at_level(logging.INFO, logger="qerl.train.recompute"):
+        for _ in range(2):
+            trainer.free_rollout_memory(batch)
+    assert engine.releases == releases == trainer.rollout_memory_freed
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout memory: ")]
+    assert len(lines) == (logged is not None) and all(logged in line for line in lines)
+
+
+def test_the_engine_memory_is_freed_inside_the_training_step(
+    auto_trainer: tuple[Any, Any], batch: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compute_loss`` asks before it plans the pass: with the card short of the smallest pass, the engine is freed
+    and the pass (then planned with the memory the release gave back, here still short) recomputes in full."""
+    trainer, _ = auto_trainer
+    engine = HeldEngine()
+    monkeypatch.setattr(trainer, "_engine", engine, raising=False)
+    monkeypatch.setattr(trainer, "rollout_memory_freed", 0)
+    monkeypatch.setattr(recompute, "device_memory", lambda device: (0, CARD))
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.training_step(trainer.model_wrapped, dict(batch), None)
+    assert engine.releases == 1 and trainer.recompute_passes == {"none": 0, "full": 1}
 
 
 # ---------------------------------------------------------------------------------------------- refusals and defaults

@@ -64,7 +64,11 @@ def test_native_arms_time_every_phase(tiny_run: dict) -> None:
         # auto without CUDA: every training pass recomputed (warm-up + 2 timed steps of one pass each), and the
         # training pass's floor counts it; the floor without recompute is reported beside it.
         assert r["recompute"] == {"mode": "full", "share": 1.0, "passes": {"none": 0, "full": 3}}
-        assert r["chunking"] == {"chunked_passes": 0, "rows_per_chunk": {}}  # auto without CUDA: whole passes
+        assert r["chunking"] == {
+            "chunked_passes": 0,
+            "rows_per_chunk": {},
+            "rollout_memory_freed": 0,
+        }  # auto without CUDA: whole passes
         assert r["floors_s"]["fwd_bwd"] > r["floors_s"]["fwd_bwd_no_recompute"] > 0
         assert r["over_floor"]["fwd_bwd_no_recompute"] > r["over_floor"]["fwd_bwd"]
         assert r["generated_tokens_per_s"]["rollout"] > r["generated_tokens_per_s"]["step"] > 0

@@ -49,7 +49,11 @@ def test_tiny_run_writes_every_phase_and_the_summary(grpo_step: ModuleType, tmp_
         # training pass's floor counts it beside the floor without any recompute.
         assert r["gradient_checkpointing"] == "auto"
         assert r["recompute"] == {"mode": "full", "share": 1.0, "passes": {"none": 0, "full": 8}}
-        assert r["pass_chunk_rows"] is None and r["chunking"] == {"chunked_passes": 0, "rows_per_chunk": {}}
+        assert r["pass_chunk_rows"] is None and r["chunking"] == {
+            "chunked_passes": 0,
+            "rows_per_chunk": {},
+            "rollout_memory_freed": 0,
+        }
         assert r["floors"]["fwd_bwd_s"] > r["floors"]["fwd_bwd_no_recompute_s"] > 0
         assert set(r["of_floor"]) >= {"fwd_bwd", "fwd_bwd_no_recompute"}
         assert (r["aqn_sigma"] > 0) is (r["base"] == "nvfp4")  # AQN defaults to on for NVFP4 models only (issue 15)
@@ -133,8 +137,8 @@ def test_chunked_passes_are_recorded_and_leave_the_step_unchanged(grpo_step: Mod
         (rows[bool(chunk)],) = json.loads(out.read_text())["results"]
     whole, chunked = rows[False], rows[True]
     assert chunked["status"] == "ok" and chunked["pass_chunk_rows"] == 1
-    assert chunked["chunking"] == {"chunked_passes": 2, "rows_per_chunk": {"1": 2}}
-    assert whole["chunking"] == {"chunked_passes": 0, "rows_per_chunk": {}}
+    assert chunked["chunking"] == {"chunked_passes": 2, "rows_per_chunk": {"1": 2}, "rollout_memory_freed": 0}
+    assert whole["chunking"] == {"chunked_passes": 0, "rows_per_chunk": {}, "rollout_memory_freed": 0}
     assert chunked["recompute"] == {"mode": "none", "share": 0.0, "passes": {"none": 2, "full": 0}}
     assert chunked["floors"]["fwd_bwd_s"] == chunked["floors"]["fwd_bwd_no_recompute_s"] == whole["floors"]["fwd_bwd_s"]
     assert chunked["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5) and whole["grad_norm"] > 0

@@ -224,9 +224,11 @@ def test_a_run_that_will_not_fit_is_refused_before_anything_loads(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """SmolLM2-135M, 16 completions of 256 + 4096 tokens in passes of 16 on an 8 GB card with 7.5 GB free: ~8.2 GB,
-    refused in one line naming the estimate, the free memory and the micro-batch that fits, before the data, the
-    model's digest or the model; nothing is left in or beside the output dir."""
+    """SmolLM2-135M, 16 completions of 256 + 4096 tokens in passes of 16 on an 8 GB card with 6.5 GB free: ~6.6 GB
+    with the engine's cache freed for the pass, refused in one line naming the estimate, the free memory and the
+    micro-batch that fits, before the data, the model's digest or the model; nothing is left in or beside the output
+    dir."""
+    card["free"] = 6.5 * GB
     for owner, name in ((train_run.data, "load_dataset"), (train_run, "resolved_sha256")):
         monkeypatch.setattr(owner, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} ran before the memory check"))
     assert run_cli(train_run.main, _argv(smollm2_dir, tmp_path / "run")) == 2
@@ -234,10 +236,10 @@ def test_a_run_that_will_not_fit_is_refused_before_anything_loads(
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and lines[-1] == errors[0] and not any("Traceback" in line for line in lines), lines
     assert errors[0] == (
-        "error: will not fit on Mock GPU (cuda:0): the run's peak is estimated at 8.2 GB (weights 0.3 + LoRA and "
-        "optimizer 0.1 + rollout engine 1.6 + training pass 6.3 GB) and the card has 7.5 GB free of 8.0 GB (5% of it "
-        "kept as headroom); --per_device_train_batch_size 8 --gradient_accumulation_steps 2 would fit it (~5.1 GB), "
-        "or --force runs it anyway"
+        "error: will not fit on Mock GPU (cuda:0): the run's peak is estimated at 6.6 GB (weights 0.3 + LoRA and "
+        "optimizer 0.1 + rollout engine 1.6 + training pass 6.3 GB, the engine's 1.6 GB freed for the pass) and the "
+        "card has 6.5 GB free of 8.0 GB (5% of it kept as headroom); --per_device_train_batch_size 8 "
+        "--gradient_accumulation_steps 2 would fit it (~3.5 GB), or --force runs it anyway"
     )
     assert list(tmp_path.iterdir()) == []  # no output dir, no lock file beside it
 
@@ -252,6 +254,7 @@ def test_force_runs_anyway_and_a_run_that_fits_goes_on(
     """The refused run with ``--force`` gets past the check (the refusal logged as a warning; ``--force`` is not part
     of the run's settings record, so a resume with or without it is the same run), and so does the run with the
     suggested micro-batch, without one."""
+    card["free"] = 6.5 * GB
     continuation, recorded = train_run.resume.continuation, []
     monkeypatch.setattr(
         train_run.resume,
@@ -262,21 +265,28 @@ def test_force_runs_anyway_and_a_run_that_fits_goes_on(
         train_run.main(_argv(smollm2_dir, tmp_path / "forced", "--force"))
     assert len(recorded) == 1 and "force" not in recorded[0] and "plot" in recorded[0]
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warning.startswith("will not fit on Mock GPU (cuda:0): the run's peak is estimated at 8.2 GB")
+    assert warning.startswith("will not fit on Mock GPU (cuda:0): the run's peak is estimated at 6.6 GB")
     assert warning.endswith("; running anyway (--force)")
     caplog.clear()
     fits = ("--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "2")
     with caplog.at_level(logging.INFO, logger="qerl.train.memory"), pytest.raises(Proceeded):
         train_run.main(_argv(smollm2_dir, tmp_path / "fits", *fits))
     assert [r.levelno for r in caplog.records] == [logging.INFO]
-    assert caplog.records[0].getMessage().startswith("memory: peak estimated at 5.1 GB")
+    assert caplog.records[0].getMessage().startswith("memory: peak estimated at 3.5 GB")
 
 
 @pytest.mark.parametrize(
     ("flags", "prompt_bound", "free_gb", "fix"),
     [
-        # no recompute asked for: ~78 GB; recompute alone fits (and changes no result)
-        (["--gradient-checkpointing", "False"], True, 16, "--gradient_checkpointing True would fit it (~8.2 GB)"),
+        # the engine's memory kept through the pass: freeing it for the pass fits (and changes no result)
+        (
+            ["--release-rollout-memory", "False"],
+            True,
+            7.5,
+            "--release_rollout_memory unset (or True) would fit it (~6.6 GB)",
+        ),
+        # no recompute asked for: ~60 GB; recompute alone fits (and changes no result)
+        (["--gradient-checkpointing", "False"], True, 16, "--gradient_checkpointing True would fit it (~6.6 GB)"),
         # vLLM's 90% of 16 GB beside the trainer's 6.6 GB: half the card fits
         (
             ["--rollout-engine", "vllm", "--vllm-gpu-memory-utilization", "0.9"],
@@ -285,13 +295,13 @@ def test_force_runs_anyway_and_a_run_that_fits_goes_on(
             "--vllm_gpu_memory_utilization 0.5 would fit it (~14.6 GB)",
         ),
         # --max_prompt_length left at its default bound (4096 here): a shorter bound first
-        ([], False, 10, "--max_prompt_length 768 would fit it (~9.1 GB)"),
+        ([], False, 8, "--max_prompt_length 768 would fit it (~7.3 GB)"),
         # lengths fixed by the flags and a micro-batch of 1: the completion budget last
         (
             ["--per-device-train-batch-size", "1", "--gradient-accumulation-steps", "16"],
             True,
-            2.3,
-            "--max_completion_length 3584 would fit it (~2.1 GB)",
+            1.6,
+            "--max_completion_length 2816 would fit it (~1.5 GB)",
         ),
         # nothing single does on a 1 GB card
         (

@@ -126,6 +126,8 @@ def tiny_trainer(tmp_path) -> Iterator[tuple]:
     trainer = grpo_harness.make_trainer(model, grpo_harness.build_tokenizer(vocab), prompt, args, str(tmp_path))
     assert trainer.args.gradient_checkpointing is True and trainer.model.is_gradient_checkpointing  # CPU: on
     trainer.args.gradient_checkpointing = None
+    trainer.args.release_rollout_memory = False  # each mocked reading is one pass's choice (the release's own tests:
+    # tests/test_chunked_pass.py)
     trainer.model.gradient_checkpointing_disable()
     yield trainer, [prompt] * 4
 

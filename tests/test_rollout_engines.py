@@ -130,6 +130,23 @@ def test_lora_and_norm_updates_are_seen_by_next_generate() -> None:
     assert after_norm.completion_ids == get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(32)).completion_ids
 
 
+def test_release_frees_the_cache_and_the_next_generate_rebuilds_it() -> None:
+    """``release`` (the trainer's ``free_rollout_memory``) drops the KV cache, graphs and view; the next generation
+    builds them again and gives the same tokens, with the step hook still installed."""
+    model = nvfp4_lora(tiny_llama(8))
+    engine = NativeEngine(model, 0)
+    assert engine.view is None
+    calls = []
+    engine.set_step_hook(lambda: calls.append(1))
+    before = engine.generate(PROMPTS, greedy(24), n=2)
+    assert engine.view is not None and calls
+    engine.release()
+    assert engine.view is None and not engine.graphs
+    hooked = len(calls)
+    assert engine.generate(PROMPTS, greedy(24), n=2).completion_ids == before.completion_ids
+    assert engine.view is not None and len(calls) > hooked
+
+
 def test_step_hook_runs_every_decode_step() -> None:
     model = tiny_llama(9)
     engine = NativeEngine(model, 0)
@@ -301,6 +318,22 @@ def test_gpu_graph_sampling_is_seeded_and_sees_lora_updates() -> None:
     out = engine.generate(PROMPTS, greedy(32))
     assert out.completion_ids == get_engine(model, 0, kind="hf").generate(PROMPTS, greedy(32)).completion_ids
     assert all(engine.graphs[k] is g for k, g in graphs.items() if k in engine.graphs)  # no recapture
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_release_gives_the_cache_back_and_the_next_generate_captures_anew() -> None:
+    """On CUDA, ``release`` gives the KV cache and the graphs' memory back to the allocator (what the training pass
+    can then use) and the next generation captures again, with the same greedy tokens."""
+    model = get_peft_model(tiny_llama(10), lora_config(r=4)).eval().cuda()
+    engine = NativeEngine(model, 0)
+    before = engine.generate(PROMPTS, greedy(40), n=4)
+    held = torch.cuda.memory_allocated()
+    engine.release()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() < held and not engine.graphs
+    assert engine.generate(PROMPTS, greedy(40), n=4).completion_ids == before.completion_ids
+    assert engine.graphs  # captured anew
 
 
 @pytest.mark.parametrize("setting", list(SAMPLING_SETTINGS))

@@ -270,3 +270,16 @@ def test_extending_max_steps_replans_the_learning_rate(
         hook.remove()
     assert rates == pytest.approx([LR_BF16 * 2 / 4, LR_BF16 * 1 / 4])
     assert "re-planned to end at step 4" in caplog.text
+
+
+def test_memory_knobs_may_change_on_resume(tmp_path: Path) -> None:
+    """Freeing the rollout engine's memory for the pass changes no number: a run may resume with it set otherwise
+    (e.g. after an out-of-memory error), while a setting that changes what is computed is still named."""
+    from qerl.cli import UsageError
+    from qerl.train.resume import RUN_CONFIG_FILE, continuation
+
+    (tmp_path / RUN_CONFIG_FILE).write_text(json.dumps({"lora_rank": 16, "release_rollout_memory": None}))
+    (tmp_path / "adapter").mkdir()  # work a changed run could spoil
+    assert continuation(tmp_path, {"lora_rank": 16, "release_rollout_memory": True}, "auto", 0).changed == []
+    with pytest.raises(UsageError, match="holds a run with different lora_rank"):
+        continuation(tmp_path, {"lora_rank": 8, "release_rollout_memory": None}, "auto", 0)

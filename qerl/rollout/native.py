@@ -120,7 +120,7 @@ class NativeEngine:
             self._pool = None
 
     def release(self) -> None:
-        """Free the KV cache and the captured graphs (e.g. before a memory-hungry training phase)."""
+        """Free the KV cache and the graphs (before a training pass that needs them: qerl.train.recompute)."""
         self._drop_graphs()
         self._state = None
         self._view = None

@@ -145,6 +145,7 @@ class ChunkedPass(AutoRecompute):
         if not (self.model.training and torch.is_grad_enabled()):  # evaluation: trl's, in one piece
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         rows = inputs["prompt_ids"].shape[0]
+        self.free_rollout_memory(inputs)
         chunk = self.plan_pass(inputs)
         self.recompute_passes["full" if self.model.is_gradient_checkpointing else "none"] += 1
         if chunk >= rows:

@@ -99,6 +99,16 @@ class QeRLConfig(GRPOConfig):
             "checkpointing is auto and a whole pass does not fit the card but a chunk does; 0: never; N: chunks of N."
         },
     )
+    release_rollout_memory: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Free the native engine's KV cache and decode graphs before the training pass (the next rollout "
+            "allocates them again and captures its graphs anew): True every step, False never; unset (null): only "
+            "where the pass would not fit beside them even with full recompute (qerl.train.recompute).",
+            "nargs": "?",
+            "const": True,
+        },
+    )
     fused_layers: bool = field(
         default=True,
         metadata={

@@ -26,7 +26,10 @@ one micro-batch):
   4096 tokens x 32768 vocabulary entries are the bulk of it at these lengths, and the gradients flowing back);
   without recompute (``--gradient_checkpointing False``) ``no_recompute_pass``, the estimate the trainer's auto mode
   weighs (``qerl.train.recompute.no_recompute_bytes``, with the attention mask a padded batch has, and the smaller
-  saved tensors of the fused layers where the trainer will swap them in).
+  saved tensors of the fused layers where the trainer will swap them in);
+* ``released``: the native engine's KV cache and LoRA copies, which the trainer frees before a pass that would not
+  fit beside them (``--release_rollout_memory``, unset: where needed): the peak is then the larger of the rollout's
+  and the pass's with them freed.
 
 Not counted: the rollout's own transients (a prefill chunk's activations, the sampling logits), smaller than the
 training pass in every recorded run. ``benchmarks/grpo_floors.py`` reports the same terms for its benchmarks, and
@@ -51,7 +54,7 @@ from qerl.arch import LINEAR_TARGETS
 from qerl.checkpoint import is_nvfp4_config, read_config
 from qerl.cli import UsageError
 from qerl.kernels import backend
-from qerl.train.recompute import HEAD_ACTIVATIONS, HEADROOM, no_recompute_bytes
+from qerl.train.recompute import HEADROOM, no_recompute_bytes, recompute_terms
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +183,7 @@ class RunShape:
     recompute: bool = True  # gradient checkpointing (on, or the fallback of auto)
     masked: bool = True  # the pass has padding (its attention mask is saved per layer without recompute)
     fused: bool = False  # the trainer's fused RMSNorm / SwiGLU layers (qerl.train.fused_layers) keep less
+    release_engine: bool = False  # the native engine's KV cache and LoRA copies may be freed for the pass
     engine: str = "native"
     engine_share: float = 0.0  # vLLM's gpu_memory_utilization
     kv_block: int = NATIVE_KV_BLOCK
@@ -202,6 +206,9 @@ class MemoryEstimate:
     layer_recompute: int
     head_and_grads: int
     no_recompute_pass: int
+    released: int = (
+        0  # what the native engine frees before the pass where the run lets it (``--release_rollout_memory``)
+    )
 
     @property
     def resident(self) -> int:
@@ -214,14 +221,17 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> int:
-        return self.resident + self.training_pass
+        """The larger of the rollout's (the resident terms) and the pass's, for which the engine frees ``released``."""
+        return max(self.resident, self.resident - self.released + self.training_pass)
 
     def summary(self) -> str:
-        """'weights 5.9 + LoRA and optimizer 0.6 + rollout engine 1.1 + training pass 3.0 GB'."""
+        """'weights 5.9 + LoRA and optimizer 0.6 + rollout engine 1.1 + training pass 3.0 GB', and where the engine's
+        memory is freed for the pass, how much."""
         engine = self.engine_lora + self.kv_cache + self.engine_pool
         parts = (self.weights, self.trainable_states, engine, self.training_pass)
         names = ("weights", "LoRA and optimizer", "rollout engine", "training pass")
-        return " + ".join(f"{name} {size / GB:.1f}" for name, size in zip(names, parts, strict=True)) + " GB"
+        terms = " + ".join(f"{name} {size / GB:.1f}" for name, size in zip(names, parts, strict=True)) + " GB"
+        return terms + (f", the engine's {self.released / GB:.1f} GB freed for the pass" if self.released else "")
 
 
 def _bucket(n: int) -> int:
@@ -231,7 +241,7 @@ def _bucket(n: int) -> int:
 
 def estimate(model: ModelShape, run: RunShape, card_total: int = 0) -> MemoryEstimate:
     """The peak of one GRPO step of ``run`` on ``model`` (``card_total``: the card's bytes, for vLLM's share)."""
-    h, i = model.hidden, model.intermediate
+    h = model.hidden
     packed = model.linear_params - model.dense_linear_params if model.nvfp4 else 0
     head = 0 if model.tied else model.vocab * h * (NVFP4_BYTES if model.packed_head else 2)
     weights = packed * NVFP4_BYTES + (model.linear_params - packed) * 2 + model.vocab * h * 2 + head
@@ -242,22 +252,19 @@ def estimate(model: ModelShape, run: RunShape, card_total: int = 0) -> MemoryEst
     native, vllm = run.engine == "native", run.engine == "vllm"
     rows = _bucket(run.rollout_rows) if native else run.rollout_rows
     length = -(-run.tokens // run.kv_block) * run.kv_block if native else run.tokens
-    rows_tokens, dequantized = run.micro_batch * run.tokens, (2 * h * i * 2 if model.nvfp4 else 0)
-    recompute = {
-        "checkpointed": model.layers * rows_tokens * h * 2,
-        "layer_recompute": rows_tokens * (3 * i + 4 * h) * 2 + dequantized,
-        "head_and_grads": HEAD_ACTIVATIONS * rows_tokens * h * 2,
-    }
+    recompute = recompute_terms(model.dims(), run.micro_batch, run.tokens, nvfp4=model.nvfp4)
     flags = {"nvfp4": model.nvfp4, "trained_norms": run.trained_norms, "masked": run.masked, "fused": run.fused}
     no_recompute = no_recompute_bytes(model.dims(), run.micro_batch, run.tokens, run.lora_r, **flags)
+    engine_lora, kv_cache = (lora * 2 if native else 0), (0 if vllm else model.kv_bytes_per_position * rows * length)
     return MemoryEstimate(
         weights=int(weights),
         trainable_states=int(states),
-        engine_lora=lora * 2 if native else 0,
-        kv_cache=0 if vllm else model.kv_bytes_per_position * rows * length,
+        engine_lora=engine_lora,
+        kv_cache=kv_cache,
         engine_pool=int(run.engine_share * card_total) if vllm else 0,
         **{k: v if run.recompute else 0 for k, v in recompute.items()},
         no_recompute_pass=0 if run.recompute else no_recompute,
+        released=engine_lora + kv_cache if native and run.release_engine else 0,
     )
 
 
@@ -278,6 +285,7 @@ def planned_run(script: Any, config: Any, prompt_tokens: int) -> RunShape:
         eight_bit="8bit" in optim,
         recompute=config.gradient_checkpointing is not False,
         fused=bool(config.fused_layers) and backend.enabled(),  # the trainer swaps them where Triton serves CUDA
+        release_engine=config.release_rollout_memory is not False,  # auto frees it where the pass needs it
         engine=config.rollout_engine,
         engine_share=float(kwargs.get("gpu_memory_utilization", config.vllm_gpu_memory_utilization)) if vllm else 0.0,
         kv_block=max(1, int(kwargs.get("kv_block") or NATIVE_KV_BLOCK)),
@@ -340,10 +348,12 @@ def _candidates(
     model: ModelShape, run: RunShape, config: Any, total: int, prompt_defaulted: bool
 ) -> Iterator[tuple[str, RunShape]]:
     """Settings that lower the peak, in the order a refusal tries them, each from its largest value down: those that
-    keep the experiment first (recompute; vLLM's share, down to what its weights and cache need; ``--max_prompt_length``
+    keep the experiment first (the native engine's memory freed for the pass; recompute; vLLM's share, down to what its weights and cache need; ``--max_prompt_length``
     where it was left at its default bound, which most data sets' prompts are far below; the micro-batch, with the
     accumulation that keeps the step's batch), then ``--max_completion_length``."""
     replace = dataclasses.replace
+    if run.engine == "native" and not run.release_engine:
+        yield "--release_rollout_memory unset (or True)", replace(run, release_engine=True)
     if not run.recompute:
         yield "--gradient_checkpointing True", replace(run, recompute=True)
     if run.engine == "vllm":

@@ -16,6 +16,12 @@ its padded length against the card's free memory:
 One way within a run: a chunk never grows back and full recompute stays, so a run does not alternate and logs each
 change in one line. ``True`` / ``False`` are trl's, as before, in one piece unless ``--pass_chunk_rows`` asks chunks.
 
+Before a pass, whatever the checkpointing, ``AutoRecompute.free_rollout_memory`` may free the native rollout engine's
+KV cache and captured decode graphs (``--release_rollout_memory``): unset, only where the smallest pass the trainer
+could run (:func:`recompute_terms`' full recompute, or one row without it) would not fit beside them. At long
+completions that cache is the largest thing on the card after the weights; the next rollout allocates it again and
+captures its graphs anew, seconds a step, which is why auto does it only where the pass would not fit otherwise.
+
 None of it changes the numbers beyond the order of sums: the recompute replays the same ops on the same inputs, so
 the loss and every gradient are bitwise the same (``tests/test_recompute.py``); chunks change only how the
 micro-batch's sums are split (``tests/test_chunked_pass.py``).
@@ -104,6 +110,19 @@ def no_recompute_bytes(
     return saved + HEAD_ACTIVATIONS * rows * tokens * h * 2 + (2 * h * i * 2 if nvfp4 else 0)
 
 
+def recompute_terms(shape: Mapping[str, int], rows: int, tokens: int, *, nvfp4: bool) -> dict[str, int]:
+    """What a training pass with full recompute adds at its peak, by term: one bf16 hidden state per layer and token
+    kept at each checkpoint (``checkpointed``), one layer's recomputed activations and, for NVFP4, two bf16 copies of
+    its largest dequantized weight (``layer_recompute``), and the LM head's and the gradients' ``HEAD_ACTIVATIONS``
+    hidden-sized tensors per token (``head_and_grads``)."""
+    h, i, rows_tokens = shape["hidden_size"], shape["intermediate_size"], rows * tokens
+    return {
+        "checkpointed": shape["num_hidden_layers"] * rows_tokens * h * 2,
+        "layer_recompute": rows_tokens * (3 * i + 4 * h) * 2 + (2 * h * i * 2 if nvfp4 else 0),
+        "head_and_grads": HEAD_ACTIVATIONS * rows_tokens * h * 2,
+    }
+
+
 def device_memory(device: torch.device) -> tuple[int, int] | None:
     """(bytes a pass can still allocate, the card's total) on a CUDA ``device``: what the driver reports free plus
     what torch's allocator holds unused; None elsewhere."""
@@ -140,6 +159,7 @@ class AutoRecompute:
     planned_recompute: str | None = None  # the mode of the passes so far: None before the first, then "none" or "full"
     planned_chunk: int | None = None  # rows per chunk of the passes so far; a later pass's chunk is at most this
     layers_fused: bool = False  # the norms and MLPs run qerl.train.fused_layers (the trainer sets it when it swaps)
+    rollout_memory_freed: int = 0  # passes before which free_rollout_memory freed the engine's memory
 
     def _choose_recompute(self, inputs: dict[str, Any], chunks: bool) -> int:
         """Rows per forward + backward of this pass (all its rows: one piece, with full recompute if it came to that);
@@ -191,18 +211,22 @@ class AutoRecompute:
         removes the mask where it can)."""
         return not (bool(inputs["prompt_mask"].all()) and bool(inputs["completion_mask"].all()))
 
+    def _model_shape(self) -> dict[str, Any]:
+        """This trainer's model dimensions (``SHAPE_KEYS`` and ``head_dim``) for the estimates."""
+        shape = {key: getattr(self.model.config, key) for key in SHAPE_KEYS}
+        shape["head_dim"] = getattr(self.model.config, "head_dim", None)
+        return shape
+
     def pass_bytes(self, rows: int, tokens: int, masked: bool) -> int:
         """What a training pass of ``rows`` x ``tokens`` keeps for its backward without recompute (``masked``: a pass
         with padding), for this trainer's model and adapter (:func:`no_recompute_bytes`)."""
         from qerl.load.loader import is_nvfp4_model
 
         model = self.model
-        shape = {key: getattr(model.config, key) for key in SHAPE_KEYS}
-        shape["head_dim"] = getattr(model.config, "head_dim", None)
         lora_r = max((getattr(c, "r", 0) for c in getattr(model, "peft_config", {}).values()), default=0)
         trained_norms = any(p.requires_grad for n, p in model.named_parameters() if "norm" in n)
         return no_recompute_bytes(
-            shape,
+            self._model_shape(),
             rows,
             tokens,
             lora_r,
@@ -211,6 +235,56 @@ class AutoRecompute:
             masked=masked,
             fused=self.layers_fused,
         )
+
+    def smallest_pass_bytes(self, inputs: dict[str, Any]) -> int:
+        """The least a pass over ``inputs`` could hold as this trainer may run it: with full recompute where the
+        checkpointing is on or auto (auto: or one row without it, where the pass may run in chunks), else without
+        recompute at ``--pass_chunk_rows`` or the whole micro-batch; and the state it is still to allocate."""
+        from qerl.load.loader import is_nvfp4_model
+
+        rows, prompt = inputs["prompt_ids"].shape
+        tokens, masked = prompt + inputs["completion_ids"].shape[1], self.pass_masked(inputs)
+        asked, checkpointing = self.args.pass_chunk_rows, self.args.gradient_checkpointing
+        full = sum(recompute_terms(self._model_shape(), rows, tokens, nvfp4=is_nvfp4_model(self.model)).values())
+        if checkpointing is None:
+            one_row = self.pass_bytes(1, tokens, masked) if asked != 0 else full
+            least = min(full, one_row)
+        else:
+            least = full if checkpointing else self.pass_bytes(min(asked or rows, rows), tokens, masked)
+        return least + self.unallocated_state_bytes()
+
+    def free_rollout_memory(self, inputs: dict[str, Any]) -> None:
+        """Free the native engine's KV cache and decode graphs before this pass (module docstring): always with
+        ``--release_rollout_memory True``, never with False; unset, where :meth:`smallest_pass_bytes` exceeds the
+        card's free memory less the headroom. The first release is logged in one line."""
+        engine = getattr(self, "_engine", None)
+        asked = self.args.release_rollout_memory
+        if asked is False or getattr(engine, "view", None) is None:  # no native engine, or none since its release
+            return
+        device = inputs["prompt_ids"].device
+        memory = device_memory(device)
+        if asked is None:
+            if memory is None:
+                return
+            need, room = self.smallest_pass_bytes(inputs), memory[0] - HEADROOM * memory[1]
+            if need <= room:
+                return
+        cuda = device.type == "cuda"
+        held = torch.cuda.memory_allocated(device) if cuda else 0
+        engine.release()
+        if cuda:
+            torch.cuda.empty_cache()  # the graphs' private pool and the cache's blocks back to every allocation
+        if not self.rollout_memory_freed:
+            why = "as asked" if asked else f"the pass needs ~{need / 1e9:.1f} GB, {room / 1e9:.1f} GB free"
+            freed = held - (torch.cuda.memory_allocated(device) if cuda else 0)
+            logger.info(
+                "rollout memory: freed the engine's KV cache and decode graphs (%.1f GB) before the training pass "
+                "from step %d (%s); each rollout allocates them again",
+                freed / 1e9,
+                self.state.global_step,
+                why,
+            )
+        self.rollout_memory_freed += 1
 
     def unallocated_state_bytes(self) -> int:
         """What the pass's backward and the step's optimizer are still to allocate: an fp32 gradient for each trainable
@@ -227,5 +301,6 @@ __all__ = [
     "device_memory",
     "enable_recompute",
     "no_recompute_bytes",
+    "recompute_terms",
     "saved_activation_bytes",
 ]

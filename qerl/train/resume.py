@@ -96,6 +96,7 @@ RESUMABLE_KEYS = frozenset(
         # memory and speed, not what is computed
         "gradient_checkpointing",
         "gradient_checkpointing_kwargs",
+        "release_rollout_memory",
         "torch_empty_cache_steps",
         "vllm_gpu_memory_utilization",
         "dataloader_num_workers",
