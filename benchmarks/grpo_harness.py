@@ -25,6 +25,7 @@ recipe default, would drop every forced-length completion and skip the work bein
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import time
 from collections.abc import Callable, Iterator
@@ -212,7 +213,7 @@ class PhaseClock:
     step without gaps, so the step's peak is the largest segment peak.
     """
 
-    def __init__(self, device: torch.device, profile: str | None = None) -> None:
+    def __init__(self, device: torch.device, profile: str | None = None, python: bool = False) -> None:
         self.cuda = device.type == "cuda"
         self.stage = "build"  # coarse label for error reports: build, warm-up, step
         self.current: str | None = None
@@ -221,6 +222,7 @@ class PhaseClock:
         self.peak_reserved = 0  # the caching allocator's peak over the span: what a card must really hold
         self._t = 0.0
         self.profile_phase = profile  # this phase of the timed step runs under torch.profiler
+        self.profile_python = python  # ... recording Python calls too (with_stack)
         self.profiled: tuple[Any, float] | None = None  # (finished profiler, its phase's seconds), once taken
         self._profiler: Any = None
 
@@ -247,7 +249,7 @@ class PhaseClock:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self._profiler = profile(activities=activities)
+            self._profiler = profile(activities=activities, with_stack=self.profile_python)
             self._profiler.__enter__()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -388,6 +390,68 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
 
 
+#: Host events that are the CUDA runtime's, not work of ours: charged nothing in the idle table.
+RUNTIME_PREFIXES = ("cuda", "cu", "Command Buffer")
+
+
+def idle_table(events: list[Any], top: int = 12, min_gap_us: float = 20.0) -> dict[str, Any]:
+    """Where the device waited on the host: the gaps of at least ``min_gap_us`` between the profiled span's kernels
+    (their union), and what the host ran meanwhile, charged to the innermost event (an op, or a Python function where
+    the profile recorded them) by its overlap with the gaps less its children's; idle time with no event open is
+    ``between_events_s`` (Python between ops). ``events`` are torch.profiler's (``prof.events()``)."""
+    from torch.autograd import DeviceType
+
+    busy = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type != DeviceType.CPU)
+    starts: list[float] = []
+    ends: list[float] = []
+    reach = busy[0][1] if busy else 0.0
+    for start, stop in busy[1:]:
+        if start - reach >= min_gap_us:
+            starts.append(reach)
+            ends.append(start)
+        reach = max(reach, stop)
+    prefix = [0.0]
+    for g0, g1 in zip(starts, ends, strict=True):
+        prefix.append(prefix[-1] + g1 - g0)
+
+    def overlap(e: Any) -> float:
+        """Microseconds of the gaps inside ``e``'s time range."""
+        a, b = e.time_range.start, e.time_range.end
+        i, j = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)
+        if i >= j:
+            return 0.0
+        return (
+            prefix[j]
+            - prefix[i]
+            - max(0.0, min(a, ends[i]) - starts[i])
+            - max(0.0, ends[j - 1] - max(b, starts[j - 1]))
+        )
+
+    host = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU and not e.is_async and not e.name.startswith(RUNTIME_PREFIXES)
+    ]
+    ours = {id(e) for e in host}
+    charged: dict[str, float] = {}
+    covered = 0.0
+    for e in host:
+        whole = overlap(e)
+        own = whole - sum(overlap(c) for c in e.cpu_children if id(c) in ours)
+        if own > 0:
+            charged[e.name] = charged.get(e.name, 0.0) + own
+        if e.cpu_parent is None or id(e.cpu_parent) not in ours:
+            covered += whole
+    idle = prefix[-1]
+    ranked = sorted(charged.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "gaps": len(starts),
+        "idle_s": sig(idle / 1e6),
+        "between_events_s": sig(max(idle - covered, 0.0) / 1e6),
+        "host_during_idle": [{"name": name[:90], "ms": round(us / 1e3, 2)} for name, us in ranked],
+    }
+
+
 def profile_table(prof: Any, wall_s: float, top: int = 40) -> dict[str, Any]:
     """The profiled phase in a few lines: device-busy time against its wall time (a busy share far
     below 1 means the GPU waited on the host), device time by kernel kind (``kernel_kind``), the top
@@ -432,9 +496,14 @@ def profile_table(prof: Any, wall_s: float, top: int = 40) -> dict[str, Any]:
             for e in host[:top]
         ],
         "qerl_ops": qerl_ops,
+        "idle": idle_table(list(prof.events())),
     }
     print(f"profile: wall {table['wall_s']} s, device busy {table['device_busy_s']} s ({table['device_busy_share']})")
     print("  by kind (s): " + ", ".join(f"{k} {v}" for k, v in table["by_kind_s"].items()))
+    idle = table["idle"]
+    print(f"  device idle {idle['idle_s']} s in {idle['gaps']} gaps; between host events {idle['between_events_s']} s")
+    for op in idle["host_during_idle"]:
+        print(f"    {op['ms']:10.2f} ms idle under  {op['name']}")
     for k in table["kernels"]:
         print(f"  {k['ms']:10.2f} ms {k['share']:6.3f} {k['calls']:7d}x  {k['name']}")
     for name, v in qerl_ops.items():

@@ -58,7 +58,8 @@ optimizer = 40 B per fp32 trainable parameter / 4.24 TB/s. docs/performance.md h
     python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 [--no-fused-layers] --out $OUT/fused.json
         # the fused RMSNorm and SwiGLU kernels in the training pass, or transformers' modules
     python -m benchmarks.grpo_step --shapes 7b --profile --out $OUT/grpo_step_profile.json
-        # the timed fwd_bwd under torch.profiler: device-busy share, top kernels, host cost of the qerl ops
+        # the timed fwd_bwd under torch.profiler: device-busy share, top kernels, host cost of the qerl ops, and
+        # what the host ran while the device idled (--profile-python: down to the Python functions)
     python -m benchmarks.grpo_step --shapes 72b --bases nvfp4 --steps 1 --out $OUT/grpo_step_72b.json
         # Qwen2.5-72B shape, NVFP4 only (the estimate, --floors: ~65 GB peak; target <= 80 GB)
     python -m benchmarks.grpo_step --shapes qwen3-32b --bases nvfp4 --steps 1 --out $OUT/grpo_step_qwen3_32b.json
@@ -251,7 +252,7 @@ def run_config(
         },
         "full_logits_fp32_gb": gb(args.local_n * args.tokens * vocab * 4),
     }
-    clock = PhaseClock(device, "fwd_bwd" if args.profile else None)
+    clock = PhaseClock(device, "fwd_bwd" if args.profile else None, python=args.profile_python)
     gen = torch.Generator().manual_seed(0)
     trainer = None
     t0 = time.perf_counter()
@@ -455,6 +456,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "('profile') and its phase time includes the profiler's overhead",
     )
     parser.add_argument(
+        "--profile-python",
+        action="store_true",
+        help="with --profile, record Python calls too (with_stack), so the device's idle time is charged to the "
+        "Python functions the host ran; slows the host, so the idle share it shows is an upper bound",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         default=None,
@@ -473,6 +480,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.n % (args.micro_batch * args.processes):
         share = f"--n {args.n}" + (f" / {args.processes} processes" if args.processes > 1 else "")
         parser.error(f"--micro-batch: expected a divisor of {share}, got {args.micro_batch}")
+    if args.profile_python and not args.profile:
+        parser.error("--profile-python: goes with --profile (it records Python calls in that profile)")
     args.local_n = args.n // args.processes
     args.baseline_rows = None if args.baseline is None else baseline_rows(args.baseline, args, parser)
     return args

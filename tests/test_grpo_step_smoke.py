@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -178,6 +178,10 @@ def test_profile_table_summarizes_a_profiled_span(grpo_step: ModuleType) -> None
     assert mm["calls"] == 3 and mm["self_cpu_ms"] >= 0
     json.dumps(table)  # goes into the row as it is
     assert grpo_step.parse(["--tiny", "--profile"]).profile and not grpo_step.parse(["--tiny"]).profile
+    assert table["idle"] == {"gaps": 0, "idle_s": 0.0, "between_events_s": 0.0, "host_during_idle": []}
+    assert grpo_step.parse(["--tiny", "--profile", "--profile-python"]).profile_python
+    with pytest.raises(SystemExit):
+        grpo_step.parse(["--tiny", "--profile-python"])
 
 
 def test_memory_estimate_reproduces_the_measured_peaks_and_fits_72b_in_80gb(grpo_step: ModuleType) -> None:
@@ -300,3 +304,37 @@ def test_no_fused_layers_is_recorded(grpo_step: ModuleType, tmp_path: Path) -> N
         grpo_step.main(["--tiny", "--bases", "nvfp4", "--steps", "1", *flags, "--out", str(out)])
         (row,) = json.loads(out.read_text())["results"]
         assert row["status"] == "ok" and row["fused_layers"] == {"asked": asked, "swapped": False}
+
+
+def test_idle_table_charges_the_device_gaps_to_what_the_host_ran() -> None:
+    """Kernels at 0-100, 130-200 (a 30 us gap), 190-300 (overlapping: no gap) and 400-500 (a 100 us gap); the host
+    ran ``outer`` 90-450 with ``inner`` 100-140 inside it and ``cudaLaunchKernel`` (the runtime's, so its time is
+    its parent's) 330-360. The first gap is ``inner``'s, the second ``outer``'s own; a gap shorter than the threshold
+    (500-505) is not one; idle time under no host event is Python between ops."""
+    from torch.autograd import DeviceType
+
+    from benchmarks.grpo_harness import idle_table
+
+    def event(name: str, start: float, end: float, device: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(
+            name=name,
+            time_range=SimpleNamespace(start=start, end=end),
+            device_type=DeviceType.CUDA if device else DeviceType.CPU,
+            is_async=False,
+            cpu_children=[],
+            cpu_parent=None,
+        )
+
+    kernels = [event("k", a, b, device=True) for a, b in ((0, 100), (130, 200), (190, 300), (400, 500), (505, 600))]
+    outer, inner, launch = event("outer", 90, 450), event("inner", 100, 140), event("cudaLaunchKernel", 330, 360)
+    outer.cpu_children, inner.cpu_parent, launch.cpu_parent = [inner, launch], outer, outer
+    table = idle_table([*kernels, outer, inner, launch], min_gap_us=20)
+    # gaps: 100-130 (30 us) and 300-400 (100 us); 500-505 is under the threshold
+    assert table["gaps"] == 2 and table["idle_s"] == pytest.approx(130e-6)
+    # inner: 100-130 (30 us); outer: 300-400 (100 us, the runtime call's 30 us included); nothing between events
+    assert table["host_during_idle"] == [{"name": "outer", "ms": 0.1}, {"name": "inner", "ms": 0.03}]
+    assert table["between_events_s"] == 0.0
+    alone = idle_table([*kernels, inner], min_gap_us=20)  # without outer: 100 us of the idle had no event open
+    assert alone["between_events_s"] == pytest.approx(100e-6) and alone["host_during_idle"] == [
+        {"name": "inner", "ms": 0.03}
+    ]
