@@ -154,6 +154,7 @@ def make_trainer(
         is_ratio_from_loss_pass=not getattr(args, "trl_logprob_pass", False),
         pass_chunk_rows=getattr(args, "pass_chunk_rows", None),
         fused_layers=not getattr(args, "no_fused_layers", False),
+        fold_lora_expand=getattr(args, "fold_lora_expand", False),
     )
     peft = lora_config(r=args.lora_r, train_norms=True)
     trainer = QeRLTrainer(

@@ -57,6 +57,8 @@ optimizer = 40 B per fp32 trainable parameter / 4.24 TB/s. docs/performance.md h
         # completions of unequal lengths, as in a real run: the aligned training pass, or trl's masked one
     python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 [--no-fused-layers] --out $OUT/fused.json
         # the fused RMSNorm and SwiGLU kernels in the training pass, or transformers' modules
+    python -m benchmarks.grpo_step --shapes 7b --bases nvfp4 [--fold-lora-expand] --out $OUT/fold.json
+        # the LoRA expand added into the base output in one GEMM, against two GEMMs and an add
     python -m benchmarks.grpo_step --shapes 7b --profile --out $OUT/grpo_step_profile.json
         # the timed fwd_bwd under torch.profiler: device-busy share, top kernels, host cost of the qerl ops, and
         # what the host ran while the device idled (--profile-python: down to the Python functions)
@@ -204,6 +206,7 @@ def measure(
         "asked": trainer.args.fused_layers,
         "swapped": trainer.layers_fused,
     }
+    row["fold_lora_expand"] = trainer.args.fold_lora_expand
     row["decode_steps"] = probe.decode_steps
     row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)
     row["recompute"] = recompute_ran(trainer)
@@ -446,6 +449,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="transformers' RMSNorm and MLP in the training passes instead of qerl's fused kernels "
         "(QeRLConfig.fused_layers; qerl.train.fused_layers): the A/B of that change",
+    )
+    parser.add_argument(
+        "--fold-lora-expand",
+        action="store_true",
+        help="add each LoRA expand into its base output in one GEMM (QeRLConfig.fold_lora_expand): the A/B of it",
     )
     parser.add_argument("--tiny", action="store_true", help="2-layer tiny Llama, 16 new tokens, prompt 32 (CPU or GPU)")
     parser.add_argument("--floors", action="store_true", help="print the analytic floors and exit (no device)")

@@ -296,14 +296,20 @@ def test_ragged_rows_take_the_aligned_pass_and_give_the_masked_loss(grpo_step: M
         assert rows["aligned"][key] == pytest.approx(rows["masked"][key], rel=1e-3), key
 
 
-def test_no_fused_layers_is_recorded(grpo_step: ModuleType, tmp_path: Path) -> None:
+def test_no_fused_layers_and_the_folded_expand_are_recorded(grpo_step: ModuleType, tmp_path: Path) -> None:
     """``--no-fused-layers`` reaches QeRLConfig.fused_layers, and the row says what was asked and what ran (on a CPU
-    nothing is swapped: the kernels serve CUDA)."""
-    for flags, asked in (([], True), (["--no-fused-layers"], False)):
-        out = tmp_path / f"{asked}.json"
+    nothing is swapped: the kernels serve CUDA); ``--fold-lora-expand`` reaches QeRLConfig.fold_lora_expand and its
+    step runs."""
+    for flags, asked, fold in (
+        ([], True, False),
+        (["--no-fused-layers"], False, False),
+        (["--fold-lora-expand"], True, True),
+    ):
+        out = tmp_path / f"{asked}-{fold}.json"
         grpo_step.main(["--tiny", "--bases", "nvfp4", "--steps", "1", *flags, "--out", str(out)])
         (row,) = json.loads(out.read_text())["results"]
         assert row["status"] == "ok" and row["fused_layers"] == {"asked": asked, "swapped": False}
+        assert row["fold_lora_expand"] is fold and row["lora_updated"]
 
 
 def test_idle_table_charges_the_device_gaps_to_what_the_host_ran() -> None:

@@ -116,6 +116,13 @@ class QeRLConfig(GRPOConfig):
             "less for the backward (qerl.train.fused_layers); False: transformers' modules."
         },
     )
+    fold_lora_expand: bool = field(
+        default=False,
+        metadata={
+            "help": "Add each LoRA expand into its base projection's output in one GEMM (addmm): the delta is never "
+            "written and read back, and the sum is rounded once instead of twice (qerl.load.lora.DirectLoraForward)."
+        },
+    )
     vllm_importance_sampling_mode: str = field(
         default="token_truncate", metadata={"help": "Rollout IS correction mode (see qerl.train.trainer docstring)."}
     )

@@ -64,6 +64,7 @@ from qerl import arch
 from qerl.fsutil import atomic_write_text, umask_modes
 from qerl.kernels import backend
 from qerl.load.integrity import check_tensor
+from qerl.load.lora import fold_lora_expand
 from qerl.train.aligned_rows import AlignedRows
 from qerl.train.aqn import NormNoise
 from qerl.train.chunked_pass import ChunkedPass
@@ -195,6 +196,8 @@ class QeRLTrainer(RolloutHooks, LossPassRatio, AlignedRows, ChunkedPass, GRPOTra
         upcast = keep_trainable_fp32(self.model)  # before the optimizer, the engine and AQN see them
         if upcast:
             logger.info("%d trainable bf16/fp16 parameters (e.g. %s) are kept in fp32", len(upcast), upcast[0])
+        if args.fold_lora_expand:
+            logger.info("LoRA expands folded into their base outputs: %d layers", fold_lora_expand(self.model))
         if args.fused_layers and backend.serves(self.accelerator.device):
             fused = fuse_layers(self.model)
             self.layers_fused = any(fused.values())
