@@ -59,14 +59,33 @@ SHAPES = {
         num_key_value_heads=8,
         head_dim=128,
     ),
+    # Llama-3.1-8B (its config.json): heads of 128, untied LM head; its RoPE is FAMILY_CONFIGS'.
+    "llama3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
+    ),
 }
 #: Qwen2.5's vocabulary (7B and up; untied LM head).
 VOCAB = 152064
 #: The shapes that are not Qwen2.5's: their model_type and vocabulary (Qwen3: 151936, untied from 8B up).
-MODEL_TYPES = {"qwen3-8b": "qwen3", "qwen3-32b": "qwen3"}
-VOCABS = {"qwen3-8b": 151936, "qwen3-32b": 151936}
+MODEL_TYPES = {"qwen3-8b": "qwen3", "qwen3-32b": "qwen3", "llama3.1-8b": "llama"}
+VOCABS = {"qwen3-8b": 151936, "qwen3-32b": 151936, "llama3.1-8b": 128256}
 #: Positions the real Qwen2.5-7B/32B configs declare; the random models and vLLM's config-only dirs declare the same.
 MAX_POSITIONS = 32768
+#: Config a shape's family sets beyond the dimensions, where it is not Qwen2.5's (``MAX_POSITIONS``, rope theta 1e6):
+#: Llama 3.1's 128k context and its ``llama3`` frequency scaling past 8,192 positions (its config.json's values).
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama3.1-8b": dict(
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+}
 #: Prompt tokens of every rollout benchmark row (benchmarks/rollout.py, rollout_vllm.py).
 PROMPT = 256
 #: Bytes of weight copies a timing rotates over: > 4x the H200's 60 MB L2, so every call reads HBM.
@@ -251,6 +270,11 @@ def model_type(shape: str) -> str:
     return MODEL_TYPES.get(shape, "qwen2")
 
 
+def family_config(shape: str) -> dict[str, Any]:
+    """The config of a ``SHAPES`` entry beyond its dimensions: context length and RoPE (``FAMILY_CONFIGS``)."""
+    return {"max_position_embeddings": MAX_POSITIONS, "rope_theta": 1e6, **FAMILY_CONFIGS.get(shape, {})}
+
+
 def vocab_size(shape: str) -> int:
     """The vocabulary of a ``SHAPES`` entry."""
     return VOCABS.get(shape, VOCAB)
@@ -273,7 +297,7 @@ def random_model(
 ) -> nn.Module:
     """A random causal LM of ``arch`` (``qwen2``, ``qwen3`` or ``llama``) and ``shape``, built by ``random_causal_lm``:
     32768 positions (as the real Qwen2.5 configs declare: vLLM refuses prompt + tokens beyond it), rope theta 1e6,
-    untied LM head, ``config`` on top (e.g. token ids)."""
+    untied LM head, ``config`` on top (e.g. token ids, or a shape's ``family_config``)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -291,11 +315,8 @@ def random_model(
     config_cls, model_cls = classes[arch]
     cfg = config_cls(
         vocab_size=vocab,
-        max_position_embeddings=MAX_POSITIONS,
-        rope_theta=1e6,
         tie_word_embeddings=False,
-        **shape,
-        **config,
+        **{"max_position_embeddings": MAX_POSITIONS, "rope_theta": 1e6, **shape, **config},
     )
     return random_causal_lm(model_cls, cfg, nvfp4, device, dtype, seed)
 

@@ -34,6 +34,7 @@ def random_lm(shape: str, nvfp4: bool, seed: int = 0) -> nn.Module:
         torch.bfloat16,
         arch=common.model_type(shape),
         seed=seed,
+        **common.family_config(shape),
     ).eval()
 
 

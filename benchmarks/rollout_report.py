@@ -103,6 +103,7 @@ def build_result(rows: list[dict], bw: float, args: argparse.Namespace, env: dic
         "over_vllm_nvfp4_lora_b128": over_vllm("7b", 128),
         "over_vllm_nvfp4_lora_32b_b8": over_vllm("32b", 8),
         **{f"over_vllm_nvfp4_lora_qwen3_8b_b{b}": over_vllm("qwen3-8b", b) for b in (1, 8, 64)},
+        **{f"over_vllm_nvfp4_lora_llama3_8b_b{b}": over_vllm("llama3.1-8b", b) for b in (1, 8, 64)},
         f"over_vllm_nvfp4_lora_b64_t{LONG_TOKENS}": over_vllm("7b", 64, LONG_TOKENS),
         f"over_vllm_nvfp4_lora_b128_t{LONG_TOKENS}": over_vllm("7b", 128, LONG_TOKENS),
         "nvfp4_over_bf16_b8": ratio(ms("7b", "native", "bf16", True, 8), ms("7b", "native", "nvfp4", True, 8)),

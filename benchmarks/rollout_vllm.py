@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 
 from benchmarks.common import (
-    MAX_POSITIONS,
     PROMPT,
     SHAPES,
     command,
     device_name,
+    family_config,
     head_dim,
     model_type,
     run_stoppable,
@@ -53,9 +53,9 @@ from qerl.load.lora import DEFAULT_TARGETS
 
 #: The repository root: the children run ``python -m benchmarks.rollout_vllm`` from there.
 REPO = Path(__file__).resolve().parents[1]
-BATCHES = {"7b": (1, 8, 64, 128), "32b": (1, 8), "qwen3-8b": (1, 8, 64), "qwen3-32b": (1, 8)}
+BATCHES = {"7b": (1, 8, 64, 128), "32b": (1, 8), "qwen3-8b": (1, 8, 64), "qwen3-32b": (1, 8), "llama3.1-8b": (1, 8, 64)}
 #: The architecture vLLM loads for each model_type of ``common.MODEL_TYPES``.
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 WEIGHTS = ("nvfp4", "bf16")
 LORA_R = 16
 
@@ -69,8 +69,7 @@ def write_model_dir(root: Path, shape: str, weights: str) -> Path:
         "architectures": [ARCHITECTURES[kind]],
         "model_type": kind,
         "vocab_size": vocab_size(shape),
-        "max_position_embeddings": MAX_POSITIONS,
-        "rope_theta": 1e6,
+        **family_config(shape),
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
         "tie_word_embeddings": False,

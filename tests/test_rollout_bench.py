@@ -308,3 +308,34 @@ def test_qwen3_shapes_reach_vllm_configs_adapters_and_floors(tmp_path: Path, mon
         m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in name
     )
     assert shape_counts(common.SHAPES["qwen3-32b"], 151936, 16)["linear_params"] == linears
+
+
+def test_the_llama3_shape_reaches_vllm_configs_the_random_model_and_floors(tmp_path: Path) -> None:
+    """The Llama-3.1-8B rows' plumbing (issue 73): vLLM's config-only dir is a Llama config transformers reads with
+    the shape's vocabulary, 128k context and ``llama3`` RoPE scaling; the benchmark's random model gets the same RoPE
+    (checked on a 2-layer model of that family config: its inverse frequencies are llama3's, not plain theta's); the
+    floors count the Linear parameters of a real Llama-3.1-8B module tree (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks import common, rollout_vllm
+    from benchmarks.grpo_floors import shape_counts
+
+    config = AutoConfig.from_pretrained(rollout_vllm.write_model_dir(tmp_path, "llama3.1-8b", "nvfp4"))
+    assert (config.model_type, config.architectures, config.vocab_size) == ("llama", ["LlamaForCausalLM"], 128256)
+    assert config.max_position_embeddings == 131072 and config.rope_parameters["rope_type"] == "llama3"
+    assert config.rope_parameters["rope_theta"] == 500000.0 and config.quantization_config is not None
+
+    tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    family = common.family_config("llama3.1-8b")
+    scaled = common.random_model(tiny, 100, False, torch.device("cpu"), torch.float32, "llama", **family)
+    plain = common.random_model(tiny, 100, False, torch.device("cpu"), torch.float32, "llama", rope_theta=500000.0)
+    low = scaled.model.rotary_emb.inv_freq[-1] / plain.model.rotary_emb.inv_freq[-1]
+    assert scaled.config.rope_parameters["factor"] == 8.0 and low == pytest.approx(1 / 8)  # the lowest frequencies / 8
+
+    real = AutoConfig.for_model("llama", vocab_size=128256, tie_word_embeddings=False, **common.SHAPES["llama3.1-8b"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(real)
+    linears = sum(
+        m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in name
+    )
+    assert shape_counts(common.SHAPES["llama3.1-8b"], 128256, 16)["linear_params"] == linears == 6_979_321_856
