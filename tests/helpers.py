@@ -194,18 +194,24 @@ def qerl_trainer(
     )
 
 
-def vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The NVFP4A16 checkpoint the vLLM tests serve: ``QERL_VLLM_TEST_CKPT``, else a tiny Llama quantized here."""
+def vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory, family: str = "llama") -> Path:
+    """The NVFP4A16 checkpoint the vLLM tests serve: ``QERL_VLLM_TEST_CKPT``, else a tiny Llama quantized here; for
+    another ``family`` (``tiny_models.FAMILY_CONFIGS``: llama3, qwen3, mistral) a tiny model of it, always."""
     env = os.environ.get("QERL_VLLM_TEST_CKPT")
-    if env:
+    if env and family == "llama":
         path = Path(env)
         if not (path / "config.json").exists():
             pytest.fail(f"QERL_VLLM_TEST_CKPT={env}: no config.json there; expected an NVFP4A16 checkpoint dir")
         return path
-    from tiny_models import make_tiny_llama
+    from tiny_models import make_tiny_family, make_tiny_llama
 
     from qerl.quantize.pipeline import quantize_checkpoint
 
-    # head_dim 64 (hidden 256 / 4 heads): a FlashAttention size; Marlin pads the small GEMMs.
-    src = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "bf16", hidden=256, intermediate=512, vocab=1024)
-    return quantize_checkpoint(src, tmp_path_factory.mktemp("tiny") / "nvfp4", backend="qerl")
+    # head_dim 64 (hidden 256 / 4 heads; Qwen3's set to it): a FlashAttention size; Marlin pads the small GEMMs.
+    sizes = dict(hidden_size=256, intermediate_size=512, vocab_size=1024)
+    out = tmp_path_factory.mktemp(f"tiny-{family}") / "bf16"
+    if family == "llama":
+        src = make_tiny_llama(out, hidden=256, intermediate=512, vocab=1024)
+    else:
+        src = make_tiny_family(out, family, **sizes, **({"head_dim": 64} if family == "qwen3" else {}))
+    return quantize_checkpoint(src, tmp_path_factory.mktemp(f"tiny-{family}") / "nvfp4", backend="qerl")

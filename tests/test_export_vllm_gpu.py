@@ -1,7 +1,8 @@
 """vLLM serves ``qerl.export``'s output and reproduces the trained policy (GPU + vLLM only).
 
 The checkpoint is ``$QERL_VLLM_TEST_CKPT`` (an NVFP4A16 checkpoint, e.g. SmolLM2-135M) or a tiny random
-Llama quantized here, as in tests/test_vllm_gpu.py. A "trained" adapter is made on it: LoRA r16 with
+Llama quantized here, as in tests/test_vllm_gpu.py, and a tiny random model of each other family quantized here
+(Llama 3, Qwen3, Mistral: ``helpers.vllm_checkpoint``). A "trained" adapter is made on it: LoRA r16 with
 random B scaled until it moves our next-token log-probs by >= 0.5 nat (the tiny random Llama saturates
 below 1 nat: 0.87 on the H200), norms perturbed by 10%. It is
 exported both ways (``--format bf16`` and ``--format nvfp4``), each export is loaded by a fresh vLLM
@@ -57,7 +58,10 @@ def served(model_dir: Path, seq: list[int], tmp_path: Path) -> torch.Tensor:
     return torch.tensor(json.loads(result.read_text()))
 
 
-def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen3", "mistral"])
+def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory, family: str) -> None:
+    """Per family (issue 73): Llama (the checkpoint above), Llama 3's llama3 RoPE and tied head, Qwen3's q/k norms,
+    Mistral's sliding window (400 positions, beyond this test's 64)."""
     pytest.importorskip("vllm")
     from helpers import vllm_checkpoint
     from peft import get_peft_model
@@ -67,7 +71,7 @@ def test_vllm_serves_both_exports(tmp_path_factory: pytest.TempPathFactory) -> N
     from qerl.export import export
     from qerl.load.lora import lora_config
 
-    ckpt = vllm_checkpoint(tmp_path_factory)
+    ckpt = vllm_checkpoint(tmp_path_factory, family)
     tmp = tmp_path_factory.mktemp("export")
     model = get_peft_model(
         qerl.load_model(ckpt, load="nvfp4", device="cuda", dtype=torch.bfloat16),

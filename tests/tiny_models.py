@@ -163,6 +163,13 @@ def make_tiny_llama(
     return _save_bf16(model, out_dir)
 
 
+def make_tiny_family(out_dir: Path, family: str, *, seed: int = 0, **config: Any) -> Path:
+    """A random tiny model of a ``FAMILY_CONFIGS`` family (``TINY`` sizes, ``config`` on top) saved as a bf16
+    safetensors directory, as :func:`make_tiny_llama` saves a Llama."""
+    model_type, family_config = FAMILY_CONFIGS[family]
+    return _save_bf16(tiny_model(model_type, seed, **{**family_config, **config}), out_dir)
+
+
 def _save_bf16(model: PreTrainedModel, out_dir: Path) -> Path:
     """``model`` with its matrices redrawn N(0, 0.05), saved as a bf16 safetensors directory."""
     model = model.to(torch.bfloat16)
