@@ -155,6 +155,8 @@ def make_trainer(
         pass_chunk_rows=getattr(args, "pass_chunk_rows", None),
         fused_layers=not getattr(args, "no_fused_layers", False),
         fold_lora_expand=getattr(args, "fold_lora_expand", False),
+        rollout_engine=getattr(args, "rollout_engine", "native"),
+        rollout_engine_kwargs=getattr(args, "rollout_engine_kwargs", None),
     )
     peft = lora_config(r=args.lora_r, train_norms=True)
     trainer = QeRLTrainer(
