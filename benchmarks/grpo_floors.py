@@ -105,6 +105,31 @@ def floors(
     }
 
 
+def estimate_of_what_ran(
+    shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, tokens: int, lora_r: int, ran: dict
+) -> float:
+    """GB: ``qerl.train.memory.estimate``'s peak for the plan a benchmarked step ran, as ``ran`` (a grpo_step row)
+    records it: its micro-batch, or the largest row chunk where every pass ran in chunks; full recompute or none; the
+    padding mask where trl's masked forward ran on unequal lengths; the fused layers where they were swapped; the
+    engine's cache freed where it was. Beside the measured peak, this is the estimate's check on every row."""
+    chunks, recompute = ran["chunking"], ran["recompute"]
+    passes = sum((recompute.get("passes") or {}).values())
+    sizes = [int(k) for k in chunks["rows_per_chunk"]]
+    rows = max(sizes) if sizes and chunks["chunked_passes"] == passes else ran["micro_batch"]
+    run = RunShape(
+        n,
+        rows,
+        prompt_tokens=prompt,
+        completion_tokens=tokens,
+        lora_r=lora_r,
+        recompute=recompute["mode"] != "none",
+        masked=ran["ragged"] and not ran["aligned_rows"],
+        fused=ran["fused_layers"]["swapped"],
+        release_engine=chunks.get("rollout_memory_freed", 0) > 0,
+    )
+    return estimate(ModelShape.from_config({**shape, "vocab_size": vocab}, nvfp4=nvfp4), run).peak / 1e9
+
+
 def memory_estimate(
     shape: dict[str, int], vocab: int, nvfp4: bool, n: int, prompt: int, tokens: int, lora_r: int, micro: int
 ) -> dict[str, float]:

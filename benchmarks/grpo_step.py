@@ -76,7 +76,9 @@ optimizer = 40 B per fp32 trainable parameter / 4.24 TB/s. docs/performance.md h
 Peak memory is ``torch.cuda.max_memory_allocated`` per phase (``peak_gb``) and the allocator's reserved peak
 over the step (``peak_reserved_gb_step``, what a card must hold); ``memory_estimate_gb`` is the analytic
 estimate of benchmarks/grpo_floors.py beside it (its ``peak`` with full recompute, ``peak_no_recompute`` without
-any). Under data parallelism the row is rank 0's.
+any), and ``estimate_of_what_ran_gb`` / ``estimate_over_measured`` the estimate of the plan the step ran (recompute,
+row chunks, fused layers, the engine's cache freed) against the measured peak. Under data parallelism the row is rank
+0's.
 """
 
 from __future__ import annotations
@@ -96,7 +98,15 @@ import torch
 
 from benchmarks.common import SHAPES as QWEN2_5_SHAPES
 from benchmarks.common import command, device_name, model_type, utc_now, versions, vocab_size, write_json
-from benchmarks.grpo_floors import COPY_BW, MATMUL_FLOPS, QWEN2_5_72B, floors, memory_estimate, shape_counts
+from benchmarks.grpo_floors import (
+    COPY_BW,
+    MATMUL_FLOPS,
+    QWEN2_5_72B,
+    estimate_of_what_ran,
+    floors,
+    memory_estimate,
+    shape_counts,
+)
 from benchmarks.grpo_harness import (
     PASS_CHUNK_HELP,
     RECOMPUTE_FLAGS,
@@ -211,6 +221,12 @@ def measure(
     row["rollout_ms_per_token"] = round(row["phases_s"]["rollout"] / max(1, args.tokens - 1) * 1e3, 3)
     row["recompute"] = recompute_ran(trainer)
     row["chunking"] = chunking_ran(trainer)
+    shape, vocab_n, _ = resolve_shape(row["shape"])
+    sizes = (row["n_per_process"], args.prompt, args.tokens, args.lora_r)
+    row["estimate_of_what_ran_gb"] = sig(estimate_of_what_ran(shape, vocab_n, row["base"] == "nvfp4", *sizes, row))
+    if cuda:  # the estimate's check: the peak above what the process held before it built the model
+        held = row["peak_gb_step"] - row["allocated_before_build_gb"]
+        row["estimate_over_measured"] = sig(row["estimate_of_what_ran_gb"] / held) if held > 0 else None
 
 
 def of_floor(row: dict) -> dict[str, float]:
