@@ -93,10 +93,16 @@ def test_unsupported_model_types_are_one_line_errors(model_type: str) -> None:
         NativeEngine(model, 0).generate([[1]], SamplingParams(max_new_tokens=2))
 
 
-def bf16_errors(family: str, device: str) -> tuple[float, float]:
+def bf16_errors(
+    family: str,
+    device: str,
+    lengths: tuple[tuple[int, int], ...] = ((17, 100), (250, 40), (64, 129)),
+    **config: object,
+) -> tuple[float, float]:
     """(engine, transformers) relative errors of bf16 NVFP4 + LoRA teacher-forced logits, head_dim 128 as the real
     models, each ``||logits - exact|| / ||exact||`` over every completion position; ``exact`` is the same model
-    (the same bf16-rounded weights, NVFP4 codes and rope tables) run by transformers in fp32 on the CPU.
+    (the same bf16-rounded weights, NVFP4 codes and rope tables) run by transformers in fp32 on the CPU. ``lengths``:
+    (prompt, completion) tokens per row; ``config`` on top of the family's.
 
     Why this bound and not a share of max |logit| against transformers' bf16 logits: with random weights, Llama 3
     and Mistral are ill-conditioned in bf16. Transformers' own bf16 forward is ~8% off the fp32 forward of the same
@@ -111,7 +117,7 @@ def bf16_errors(family: str, device: str) -> tuple[float, float]:
         head_dim=128,
         max_position_embeddings=2048,
     )
-    model = tiny_family(family, 12, **sizes).to(torch.bfloat16)
+    model = tiny_family(family, 12, **{**sizes, **config}).to(torch.bfloat16)
     model = nvfp4_lora(model, group_scales=True)
     with torch.no_grad():  # trained-LoRA magnitudes, not the stress-test 0.3
         for name, p in model.named_parameters():
@@ -120,8 +126,8 @@ def bf16_errors(family: str, device: str) -> tuple[float, float]:
     exact = copy.deepcopy(model).float()  # NVFP4Linear keeps its packed codes and scales as they are
     model = model.to(device)
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (17, 250, 64)]
-    completions = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (100, 40, 129)]
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n, _ in lengths]
+    completions = [torch.randint(0, 4096, (n,), generator=gen).tolist() for _, n in lengths]
     engine = NativeEngine(model, 0)
     got = torch.cat(engine.teacher_forced_logits(prompts, completions)).cpu()
     if device == "cuda":
@@ -138,11 +144,13 @@ def bf16_errors(family: str, device: str) -> tuple[float, float]:
     return (got - ref_all).norm().item() / norm, (hf_all - ref_all).norm().item() / norm
 
 
-def check_bf16_as_exact_as_transformers(family: str, device: str) -> None:
-    ours, theirs = bf16_errors(family, device)
+def check_bf16_as_exact_as_transformers(
+    family: str, device: str, cap: float = 0.15, **lengths_and_config: object
+) -> None:
+    ours, theirs = bf16_errors(family, device, **lengths_and_config)
     print(f"{family} bf16 nvfp4+LoRA on {device}: engine {ours:.4f}, transformers {theirs:.4f} (relative to fp32)")
     assert ours <= 1.3 * theirs + 1e-3
-    assert ours < 0.15  # an engine bug (a wrong rope, a dropped norm) is O(1)
+    assert ours < cap  # an engine bug (a wrong rope, a dropped norm) is O(1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -157,3 +165,41 @@ def test_teacher_forced_logits_bf16_cpu(family: str) -> None:
 def test_gpu_teacher_forced_logits_bf16(family: str) -> None:
     """bf16 NVFP4 + LoRA through the fused kernels and CUDA graphs."""
     check_bf16_as_exact_as_transformers(family, "cuda")
+
+
+#: Real context lengths (issue 73): Llama 3.1's llama3 scaling from its real 8,192 original positions, crossed by the
+#: completion (8,100 + 200); Mistral 7B v0.1's 4,096-position sliding window filled to the last position (3,900 + 196).
+#: bf16 over such lengths drifts further from fp32 for transformers too (on CPU: 0.113 llama3, 0.112 mistral; the
+#: engine 0.132, 0.126), so the absolute cap is 0.3, still far below an engine bug's O(1) (the llama3 model's fp32
+#: logits with plain RoPE in place of its scaling differ from its own by 1.35 relative).
+LONG = {
+    "llama3": dict(
+        cap=0.3,
+        lengths=((8100, 200),),
+        max_position_embeddings=16384,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "mistral": dict(cap=0.3, lengths=((3900, 196),), sliding_window=4096, max_position_embeddings=8192),
+}
+
+
+@pytest.mark.parametrize("family", list(LONG))
+def test_teacher_forced_logits_bf16_at_real_lengths_cpu(family: str) -> None:
+    """The real-length check through the engine's torch path in bf16 (seconds on CPU)."""
+    check_bf16_as_exact_as_transformers(family, "cpu", **LONG[family])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", list(LONG))
+def test_gpu_teacher_forced_logits_bf16_at_real_lengths(family: str) -> None:
+    """The bf16 check at the real models' context lengths: past Llama 3.1's 8,192 original positions, and Mistral's
+    sliding window filled, head_dim 128, through the fused kernels and CUDA graphs."""
+    check_bf16_as_exact_as_transformers(family, "cuda", **LONG[family])
