@@ -264,9 +264,12 @@ class HeldEngine:
         self.view, self.releases = None, self.releases + 1
 
 
-def test_the_smallest_pass_by_checkpointing(auto_trainer: tuple[Any, Any], batch: dict[str, Any]) -> None:
-    """Auto: full recompute or one row without it, whichever is less (full where chunks are off); on: full
-    recompute; off: the whole micro-batch, or ``--pass_chunk_rows`` rows, without recompute."""
+def test_the_smallest_pass_by_checkpointing(
+    auto_trainer: tuple[Any, Any], batch: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Auto: full recompute or one row without it, whichever is less (full where chunks are off or the pass cannot
+    be chunked); on: full recompute; off: the whole micro-batch without recompute; ``--pass_chunk_rows N``: pieces of
+    N rows, without recompute unless the checkpointing is on."""
     trainer, _ = auto_trainer
     tokens, state, masked = PROMPT + COMPLETION, trainer.unallocated_state_bytes(), trainer.pass_masked(batch)
     full = sum(recompute.recompute_terms(SHAPE, ROWS, tokens, nvfp4=True).values()) + state
@@ -275,11 +278,19 @@ def test_the_smallest_pass_by_checkpointing(auto_trainer: tuple[Any, Any], batch
         return trainer.pass_bytes(rows, tokens, masked) + state
 
     assert trainer.smallest_pass_bytes(batch) == min(full, need(1))
+    with monkeypatch.context() as patched:
+        patched.setattr(trainer, "loss_type", "sapo")  # a loss qerl cannot chunk
+        assert trainer.smallest_pass_bytes(batch) == full
+    trainer.args.pass_chunk_rows = 3
+    assert trainer.smallest_pass_bytes(batch) == need(3)
     trainer.args.pass_chunk_rows = 0
     assert trainer.smallest_pass_bytes(batch) == full
     trainer.args.gradient_checkpointing = True
     assert trainer.smallest_pass_bytes(batch) == full
-    trainer.args.gradient_checkpointing, trainer.args.pass_chunk_rows = False, 3
+    trainer.args.pass_chunk_rows = 3
+    three = sum(recompute.recompute_terms(SHAPE, 3, tokens, nvfp4=True).values()) + state
+    assert trainer.smallest_pass_bytes(batch) == three
+    trainer.args.gradient_checkpointing = False
     assert trainer.smallest_pass_bytes(batch) == need(3)
     trainer.args.pass_chunk_rows = None
     assert trainer.smallest_pass_bytes(batch) == need(ROWS)

@@ -163,8 +163,12 @@ class ChunkedPass(AutoRecompute):
                 raise ValueError(f"--pass_chunk_rows {asked}: cannot chunk the training pass: {reason}")
             return min(asked, rows)
         if self.args.gradient_checkpointing is None and self.planned_recompute != "full":
-            return self._choose_recompute(inputs, chunks=asked is None and refusal(self, inputs) is None)
+            return self._choose_recompute(inputs, chunks=self.auto_may_chunk(inputs))
         return rows
+
+    def auto_may_chunk(self, inputs: dict[str, Any]) -> bool:
+        """Chunks unless ``--pass_chunk_rows 0`` or the pass cannot be chunked (:func:`refusal`)."""
+        return self.args.pass_chunk_rows is None and refusal(self, inputs) is None
 
     def _chunked_loss(self, model: nn.Module, inputs: dict[str, Any], chunk: int) -> torch.Tensor:
         """The micro-batch's loss, forward + backward in chunks of ``chunk`` rows; all but the last chunk's backward

@@ -236,21 +236,29 @@ class AutoRecompute:
             fused=self.layers_fused,
         )
 
+    def auto_may_chunk(self, inputs: dict[str, Any]) -> bool:
+        """Whether the automatic plan may run this pass in row chunks (``qerl.train.chunked_pass`` says; alone, this
+        mixin never chunks)."""
+        return False
+
     def smallest_pass_bytes(self, inputs: dict[str, Any]) -> int:
-        """The least a pass over ``inputs`` could hold as this trainer may run it: with full recompute where the
-        checkpointing is on or auto (auto: or one row without it, where the pass may run in chunks), else without
-        recompute at ``--pass_chunk_rows`` or the whole micro-batch; and the state it is still to allocate."""
+        """The least a pass over ``inputs`` could hold as this trainer plans it, and the state it is still to
+        allocate: ``--pass_chunk_rows N`` runs pieces of N rows; the checkpointing on recomputes each piece in full,
+        off recomputes nothing, and unset (auto) recomputes in full unless one row without recompute is smaller and
+        the pass may run in chunks."""
         from qerl.load.loader import is_nvfp4_model
 
         rows, prompt = inputs["prompt_ids"].shape
         tokens, masked = prompt + inputs["completion_ids"].shape[1], self.pass_masked(inputs)
         asked, checkpointing = self.args.pass_chunk_rows, self.args.gradient_checkpointing
+        rows = min(asked, rows) if asked else rows
         full = sum(recompute_terms(self._model_shape(), rows, tokens, nvfp4=is_nvfp4_model(self.model)).values())
-        if checkpointing is None:
-            one_row = self.pass_bytes(1, tokens, masked) if asked != 0 else full
-            least = min(full, one_row)
+        if checkpointing:
+            least = full
+        elif checkpointing is False or asked:
+            least = self.pass_bytes(rows, tokens, masked)
         else:
-            least = full if checkpointing else self.pass_bytes(min(asked or rows, rows), tokens, masked)
+            least = min(full, self.pass_bytes(1, tokens, masked)) if self.auto_may_chunk(inputs) else full
         return least + self.unallocated_state_bytes()
 
     def free_rollout_memory(self, inputs: dict[str, Any]) -> None:
