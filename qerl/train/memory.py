@@ -206,9 +206,8 @@ class MemoryEstimate:
     layer_recompute: int
     head_and_grads: int
     no_recompute_pass: int
-    released: int = (
-        0  # what the native engine frees before the pass where the run lets it (``--release_rollout_memory``)
-    )
+    #: What the native engine frees before the pass where the run lets it (``--release_rollout_memory``).
+    released: int = 0
 
     @property
     def resident(self) -> int:
@@ -348,9 +347,10 @@ def _candidates(
     model: ModelShape, run: RunShape, config: Any, total: int, prompt_defaulted: bool
 ) -> Iterator[tuple[str, RunShape]]:
     """Settings that lower the peak, in the order a refusal tries them, each from its largest value down: those that
-    keep the experiment first (the native engine's memory freed for the pass; recompute; vLLM's share, down to what its weights and cache need; ``--max_prompt_length``
-    where it was left at its default bound, which most data sets' prompts are far below; the micro-batch, with the
-    accumulation that keeps the step's batch), then ``--max_completion_length``."""
+    keep the experiment first (the native engine's memory freed for the pass; recompute; vLLM's share, down to what
+    its weights and cache need; ``--max_prompt_length`` where it was left at its default bound, which most data
+    sets' prompts are far below; the micro-batch, with the accumulation that keeps the step's batch), then
+    ``--max_completion_length``."""
     replace = dataclasses.replace
     if run.engine == "native" and not run.release_engine:
         yield "--release_rollout_memory unset (or True)", replace(run, release_engine=True)
