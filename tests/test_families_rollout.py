@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import FAMILY_CONFIGS, nvfp4_lora, tiny_family
 
+from benchmarks import common
 from qerl import arch
 from qerl.rollout import SamplingParams, get_engine
 from qerl.rollout.native import NativeEngine
@@ -172,19 +173,13 @@ def test_gpu_teacher_forced_logits_bf16(family: str) -> None:
 #: bf16 over such lengths drifts further from fp32 for transformers too (on CPU: 0.113 llama3, 0.112 mistral; the
 #: engine 0.132, 0.126), so the absolute cap is 0.3, still far below an engine bug's O(1) (the llama3 model's fp32
 #: logits with plain RoPE in place of its scaling differ from its own by 1.35 relative).
+LLAMA31 = common.FAMILY_CONFIGS["llama3.1-8b"]  # the benchmarks' Llama-3.1-8B: its config.json's RoPE
 LONG = {
     "llama3": dict(
         cap=0.3,
         lengths=((8100, 200),),
         max_position_embeddings=16384,
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=500000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
+        rope_parameters={**LLAMA31["rope_scaling"], "rope_theta": LLAMA31["rope_theta"]},
     ),
     "mistral": dict(cap=0.3, lengths=((3900, 196),), sliding_window=4096, max_position_embeddings=8192),
 }

@@ -28,6 +28,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from benchmarks import common
 from qerl import arch, nvfp4
 from qerl.load.linear import NVFP4Linear, replace_linears
 from qerl.load.loader import load_model
@@ -53,23 +54,21 @@ _ARCHS = {
 }
 
 #: Each family's distinguishing config on top of ``TINY``, as its real checkpoints have it.
-#: llama3: Llama-3.2's rope_type llama3 scaling (its original context cut to 64 positions so that the
-#: tests' sequences reach the scaled low frequencies) and tied embeddings. qwen3: head_dim 32, so
+#: llama3: Llama-3.1's rope_type llama3 scaling (benchmarks.common's, its original context cut to 64 positions so
+#: that the tests' sequences reach the scaled low frequencies) and Llama-3.2's tied embeddings. qwen3: head_dim 32, so
 #: heads x head_dim (128) differs from hidden (64) as in Qwen3, tied embeddings. mistral: a sliding
 #: window (longer than the tests' sequences).
+_LLAMA31 = common.FAMILY_CONFIGS["llama3.1-8b"]
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": (
         "llama",
         dict(
             tie_word_embeddings=True,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=500000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-            ),
+            rope_parameters={
+                **_LLAMA31["rope_scaling"],
+                "rope_theta": _LLAMA31["rope_theta"],
+                "original_max_position_embeddings": 64,
+            },
         ),
     ),
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
